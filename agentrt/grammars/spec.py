@@ -1,0 +1,84 @@
+"""Constraint specifications: what a request asks its output to satisfy. No backend imports."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """any_whitespace: let JSON grammars accept whitespace between tokens; when False the output is
+    compact with fixed separators (`{"a": 1, "b": [2, 3]}`), so whitespace is bounded by design.
+    max_whitespace_cnt: with any_whitespace, the most whitespace characters in one gap.
+    compile_threads: worker threads that compile grammars off the engine loop.
+    cache_size: compiled grammars kept (LRU)."""
+
+    any_whitespace: bool = False
+    max_whitespace_cnt: int = 2
+    compile_threads: int = 2
+    cache_size: int = 512
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A constraint as the user gave it. `value` is a canonical string: JSON text of the schema
+    (key order kept: property order decides output order) or of the choice list; the regex; the
+    EBNF text (GBNF-style, root rule `root`). Build with the classmethods, which raise ValueError
+    naming the problem when the input is not a valid constraint."""
+
+    kind: ConstraintKind
+    value: str
+
+    @property
+    def key(self) -> str:
+        """Cache key: a hash of kind and value."""
+        return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> ConstraintSpec:
+        """Checks `schema` against its draft's meta-schema (default draft 2020-12), including the
+        `regex` format of `pattern`. Raises ValueError("... is not a valid JSON Schema: ...")."""
+        import jsonschema
+        from jsonschema.validators import validator_for
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"schema must be a JSON object, got {type(schema).__name__}")
+        validator = validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            validator.check_schema(schema)
+        except jsonschema.SchemaError as e:
+            where = "/" + "/".join(str(p) for p in e.absolute_path)
+            raise ValueError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("regex must be a non-empty string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> ConstraintSpec:
+        if not isinstance(ebnf, str) or not ebnf.strip():
+            raise ValueError("grammar must be a non-empty EBNF string with a `root` rule")
+        return cls("grammar", ebnf)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> ConstraintSpec:
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(choices, ensure_ascii=False))

@@ -1,0 +1,105 @@
+"""The one adapter to xgrammar: compile specs (cached, off the engine loop), make matchers, fill
+and apply token bitmasks.
+
+Bitmasks are int32 tensors [batch, ceil(vocab_size / 32)]; bit j of a row allows token j.
+Stop ids are set per matcher (`override_stop_tokens`), so no stop/EOS id is allowed before the
+grammar can terminate (xgrammar only admits stop tokens in an accepting state).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def _clean_error(e: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(e)).strip()
+
+
+class GrammarBackend:
+    """Engine-level grammar compiler and bitmask helpers.
+
+    tokenizer: a Hugging Face tokenizer; vocab_size: logits width (model embedding rows), may exceed
+    the tokenizer's size; stop_ids: the model's end-of-generation ids.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...], config: GrammarConfig):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.stop_ids = tuple(stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=config.compile_threads, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(config.compile_threads, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def submit(self, spec: ConstraintSpec) -> Future:
+        """Future of the compiled grammar (shared by equal specs; LRU-cached). The future's
+        exception is a ValueError naming the problem when the spec cannot be compiled."""
+        with self._lock:
+            fut = self._cache.get(spec.key)
+            if fut is not None:
+                self._cache.move_to_end(spec.key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[spec.key] = fut
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+            return fut
+
+    def compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+        """Compile (or fetch from cache), blocking. Raises ValueError on an invalid spec."""
+        return self.submit(spec).result()
+
+    def _compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+        c, cfg = self._compiler, self.config
+        ws = {"any_whitespace": cfg.any_whitespace}
+        if cfg.any_whitespace:
+            ws["max_whitespace_cnt"] = cfg.max_whitespace_cnt
+        try:
+            if spec.kind == "json_schema":
+                return c.compile_json_schema(spec.value, strict_mode=True, **ws)
+            if spec.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.value)
+            if spec.kind == "grammar":
+                return c.compile_grammar(spec.value, root_rule_name="root")
+            if spec.kind == "choice":
+                alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
+                return c.compile_grammar(f"root ::= {alts}")
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}") from None
+        raise ValueError(f"unknown constraint kind '{spec.kind}'")
+
+    def new_matcher(self, compiled: xgr.CompiledGrammar, extra_stop_ids: list[int] = ()) -> xgr.GrammarMatcher:
+        """A fresh per-request matcher; every model stop id and `extra_stop_ids` is allowed only
+        where the grammar may end."""
+        stops = sorted(set(self.stop_ids) | set(extra_stop_ids))
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+
+    def allocate_bitmask(self, batch: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(batch, self.vocab_size)
+
+    @staticmethod
+    def fill_bitmask(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    @staticmethod
+    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set disallowed logits to -inf in place. logits [B, V] fp32 on any device; bitmask on CPU
+        [B, ceil(V/32)] int32; only `rows` are masked."""
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,74 @@
+"""Attention over the token-slot KV pool (torch reference path: gather + SDPA).
+
+One forward carries a flat batch of T new tokens from several sequences. Decoding sequences
+(one new token each) are attended together, padded to the longest context; prefill chunks are
+attended one sequence at a time with a causal mask offset by the tokens already cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """New tokens [start, end) of one sequence in the flat batch.
+
+    context_len: tokens of this sequence already in the KV pool before this chunk.
+    kv_slots: [context_len + end - start] int64 slots of the whole context, or None when
+        context_len == 0 (attention then reads the chunk's own K/V, no gather).
+    """
+
+    start: int
+    end: int
+    context_len: int
+    kv_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """slot_mapping: [T] int64 pool slot each new token's K/V is written to.
+    decode_idx: [B] int64 positions in the flat batch of the decode tokens (or None).
+    decode_slots: [B, L] int64 context slots per decode sequence, padded (padding masked).
+    decode_mask: [B, 1, 1, L] bool, True where a key is attended.
+    prefills: spans of sequences with more than one new token (or a first token)."""
+
+    slot_mapping: torch.Tensor
+    decode_idx: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSpan]
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D]."""
+        gqa = q.shape[1] != k.shape[1]
+        if self.decode_idx is not None and not self.prefills:
+            return self._decode(q, k_cache, v_cache, gqa)
+        out = torch.empty_like(q)
+        if self.decode_idx is not None:
+            out[self.decode_idx] = self._decode(q[self.decode_idx], k_cache, v_cache, gqa)
+        for span in self.prefills:
+            qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            if span.kv_slots is None:
+                ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            else:
+                ks = k_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
+                vs = v_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
+                n, total = span.end - span.start, span.kv_slots.shape[0]
+                q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
+                mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
+        qd = q.unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[self.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[self.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
+        return o.squeeze(2)

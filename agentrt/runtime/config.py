@@ -1,0 +1,59 @@
+"""Frozen configuration dataclasses, one per subsystem, composed into `EngineConfig`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentrt.grammars.spec import GrammarConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def default_cache_dir() -> Path:
+    """Cache root for converted weights: `$AGENTRT_CACHE`, else `~/.cache/agentrt`."""
+    return Path(os.environ.get("AGENTRT_CACHE") or Path.home() / ".cache" / "agentrt")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and where to run it.
+
+    model: a registered name (`smollm2-135m-instruct`), a local Hugging Face directory, a `.gguf`
+        file, or a hub id already present in the local Hugging Face cache (never downloaded).
+    device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
+    dtype: `auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`.
+    max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache sizing. `kv_cache_bytes` is the byte budget of the KV pool (K and V, all layers)."""
+
+    kv_cache_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: sequences decoded together in one step.
+    max_num_batched_tokens: prompt tokens prefilled in one step (a longer single prompt still runs
+    alone in its step)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)

@@ -1,0 +1,42 @@
+"""KV pool: preallocated K and V tensors per layer, addressed by token slot (page size 1)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """One K and one V tensor per layer, each [num_slots, num_kv_heads, head_dim].
+
+    Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes.
+    `allocate` pops slots from a free list (no partial allocation: it returns None when fewer than
+    asked are free); `free` returns them. Slots are token-granular, so no memory is lost to
+    partially filled pages.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, budget_bytes: int):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * itemsize
+        self.num_slots = int(budget_bytes // self.bytes_per_token)
+        if self.num_slots < 1:
+            raise ValueError(f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)")
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take n free slots, or return None (and take nothing) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)

@@ -1,0 +1,120 @@
+"""Model runner: loads weights and the KV pool, turns a scheduled batch into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentrt.runtime.attention import AttentionMetadata, PrefillSpan
+from agentrt.runtime.config import CacheConfig, ModelConfig
+from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
+from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a forward: `token_ids` new tokens at positions
+    [context_len, context_len + len(token_ids)); `slots` are the KV slots of the whole context
+    including the new tokens (len == context_len + len(token_ids))."""
+
+    token_ids: list[int]
+    context_len: int
+    slots: list[int]
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir} has no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+class ModelRunner:
+    """Holds the model, tokenizer and KV pool on one device.
+
+    execute(chunks) runs one forward over all chunks and returns logits [len(chunks), vocab] fp32
+    for the last new token of each chunk.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
+        from transformers import AutoConfig
+
+        self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
+        hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.device, self.dtype = resolve_device_dtype(model_config.device, model_config.dtype)
+        limit = self.arch.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # full attention is exact only inside the window
+        self.max_model_len = model_config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens")
+        loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
+        self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch, self.max_model_len)
+        model = model.to_empty(device=self.device)
+        model.load_hf_state_dict(load_weights(self.model_dir))
+        for p in model.parameters():
+            p.data = p.data.to(self.dtype)
+        model.init_rope()
+        self.model = model.eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        a = self.arch
+        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device,
+                         cache_config.kv_cache_bytes)
+        logger.info(
+            "model %s on %s/%s: weights %.1f MB, KV %d bytes/token, %d KV tokens, context %d",
+            self.model_dir, self.device, self.dtype, self.weights_bytes / 1e6,
+            self.kv.bytes_per_token, self.kv.num_slots, self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        dev = self.device
+        ids, positions, new_slots, last_idx = [], [], [], []
+        decode_rows, prefills = [], []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            start = len(ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.context_len, chunk.context_len + n))
+            new_slots.extend(chunk.slots[chunk.context_len :])
+            last_idx.append(start + n - 1)
+            if n == 1 and chunk.context_len > 0:
+                decode_rows.append((start, chunk.slots))
+            else:
+                kv_slots = None
+                if chunk.context_len > 0:
+                    kv_slots = torch.tensor(chunk.slots, dtype=torch.int64, device=dev)
+                prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots))
+        decode_idx = decode_slots = decode_mask = None
+        if decode_rows:
+            max_len = max(len(s) for _, s in decode_rows)
+            padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
+            decode_idx = torch.tensor([i for i, _ in decode_rows], dtype=torch.int64, device=dev)
+            decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
+            lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
+            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
+            decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv.k, self.kv.v, meta,
+        )
+        return self.model.compute_logits(hidden[torch.tensor(last_idx, device=dev)])

@@ -1,0 +1,247 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2) written in torch.
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, "RoFormer") with
+linear and Llama 3 frequency scaling (Meta's Llama 3.1 reference), grouped-query attention
+(Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020). The forward works on a flat batch of tokens
+from many sequences; K/V are written to and read from a token-slot KV pool (see `kv_cache.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt.runtime.attention import AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """Shape hyper-parameters read from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, object], ...]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> LlamaArch:
+        """Raises ValueError naming the architecture (or RoPE type) when it is not supported."""
+        archs = list(getattr(cfg, "architectures", None) or [])
+        model_type = getattr(cfg, "model_type", "")
+        known = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        arch = archs[0] if archs else known.get(model_type, model_type or "unknown")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture '{arch}': agentrt runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        legacy = getattr(cfg, "rope_scaling", None)
+        if legacy and not rope.get("rope_type"):
+            rope.update(legacy)
+        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported RoPE scaling '{rope_type}' in {arch}")
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(rope.items())),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] fp32, with linear or Llama 3 scaling applied."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(arch.rope_scaling)
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim // 2] -> rotated x (half-split layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        out = meta.attend(q, k, v, k_cache, v_cache)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.inter = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T] int64, positions [T] int64, kv caches, metadata) -> hidden [T, hidden];
+    compute_logits(hidden [N, hidden]) -> [N, vocab] fp32."""
+
+    def __init__(self, arch: LlamaArch, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the fp32 cos/sin tables [max_positions, head_dim // 2] on the model's device
+        (call after `to_empty` when the model was built on the meta device)."""
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            self.register_buffer("rope_cos", None, persistent=False)
+            self.register_buffer("rope_sin", None, persistent=False)
+            return
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, rope_inv_freq(self.arch).to(device))
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    def forward(self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights (separate q/k/v and gate/up projections) into the fused
+        layout. Raises ValueError on missing or unexpected weights or shape mismatches."""
+        own = dict(self.named_parameters())
+        filled: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if name not in own:
+                raise ValueError(f"unexpected weight '{name}'")
+            if own[name].shape != value.shape:
+                raise ValueError(f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+            own[name].copy_(value)
+            filled.add(name)
+
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, value in tensors.items():
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+                if f".{part}." in name:
+                    fused = "qkv_proj" if part[0] in "qkv" else "gate_up_proj"
+                    key = name.replace(part, fused)
+                    groups.setdefault(key, {})[part] = value
+                    break
+            else:
+                put(name, value)
+        for key, parts in groups.items():
+            order = ("q_proj", "k_proj", "v_proj") if "qkv_proj" in key else ("gate_proj", "up_proj")
+            missing = [p for p in order if p not in parts]
+            if missing:
+                raise ValueError(f"weights for '{key}' lack {missing}")
+            put(key, torch.cat([parts[p] for p in order], dim=0))
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            filled.add("lm_head.weight")
+        missing = set(own) - filled
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

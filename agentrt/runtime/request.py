@@ -1,0 +1,123 @@
+"""Request state and sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from agentrt.grammars.spec import ConstraintSpec
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI semantics where OpenAI defines one).
+
+    max_tokens: completion tokens at most; None = up to the context limit.
+    temperature: 0 = greedy. top_k: <= 0 disables. top_p in (0, 1]. min_p in [0, 1].
+    presence_penalty / frequency_penalty in [-2, 2] on generated tokens (OpenAI);
+    repetition_penalty > 0 on prompt and generated tokens (CTRL, Keskar et al. 2019).
+    logit_bias: token id -> bias in [-100, 100] added to the logit.
+    stop: strings that end the output (not included in it); stop_token_ids: extra stop ids.
+    Raises ValueError naming the field on an invalid value (see `validate`).
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}")
+
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= -1 (-1 or 0 disable it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be at most 16 non-empty strings")
+        for tid, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= int(tid) < vocab_size:
+                raise bad("logit_bias", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tid}")
+        for tid in self.stop_token_ids:
+            if vocab_size is not None and not 0 <= tid < vocab_size:
+                raise bad("stop_token_ids", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
+
+
+class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step.
+
+    text: the whole completion so far (stop strings cut off); delta_text: the part new since the
+    last report. finish_reason: None while running, else "stop" | "length" | "abort" | "error".
+    error: the message when finish_reason == "error" (e.g. a grammar that failed to compile)."""
+
+    request_id: str
+    text: str
+    delta_text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """A generation request and its mutable per-request state (owned by the engine thread)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    constraint: ConstraintSpec | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # state
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    max_tokens: int = 0  # resolved budget, set by the engine
+    matcher: object | None = None
+    compile_future: object | None = None
+    generator: object | None = None
+    text: str = ""
+    sent_len: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

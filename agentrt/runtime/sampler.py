@@ -1,0 +1,73 @@
+"""Logit processing and sampling for a batch of requests with per-request parameters.
+
+Order: logit_bias -> repetition penalty (CTRL, arXiv 1909.05858: divide positive logits, multiply
+negative ones, over prompt and output tokens) -> presence/frequency penalties (OpenAI API, over
+output tokens) -> grammar bitmask (by the caller) -> temperature -> top-k -> top-p (nucleus,
+Holtzman et al. 2019, arXiv 1904.09751) -> min-p (arXiv 2407.01082) -> sample with the request's
+own torch.Generator (seeded per request, so a seed reproduces regardless of batch company).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrt.runtime.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place on logits [B, V] fp32, row i for requests[i]."""
+    device = logits.device
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.logit_bias:
+            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64, device=device)
+            vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[i].index_add_(0, ids, vals)
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=device)
+            seen = logits[i, ids]
+            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.int64, device=device)
+            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """row [V] logits already divided by temperature -> row with filtered entries at -inf."""
+    if 0 < top_k < row.shape[0]:
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (always keeps the first)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        row = row.clone()
+        row[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return row
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [B, V] fp32 (penalties and masks applied) -> one token id per row.
+
+    temperature 0 = greedy argmax. Raises nothing; a row with every token masked returns -1
+    (the caller finishes that request with an error)."""
+    tokens: list[int] = []
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    for i, r in enumerate(requests):
+        row = logits[i]
+        if torch.isneginf(row).all():
+            tokens.append(-1)
+            continue
+        p = r.params
+        if p.temperature == 0.0:
+            tokens.append(greedy_ids[i])
+            continue
+        row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(row, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
+    return tokens
