@@ -102,6 +102,17 @@ class Engine:
                     return self._finish(r, "abort")
         return None
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
+        outputs = []
+        for queue in (self.grammar_wait, self.waiting, self.running):
+            for r in list(queue):
+                if queue is not self.running:
+                    queue.remove(r)
+                r.error = message
+                outputs.append(self._finish(r, "error"))
+        return outputs
+
     def has_work(self) -> bool:
         return bool(self.grammar_wait or self.waiting or self.running)
 

@@ -1,0 +1,147 @@
+"""OpenAI-compatible request models (pydantic) and their translation to engine inputs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.request import SamplingParams
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI error fields."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type_, code
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
+    repetition_penalty, regex, grammar, choice, ignore_eos, stop_token_ids)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise APIError("n must be 1: agentrt returns one choice per request", param="n")
+        if self.logprobs:
+            raise APIError("logprobs are not supported yet", param="logprobs")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
+        )
+
+    def constraint(self, response_format: ResponseFormat | None = None) -> ConstraintSpec | None:
+        """The request's one constraint, or None. Raises APIError (400) naming the field when the
+        constraint is invalid or several are given."""
+        given = []
+        if response_format is not None and response_format.type != "text":
+            given.append("response_format")
+        given += [name for name in ("regex", "grammar", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise APIError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        field = given[0]
+        try:
+            if field == "response_format":
+                if response_format.type == "json_object":
+                    return ConstraintSpec.json_object()
+                if response_format.json_schema is None:
+                    raise APIError("response_format.json_schema is required for type json_schema",
+                                   param="response_format.json_schema")
+                return ConstraintSpec.json_schema(response_format.json_schema.schema_)
+            if field == "regex":
+                return ConstraintSpec.regex(self.regex)
+            if field == "grammar":
+                return ConstraintSpec.grammar(self.grammar)
+            return ConstraintSpec.choice(self.choice)
+        except ValueError as e:
+            param = "response_format.json_schema.schema" if field == "response_format" else field
+            raise APIError(f"{param}: {e}", param=param) from None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16
+    echo: bool = False
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,190 @@
+"""FastAPI app: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, /health."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from agentrt.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, _CommonRequest
+from agentrt.runtime.async_engine import AsyncEngine
+from agentrt.runtime.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
+                    "stop_token_ids", "prompt")
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _value_error(e: ValueError, default_param: str) -> APIError:
+    """Engine ValueErrors start with the offending field's name."""
+    first = str(e).split(" ", 1)[0]
+    return APIError(str(e), param=first if first in _SAMPLING_FIELDS else default_param)
+
+
+def create_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+    """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`."""
+    app = FastAPI(title="agentrt", version="0.1.0")
+    tokenizer = engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            message = f"request body is not valid JSON: {err.get('msg')}"
+        else:
+            message = f"{param or 'body'}: {err.get('msg')}"
+        return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error", None, None),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": served_model_name, "object": "model", "created": 0, "owned_by": "agentrt",
+             "max_model_len": max_model_len}]}
+
+    def check_model(req: _CommonRequest) -> None:
+        if req.model != served_model_name:
+            raise APIError(f"model '{req.model}' does not exist; this server serves '{served_model_name}'",
+                           status=404, param="model", code="model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req)
+        if req.tools and req.tool_choice != "none":
+            raise APIError("tools are not supported by this server yet; send tool_choice 'none' or no tools",
+                           param="tools")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+            raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await _run(req, raw, prompt_ids, max_tokens, req.response_format, "messages", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError("prompt: give one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            if not prompt_ids:
+                raise APIError("prompt is empty", param="prompt")
+        else:
+            prompt_ids = list(prompt)
+        return await _run(req, raw, prompt_ids, req.max_tokens, req.response_format, "prompt", chat=False)
+
+    async def _run(req, raw, prompt_ids, max_tokens, response_format, prompt_param, chat: bool):
+        params = req.sampling_params(max_tokens)
+        constraint = req.constraint(response_format)
+        stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id)
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            raise _value_error(e, prompt_param) from None
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(gen, first, stream_id, created, chat, include_usage, len(prompt_ids)),
+                media_type="text/event-stream",
+            )
+        last = first
+        async for out in gen:
+            last = out
+        if last.finish_reason == "error":
+            raise APIError(last.error or "generation failed", status=500, type_="server_error")
+        usage = _usage(last)
+        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": last.text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = last.text
+            obj = "text_completion"
+        return {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+                "choices": [choice], "usage": usage}
+
+    async def _sse(gen: AsyncIterator[RequestOutput], first: RequestOutput, stream_id: str, created: int,
+                   chat: bool, include_usage: bool, num_prompt: int):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {"content": delta_text}
+                if finish is not None and not delta_text:
+                    delta = {}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+                    "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        last = first
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            out = first
+            while True:
+                last = out
+                if out.finish_reason == "error":
+                    err = error_body(out.error or "generation failed", "server_error", None, None)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                if out.delta_text:
+                    yield chunk(out.delta_text, None)
+                if out.finished:
+                    yield chunk(None, out.finish_reason)
+                    break
+                out = await gen.__anext__()
+            if include_usage:
+                body = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+                        "choices": [], "usage": _usage(last)}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+
+    return app
+
+
+def _usage(out: RequestOutput) -> dict:
+    n = len(out.token_ids)
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
+            "total_tokens": out.num_prompt_tokens + n}

@@ -1,0 +1,88 @@
+"""The `agentrt` command: `agentrt serve [MODEL] --host --port ...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from agentrt.grammars.spec import GrammarConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--kv-cache-bytes", type=int, default=CacheConfig.kv_cache_bytes, help="KV pool size in bytes")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="sequences decoded together in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="prompt tokens prefilled in one step")
+    p.add_argument("--any-whitespace", action="store_true",
+                   help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
+    p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace),
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agentrt.api.server import create_app
+    from agentrt.runtime.async_engine import AsyncEngine
+
+    try:
+        engine = AsyncEngine(engine_config(args))
+    except ValueError as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return 2
+    runner = engine.engine.runner
+    print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}): "
+          f"weights {runner.weights_bytes / 1e6:.0f} MB, KV {runner.kv.bytes_per_token} bytes/token, "
+          f"{runner.kv.num_slots} KV tokens, context {runner.max_model_len} tokens", flush=True)
+    app = create_app(engine, args.model)
+    url = f"http://{args.host}:{args.port}"
+
+    @app.on_event("startup")
+    async def _ready() -> None:
+        print(f"agentrt: serving {args.model} at {url}/v1\n"
+              f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"Name a city in France.\"}}], \"response_format\": {{\"type\": \"json_schema\", "
+              f"\"json_schema\": {{\"name\": \"city\", \"schema\": {{\"type\": \"object\", \"properties\": "
+              f"{{\"city\": {{\"type\": \"string\"}}}}, \"required\": [\"city\"]}}}}}}}}'", flush=True)
+
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrt", description="Serving runtime for agents and structured output")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
