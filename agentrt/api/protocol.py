@@ -102,8 +102,8 @@ class _CommonRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
         )
 
-    def constraint(self, response_format: ResponseFormat | None = None) -> ConstraintSpec | None:
-        """The request's one constraint, or None. Raises APIError (400) naming the field when the
+    def constraint(self, response_format: ResponseFormat | None = None) -> tuple[ConstraintSpec | None, str]:
+        """The request's one constraint (or None) and the request field it came from. Raises APIError (400) naming the field when the
         constraint is invalid or several are given."""
         given = []
         if response_format is not None and response_format.type != "text":
@@ -112,23 +112,24 @@ class _CommonRequest(BaseModel):
         if len(given) > 1:
             raise APIError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
         if not given:
-            return None
+            return None, ""
         field = given[0]
+        param = field
         try:
             if field == "response_format":
                 if response_format.type == "json_object":
-                    return ConstraintSpec.json_object()
+                    return ConstraintSpec.json_object(), field
                 if response_format.json_schema is None:
                     raise APIError("response_format.json_schema is required for type json_schema",
                                    param="response_format.json_schema")
-                return ConstraintSpec.json_schema(response_format.json_schema.schema_)
+                param = "response_format.json_schema.schema"
+                return ConstraintSpec.json_schema(response_format.json_schema.schema_), param
             if field == "regex":
-                return ConstraintSpec.regex(self.regex)
+                return ConstraintSpec.regex(self.regex), field
             if field == "grammar":
-                return ConstraintSpec.grammar(self.grammar)
-            return ConstraintSpec.choice(self.choice)
+                return ConstraintSpec.grammar(self.grammar), field
+            return ConstraintSpec.choice(self.choice), field
         except ValueError as e:
-            param = "response_format.json_schema.schema" if field == "response_format" else field
             raise APIError(f"{param}: {e}", param=param) from None
 
 

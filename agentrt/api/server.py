@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
-                    "stop_token_ids", "prompt")
+                    "stop_token_ids")
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
@@ -49,7 +49,8 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         if err.get("type") == "json_invalid":
-            message = f"request body is not valid JSON: {err.get('msg')}"
+            param = None
+            message = f"request body is not valid JSON: {err.get('ctx', {}).get('error') or err.get('msg')}"
         else:
             message = f"{param or 'body'}: {err.get('msg')}"
         return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
@@ -108,7 +109,12 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     async def _run(req, raw, prompt_ids, max_tokens, response_format, prompt_param, chat: bool):
         params = req.sampling_params(max_tokens)
-        constraint = req.constraint(response_format)
+        constraint, constraint_param = req.constraint(response_format)
+        if constraint is not None:
+            try:
+                await engine.compile(constraint)
+            except ValueError as e:
+                raise APIError(f"{constraint_param}: {e}", param=constraint_param) from None
         stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id)
         try:

