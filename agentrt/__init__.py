@@ -3,7 +3,7 @@
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "ConstraintSpec"]
+__all__ = ["LLM", "ConstraintSpec", "SamplingParams"]
 
 
 def __getattr__(name: str):

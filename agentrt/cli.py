@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.grammars.spec import GrammarConfig
+from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -50,18 +51,19 @@ def serve(args: argparse.Namespace) -> int:
     print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}): "
           f"weights {runner.weights_bytes / 1e6:.0f} MB, KV {runner.kv.bytes_per_token} bytes/token, "
           f"{runner.kv.num_slots} KV tokens, context {runner.max_model_len} tokens", flush=True)
-    app = create_app(engine, args.model)
     url = f"http://{args.host}:{args.port}"
 
-    @app.on_event("startup")
-    async def _ready() -> None:
-        print(f"agentrt: serving {args.model} at {url}/v1\n"
-              f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-              f"'{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"Name a city in France.\"}}], \"response_format\": {{\"type\": \"json_schema\", "
-              f"\"json_schema\": {{\"name\": \"city\", \"schema\": {{\"type\": \"object\", \"properties\": "
-              f"{{\"city\": {{\"type\": \"string\"}}}}, \"required\": [\"city\"]}}}}}}}}'", flush=True)
+    example = json.dumps({
+        "model": args.model, "messages": [{"role": "user", "content": "Name a city in France."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    })
 
+    def ready() -> None:
+        print(f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
+              f"-H 'Content-Type: application/json' -d '{example}'", flush=True)
+
+    app = create_app(engine, args.model, on_ready=ready)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,9 +34,18 @@ def _value_error(e: ValueError, default_param: str) -> APIError:
     return APIError(str(e), param=first if first in _SAMPLING_FIELDS else default_param)
 
 
-def create_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
-    """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`."""
-    app = FastAPI(title="agentrt", version="0.1.0")
+def create_app(engine: AsyncEngine, served_model_name: str,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
+    `on_ready` runs once the app has started."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app = FastAPI(title="agentrt", version="0.1.0", lifespan=lifespan)
     tokenizer = engine.tokenizer
     max_model_len = engine.engine.max_model_len
 

@@ -1,0 +1,96 @@
+"""A real `agentrt serve` subprocess driven by the official `openai` client on the extraction workload."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from agentrt.extraction import extraction_messages
+from tests.conftest import shared_path
+
+MODEL = "smollm2-135m-instruct"
+NUM_DOCS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", MODEL, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"agentrt serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("agentrt serve did not become healthy in 180 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_extraction_schemas_with_openai_client(server):
+    from openai import OpenAI
+
+    docs = [json.loads(line) for line in shared_path("extraction", "docs.jsonl").read_text().splitlines()]
+    schemas = {p.stem: json.loads(p.read_text()) for p in shared_path("extraction", "schemas").glob("*.json")}
+    # the first NUM_DOCS documents cover every schema
+    docs = docs[:NUM_DOCS]
+    assert {d["schema_name"] for d in docs} == set(schemas)
+    client = OpenAI(base_url=f"{server}/v1", api_key="none")
+    checker = jsonschema.FormatChecker()
+
+    def run(doc, stream: bool) -> tuple[str, str]:
+        schema = schemas[doc["schema_name"]]
+        kwargs = {"model": MODEL, "messages": extraction_messages(doc["text"], schema), "temperature": 0,
+                  "max_tokens": 300, "response_format": {"type": "json_schema", "json_schema": {
+                      "name": doc["schema_name"], "schema": schema, "strict": True}}}
+        if not stream:
+            resp = client.chat.completions.create(**kwargs)
+            return resp.choices[0].message.content, resp.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(lambda d: run(d, False), docs))
+        streamed = list(pool.map(lambda d: run(d, True), docs))
+    hit_length = []
+    for doc, (text, finish), (s_text, s_finish) in zip(docs, plain, streamed):
+        assert (s_text, s_finish) == (text, finish), doc["id"]
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), schemas[doc["schema_name"]], format_checker=checker)
+        else:
+            assert finish == "length"
+            hit_length.append(doc["id"])
+    print(f"\n{NUM_DOCS - len(hit_length)}/{NUM_DOCS} finished with stop and validated; "
+          f"hit max_tokens: {hit_length}")
+    assert len(hit_length) < NUM_DOCS
