@@ -95,9 +95,10 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A generation request and its mutable per-request state (owned by the engine thread)."""
+    """A generation request and its mutable per-request state (owned by the engine thread).
+    Compared by identity."""
 
     request_id: str
     prompt_ids: list[int]
