@@ -36,19 +36,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache sizing. `kv_cache_bytes` is the byte budget of the KV pool (K and V, all layers)."""
+    """KV cache sizing. `kv_cache_bytes` is the byte budget of the KV pool (K and V, all layers);
+    `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse."""
 
     kv_cache_bytes: int = 1 << 30
+    enable_prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_num_seqs: sequences decoded together in one step.
-    max_num_batched_tokens: prompt tokens prefilled in one step (a longer single prompt still runs
-    alone in its step)."""
+    """max_num_seqs: sequences running (decoding or prefilling) at once.
+    max_num_batched_tokens: tokens computed in one step (decodes + prefill chunks); a longer prompt
+    is prefilled in chunks interleaved with running decodes.
+    reorder_window_s: waiting requests younger than this are ordered longest-cached-prefix first;
+    older ones go first in arrival order (no starvation)."""
 
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
+    reorder_window_s: float = 2.0
 
 
 @dataclass(frozen=True)

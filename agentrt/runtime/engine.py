@@ -15,32 +15,35 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import GrammarBackend
+from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.config import EngineConfig
+from agentrt.runtime.metrics import EngineMetrics
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
 from agentrt.runtime.sampler import apply_penalties, sample
+from agentrt.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class EngineStats:
-    """Counters since start. batch_sizes holds the number of sequences of each recent step."""
+    """Counters since start (tests read these). batch_sizes: sequences in each recent step;
+    prefill_sizes: prefill tokens in each recent step."""
 
     num_steps: int = 0
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_computed_prefill_tokens: int = 0
     num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    batch_sizes: deque | None = None
-
-    def __post_init__(self):
-        self.batch_sizes = deque(maxlen=4096)
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
+    prefill_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class Engine:
@@ -54,19 +57,26 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.arch.vocab_size
         self.grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_ids, self.config.grammar)
+        cache = RadixCache() if self.config.cache.enable_prefix_cache else None
+        self.scheduler = Scheduler(self.config.scheduler, self.runner.kv, cache)
         self.grammar_wait: list[Request] = []
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.stats = EngineStats()
+        self.metrics = EngineMetrics()
         self._ids = itertools.count()
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    constraint: ConstraintSpec | None = None, request_id: str | None = None) -> Request:
+                    constraint: ConstraintSpec | None = None, request_id: str | None = None,
+                    cache_salt: str = "") -> Request:
         """Validate and enqueue. Raises ValueError naming the field for an empty prompt, invalid
         sampling values, a prompt (+ max_tokens) beyond the context limit or the KV pool.
         A constraint compiles in the background (status WAITING_FOR_GRAMMAR); a compile failure
-        finishes the request with finish_reason "error"."""
+        finishes the request with finish_reason "error". `cache_salt` keeps a tenant's prefix
+        cache apart from others'."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if not prompt_ids:
@@ -82,7 +92,7 @@ class Engine:
                 f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds the context limit "
                 f"of {limit} tokens"
             )
-        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint)
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint, cache_salt)
         req.max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -91,31 +101,27 @@ class Engine:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar_wait.append(req)
         else:
-            self.waiting.append(req)
+            self.scheduler.add(req)
+        self._update_gauges()
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request wherever it is; frees its KV and grammar state."""
-        for queue in (self.grammar_wait, self.waiting, self.running):
-            for r in queue:
-                if r.request_id == request_id:
-                    queue.remove(r)
-                    return self._finish(r, "abort")
+        """Cancel a request wherever it is; frees its KV (into the prefix cache) and grammar state."""
+        for r in [*self.grammar_wait, *self.scheduler.waiting, *self.scheduler.running]:
+            if r.request_id == request_id:
+                return self._finish(r, "abort")
         return None
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
         outputs = []
-        for queue in (self.grammar_wait, self.waiting, self.running):
-            for r in list(queue):
-                if queue is not self.running:
-                    queue.remove(r)
-                r.error = message
-                outputs.append(self._finish(r, "error"))
+        for r in [*self.grammar_wait, *self.scheduler.waiting, *self.scheduler.running]:
+            r.error = message
+            outputs.append(self._finish(r, "error"))
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self.grammar_wait or self.waiting or self.running)
+        return bool(self.grammar_wait) or self.scheduler.has_work()
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -123,28 +129,28 @@ class Engine:
         """Run one scheduling + forward + sampling step; returns outputs of requests that produced
         text or finished in it."""
         outputs = self._collect_grammars()
-        self._ensure_decode_room()
-        new = self._admit()
-        batch = self.running + new
-        if not batch:
+        preempted_before = self.scheduler.num_preemptions
+        scheduled = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
+        if not scheduled:
             if self.grammar_wait:
                 time.sleep(0.001)
             return outputs
-        self.running = batch
-        for r in new:
-            r.status = RequestStatus.RUNNING
         chunks = []
-        for r in batch:
-            all_ids = r.prompt_ids + r.output_ids
-            chunk_ids = all_ids[len(r.slots) :]
-            slots = self.runner.kv.allocate(len(chunk_ids))
-            assert slots is not None, "admission and preemption keep room for every scheduled token"
-            context_len = len(r.slots)
-            r.slots.extend(slots)
-            chunks.append(SeqChunk(chunk_ids, context_len, r.slots))
-            if context_len == 0:
-                self.stats.num_prompt_tokens += len(chunk_ids)
+        num_prefill = 0
+        for c in scheduled:
+            r = c.request
+            if not r.prompt_counted:
+                r.prompt_counted = True
+                self._count_prompt(r)
+            ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
+            chunks.append(SeqChunk(ids, c.context_len, r.slots[: c.context_len + c.num_new], c.sample))
+            if c.num_new > 1 or not c.sample:
+                num_prefill += c.num_new
+        self.stats.num_computed_prefill_tokens += num_prefill
+        self.metrics.computed_prefill_tokens.inc(num_prefill)
         logits = self.runner.execute(chunks)
+        batch = [c.request for c in scheduled if c.sample]
         apply_penalties(logits, batch)
         constrained = [i for i, r in enumerate(batch) if r.matcher is not None]
         if constrained:
@@ -154,12 +160,26 @@ class Engine:
             self.grammar.apply_bitmask(logits, bitmask, constrained)
         tokens = sample(logits, batch)
         self.stats.num_steps += 1
-        self.stats.batch_sizes.append(len(batch))
-        for r, tok in zip(list(batch), tokens):
+        self.stats.batch_sizes.append(len(scheduled))
+        self.stats.prefill_sizes.append(num_prefill)
+        for r, tok in zip(batch, tokens):
             out = self._process_token(r, tok)
             if out is not None:
                 outputs.append(out)
+        self._update_gauges()
         return outputs
+
+    def _count_prompt(self, r: Request) -> None:
+        """At a request's first scheduling: account its prompt tokens and prefix-cache hits."""
+        self.stats.num_prompt_tokens += len(r.prompt_ids)
+        self.stats.num_cached_prompt_tokens += r.num_cached_tokens or 0
+        self.metrics.on_admit(len(r.prompt_ids), r.num_cached_tokens or 0)
+
+    def _update_gauges(self) -> None:
+        kv = self.runner.kv
+        self.metrics.kv_usage.set(1.0 - kv.num_free / kv.num_slots)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting) + len(self.grammar_wait))
 
     def _collect_grammars(self) -> list[RequestOutput]:
         outputs = []
@@ -171,49 +191,27 @@ class Engine:
                 compiled = r.compile_future.result()
             except ValueError as e:
                 r.error = str(e)
+                r.error_status = 400
                 outputs.append(self._finish(r, "error"))
                 continue
             r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
-            r.status = RequestStatus.WAITING
-            self.waiting.append(r)
+            self.scheduler.add(r)
         return outputs
-
-    def _ensure_decode_room(self) -> None:
-        """Preempt the newest running requests until every running one has a slot for its token."""
-        kv = self.runner.kv
-        while self.running and kv.num_free < len(self.running):
-            victim = self.running.pop()
-            kv.free(victim.slots)
-            victim.slots = []
-            victim.status = RequestStatus.WAITING
-            self.waiting.appendleft(victim)
-            self.stats.num_preemptions += 1
-            logger.info("preempted %s (KV pool full)", victim.request_id)
-
-    def _admit(self) -> list[Request]:
-        cfg = self.config.scheduler
-        kv = self.runner.kv
-        free = kv.num_free - len(self.running)
-        budget = cfg.max_num_batched_tokens
-        new: list[Request] = []
-        while self.waiting and len(self.running) + len(new) < cfg.max_num_seqs:
-            r = self.waiting[0]
-            need = r.num_tokens  # prompt + any output to recompute after preemption
-            if need + 1 > free or (new and need > budget):
-                break
-            self.waiting.popleft()
-            new.append(r)
-            free -= need + 1  # its prefill now and a decode slot next step
-            budget -= need
-        return new
 
     # ---- per-token processing ------------------------------------------------------------------
     def _process_token(self, r: Request, tok: int) -> RequestOutput | None:
         if tok < 0:
-            r.error = "every token was masked: the constraint admits no continuation"
+            r.error = "the constraint admits no continuation here (every token is masked)"
+            r.error_status = 400
             return self._finish(r, "error")
+        now = time.monotonic()
         if r.first_token_time is None:
-            r.first_token_time = time.monotonic()
+            r.first_token_time = now
+            self.metrics.ttft.observe(now - r.arrival_time)
+        else:
+            self.metrics.itl.observe(now - r.last_token_time)
+        r.last_token_time = now
+        self.metrics.generation_tokens.inc()
         r.output_ids.append(tok)
         self.stats.num_generated_tokens += 1
         p = r.params
@@ -256,17 +254,19 @@ class Engine:
             return None
         r.sent_len = max(r.sent_len, upto)
         return RequestOutput(r.request_id, text[:upto], delta, list(r.output_ids), len(r.prompt_ids),
-                             final, r.finish_reason, r.error)
+                             final, r.finish_reason, r.error, r.num_cached_tokens or 0, r.error_status)
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
-        if r in self.running:
-            self.running.remove(r)
-        if r.slots:
-            self.runner.kv.free(r.slots)
-            r.slots = []
+        """Leave every queue; KV goes to the prefix cache (or is freed); grammar state is dropped."""
+        if r in self.grammar_wait:
+            self.grammar_wait.remove(r)
+        else:
+            self.scheduler.finish(r)
         r.matcher = None
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
+        self.metrics.finished.labels(reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - r.arrival_time)
         return self._emit(r, final=True)
 
     # ---- offline helper ----------------------------------------------------------------------

@@ -21,11 +21,13 @@ logger = logging.getLogger(__name__)
 class SeqChunk:
     """One sequence's part of a forward: `token_ids` new tokens at positions
     [context_len, context_len + len(token_ids)); `slots` are the KV slots of the whole context
-    including the new tokens (len == context_len + len(token_ids))."""
+    including the new tokens (len == context_len + len(token_ids)). `need_logits`: return the
+    logits of the last new token (False for a prefill chunk that does not end the prompt)."""
 
     token_ids: list[int]
     context_len: int
     slots: list[int]
+    need_logits: bool = True
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -43,8 +45,8 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 class ModelRunner:
     """Holds the model, tokenizer and KV pool on one device.
 
-    execute(chunks) runs one forward over all chunks and returns logits [len(chunks), vocab] fp32
-    for the last new token of each chunk.
+    execute(chunks) runs one forward over all chunks and returns logits [N, vocab] fp32 for the
+    last new token of each chunk with need_logits (N of them, in order).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
@@ -92,7 +94,8 @@ class ModelRunner:
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.context_len, chunk.context_len + n))
             new_slots.extend(chunk.slots[chunk.context_len :])
-            last_idx.append(start + n - 1)
+            if chunk.need_logits:
+                last_idx.append(start + n - 1)
             if n == 1 and chunk.context_len > 0:
                 decode_rows.append((start, chunk.slots))
             else:
@@ -117,4 +120,4 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv.k, self.kv.v, meta,
         )
-        return self.model.compute_logits(hidden[torch.tensor(last_idx, device=dev)])
+        return self.model.compute_logits(hidden[torch.tensor(last_idx, dtype=torch.int64, device=dev)])

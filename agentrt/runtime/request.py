@@ -93,6 +93,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
+    error_status: int = 500  # with finish_reason "error": 400 when the request itself is at fault
 
 
 @dataclass(eq=False)
@@ -104,6 +106,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     constraint: ConstraintSpec | None = None
+    cache_salt: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     # state
     status: RequestStatus = RequestStatus.WAITING
@@ -117,8 +120,19 @@ class Request:
     sent_len: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    cache_node: object | None = None  # radix-tree node locked for this request's shared prefix
+    num_shared: int = 0  # leading slots that belong to the radix tree
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    prompt_counted: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def cached_key(self) -> list[int]:
+        """Tokens whose KV may come from the cache: all known tokens but the last, which must be
+        computed to get the next token's logits."""
+        return (self.prompt_ids + self.output_ids)[:-1]

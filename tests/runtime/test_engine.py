@@ -10,7 +10,16 @@ from agentrt.runtime.request import SamplingParams
 from tests.conftest import chat_ids
 
 QUESTIONS = ["Name a red fruit.", "What is 2+2?", "Say hello in French.", "Name a planet.",
-             "What color is the sky?", "Name a big cat.", "What do bees make?", "Name an ocean."]
+             "What color is the sky?", "Name a big cat.", "What do bees make?", "Name an ocean.",
+             "Name a river in Asia.", "What is ice?", "Name a bird.", "What is 3*3?"]
+
+
+def assert_kv_accounted(engine) -> None:
+    """Every KV slot is free or held (unlocked) by the prefix cache: nothing leaked or locked."""
+    kv, cache = engine.runner.kv, engine.scheduler.cache
+    cached = cache.total_tokens if cache else 0
+    assert kv.num_free + cached == kv.num_slots
+    assert cache is None or cache.locked_tokens == 0
 
 
 def _greedy(n=24):
@@ -18,7 +27,7 @@ def _greedy(n=24):
 
 
 def test_concurrent_requests_share_decode_steps(engine, tokenizer):
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:8]]
     steps_before = engine.stats.num_steps
     outs = engine.generate([(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), None)
                             for p in prompts])
@@ -75,17 +84,17 @@ def test_context_budget(engine):
 
 
 def test_abort_frees_kv(engine, tokenizer):
-    free = engine.runner.kv.num_free
     r = engine.add_request(chat_ids(tokenizer, [{"role": "user", "content": "Tell a story."}]), _greedy(50))
     engine.step()
     engine.step()
-    assert engine.runner.kv.num_free < free
+    assert engine.scheduler.cache.locked_tokens > 0
     out = engine.abort(r.request_id)
-    assert out.finish_reason == "abort" and engine.runner.kv.num_free == free and not engine.has_work()
+    assert out.finish_reason == "abort" and not engine.has_work()
+    assert_kv_accounted(engine)
 
 
 def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, tokenizer, engine):
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:6]]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]  # 12 requests
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     alone = [engine.generate([(p, params, None)])[0].token_ids for p in prompts]
     per_token = engine.runner.kv.bytes_per_token
@@ -94,5 +103,5 @@ def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, to
                                 cache=CacheConfig(kv_cache_bytes=room * per_token)))
     outs = small.generate([(p, params, None) for p in prompts])
     assert [o.token_ids for o in outs] == alone
-    assert small.stats.num_preemptions > 0 or max(small.stats.batch_sizes) <= 2
-    assert small.runner.kv.num_free == small.runner.kv.num_slots
+    assert small.scheduler.num_preemptions > 0
+    assert_kv_accounted(small)

@@ -1,0 +1,164 @@
+"""Radix tree prefix cache (as in SGLang's RadixAttention, Zheng et al. 2023, arXiv 2312.07104).
+
+Each edge holds a run of token ids and the KV slots computed for them (token-granular: one slot per
+token). A path from the root spells a token prefix whose KV is cached. Requests lock the node where
+their matched prefix ends (lock_ref counts up to the root) so the slots they read cannot be evicted;
+`evict` frees only unlocked leaves, least recently used first, and a parent whose last child goes
+becomes a leaf itself. Separate namespaces (`salt`, e.g. a tenant's `cache_salt`) never share KV.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)  # token ids of the edge into this node
+    value: list[int] = field(default_factory=list)  # KV slots, len(value) == len(key)
+    children: dict[int, TreeNode] = field(default_factory=dict)  # first token id -> child
+    parent: TreeNode | None = None
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+class MatchResult(NamedTuple):
+    """slots: KV slots of the longest cached prefix (may end inside an edge);
+    node: the node whose edge holds the last matched token (the root when nothing matched) —
+    lock it to protect every slot in `slots`."""
+
+    slots: list[int]
+    node: TreeNode
+
+
+class RadixCache:
+    """Radix tree of cached KV. Slot ownership: slots inserted belong to the tree until `evict`
+    returns them to the caller (who frees them in the KV pool)."""
+
+    def __init__(self) -> None:
+        self._roots: dict[str, TreeNode] = {}
+        self._clock = itertools.count(1)
+        self.total_tokens = 0  # tokens held by the tree
+        self.locked_tokens = 0  # tokens on nodes with lock_ref > 0
+
+    def root(self, salt: str = "") -> TreeNode:
+        if salt not in self._roots:
+            self._roots[salt] = TreeNode(lock_ref=1)  # roots are never evicted
+        return self._roots[salt]
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.total_tokens - self.locked_tokens
+
+    def match_prefix(self, token_ids: list[int], salt: str = "") -> MatchResult:
+        """Longest cached prefix of token_ids. Does not modify the tree (not even access times)."""
+        node = self.root(salt)
+        slots: list[int] = []
+        i = 0
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None:
+                break
+            n = _common_len(child.key, token_ids, i)
+            slots.extend(child.value[:n])
+            i += n
+            node = child
+            if n < len(child.key):
+                break
+        return MatchResult(slots, node)
+
+    def insert(self, token_ids: list[int], slots: list[int], salt: str = "") -> int:
+        """Cache KV `slots` for `token_ids` (same length). Returns how many leading tokens were
+        already cached: the caller's slots for those positions are not taken (the caller frees
+        the ones that differ from the cached ones); the rest now belong to the tree."""
+        if len(token_ids) != len(slots):
+            raise ValueError(f"insert: {len(token_ids)} token ids but {len(slots)} slots")
+        node = self.root(salt)
+        now = next(self._clock)
+        node.last_access = now
+        i = 0
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None:
+                new = TreeNode(list(token_ids[i:]), list(slots[i:]), parent=node, last_access=now)
+                node.children[token_ids[i]] = new
+                self.total_tokens += len(new.key)
+                return i
+            n = _common_len(child.key, token_ids, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            i += n
+            node = child
+        return i
+
+    def touch(self, node: TreeNode) -> None:
+        """Mark node and its ancestors as just used (LRU order)."""
+        now = next(self._clock)
+        while node is not None:
+            node.last_access = now
+            node = node.parent
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect node and its ancestors from eviction (reference counted)."""
+        while node is not None:
+            if node.lock_ref == 0:
+                self.locked_tokens += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.locked_tokens -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> list[int]:
+        """Remove unlocked leaves, least recently used first, until at least num_tokens slots are
+        freed or nothing evictable is left. Returns the freed slots (the caller returns them to
+        the KV pool). Locked nodes and their ancestors are never touched."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_tokens:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            freed.extend(leaf.value)
+            self.total_tokens -= len(leaf.key)
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self):
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                yield node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split child's edge after n tokens; returns the new upper node (keeps child's locks)."""
+        upper = TreeNode(child.key[:n], child.value[:n], parent=child.parent, lock_ref=child.lock_ref,
+                         last_access=child.last_access)
+        upper.children[child.key[n]] = child
+        child.parent.children[child.key[0]] = upper
+        child.parent = upper
+        child.key, child.value = child.key[n:], child.value[n:]
+        return upper
+
+
+def _common_len(key: list[int], token_ids: list[int], start: int) -> int:
+    n = min(len(key), len(token_ids) - start)
+    i = 0
+    while i < n and key[i] == token_ids[start + i]:
+        i += 1
+    return i
