@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,7 +58,7 @@ class _CommonRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
     repetition_penalty, regex, grammar, choice, ignore_eos, stop_token_ids)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -81,8 +81,13 @@ class _CommonRequest(BaseModel):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    cache_salt: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        for name in self.unsupported_fields:
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].default and not (name == "best_of" and value == 1):
+                raise APIError(f"{name} is not supported by this server", param=name)
         if self.n != 1:
             raise APIError("n must be 1: agentrt returns one choice per request", param="n")
         if self.logprobs:
@@ -102,6 +107,8 @@ class _CommonRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
         )
 
+    unsupported_fields: ClassVar[tuple[str, ...]] = ()
+
     def constraint(self, response_format: ResponseFormat | None = None) -> tuple[ConstraintSpec | None, str]:
         """The request's one constraint (or None) and the request field it came from. Raises APIError (400) naming the field when the
         constraint is invalid or several are given."""
@@ -114,6 +121,9 @@ class _CommonRequest(BaseModel):
         if not given:
             return None, ""
         field = given[0]
+        if self.stop:
+            raise APIError(f"stop cannot be combined with {field}: a stop string could cut the constrained "
+                           "output; the constraint decides where the output ends", param="stop")
         param = field
         try:
             if field == "response_format":
@@ -139,10 +149,16 @@ class ChatCompletionRequest(_CommonRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call")
 
 
 class CompletionRequest(_CommonRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
     response_format: ResponseFormat | None = None
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -11,7 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrt.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, _CommonRequest
 from agentrt.runtime.async_engine import AsyncEngine
@@ -24,8 +26,17 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "pre
                     "stop_token_ids")
 
 
+MAX_BODY_BYTES = 16 << 20
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
+
+
+def _utf8(text: str) -> str:
+    """Text safe to encode as UTF-8 (lone surrogates from the client are escaped)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}}
 
 
 def _value_error(e: ValueError, default_param: str) -> APIError:
@@ -53,10 +64,23 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     async def _api_error(_: Request, e: APIError):
         return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(error_body(f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}",
+                                           "invalid_request_error", None, None), status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), type_, None, None), status_code=e.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
         param = ".".join(loc) or None
         if err.get("type") == "json_invalid":
             param = None
@@ -75,6 +99,10 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [
@@ -92,12 +120,11 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         if req.tools and req.tool_choice != "none":
             raise APIError("tools are not supported by this server yet; send tool_choice 'none' or no tools",
                            param="tools")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            raise APIError("tool_choice needs tools, and tools are not supported by this server yet",
+                           param="tool_choice")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
-            raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await _run(req, raw, prompt_ids, max_tokens, req.response_format, "messages", chat=True)
 
@@ -110,7 +137,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                 raise APIError("prompt: give one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_ids = await asyncio.to_thread(_encode, tokenizer, prompt, "prompt")
             if not prompt_ids:
                 raise APIError("prompt is empty", param="prompt")
         else:
@@ -126,11 +153,18 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             except ValueError as e:
                 raise APIError(f"{constraint_param}: {e}", param=constraint_param) from None
         stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id)
+        gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id,
+                              cache_salt=req.cache_salt or "")
         try:
             first = await gen.__anext__()
         except ValueError as e:
-            raise _value_error(e, prompt_param) from None
+            err = _value_error(e, prompt_param)
+            if err.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+                err.param = "max_completion_tokens"
+            raise err from None
+        if first.finished and first.finish_reason == "error":
+            raise APIError(first.error or "generation failed", status=first.error_status,
+                           type_="invalid_request_error" if first.error_status < 500 else "server_error")
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -141,8 +175,12 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         last = first
         async for out in gen:
             last = out
+            if await raw.is_disconnected():  # the client left: stop generating (frees KV and grammar)
+                await gen.aclose()
+                raise APIError("client disconnected", status=499)
         if last.finish_reason == "error":
-            raise APIError(last.error or "generation failed", status=500, type_="server_error")
+            raise APIError(last.error or "generation failed", status=last.error_status,
+                           type_="invalid_request_error" if last.error_status < 500 else "server_error")
         usage = _usage(last)
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         if chat:
@@ -203,4 +241,25 @@ def create_app(engine: AsyncEngine, served_model_name: str,
 def _usage(out: RequestOutput) -> dict:
     n = len(out.token_ids)
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
-            "total_tokens": out.num_prompt_tokens + n}
+            "total_tokens": out.num_prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names union branches in error locations ('str', 'list[...]'); they are not fields."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except (TypeError, UnicodeError):
+        raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+        raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
+    return _encode(tokenizer, prompt, "messages")

@@ -56,10 +56,13 @@ class ConstraintSpec:
         validator = validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
             validator.check_schema(schema)
+            value = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
         except jsonschema.SchemaError as e:
             where = "/" + "/".join(str(p) for p in e.absolute_path)
             raise ValueError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+        except RecursionError:
+            raise ValueError("schema is nested too deeply to be checked") from None
+        return cls("json_schema", value)
 
     @classmethod
     def json_object(cls) -> ConstraintSpec:

@@ -22,6 +22,7 @@ class AsyncEngine:
     engine call happens on the engine thread (requests and aborts cross over through an inbox)."""
 
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None):
+        self._owns_engine = engine is None
         self.engine = engine or Engine(config)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -39,7 +40,7 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        constraint: ConstraintSpec | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until the final one. Validation errors (ValueError)
         and constraint compile errors are raised before the first output. Closing the iterator
         early (client disconnect) aborts the request and frees its KV and grammar state."""
@@ -49,7 +50,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
-        self._inbox.put(("add", (prompt_ids, params, constraint, request_id, loop, stream, added)))
+        self._inbox.put(("add", (prompt_ids, params, constraint, request_id, cache_salt, loop, stream, added)))
         await added
         finished = False
         try:
@@ -65,7 +66,8 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=10)
-        self.engine.grammar.shutdown()
+        if self._owns_engine:
+            self.engine.grammar.shutdown()
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -91,9 +93,9 @@ class AsyncEngine:
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
-            prompt_ids, params, constraint, request_id, loop, stream, added = payload
+            prompt_ids, params, constraint, request_id, cache_salt, loop, stream, added = payload
             try:
-                self.engine.add_request(prompt_ids, params, constraint, request_id)
+                self.engine.add_request(prompt_ids, params, constraint, request_id, cache_salt)
             except ValueError as e:
                 loop.call_soon_threadsafe(_set_exception, added, e)
                 return

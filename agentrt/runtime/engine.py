@@ -163,7 +163,12 @@ class Engine:
         self.stats.batch_sizes.append(len(scheduled))
         self.stats.prefill_sizes.append(num_prefill)
         for r, tok in zip(batch, tokens):
-            out = self._process_token(r, tok)
+            try:
+                out = self._process_token(r, tok)
+            except Exception as e:  # one request's failure (e.g. detokenizing) must not end the others
+                logger.exception("request %s failed", r.request_id)
+                r.error = f"internal error: {type(e).__name__}: {e}"
+                out = self._finish(r, "error")
             if out is not None:
                 outputs.append(out)
         self._update_gauges()

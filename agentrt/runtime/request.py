@@ -14,9 +14,9 @@ class SamplingParams:
     """Per-request decoding parameters (OpenAI semantics where OpenAI defines one).
 
     max_tokens: completion tokens at most; None = up to the context limit.
-    temperature: 0 = greedy. top_k: <= 0 disables. top_p in (0, 1]. min_p in [0, 1].
+    temperature: 0 (or below 1e-5) = greedy. top_k: <= 0 disables. top_p in (0, 1]. min_p in [0, 1].
     presence_penalty / frequency_penalty in [-2, 2] on generated tokens (OpenAI);
-    repetition_penalty > 0 on prompt and generated tokens (CTRL, Keskar et al. 2019).
+    repetition_penalty in [0.01, 10] on prompt and generated tokens (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias in [-100, 100] added to the logit.
     stop: strings that end the output (not included in it); stop_token_ids: extra stop ids.
     Raises ValueError naming the field on an invalid value (see `validate`).
@@ -54,8 +54,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):

@@ -43,6 +43,7 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (always keeps the first)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # the most likely token always stays (top_p may round to 0 in fp32)
         row = row.clone()
         row[order[drop]] = float("-inf")
     if min_p > 0.0:
@@ -54,8 +55,9 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """logits [B, V] fp32 (penalties and masks applied) -> one token id per row.
 
-    temperature 0 = greedy argmax. Raises nothing; a row with every token masked returns -1
-    (the caller finishes that request with an error)."""
+    temperature 0 = greedy argmax. Raises nothing: a row with every token masked returns -1 (the
+    caller finishes that request with an error); a row whose parameters overflow fp32 (a tiny
+    temperature or penalty) falls back to the argmax of its logits."""
     tokens: list[int] = []
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     for i, r in enumerate(requests):
@@ -64,10 +66,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             tokens.append(-1)
             continue
         p = r.params
-        if p.temperature == 0.0:
+        if p.temperature < 1e-5:  # 0 (or a value too small for fp32 division) is greedy
             tokens.append(greedy_ids[i])
             continue
         row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(row, dim=-1)
+        if not torch.isfinite(probs).all() or float(probs.sum()) <= 0.0:
+            tokens.append(greedy_ids[i] if torch.isfinite(logits[i]).any() else -1)
+            continue
         tokens.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
     return tokens

@@ -99,8 +99,7 @@ class Scheduler:
             fresh = [r for r in self.waiting if now - r.arrival_time <= window]
             fresh.sort(key=lambda r: -len(self.cache.match_prefix(r.cached_key(), r.cache_salt).slots))
             order = aged + fresh
-        for r in order:
-            yield r
+        yield from order
 
     def _admit(self, r: Request) -> bool:
         """Move r to running with its cached prefix locked. (Memory is checked by _allocate.)"""

@@ -125,7 +125,10 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finals == [plain["choices"][0]["finish_reason"]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+    # the second run found the prompt in the prefix cache
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
 def test_completions_stream_equals_non_stream(client):
@@ -134,3 +137,49 @@ def test_completions_stream_equals_non_stream(client):
     assert plain["object"] == "text_completion" and plain["usage"]["completion_tokens"] == 20
     chunks = _stream_text(client, "/v1/completions", {**body, "stream": True})
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
+def test_hostile_input_is_a_clear_400(client):
+    def raw(url: str, body: str):  # JSON text with a \ud800 escape: a lone surrogate once parsed
+        return client.post(url, content=body.encode(), headers={"content-type": "application/json"})
+
+    m = f'"model": "{MODEL}"'
+    _assert_error(raw("/v1/chat/completions", '{%s, "messages": [{"role": "user", "content": "\\ud800"}]}' % m),
+                  400, "messages", "Unicode")
+    _assert_error(raw("/v1/completions", '{%s, "prompt": "a\\ud800b"}' % m), 400, "prompt", "Unicode")
+    _assert_error(raw("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}'),
+                  404, "model", "does not exist")
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"type": "array", "items": deep}
+    _assert_error(_chat(client, response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}),
+                  400, "response_format.json_schema.schema", "nested too deeply")
+    _assert_error(_chat(client, regex=r"[^\s\S]"), 400, None, "admits no continuation")
+    _assert_error(_chat(client, stop=["}"], response_format={"type": "json_object"}), 400, "stop", "stop cannot")
+    _assert_error(_chat(client, max_tokens="5"), 400, "max_tokens", "integer")
+    _assert_error(_chat(client, max_completion_tokens=10**9), 400, "max_completion_tokens", "context limit")
+    _assert_error(_chat(client, functions=[{"name": "f"}]), 400, "functions", "not supported")
+    _assert_error(_chat(client, tool_choice="required"), 400, "tool_choice", "needs tools")
+    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400, "echo",
+                  "not supported")
+    _assert_error(client.get("/v1/nothing"), 404, None, "Not Found")
+    big = client.post("/v1/completions", content=b" " * (17 << 20), headers={"content-type": "application/json"})
+    _assert_error(big, 413, None, "exceeds the limit")
+    assert _chat(client).status_code == 200
+
+
+def test_usage_reports_cached_tokens_and_metrics(client):
+    body = {"messages": [{"role": "system", "content": "You are terse. " * 40},
+                         {"role": "user", "content": "Name a colour."}], "max_tokens": 4}
+    first = _chat(client, **body).json()["usage"]
+    second = _chat(client, **body).json()["usage"]
+    assert second["prompt_tokens"] == first["prompt_tokens"]
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 1
+    salted = _chat(client, cache_salt="tenant-b", **body).json()["usage"]
+    assert salted["prompt_tokens_details"]["cached_tokens"] == 0
+    text = client.get("/metrics").text
+    for name in ("agentrt_prompt_tokens_total", "agentrt_cached_prompt_tokens_total", "agentrt_prefix_cache_hit_rate",
+                 "agentrt_kv_usage_ratio", "agentrt_num_requests_running", "agentrt_num_requests_waiting",
+                 "agentrt_time_to_first_token_seconds_bucket", "agentrt_inter_token_latency_seconds_bucket",
+                 "agentrt_e2e_request_latency_seconds_bucket", "agentrt_preemptions_total"):
+        assert name in text, name

@@ -68,3 +68,15 @@ def test_sampling_matches_distribution():
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**{field: value}).validate(vocab_size=1000)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-45}, {"temperature": 1e-6}, {"top_p": 1e-50},
+                                {"temperature": 1.0, "top_p": 1e-300, "min_p": 1.0}])
+def test_extreme_values_never_yield_nan_or_crash(kw):
+    logits = torch.tensor([[1.0, 5.0, 2.0, float("-inf")]])
+    SamplingParams(**kw).validate(vocab_size=4)
+    assert sample(logits.clone(), [_req(**kw)]) == [1]
+
+
+def test_all_masked_row_is_reported():
+    assert sample(torch.full((1, 4), float("-inf")), [_req()]) == [-1]
