@@ -18,10 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--kv-cache-bytes", type=int, default=CacheConfig.kv_cache_bytes, help="KV pool size in bytes")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                    help="sequences decoded together in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="prompt tokens prefilled in one step")
+                   help="tokens computed in one step (decodes + prefill chunks)")
     p.add_argument("--any-whitespace", action="store_true",
                    help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
     p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt)
@@ -30,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes),
+        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_cache=not args.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace),
     )
@@ -50,7 +51,9 @@ def serve(args: argparse.Namespace) -> int:
     runner = engine.engine.runner
     print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}): "
           f"weights {runner.weights_bytes / 1e6:.0f} MB, KV {runner.kv.bytes_per_token} bytes/token, "
-          f"{runner.kv.num_slots} KV tokens, context {runner.max_model_len} tokens", flush=True)
+          f"{runner.kv.num_slots} KV tokens, context {runner.max_model_len} tokens, up to "
+          f"{runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
+          f"{'off' if args.no_prefix_cache else 'on'})", flush=True)
     url = f"http://{args.host}:{args.port}"
 
     example = json.dumps({

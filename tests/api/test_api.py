@@ -144,9 +144,9 @@ def test_hostile_input_is_a_clear_400(client):
         return client.post(url, content=body.encode(), headers={"content-type": "application/json"})
 
     m = f'"model": "{MODEL}"'
-    _assert_error(raw("/v1/chat/completions", '{%s, "messages": [{"role": "user", "content": "\\ud800"}]}' % m),
+    _assert_error(raw("/v1/chat/completions", f'{{{m}, "messages": [{{"role": "user", "content": "\\ud800"}}]}}'),
                   400, "messages", "Unicode")
-    _assert_error(raw("/v1/completions", '{%s, "prompt": "a\\ud800b"}' % m), 400, "prompt", "Unicode")
+    _assert_error(raw("/v1/completions", f'{{{m}, "prompt": "a\\ud800b"}}'), 400, "prompt", "Unicode")
     _assert_error(raw("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}'),
                   404, "model", "does not exist")
     deep: dict = {"type": "string"}

@@ -105,3 +105,63 @@ def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, to
     assert [o.token_ids for o in outs] == alone
     assert small.scheduler.num_preemptions > 0
     assert_kv_accounted(small)
+
+
+def _random_prompts(tokenizer, rng, n, chars):
+    alphabet = "abcdefghijklmnopqrstuvwxyz      .,"
+    return [tokenizer.encode("".join(rng.choice(alphabet) for _ in range(chars)), add_special_tokens=False)
+            for _ in range(n)]
+
+
+def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer):
+    """16 prompts of 400 random characters + 8 sharing a 1,500-token prefix: alone, batched, cold and
+    warm, prefix cache on and off, all give the same greedy tokens."""
+    import random
+
+    rng = random.Random(0)
+    prefix = _random_prompts(tokenizer, rng, 1, 6000)[0][:1500]
+    shared = [prefix + tail for tail in _random_prompts(tokenizer, rng, 8, 60)]
+    prompts = _random_prompts(tokenizer, rng, 16, 400) + shared
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def engine_with(cache: bool) -> Engine:
+        return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu"),
+                                   cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache)))
+
+    off = engine_with(False)
+    reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
+    on = engine_with(True)
+    cold_alone = [on.generate([(p, params, None)])[0].token_ids for p in shared[:2]]
+    assert on.stats.num_cached_prompt_tokens >= 1500  # the second shared prompt hit the cache
+    warm_batched = [o.token_ids for o in on.generate([(p, params, None) for p in prompts])]
+    warm_mixed = [o.token_ids for o in on.generate([(p, params, None) for p in prompts[::-3]])]
+    assert cold_alone == reference[16:18]
+    assert warm_batched == reference
+    assert warm_mixed == reference[::-3]
+    assert_kv_accounted(on)
+    assert_kv_accounted(off)
+
+
+def test_chunked_prefill_keeps_decodes_running(default_model_dir, tokenizer):
+    import random
+
+    engine = Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu"),
+                                 cache=CacheConfig(kv_cache_bytes=256 << 20)))
+    budget = engine.config.scheduler.max_num_batched_tokens
+    decoders = [engine.add_request(chat_ids(tokenizer, [{"role": "user", "content": q}]),
+                                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                for q in QUESTIONS[:4]]
+    engine.step()  # the four prompts are prefilled together
+    long_prompt = _random_prompts(tokenizer, random.Random(1), 1, 12000)[0][:3000]
+    big = engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=2))
+    steps = []
+    while not big.output_ids:
+        before = [len(r.output_ids) for r in decoders]
+        engine.step()
+        steps.append(([len(r.output_ids) for r in decoders], before, engine.stats.prefill_sizes[-1]))
+    # the 3,000-token prefill took several steps, each bounded by the token budget, and every
+    # one of those steps also advanced all four decoding requests by one token
+    assert len(steps) >= 3000 // budget
+    for after, before, prefill in steps:
+        assert prefill <= budget - 4
+        assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1]
