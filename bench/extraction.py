@@ -7,6 +7,7 @@ TTFT p50/p95.
 
     python bench/extraction.py                      # starts `agentrt serve` on a free port
     python bench/extraction.py --url http://127.0.0.1:8000 --model NAME
+    python bench/extraction.py --llama-server /path/to/llama-server   # also llama.cpp, same GGUF
 """
 
 from __future__ import annotations
@@ -32,12 +33,8 @@ from agentrt.extraction import extraction_messages
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", model, "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_server(cmd: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -46,7 +43,13 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit("server did not start")
+    raise SystemExit(f"server did not start: {cmd}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_doc(client: OpenAI, model: str, doc: dict, schema: dict, max_tokens: int) -> dict:
@@ -103,29 +106,45 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `agentrt serve` argument")
+    ap.add_argument("--llama-server", help="also benchmark this llama.cpp llama-server binary on the same GGUF")
+    ap.add_argument("--gguf", help="GGUF for llama-server (default: the registered model's file)")
     args = ap.parse_args()
     docs = [json.loads(line) for line in (DATA / "docs.jsonl").read_text().splitlines()][: args.docs]
     schemas = {p.stem: json.loads(p.read_text()) for p in (DATA / "schemas").glob("*.json")}
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_server(args.model, args.server_arg)
-    try:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
-        run_doc(client, args.model, docs[0], schemas[docs[0]["schema_name"]], 16)  # warm-up (grammar cache)
-        print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
-              f"{len(docs)} docs, max_tokens {args.max_tokens}")
-        print("| concurrency | docs/s | valid | hit max_tokens | field acc | completion tok/s | TTFT p50 s | TTFT p95 s |")
-        print("|---|---|---|---|---|---|---|---|")
-        for c in args.concurrency:
-            r = bench(client, args.model, docs, schemas, c, args.max_tokens)
-            print(f"| {c} | {r['docs_per_s']:.2f} | {r['valid']}/{r['docs']} | {r['hit_length']} | "
-                  f"{r['field_acc']:.2f} | {r['completion_tok_per_s']:.1f} | {r['ttft_p50']:.2f} | "
-                  f"{r['ttft_p95']:.2f} |", flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+    servers: list[tuple[str, list[str] | None, str | None]] = []  # (label, command, url)
+    if args.url:
+        servers.append(("server", None, args.url))
+    else:
+        servers.append(("agentrt", [sys.executable, "-m", "agentrt.cli", "serve", args.model, *args.server_arg], None))
+    if args.llama_server:
+        from agentrt.runtime.models.loader import find_registered_gguf
+
+        gguf = args.gguf or str(find_registered_gguf(args.model))
+        slots = max(args.concurrency)
+        servers.append(("llama-server", [args.llama_server, "-m", gguf, "-t", str(os.cpu_count()), "-np", str(slots),
+                                         "-c", str(4096 * slots), "--host", "127.0.0.1"], None))
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
+          f"{len(docs)} docs, max_tokens {args.max_tokens}")
+    print("| server | concurrency | docs/s | valid | valid docs/s | hit max_tokens | field acc | completion tok/s "
+          "| TTFT p50 s | TTFT p95 s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, cmd, url in servers:
+        proc = None
+        if url is None:
+            port = free_port()
+            proc, url = start_server([*cmd, "--port", str(port)], port)
+        try:
+            client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
+            run_doc(client, args.model, docs[0], schemas[docs[0]["schema_name"]], 16)  # warm-up (grammar cache)
+            for c in args.concurrency:
+                r = bench(client, args.model, docs, schemas, c, args.max_tokens)
+                print(f"| {label} | {c} | {r['docs_per_s']:.2f} | {r['valid']}/{r['docs']} | "
+                      f"{r['valid'] / r['wall_s']:.2f} | {r['hit_length']} | {r['field_acc']:.2f} | "
+                      f"{r['completion_tok_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |", flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -59,22 +59,28 @@ def shared_prefix(engine: Engine, rng: random.Random) -> dict:
 
 def multi_turn(engine: Engine, rng: random.Random) -> dict:
     convs = [[{"role": "system", "content": f"You are agent {c}. " + _text(rng, 120)}] for c in range(8)]
-    first_prompt = first_cached = later_prompt = later_cached = 0
+    first_prompt = first_cached = later_prompt = later_cached = reusable = 0
+    previous: list[list[int]] = [[] for _ in convs]  # last turn's prompt + output, per conversation
     for turn in range(6):
         for conv in convs:
             conv.append({"role": "user", "content": _text(rng, 30)})
         before_p, before_c = engine.stats.num_prompt_tokens, engine.stats.num_cached_prompt_tokens
-        reqs, _ = run_batch(engine, [_ids(engine, conv) for conv in convs], 24)
+        prompts = [_ids(engine, conv) for conv in convs]
+        for p, prev in zip(prompts, previous):  # what any cache could reuse: the common prefix
+            reusable += next((i for i, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
+        reqs, _ = run_batch(engine, prompts, 24)
+        previous = [r.prompt_ids + r.output_ids for r in reqs]
         prompt = engine.stats.num_prompt_tokens - before_p
         cached = engine.stats.num_cached_prompt_tokens - before_c
         if turn == 0:
             first_prompt, first_cached = prompt, cached
+            reusable = 0
         else:
             later_prompt, later_cached = later_prompt + prompt, later_cached + cached
         for conv, r in zip(convs, reqs):
             conv.append({"role": "assistant", "content": engine.tokenizer.decode(r.output_ids, skip_special_tokens=True)})
     return {"first_turn_hit": first_cached / first_prompt, "later_hit": later_cached / later_prompt,
-            "later_prompt_tokens": later_prompt}
+            "later_reusable": reusable / later_prompt, "later_prompt_tokens": later_prompt}
 
 
 def main() -> None:
@@ -97,10 +103,12 @@ def main() -> None:
     for enabled, sp, _ in rows:
         print(f"| {'on' if enabled else 'off'} | {sp['prompt_tokens']} | {sp['computed']} | {sp['ttft_p50']:.2f} | "
               f"{sp['ttft_p95']:.2f} | {sp['wall']:.1f} |")
-    print("\n| prefix cache | multi-turn: cached share of prompt tokens, turn 1 | turns 2-6 |")
-    print("|---|---|---|")
+    print("\n| prefix cache | multi-turn: cached share of prompt tokens, turn 1 | turns 2-6 | turns 2-6 reusable "
+          "(common prefix with the previous turn) |")
+    print("|---|---|---|---|")
     for enabled, _, mt in rows:
-        print(f"| {'on' if enabled else 'off'} | {mt['first_turn_hit']:.1%} | {mt['later_hit']:.1%} |")
+        print(f"| {'on' if enabled else 'off'} | {mt['first_turn_hit']:.1%} | {mt['later_hit']:.1%} | "
+              f"{mt['later_reusable']:.1%} |")
 
 
 if __name__ == "__main__":

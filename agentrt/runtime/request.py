@@ -127,6 +127,7 @@ class Request:
     num_shared: int = 0  # leading slots that belong to the radix tree
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_counted: bool = False
+    prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
 
     @property
     def num_tokens(self) -> int:

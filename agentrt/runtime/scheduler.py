@@ -60,6 +60,10 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        if self.cache is not None:
+            for r in self.running:
+                if r.prefilled_since_insert:
+                    self._cache_computed_prefix(r)
         for r in list(self.running):
             if r not in self.running:  # preempted while making room for an earlier one
                 continue
@@ -69,7 +73,7 @@ class Scheduler:
                 continue  # prefill chunk waits for budget; decodes always take their 1 token
             if not self._allocate(r, n):
                 continue  # r itself was preempted
-            chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) == r.num_tokens))
+            self._add_chunk(chunks, r, n)
             budget -= n
         for r in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -84,9 +88,34 @@ class Scheduler:
                 r.status = RequestStatus.WAITING
                 self.waiting.appendleft(r)
                 break
-            chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) == r.num_tokens))
+            self._add_chunk(chunks, r, n)
             budget -= n
         return chunks
+
+    @staticmethod
+    def _add_chunk(chunks: list[ScheduledChunk], r: Request, n: int) -> None:
+        chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) == r.num_tokens))
+        if n > 1:
+            r.prefilled_since_insert = True
+
+    def _cache_computed_prefix(self, r: Request) -> None:
+        """Insert a running request's computed prefix (after a prefill chunk) into the radix tree,
+        so requests arriving while it still runs share it (as SGLang caches unfinished requests).
+        r then reads the tree's slots for that prefix; duplicates of ours are freed."""
+        r.prefilled_since_insert = False
+        tokens = (r.prompt_ids + r.output_ids)[: len(r.slots)]
+        present = self.cache.insert(tokens, r.slots, r.cache_salt)
+        match = self.cache.match_prefix(tokens, r.cache_salt)
+        tree_slots = match.slots
+        for i in range(r.num_shared, present):
+            if r.slots[i] != tree_slots[i]:
+                self.kv.free([r.slots[i]])
+        r.slots[: len(tree_slots)] = tree_slots
+        self.cache.lock(match.node)
+        if r.cache_node is not None:
+            self.cache.unlock(r.cache_node)
+        r.cache_node = match.node
+        r.num_shared = len(tree_slots)
 
     def _admission_order(self):
         """Waiting requests, longest cached prefix first; those past the reorder window first."""
