@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import threading
 import logging
 import sys
 
@@ -44,7 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     from agentrt.runtime.async_engine import AsyncEngine
 
     try:
-        engine = AsyncEngine(engine_config(args))
+        engine = AsyncEngine(engine_config(args), start_thread=False)
     except ValueError as e:
         print(f"agentrt: error: {e}", file=sys.stderr)
         return 2
@@ -67,11 +69,20 @@ def serve(args: argparse.Namespace) -> int:
               f"-H 'Content-Type: application/json' -d '{example}'", flush=True)
 
     app = create_app(engine, args.model, on_ready=ready)
+    # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    http = threading.Thread(target=server.run, name="agentrt-http", daemon=True)
+    http.start()
+    signal.signal(signal.SIGTERM, lambda *_: engine.shutdown())
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        engine.run_forever(should_stop=lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
+        http.join(timeout=10)
         engine.shutdown()
-    return 0
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
