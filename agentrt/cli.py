@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import threading
 import logging
+import signal
 import sys
+import threading
 
 from agentrt.grammars.spec import GrammarConfig
 from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
