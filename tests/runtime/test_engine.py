@@ -131,11 +131,12 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
     off = engine_with(False)
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
     on = engine_with(True)
-    cold_alone = [on.generate([(p, params, None)])[0].token_ids for p in shared[:2]]
+    alone_idx = [0, 1, 16, 17]  # two random prompts and two sharing the prefix, one at a time, cold
+    cold_alone = [on.generate([(prompts[i], params, None)])[0].token_ids for i in alone_idx]
     assert on.stats.num_cached_prompt_tokens >= 1500  # the second shared prompt hit the cache
     warm_batched = [o.token_ids for o in on.generate([(p, params, None) for p in prompts])]
     warm_mixed = [o.token_ids for o in on.generate([(p, params, None) for p in prompts[::-3]])]
-    assert cold_alone == reference[16:18]
+    assert cold_alone == [reference[i] for i in alone_idx]
     assert warm_batched == reference
     assert warm_mixed == reference[::-3]
     assert_kv_accounted(on)
