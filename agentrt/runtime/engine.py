@@ -64,10 +64,6 @@ class Engine:
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
 
-    @property
-    def running(self) -> list[Request]:
-        return self.scheduler.running
-
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     constraint: ConstraintSpec | None = None, request_id: str | None = None,

@@ -60,9 +60,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     temperature or penalty) falls back to the argmax of its logits."""
     tokens: list[int] = []
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    all_masked = torch.isneginf(logits).all(dim=-1).tolist()  # one host sync for the batch
     for i, r in enumerate(requests):
         row = logits[i]
-        if torch.isneginf(row).all():
+        if all_masked[i]:
             tokens.append(-1)
             continue
         p = r.params
