@@ -15,13 +15,21 @@ class GrammarConfig:
     """any_whitespace: let JSON grammars accept whitespace between tokens; when False the output is
     compact with fixed separators (`{"a": 1, "b": [2, 3]}`), so whitespace is bounded by design.
     max_whitespace_cnt: with any_whitespace, the most whitespace characters in one gap.
+    indent: pretty-print JSON with this indent (newlines + spaces, still a fixed layout) instead
+    of the compact one-line layout.
     compile_threads: worker threads that compile grammars off the engine loop.
-    cache_size: compiled grammars kept (LRU)."""
+    cache_size: compiled grammars kept (LRU).
+    compile_timeout_s: a constraint that has not compiled after this long is refused (400); the
+    compile thread finishes in the background and its result is dropped.
+    max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400)."""
 
     any_whitespace: bool = False
     max_whitespace_cnt: int = 2
+    indent: int | None = None
     compile_threads: int = 2
     cache_size: int = 512
+    compile_timeout_s: float = 30.0
+    max_constraint_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,16 +41,22 @@ class ConstraintSpec:
 
     kind: ConstraintKind
     value: str
+    strict: bool | None = None
 
     @property
     def key(self) -> str:
-        """Cache key: a hash of kind and value."""
-        return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
+        """Cache key: a hash of kind, value and options."""
+        return hashlib.sha256(f"{self.kind}\0{self.strict}\0{self.value}".encode()).hexdigest()
 
     @classmethod
-    def json_schema(cls, schema: Any) -> ConstraintSpec:
+    def json_schema(cls, schema: Any, strict: bool | None = None) -> ConstraintSpec:
         """Checks `schema` against its draft's meta-schema (default draft 2020-12), including the
-        `regex` format of `pattern`. Raises ValueError("... is not a valid JSON Schema: ...")."""
+        `regex` format of `pattern`. Raises ValueError("... is not a valid JSON Schema: ...").
+
+        strict: None (default) follows the spec (objects open unless `additionalProperties`
+        closes them) and refuses keywords that cannot be enforced; True also closes every object
+        (OpenAI strict mode); False is best-effort: unenforceable keywords are dropped and reported
+        (see grammars/json_schema.py)."""
         import jsonschema
         from jsonschema.validators import validator_for
 
@@ -62,7 +76,7 @@ class ConstraintSpec:
             raise ValueError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
         except RecursionError:
             raise ValueError("schema is nested too deeply to be checked") from None
-        return cls("json_schema", value)
+        return cls("json_schema", value, strict)
 
     @classmethod
     def json_object(cls) -> ConstraintSpec:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
 
+from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -24,6 +27,16 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 def _clean_error(e: Exception) -> str:
     return _XGR_PREFIX.sub("", str(e)).strip()
+
+
+@dataclass
+class CompiledConstraint:
+    """grammar: the backend's compiled grammar; not_enforced: keywords dropped under best-effort
+    ("keyword at /pointer"); compile_s: wall time of the compile."""
+
+    grammar: xgr.CompiledGrammar
+    not_enforced: list[str] = field(default_factory=list)
+    compile_s: float = 0.0
 
 
 class GrammarBackend:
@@ -44,33 +57,67 @@ class GrammarBackend:
         self._lock = threading.Lock()
 
     def submit(self, spec: ConstraintSpec) -> Future:
-        """Future of the compiled grammar (shared by equal specs; LRU-cached). The future's
-        exception is a ValueError naming the problem when the spec cannot be compiled."""
+        """Future of the CompiledConstraint (shared by equal specs; LRU-cached). The future's
+        exception is a ValueError naming the problem when the spec cannot be compiled, is larger
+        than `max_constraint_bytes`, or takes longer than `compile_timeout_s`."""
         with self._lock:
             fut = self._cache.get(spec.key)
             if fut is not None:
                 self._cache.move_to_end(spec.key)
                 return fut
-            fut = self._pool.submit(self._compile, spec)
+            fut = Future()
+            if len(spec.value.encode()) > self.config.max_constraint_bytes:
+                fut.set_exception(ValueError(
+                    f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
+                    f"{self.config.max_constraint_bytes}-byte limit"))
+            else:
+                inner = self._pool.submit(self._compile, spec)
+                timer = threading.Timer(self.config.compile_timeout_s, self._time_out, (fut, spec))
+                timer.daemon = True
+                timer.start()
+                inner.add_done_callback(lambda f: (timer.cancel(), _forward(f, fut)))
             self._cache[spec.key] = fut
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
             return fut
 
-    def compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+    def _time_out(self, fut: Future, spec: ConstraintSpec) -> None:
+        try:
+            fut.set_exception(ValueError(f"{spec.kind} constraint did not compile within "
+                                         f"{self.config.compile_timeout_s:g} s"))
+        except Exception:  # noqa: BLE001 (InvalidStateError: it finished just now)
+            return
+        with self._lock:  # a later identical request may try again
+            if self._cache.get(spec.key) is fut:
+                del self._cache[spec.key]
+
+    def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
         """Compile (or fetch from cache), blocking. Raises ValueError on an invalid spec."""
         return self.submit(spec).result()
 
-    def _compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+    def _compile(self, spec: ConstraintSpec) -> CompiledConstraint:
+        t0 = time.perf_counter()
+        not_enforced: list[str] = []
+        grammar = self._compile_grammar(spec, not_enforced)
+        return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0)
+
+    def _compile_grammar(self, spec: ConstraintSpec, not_enforced: list[str]) -> xgr.CompiledGrammar:
         c, cfg = self._compiler, self.config
-        ws = {"any_whitespace": cfg.any_whitespace}
+        ws = {"any_whitespace": cfg.any_whitespace, "indent": cfg.indent}
         if cfg.any_whitespace:
             ws["max_whitespace_cnt"] = cfg.max_whitespace_cnt
         try:
             if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.value, strict_mode=True, **ws)
+                norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
+                                        close_objects=spec.strict is True)
+                not_enforced.extend(norm.not_enforced)
+                return c.compile_json_schema(json.dumps(norm.schema, ensure_ascii=False), strict_mode=False, **ws)
             if spec.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+            if spec.kind == "lark":
+                from agentrt.grammars.lark_grammar import lark_to_ebnf
+
+                return c.compile_grammar(lark_to_ebnf(spec.value), root_rule_name="root")
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             if spec.kind == "grammar":
@@ -82,11 +129,14 @@ class GrammarBackend:
             raise ValueError(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}") from None
         raise ValueError(f"unknown constraint kind '{spec.kind}'")
 
-    def new_matcher(self, compiled: xgr.CompiledGrammar, extra_stop_ids: list[int] = ()) -> xgr.GrammarMatcher:
+
+    def new_matcher(self, compiled: CompiledConstraint, extra_stop_ids: list[int] = (),
+                    max_rollback_tokens: int = -1) -> xgr.GrammarMatcher:
         """A fresh per-request matcher; every model stop id and `extra_stop_ids` is allowed only
         where the grammar may end."""
         stops = sorted(set(self.stop_ids) | set(extra_stop_ids))
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+        return xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=stops,
+                                  max_rollback_tokens=max_rollback_tokens)
 
     def allocate_bitmask(self, batch: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(batch, self.vocab_size)
@@ -103,3 +153,14 @@ class GrammarBackend:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _forward(src: Future, dst: Future) -> None:
+    """Copy a finished future's outcome into `dst` unless `dst` already timed out."""
+    try:
+        if src.exception() is not None:
+            dst.set_exception(src.exception())
+        else:
+            dst.set_result(src.result())
+    except Exception:  # noqa: BLE001 (InvalidStateError: dst timed out first)
+        pass
