@@ -56,7 +56,8 @@ class StreamOptions(BaseModel):
 
 class _CommonRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
-    repetition_penalty, regex, grammar, choice, ignore_eos, stop_token_ids)."""
+    repetition_penalty, regex, grammar (EBNF), lark, choice, ignore_eos, stop_token_ids, cache_salt,
+    max_tokens_policy)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -80,8 +81,10 @@ class _CommonRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     regex: str | None = None
     grammar: str | None = None
+    lark: str | None = None
     choice: list[str] | None = None
     cache_salt: str | None = None
+    max_tokens_policy: Literal["length", "close"] = "length"
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in self.unsupported_fields:
@@ -105,6 +108,7 @@ class _CommonRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
+            max_tokens_policy=self.max_tokens_policy,
         )
 
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
@@ -115,7 +119,7 @@ class _CommonRequest(BaseModel):
         given = []
         if response_format is not None and response_format.type != "text":
             given.append("response_format")
-        given += [name for name in ("regex", "grammar", "choice") if getattr(self, name) is not None]
+        given += [name for name in ("regex", "grammar", "lark", "choice") if getattr(self, name) is not None]
         if len(given) > 1:
             raise APIError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
         if not given:
@@ -133,11 +137,14 @@ class _CommonRequest(BaseModel):
                     raise APIError("response_format.json_schema is required for type json_schema",
                                    param="response_format.json_schema")
                 param = "response_format.json_schema.schema"
-                return ConstraintSpec.json_schema(response_format.json_schema.schema_), param
+                return ConstraintSpec.json_schema(response_format.json_schema.schema_,
+                                                  strict=response_format.json_schema.strict), param
             if field == "regex":
                 return ConstraintSpec.regex(self.regex), field
             if field == "grammar":
                 return ConstraintSpec.grammar(self.grammar), field
+            if field == "lark":
+                return ConstraintSpec.lark(self.lark), field
             return ConstraintSpec.choice(self.choice), field
         except ValueError as e:
             raise APIError(f"{param}: {e}", param=param) from None

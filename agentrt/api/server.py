@@ -147,9 +147,10 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     async def _run(req, raw, prompt_ids, max_tokens, response_format, prompt_param, chat: bool):
         params = req.sampling_params(max_tokens)
         constraint, constraint_param = req.constraint(response_format)
+        not_enforced: list[str] = []
         if constraint is not None:
             try:
-                await engine.compile(constraint)
+                not_enforced = (await engine.compile(constraint)).not_enforced
             except ValueError as e:
                 raise APIError(f"{constraint_param}: {e}", param=constraint_param) from None
         stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -166,11 +167,13 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             raise APIError(first.error or "generation failed", status=first.error_status,
                            type_="invalid_request_error" if first.error_status < 500 else "server_error")
         created = int(time.time())
+        # best-effort schemas (strict: false): keywords dropped are named in a header and a field
+        headers = {"X-Agentrt-Not-Enforced": ", ".join(not_enforced)} if not_enforced else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 _sse(gen, first, stream_id, created, chat, include_usage, len(prompt_ids)),
-                media_type="text/event-stream",
+                media_type="text/event-stream", headers=headers,
             )
         last = first
         async for out in gen:
@@ -189,8 +192,11 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         else:
             choice["text"] = last.text
             obj = "text_completion"
-        return {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+        body = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
                 "choices": [choice], "usage": usage}
+        if not_enforced:
+            body["not_enforced"] = not_enforced
+        return JSONResponse(body, headers=headers)
 
     async def _sse(gen: AsyncIterator[RequestOutput], first: RequestOutput, stream_id: str, created: int,
                    chat: bool, include_usage: bool, num_prompt: int):

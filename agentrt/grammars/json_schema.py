@@ -582,12 +582,22 @@ class _Normalizer:
             out["format"] = fmt
             return out
         if pattern is not None:
-            if _UNSUPPORTED_REGEX.search(pattern):
+            if "\\\\" in pattern:
+                # the backend matches patterns against the raw JSON text, where a backslash starts an
+                # escape: measured, the pattern a-backslash-n-b admitted the JSON string "a\\nb" (a newline)
+                self.unsupported("pattern", _ptr(pointer, "pattern"), "a literal backslash in a pattern is not "
+                                 "supported")
+                pattern = None
+            elif _UNSUPPORTED_REGEX.search(pattern):
                 self.unsupported("pattern", _ptr(pointer, "pattern"),
                                  "lookaround, backreferences, \\b and \\p{...} are not supported")
                 pattern = None
             else:
                 full = _as_fullmatch(pattern)
+                if full is None:
+                    self.unsupported("pattern", _ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are "
+                                     "not supported")
+                    return out
                 if full != pattern:
                     self.rewrite("pattern", _ptr(pointer, "pattern"))
                 if lo or hi is not None:
@@ -694,7 +704,8 @@ class _Normalizer:
                     props[k] = merged
             ap = n
         if pattern_props:
-            ok = len(pattern_props) == 1 and ap is _UNSAT and not _UNSUPPORTED_REGEX.search(next(iter(pattern_props)))
+            ok = (len(pattern_props) == 1 and ap is _UNSAT and not _UNSUPPORTED_REGEX.search(next(iter(pattern_props)))
+                  and _as_fullmatch(next(iter(pattern_props))) is not None)
             if ok:
                 pat, sub = next(iter(pattern_props.items()))
                 try:
@@ -850,15 +861,77 @@ def _json_equal(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _as_fullmatch(pattern: str) -> str:
+def _as_fullmatch(pattern: str) -> str | None:
     """JSON Schema `pattern` is a search (ECMA-262, unanchored); the backend matches the whole
-    string. Anchor it: '^p$' -> 'p'; 'p' -> '.*(?:p).*' (one side open where only one anchor)."""
-    head = pattern.startswith("^")
-    tail = pattern.endswith("$") and not pattern.endswith("\\$")
-    core = pattern[1 if head else 0: len(pattern) - (1 if tail else 0)]
-    if head and tail and "|" not in core:
-        return core
-    return ("" if head else ".*") + "(?:" + core + ")" + ("" if tail else ".*")
+    string and ignores anchors inside a pattern. Rewrite to a whole-string pattern: '^p$' -> 'p';
+    'p' -> '.*(?:p).*'; top-level alternatives anchored one by one ('(^a$)|(^b)') each get their
+    own padding. None when an anchor sits anywhere else (refused by the caller)."""
+    body = pattern
+    while _is_one_group(body):
+        body = body[body.index(":") + 1 if body.startswith("(?:") else 1: -1]
+    alts = _split_top(body, "|")
+    out = []
+    for alt in alts:
+        while _is_one_group(alt):
+            alt = alt[alt.index(":") + 1 if alt.startswith("(?:") else 1: -1]
+        head = alt.startswith("^")
+        tail = alt.endswith("$") and not alt.endswith("\\$")
+        core = alt[1 if head else 0: len(alt) - (1 if tail else 0)]
+        if _has_anchor(core):
+            return None
+        out.append(("" if head else ".*") + ("(?:" + core + ")" if "|" in core else core) + ("" if tail else ".*"))
+    if len(out) == 1:
+        return out[0]
+    return "(?:" + "|".join(out) + ")"
+
+
+def _scan(text: str):
+    """Yield (index, char, depth, in_class) for unescaped characters of a regex."""
+    depth, in_class, i = 0, False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            yield i, c, depth, True
+        else:
+            if c == "[":
+                in_class = True
+                if text[i + 1: i + 2] == "^":
+                    i += 1
+                if text[i + 1: i + 2] == "]":
+                    i += 1
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+            yield i, c, depth, False
+        i += 1
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    cuts = [i for i, c, depth, in_class in _scan(text) if c == sep and depth == 0 and not in_class]
+    parts, prev = [], 0
+    for i in cuts:
+        parts.append(text[prev:i])
+        prev = i + 1
+    return parts + [text[prev:]]
+
+
+def _is_one_group(text: str) -> bool:
+    if not (text.startswith("(") and text.endswith(")")) or text.startswith("(?") and not text.startswith("(?:"):
+        return False
+    for i, c, depth, in_class in _scan(text):
+        if c == ")" and not in_class and depth == 0:
+            return i == len(text) - 1
+    return False
+
+
+def _has_anchor(text: str) -> bool:
+    return any(c in "^$" and not in_class for _i, c, _d, in_class in _scan(text))
 
 
 _ATOM = r"(?:\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\\.|[^\\\[\](){}|*+?.^$])"

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark", "choice"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class GrammarConfig:
 class ConstraintSpec:
     """A constraint as the user gave it. `value` is a canonical string: JSON text of the schema
     (key order kept: property order decides output order) or of the choice list; the regex; the
-    EBNF text (GBNF-style, root rule `root`). Build with the classmethods, which raise ValueError
+    EBNF text (GBNF-style, root rule `root`); the Lark text (start rule `start`). Build with the classmethods, which raise ValueError
     naming the problem when the input is not a valid constraint."""
 
     kind: ConstraintKind
@@ -93,6 +93,13 @@ class ConstraintSpec:
         if not isinstance(ebnf, str) or not ebnf.strip():
             raise ValueError("grammar must be a non-empty EBNF string with a `root` rule")
         return cls("grammar", ebnf)
+
+    @classmethod
+    def lark(cls, grammar: str) -> ConstraintSpec:
+        """A Lark grammar (start rule `start`), converted to EBNF by grammars/lark_grammar.py."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError("lark grammar must be a non-empty string with a `start` rule")
+        return cls("lark", grammar)
 
     @classmethod
     def choice(cls, choices: list[str]) -> ConstraintSpec:

@@ -25,6 +25,18 @@ from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
+# xgrammar's length-bounded strings (minLength/maxLength) take any character but quote, backslash,
+# CR and LF: raw control characters (invalid JSON, seen in a random walk) and no escapes (valid
+# strings refused). One unit is a JSON character or a two-character escape (one string character
+# each; \uXXXX left out: a surrogate pair would count twice).
+_BOUNDED_CHAR = '_characters ::= (([^\\"\\\\\\r\\n]))'
+_BOUNDED_CHAR_FIXED = '_characters ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" [\\"\\\\/bfnrt]))'
+
+
+def _fix_bounded_strings(ebnf: str) -> str:
+    return ebnf.replace(_BOUNDED_CHAR, _BOUNDED_CHAR_FIXED)
+
+
 def _clean_error(e: Exception) -> str:
     return _XGR_PREFIX.sub("", str(e)).strip()
 
@@ -51,6 +63,9 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_ids = tuple(stop_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self.info = info
+        self._tokenizer = tokenizer
+        self._planner = None
         self._compiler = xgr.GrammarCompiler(info, max_threads=config.compile_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(config.compile_threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, Future] = OrderedDict()
@@ -111,7 +126,9 @@ class GrammarBackend:
                 norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
                                         close_objects=spec.strict is True)
                 not_enforced.extend(norm.not_enforced)
-                return c.compile_json_schema(json.dumps(norm.schema, ensure_ascii=False), strict_mode=False, **ws)
+                grammar = xgr.Grammar.from_json_schema(json.dumps(norm.schema, ensure_ascii=False), strict_mode=False,
+                                                       **ws)
+                return c.compile_grammar(_fix_bounded_strings(str(grammar)))
             if spec.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
             if spec.kind == "lark":
@@ -137,6 +154,23 @@ class GrammarBackend:
         stops = sorted(set(self.stop_ids) | set(extra_stop_ids))
         return xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=stops,
                                   max_rollback_tokens=max_rollback_tokens)
+
+    @property
+    def planner(self):
+        """The ClosingPlanner for this tokenizer (length-safe policy), built on first use."""
+        if self._planner is None:
+            from agentrt.grammars.length_policy import ClosingPlanner
+
+            special = set(self.info.special_token_ids)
+            texts = []
+            for i, b in enumerate(self.info.decoded_vocab):
+                try:
+                    texts.append(None if i in special else bytes(b).decode("utf-8"))
+                except UnicodeDecodeError:
+                    texts.append(None)
+            tok = self._tokenizer
+            self._planner = ClosingPlanner(texts, lambda t: tok.encode(t, add_special_tokens=False))
+        return self._planner
 
     def allocate_bitmask(self, batch: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(batch, self.vocab_size)

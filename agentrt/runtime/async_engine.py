@@ -47,9 +47,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def compile(self, spec: ConstraintSpec) -> None:
-        """Compile (or find cached) a constraint without blocking the event loop. Raises ValueError."""
-        await asyncio.wrap_future(self.engine.grammar.submit(spec))
+    async def compile(self, spec: ConstraintSpec):
+        """Compile (or find cached) a constraint without blocking the event loop; returns the
+        CompiledConstraint. Raises ValueError."""
+        return await asyncio.wrap_future(self.engine.grammar.submit(spec))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        constraint: ConstraintSpec | None = None,

@@ -196,6 +196,21 @@ class Engine:
                 outputs.append(self._finish(r, "error"))
                 continue
             r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
+            r.not_enforced = list(compiled.not_enforced)
+            if r.params.max_tokens_policy == "close":
+                path = self.grammar.planner.closing_path(r.matcher)
+                if path is None:
+                    r.error = ("max_tokens_policy 'close' is not available for this constraint: no closing "
+                               "path was found from its start (a pattern needs text the planner cannot build)")
+                    r.error_status = 400
+                    outputs.append(self._finish(r, "error"))
+                    continue
+                if path.num_tokens > r.max_tokens:
+                    r.error = (f"max_tokens {r.max_tokens} is below the {path.num_tokens} tokens the constraint "
+                               "needs to close (max_tokens_policy 'close')")
+                    r.error_status = 400
+                    outputs.append(self._finish(r, "error"))
+                    continue
             self.scheduler.add(r)
         return outputs
 
@@ -213,17 +228,19 @@ class Engine:
             self.metrics.itl.observe(now - r.last_token_time)
         r.last_token_time = now
         self.metrics.generation_tokens.inc()
-        r.output_ids.append(tok)
-        self.stats.num_generated_tokens += 1
         p = r.params
         reason = None
         if r.matcher is not None:
             if not r.matcher.accept_token(tok):
                 r.error = f"token {tok} was rejected by the grammar matcher"
                 return self._finish(r, "error")
+            if p.max_tokens_policy == "close" and not r.matcher.is_terminated():
+                tok = self._keep_closable(r, tok)
             if r.matcher.is_terminated():
                 reason = "stop"
-        elif (tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        r.output_ids.append(tok)
+        self.stats.num_generated_tokens += 1
+        if r.matcher is None and ((tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
         text_ids = r.output_ids[:-1] if reason == "stop" else r.output_ids
         text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
@@ -238,6 +255,26 @@ class Engine:
         if reason is not None:
             return self._finish(r, reason)
         return self._emit(r, final=False)
+
+    def _keep_closable(self, r: Request, tok: int) -> int:
+        """Length-safe policy: `tok` was just accepted; if what is left of the budget after it
+        cannot close the grammar, undo it and take the first step of the closing path instead."""
+        planner = self.grammar.planner
+        left = r.max_tokens - len(r.output_ids) - 1
+        path = planner.closing_path(r.matcher)
+        if path is not None and path.num_tokens <= left:
+            return tok
+        # over budget, or a state with no known way to close: never enter it
+        r.matcher.rollback(1)
+        before = planner.closing_path(r.matcher)
+        if before is None:  # only when the request started without a path (checked at admission)
+            r.matcher.accept_token(tok)
+            return tok
+        forced = planner.best_step(before)
+        r.matcher.accept_token(forced)
+        r.num_forced_tokens += 1
+        self.metrics.length_forced_tokens.inc()
+        return forced
 
     def _emit(self, r: Request, final: bool) -> RequestOutput | None:
         text = r.text

@@ -20,6 +20,9 @@ class EngineMetrics:
         self.computed_prefill_tokens = Counter("agentrt_computed_prefill_tokens",
                                                "Prefill tokens computed (incl. recompute)", registry=r)
         self.generation_tokens = Counter("agentrt_generation_tokens", "Tokens generated", registry=r)
+        self.length_forced_tokens = Counter("agentrt_length_policy_forced_tokens",
+                                            "Tokens replaced by the length-safe policy to close a constraint",
+                                            registry=r)
         self.preemptions = Counter("agentrt_preemptions", "Requests preempted for lack of KV", registry=r)
         self.finished = Counter("agentrt_requests_finished", "Finished requests", ["reason"], registry=r)
         self.kv_usage = Gauge("agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)", registry=r)

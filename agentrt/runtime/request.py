@@ -19,6 +19,9 @@ class SamplingParams:
     repetition_penalty in [0.01, 10] on prompt and generated tokens (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias in [-100, 100] added to the logit.
     stop: strings that end the output (not included in it); stop_token_ids: extra stop ids.
+    max_tokens_policy: "length" (default, OpenAI: stop at max_tokens, finish_reason "length") or
+    "close": with a constraint, keep enough budget to finish it and close it validly
+    (grammars/length_policy.py); no effect without a constraint.
     Raises ValueError naming the field on an invalid value (see `validate`).
     """
 
@@ -36,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    max_tokens_policy: str = "length"
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -43,6 +47,8 @@ class SamplingParams:
 
         if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens_policy not in ("length", "close"):
+            raise bad("max_tokens_policy", f"must be 'length' or 'close', got {self.max_tokens_policy!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -115,6 +121,8 @@ class Request:
     max_tokens: int = 0  # resolved budget, set by the engine
     matcher: object | None = None
     compile_future: object | None = None
+    not_enforced: list[str] = field(default_factory=list)  # schema keywords dropped under best-effort
+    num_forced_tokens: int = 0  # tokens replaced by the length-safe policy
     generator: object | None = None
     text: str = ""
     sent_len: int = 0

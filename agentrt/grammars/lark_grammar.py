@@ -1,0 +1,240 @@
+"""Lark grammars -> the backend's EBNF.
+
+The grammar is parsed and expanded by `lark` itself (imports such as `%import common.WS`,
+templates, `?rule` inlining, EBNF operators -> plain BNF rules), then written out as EBNF:
+- each rule alternative becomes an EBNF alternative of its symbols;
+- each terminal becomes a rule: a string (case-insensitive strings spelled `[sS][eE]...`) or its
+  regular expression translated node by node from Python's regex parser (`re._parser`):
+  literals, classes, `\\d \\w \\s`, `.`, groups, alternation, greedy repetition, inline `(?i:...)`;
+- `%ignore` terminals may follow every terminal and open the text (`root ::= ign start`).
+
+Refused with ValueError naming the construct (the result would not be the same language):
+lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
+lazy repetition, `\\W \\S \\D`, Unicode-wide case folding. Lark priorities and the contextual
+lexer only choose among parses; they do not change the language of the text, with one caveat: a
+CFG admits tokenizations lark's lexer would not choose (e.g. a keyword spelled where a NAME is
+expected), so rare outputs may not parse with lark's LALR lexer (they parse with Earley's
+dynamic lexer).
+"""
+
+from __future__ import annotations
+
+import re
+
+try:
+    import re._constants as sre_c  # Python >= 3.11
+    import re._parser as sre_parse
+except ImportError:  # pragma: no cover
+    import sre_constants as sre_c
+    import sre_parse
+
+# lark's common.ESCAPED_STRING and the `"\"" _STRING_INNER "\""` spelling of it: a double-quoted
+# string with backslash escapes. Their lazy repetition / lookbehind only find the closing quote,
+# so the language is that of the greedy rule below.
+_ESCAPED_STRING_RES = ('".*?(?<!\\\\)(\\\\\\\\)*?"', '"(?:[^"\\\\]|\\\\.)*?"')
+_ESCAPED_STRING_EBNF = '"\\"" ([^"\\\\] | "\\\\" [^])* "\\""'
+_CATEGORIES = {
+    sre_c.CATEGORY_DIGIT: "0-9",
+    sre_c.CATEGORY_WORD: "a-zA-Z0-9_",
+    sre_c.CATEGORY_SPACE: " \\t\\n\\r\\f\\v",
+}
+
+
+def _esc_char(cp: int, in_class: bool) -> str:
+    c = chr(cp)
+    if c == "\n":
+        return "\\n"
+    if c == "\t":
+        return "\\t"
+    if c == "\r":
+        return "\\r"
+    if c in ("\\", '"') or (in_class and c in "]-^["):
+        return "\\" + c
+    if cp < 0x20 or cp == 0x7F:
+        return f"\\x{cp:02x}"
+    return c
+
+
+def _literal(text: str, ignore_case: bool = False) -> str:
+    if not text:
+        return '""'
+    if not ignore_case or not any(c.isalpha() for c in text):
+        return '"' + "".join(_esc_char(ord(c), False) for c in text) + '"'
+    parts = []
+    for c in text:
+        if c.isascii() and c.isalpha():
+            parts.append(f"[{c.lower()}{c.upper()}]")
+        elif c.isalpha():
+            raise ValueError(f"case-insensitive non-ASCII text {text!r} is not supported")
+        else:
+            parts.append('"' + _esc_char(ord(c), False) + '"')
+    return "(" + " ".join(parts) + ")"
+
+
+class _RegexToEBNF:
+    def __init__(self, terminal: str):
+        self.terminal = terminal
+
+    def fail(self, what: str):
+        raise ValueError(f"terminal {self.terminal}: {what} cannot be converted to a grammar")
+
+    def convert(self, pattern: str, ignore_case: bool) -> str:
+        try:
+            tree = sre_parse.parse(pattern)
+        except re.error as e:
+            self.fail(f"regex {pattern!r} ({e})")
+        if tree.state.flags & re.IGNORECASE:
+            ignore_case = True
+        return self.seq(list(tree), ignore_case)
+
+    def seq(self, items, ic: bool) -> str:
+        parts = [self.node(op, av, ic) for op, av in items]
+        parts = [p for p in parts if p != '""']
+        if not parts:
+            return '""'
+        return parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")"
+
+    def node(self, op, av, ic: bool) -> str:
+        if op is sre_c.LITERAL:
+            c = chr(av)
+            if ic and c.isascii() and c.isalpha():
+                return f"[{c.lower()}{c.upper()}]"
+            return '"' + _esc_char(av, False) + '"'
+        if op is sre_c.NOT_LITERAL:
+            return f"[^{_esc_char(av, True)}]"
+        if op is sre_c.ANY:
+            return "[^\\n]"
+        if op is sre_c.IN:
+            return self.char_class(av, ic)
+        if op is sre_c.BRANCH:
+            return "(" + " | ".join(self.seq(list(b), ic) for b in av[1]) + ")"
+        if op is sre_c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            if add_flags & re.IGNORECASE:
+                ic = True
+            if del_flags & re.IGNORECASE:
+                ic = False
+            return self.seq(list(sub), ic)
+        if op is sre_c.MAX_REPEAT:
+            lo, hi, sub = av
+            inner = self.seq(list(sub), ic)
+            if not re.fullmatch(r'\[(?:\\.|[^\]\\])*\]|"(?:\\.|[^"\\])*"|\(.*\)', inner) or \
+                    (inner.startswith("(") and not _balanced_group(inner)):
+                inner = f"({inner})"
+            if hi is sre_c.MAXREPEAT:
+                return f"{inner}*" if lo == 0 else (f"{inner}+" if lo == 1 else f"{inner}{{{lo},}}")
+            if (lo, hi) == (0, 1):
+                return f"{inner}?"
+            return f"{inner}{{{lo},{hi}}}"
+        if op is sre_c.MIN_REPEAT:
+            self.fail("lazy repetition (*?, +?)")
+        if op in (sre_c.ASSERT, sre_c.ASSERT_NOT):
+            self.fail("lookahead/lookbehind")
+        if op is sre_c.GROUPREF or op is getattr(sre_c, "GROUPREF_EXISTS", None):
+            self.fail("a backreference")
+        if op is sre_c.AT:
+            self.fail("an anchor or word boundary")
+        if op is getattr(sre_c, "ATOMIC_GROUP", None) or op is getattr(sre_c, "POSSESSIVE_REPEAT", None):
+            self.fail("atomic groups / possessive repetition")
+        self.fail(f"regex construct {op}")
+        return ""
+
+    def char_class(self, items, ic: bool) -> str:
+        negate = False
+        out = []
+        for op, av in items:
+            if op is sre_c.NEGATE:
+                negate = True
+            elif op is sre_c.LITERAL:
+                out.append(_esc_char(av, True))
+                c = chr(av)
+                if ic and c.isascii() and c.isalpha():
+                    out.append(c.swapcase())
+            elif op is sre_c.RANGE:
+                lo, hi = av
+                out.append(f"{_esc_char(lo, True)}-{_esc_char(hi, True)}")
+                if ic:
+                    for a, b in ((ord("a"), ord("z")), (ord("A"), ord("Z"))):
+                        s, e = max(lo, a), min(hi, b)
+                        if s <= e:
+                            out.append(f"{chr(s).swapcase()}-{chr(e).swapcase()}")
+            elif op is sre_c.CATEGORY:
+                if av not in _CATEGORIES:
+                    self.fail("\\W, \\S and \\D (their Unicode meaning)")
+                out.append(_CATEGORIES[av])
+            else:
+                self.fail(f"class item {op}")
+        if not out:
+            return "[^]" if negate else '""'
+        return "[" + ("^" if negate else "") + "".join(out) + "]"
+
+
+def _balanced_group(text: str) -> bool:
+    """Is `text` one parenthesized group (its first '(' closes at the end)?"""
+    depth, in_str, in_cls, i = 0, False, False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_str:
+            in_str = c != '"'
+        elif in_cls:
+            in_cls = c != "]"
+        elif c == '"':
+            in_str = True
+        elif c == "[":
+            in_cls = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0 and i != len(text) - 1:
+                return False
+        i += 1
+    return True
+
+
+def _rule_name(name: str) -> str:
+    return "r_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def _term_name(name: str) -> str:
+    return "t_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def lark_to_ebnf(text: str, start: str = "start") -> str:
+    """EBNF (root rule `root`) with the language of the Lark grammar `text` from rule `start`.
+    Raises ValueError naming the problem (a Lark syntax error, or a construct above)."""
+    import lark
+
+    try:
+        parser = lark.Lark(text, start=start, parser="earley", lexer="dynamic", keep_all_tokens=True)
+    except lark.exceptions.LarkError as e:
+        raise ValueError(f"not a valid Lark grammar: {e}") from None
+    ignore = list(parser.ignore_tokens)
+    lines = []
+    alts: dict[str, list[str]] = {}
+    ws = " ign" if ignore else ""
+    for rule in parser.rules:
+        syms = []
+        for sym in rule.expansion:
+            syms.append(_term_name(sym.name) + ws if sym.is_term else _rule_name(sym.name))
+        alts.setdefault(rule.origin.name, []).append(" ".join(syms) if syms else '""')
+    if start not in alts:
+        raise ValueError(f"the Lark grammar has no '{start}' rule")
+    lines.append(f"root ::= {'ign ' if ignore else ''}{_rule_name(start)}")
+    for name, options in alts.items():
+        lines.append(f"{_rule_name(name)} ::= " + " | ".join(f"({o})" for o in options))
+    for t in parser.terminals:
+        pat = t.pattern
+        if pat.type == "str":
+            body = _literal(pat.value, "i" in pat.flags)
+        elif pat.value in _ESCAPED_STRING_RES:
+            body = _ESCAPED_STRING_EBNF
+        else:
+            body = _RegexToEBNF(t.name).convert(pat.value, "i" in pat.flags)
+        lines.append(f"{_term_name(t.name)} ::= {body}")
+    if ignore:
+        lines.append("ign ::= (" + " | ".join(_term_name(n) for n in ignore) + ")*")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""Length-safe constrained output (`max_tokens_policy="close"`): keep enough token budget to
+finish the grammar, and spend the last of it on a path to a valid end.
+
+At each step of a request under this policy the engine asks for a *closing path* from the matcher's
+current state: a short string the grammar accepts that ends where the grammar may stop. It is
+found greedily over the vocabulary's single-character tokens, preferring closers (`"`, `}`, `]`),
+then separators (`,` `:`), digits, letters and the rest; a character just picked 8 times in a row drops to the end of
+the order, which escapes loops such as `a*b` or `}` inside a free-form key. The path's canonical
+tokenization (checked to spell the path exactly; else one token per character) gives the tokens
+still needed, plus one for the stop token. Invariant kept by the engine: tokens left >= path length + 1.
+A sampled token that would break it is replaced by the longest token spelling a prefix of the
+path, so the output stays on a path to a valid end (tokens whose text is a prefix of the path are
+the only ones allowed once the budget is tight).
+
+This is a heuristic shortest path (greedy, not a search over all token sequences): it can be longer
+than the true shortest completion, which only makes the policy close earlier than necessary.
+When no path is found within `max_chars` (a grammar that needs characters with no single-character
+token), the policy cannot guarantee validity and the request behaves as under the default policy.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+_PREFERENCE = '"}],:' + string.digits + string.ascii_lowercase + string.ascii_uppercase + "-.+_ /" + "".join(
+    c for c in string.punctuation if c not in '"}],:-.+_/') + "\t\n"
+
+
+@dataclass
+class ClosingPath:
+    """text: the characters to emit; token_ids: tokens spelling exactly `text`."""
+
+    text: str
+    token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens needed to finish: the path plus the stop token."""
+        return len(self.token_ids) + 1
+
+
+class ClosingPlanner:
+    """Builds closing paths for one tokenizer. `token_texts[i]` is token i's decoded text (None
+    for special tokens)."""
+
+    def __init__(self, token_texts: list[str | None], encode=None, max_chars: int = 1024):
+        """encode: text -> token ids without special tokens (the tokenizer's canonical split)."""
+        self.max_chars = max_chars
+        self.token_texts = token_texts
+        self.encode = encode
+        self.text_to_id: dict[str, int] = {}
+        for i, t in enumerate(token_texts):
+            if t and t not in self.text_to_id:
+                self.text_to_id[t] = i
+        self.max_token_chars = max((len(t) for t in self.text_to_id), default=1)
+        seen = set()
+        self.candidates: list[tuple[str, int]] = []
+        for c in _PREFERENCE:
+            if c not in seen and c in self.text_to_id:
+                seen.add(c)
+                self.candidates.append((c, self.text_to_id[c]))
+
+    def closing_path(self, matcher) -> ClosingPath | None:
+        """Probe from the matcher's state (restored before returning; the matcher needs a rollback
+        window of at least `max_chars`). None when no path is found."""
+        text, ids = [], []
+        run_char, run = "", 0
+        try:
+            while not matcher.is_completed():
+                if len(ids) >= self.max_chars:
+                    return None
+                order = self.candidates
+                if run >= 8:
+                    order = [ct for ct in order if ct[0] != run_char] + [ct for ct in order if ct[0] == run_char]
+                for c, tid in order:
+                    if matcher.accept_token(tid):
+                        text.append(c)
+                        ids.append(tid)
+                        run = run + 1 if c == run_char else 1
+                        run_char = c
+                        break
+                else:
+                    return None
+        finally:
+            if ids:
+                matcher.rollback(len(ids))
+        joined = "".join(text)
+        return ClosingPath(joined, self._tokenize(joined, ids))
+
+    def _tokenize(self, text: str, fallback: list[int]) -> list[int]:
+        if self.encode is None or not text:
+            return fallback
+        ids = self.encode(text)
+        if "".join(self.token_texts[i] or "\0" for i in ids) != text:
+            return fallback
+        return ids
+
+    def best_step(self, path: ClosingPath) -> int:
+        """The first token of the path's tokenization."""
+        return path.token_ids[0]
