@@ -71,12 +71,45 @@ def _literal(text: str, ignore_case: bool = False) -> str:
     return "(" + " ".join(parts) + ")"
 
 
+_JSON_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+_RAW_FORBIDDEN = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # must be escaped inside a JSON string
+_CATEGORY_RANGES = {
+    sre_c.CATEGORY_DIGIT: [(0x30, 0x39)],
+    sre_c.CATEGORY_WORD: [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+    sre_c.CATEGORY_SPACE: [(0x09, 0x0D), (0x20, 0x20)],
+}
+
+
+def _subtract(ranges, cut):
+    out = []
+    for lo, hi in ranges:
+        pieces = [(lo, hi)]
+        for clo, chi in cut:
+            nxt = []
+            for a, b in pieces:
+                if chi < a or clo > b:
+                    nxt.append((a, b))
+                    continue
+                if a < clo:
+                    nxt.append((a, clo - 1))
+                if chi < b:
+                    nxt.append((chi + 1, b))
+            pieces = nxt
+        out += pieces
+    return out
+
+
 class _RegexToEBNF:
-    def __init__(self, terminal: str):
+    """Python-regex AST -> EBNF. json_string=True: the EBNF spells the pattern's matches as the
+    raw text inside a JSON string (quote, backslash and control characters escaped; `.` and
+    negated classes never produce a raw one), which is how xgrammar applies a JSON Schema pattern."""
+
+    def __init__(self, terminal: str, json_string: bool = False):
         self.terminal = terminal
+        self.json_string = json_string
 
     def fail(self, what: str):
-        raise ValueError(f"terminal {self.terminal}: {what} cannot be converted to a grammar")
+        raise ValueError(f"{self.terminal}: {what} cannot be converted to a grammar")
 
     def convert(self, pattern: str, ignore_case: bool) -> str:
         try:
@@ -99,11 +132,16 @@ class _RegexToEBNF:
             c = chr(av)
             if ic and c.isascii() and c.isalpha():
                 return f"[{c.lower()}{c.upper()}]"
+            if self.json_string and (av in _JSON_ESCAPES or av < 0x20):
+                raw = _JSON_ESCAPES.get(av) or f"\\u{av:04x}"
+                return '"' + "".join(_esc_char(ord(ch), False) for ch in raw) + '"'
             return '"' + _esc_char(av, False) + '"'
         if op is sre_c.NOT_LITERAL:
+            if self.json_string:
+                return self.ranges([(av, av)] + _RAW_FORBIDDEN, negate=True)
             return f"[^{_esc_char(av, True)}]"
         if op is sre_c.ANY:
-            return "[^\\n]"
+            return self.ranges([(0x0A, 0x0A)] + _RAW_FORBIDDEN, negate=True) if self.json_string else "[^\\n]"
         if op is sre_c.IN:
             return self.char_class(av, ic)
         if op is sre_c.BRANCH:
@@ -139,7 +177,39 @@ class _RegexToEBNF:
         self.fail(f"regex construct {op}")
         return ""
 
+    def ranges(self, ranges, negate: bool) -> str:
+        body = "".join(_esc_char(lo, True) if lo == hi else f"{_esc_char(lo, True)}-{_esc_char(hi, True)}"
+                       for lo, hi in sorted(ranges))
+        if not body:
+            return "[^\\0-\\U0010ffff]" if not negate else '""'
+        return "[" + ("^" if negate else "") + body + "]"
+
+    def json_class(self, items, ic: bool) -> str:
+        negate, ranges = False, []
+        for op, av in items:
+            if op is sre_c.NEGATE:
+                negate = True
+            elif op is sre_c.LITERAL:
+                ranges.append((av, av))
+                c = chr(av)
+                if ic and c.isascii() and c.isalpha():
+                    ranges.append((ord(c.swapcase()),) * 2)
+            elif op is sre_c.RANGE:
+                ranges.append(av)
+            elif op is sre_c.CATEGORY and av in _CATEGORY_RANGES:
+                ranges += _CATEGORY_RANGES[av]
+            else:
+                self.fail("\\W, \\S, \\D and other class items")
+        if negate:
+            return self.ranges(ranges + _RAW_FORBIDDEN, negate=True)
+        allowed = _subtract(ranges, _RAW_FORBIDDEN)
+        if not allowed:
+            self.fail("a class of only quote, backslash or control characters")
+        return self.ranges(allowed, negate=False)
+
     def char_class(self, items, ic: bool) -> str:
+        if self.json_string:
+            return self.json_class(items, ic)
         negate = False
         out = []
         for op, av in items:
@@ -167,6 +237,12 @@ class _RegexToEBNF:
         if not out:
             return "[^]" if negate else '""'
         return "[" + ("^" if negate else "") + "".join(out) + "]"
+
+
+def regex_to_json_string_ebnf(pattern: str) -> str:
+    """An EBNF expression for the raw JSON-string text of values that fully match `pattern`
+    (Python/ECMA regex without anchors). Raises ValueError on constructs it cannot express."""
+    return _RegexToEBNF("pattern", json_string=True).convert(pattern, False)
 
 
 def _balanced_group(text: str) -> bool:

@@ -3,9 +3,11 @@ finish the grammar, and spend the last of it on a path to a valid end.
 
 At each step of a request under this policy the engine asks for a *closing path* from the matcher's
 current state: a short string the grammar accepts that ends where the grammar may stop. It is
-found greedily over the vocabulary's single-character tokens, preferring closers (`"`, `}`, `]`),
-then separators (`,` `:`), digits, letters and the rest; a character just picked 8 times in a row drops to the end of
-the order, which escapes loops such as `a*b` or `}` inside a free-form key. The path's canonical
+found greedily over the vocabulary's single-character tokens, preferring closers (`"`, `}`, `]`, `)`),
+then separators (`,` `:` `;` space), digits, letters and the rest. After 6 repeats of one character
+(free text: a key, an email local part), the next step instead takes the character after
+which the grammar allows the fewest candidates, which moves toward structure (`@` in an email,
+the closing quote) rather than more free text. The path's canonical
 tokenization (checked to spell the path exactly; else one token per character) gives the tokens
 still needed, plus one for the stop token. Invariant kept by the engine: tokens left >= path length + 1.
 A sampled token that would break it is replaced by the longest token spelling a prefix of the
@@ -23,8 +25,8 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-_PREFERENCE = '"}],:' + string.digits + string.ascii_lowercase + string.ascii_uppercase + "-.+_ /" + "".join(
-    c for c in string.punctuation if c not in '"}],:-.+_/') + "\t\n"
+_PREFERENCE = '"}])' + ",:; " + string.digits + string.ascii_lowercase + string.ascii_uppercase + "\n-.+_/" + "".join(
+    c for c in string.punctuation if c not in '"}]),:;-.+_/') + "\t"
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ClosingPlanner:
             if c not in seen and c in self.text_to_id:
                 seen.add(c)
                 self.candidates.append((c, self.text_to_id[c]))
+        self.probes = [ct for ct in self.candidates if ct[0] in '"}],0aA@. -:/']
 
     def closing_path(self, matcher) -> ClosingPath | None:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
@@ -70,23 +73,58 @@ class ClosingPlanner:
             while not matcher.is_completed():
                 if len(ids) >= self.max_chars:
                     return None
-                order = self.candidates
-                if run >= 8:
-                    order = [ct for ct in order if ct[0] != run_char] + [ct for ct in order if ct[0] == run_char]
-                for c, tid in order:
-                    if matcher.accept_token(tid):
-                        text.append(c)
-                        ids.append(tid)
-                        run = run + 1 if c == run_char else 1
-                        run_char = c
-                        break
-                else:
+                stuck = run >= 6
+                pick = self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
+                if pick is None:
                     return None
+                c, tid = pick
+                text.append(c)
+                ids.append(tid)
+                run = run + 1 if c == run_char else 1
+                run_char = c
         finally:
             if ids:
                 matcher.rollback(len(ids))
         joined = "".join(text)
         return ClosingPath(joined, self._tokenize(joined, ids))
+
+    def _first(self, matcher, last_resort: str):
+        """Accept the first candidate the grammar allows (`last_resort` tried last)."""
+        order = self.candidates
+        if last_resort:
+            order = [ct for ct in order if ct[0] != last_resort] + [ct for ct in order if ct[0] == last_resort]
+        for c, tid in order:
+            if matcher.accept_token(tid):
+                return c, tid
+        return None
+
+    def _num_allowed(self, matcher) -> int:
+        """How many of a small probe set of characters the grammar allows here (a cheap measure of
+        how free the text is)."""
+        n = 0
+        for _c, tid in self.probes:
+            if matcher.accept_token(tid):
+                matcher.rollback(1)
+                n += 1
+        return n
+
+    def _least_free(self, matcher):
+        """In free text (a loop, or a long path): accept the allowed candidate after which the
+        fewest candidates are allowed -- the character that moves toward structure (`@` in an
+        email, a closing quote) rather than more free text."""
+        best, best_n = None, None
+        for c, tid in self.candidates:
+            if not matcher.accept_token(tid):
+                continue
+            n = 0 if matcher.is_completed() else self._num_allowed(matcher)
+            matcher.rollback(1)
+            if best_n is None or n < best_n:
+                best, best_n = (c, tid), n
+                if n == 0:
+                    break
+        if best is not None:
+            matcher.accept_token(best[1])
+        return best
 
     def _tokenize(self, text: str, fallback: list[int]) -> list[int]:
         if self.encode is None or not text:

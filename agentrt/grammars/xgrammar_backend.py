@@ -33,6 +33,48 @@ _BOUNDED_CHAR = '_characters ::= (([^\\"\\\\\\r\\n]))'
 _BOUNDED_CHAR_FIXED = '_characters ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" [\\"\\\\/bfnrt]))'
 
 
+def _take_patterns(schema):
+    """Swap every `pattern` / `patternProperties` regex for a placeholder xgrammar keeps verbatim.
+    xgrammar's own regex conversion is wrong for an optional group that ends in a repetition:
+    measured, `1(?:x[0-9]+)?Z` admits "10Z". The placeholders get EBNF from our converter."""
+    patterns: list[str] = []
+
+    def walk(s):
+        if isinstance(s, list):
+            return [walk(x) for x in s]
+        if not isinstance(s, dict):
+            return s
+        out = {}
+        for k, v in s.items():
+            if k == "pattern" and isinstance(v, str):
+                patterns.append(v)
+                out[k] = f"AGENTRTPAT{len(patterns) - 1}X"
+            elif k == "patternProperties" and isinstance(v, dict):
+                pp = {}
+                for pat, sub in v.items():
+                    patterns.append(pat)
+                    pp[f"AGENTRTPAT{len(patterns) - 1}X"] = walk(sub)
+                out[k] = pp
+            elif k in ("properties", "$defs") and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            else:
+                out[k] = walk(v)
+        return out
+
+    return walk(schema), patterns
+
+
+def _put_patterns(ebnf: str, patterns: list[str]) -> str:
+    from agentrt.grammars.lark_grammar import regex_to_json_string_ebnf
+
+    for i, pat in enumerate(patterns):
+        placeholder = f'Regex("AGENTRTPAT{i}X", json_string=true)'
+        if placeholder not in ebnf:
+            raise ValueError(f"pattern {pat!r} could not be placed in the grammar")
+        ebnf = ebnf.replace(placeholder, "(" + regex_to_json_string_ebnf(pat) + ")")
+    return ebnf
+
+
 def _fix_bounded_strings(ebnf: str) -> str:
     return ebnf.replace(_BOUNDED_CHAR, _BOUNDED_CHAR_FIXED)
 
@@ -126,9 +168,9 @@ class GrammarBackend:
                 norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
                                         close_objects=spec.strict is True)
                 not_enforced.extend(norm.not_enforced)
-                grammar = xgr.Grammar.from_json_schema(json.dumps(norm.schema, ensure_ascii=False), strict_mode=False,
-                                                       **ws)
-                return c.compile_grammar(_fix_bounded_strings(str(grammar)))
+                schema, patterns = _take_patterns(norm.schema)
+                grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
+                return c.compile_grammar(_put_patterns(_fix_bounded_strings(str(grammar)), patterns))
             if spec.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
             if spec.kind == "lark":
