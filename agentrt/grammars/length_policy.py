@@ -46,10 +46,18 @@ class ClosingPlanner:
     """Builds closing paths for one tokenizer. `token_texts[i]` is token i's decoded text (None
     for special tokens)."""
 
-    def __init__(self, token_texts: list[str | None], encode=None, max_chars: int = 1024):
-        """encode: text -> token ids without special tokens (the tokenizer's canonical split)."""
+    def __init__(self, token_texts: list[str | None], encode=None, max_chars: int = 512, max_escapes: int = 48,
+                 max_fills: int = 256):
+        """encode: text -> token ids without special tokens (the tokenizer's canonical split).
+        max_chars / max_escapes / max_fills (bitmask fills, ~2 ms each on large grammars) bound
+        the work of one search (no path: None)."""
         self.max_chars = max_chars
+        self.max_escapes = max_escapes
+        self.max_fills = max_fills
+        self._fills = 0
         self.token_texts = token_texts
+        self.vocab_size = len(token_texts)
+        self._bitmask = None
         self.encode = encode
         self.text_to_id: dict[str, int] = {}
         for i, t in enumerate(token_texts):
@@ -68,12 +76,17 @@ class ClosingPlanner:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
         window of at least `max_chars`). None when no path is found."""
         text, ids = [], []
-        run_char, run = "", 0
+        run_char, run, escapes = "", 0, 0
+        self._fills = 0
         try:
             while not matcher.is_completed():
                 if len(ids) >= self.max_chars:
                     return None
                 stuck = run >= 6
+                if stuck:
+                    escapes += 1
+                    if escapes > self.max_escapes:
+                        return None
                 pick = self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
                 if pick is None:
                     return None
@@ -89,12 +102,26 @@ class ClosingPlanner:
         return ClosingPath(joined, self._tokenize(joined, ids))
 
     def _first(self, matcher, last_resort: str):
-        """Accept the first candidate the grammar allows (`last_resort` tried last)."""
+        """Accept the first candidate the grammar allows (`last_resort` tried last): accept
+        attempts for the first 8, then one bitmask fill to find the first allowed of the rest."""
         order = self.candidates
         if last_resort:
             order = [ct for ct in order if ct[0] != last_resort] + [ct for ct in order if ct[0] == last_resort]
-        for c, tid in order:
+        for c, tid in order[:8]:  # most steps end here: accept attempts cost microseconds
             if matcher.accept_token(tid):
+                return c, tid
+        order = order[8:]
+        self._fills += 1
+        if self._fills > self.max_fills:
+            return None
+        if self._bitmask is None:  # then one bitmask fill (milliseconds on large grammars)
+            import xgrammar as xgr
+
+            self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(self._bitmask, 0)
+        words = self._bitmask[0].numpy()
+        for c, tid in order:
+            if (int(words[tid >> 5]) >> (tid & 31)) & 1 and matcher.accept_token(tid):
                 return c, tid
         return None
 

@@ -21,7 +21,9 @@ class GrammarConfig:
     cache_size: compiled grammars kept (LRU).
     compile_timeout_s: a constraint that has not compiled after this long is refused (400); the
     compile thread finishes in the background and its result is dropped.
-    max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400)."""
+    max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
+    jump_forward: append the tokens of grammar-forced text without sampling them (see
+    Engine._jump_forward)."""
 
     any_whitespace: bool = False
     max_whitespace_cnt: int = 2
@@ -29,6 +31,7 @@ class GrammarConfig:
     compile_threads: int = 2
     cache_size: int = 512
     compile_timeout_s: float = 30.0
+    jump_forward: bool = True
     max_constraint_bytes: int = 1 << 20
 
 

@@ -42,6 +42,7 @@ class EngineStats:
     num_cached_prompt_tokens: int = 0
     num_computed_prefill_tokens: int = 0
     num_generated_tokens: int = 0
+    num_jump_forward_tokens: int = 0
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
     prefill_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -141,8 +142,11 @@ class Engine:
                 self._count_prompt(r)
             ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
             chunks.append(SeqChunk(ids, c.context_len, r.slots[: c.context_len + c.num_new], c.sample))
-            if c.num_new > 1 or not c.sample:
-                num_prefill += c.num_new
+            jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
+            r.pending_jump_forward -= jumped
+            n = c.num_new - jumped
+            if n > 1 or not c.sample:
+                num_prefill += n
         self.stats.num_computed_prefill_tokens += num_prefill
         self.metrics.computed_prefill_tokens.inc(num_prefill)
         logits = self.runner.execute(chunks)
@@ -240,6 +244,8 @@ class Engine:
                 reason = "stop"
         r.output_ids.append(tok)
         self.stats.num_generated_tokens += 1
+        if r.matcher is not None and reason is None and self.config.grammar.jump_forward:
+            self._jump_forward(r)
         if r.matcher is None and ((tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
         text_ids = r.output_ids[:-1] if reason == "stop" else r.output_ids
@@ -256,12 +262,53 @@ class Engine:
             return self._finish(r, reason)
         return self._emit(r, final=False)
 
+    def _jump_forward(self, r: Request) -> None:
+        """Append the tokens of the text the grammar forces next (xgrammar's jump-forward string)
+        without sampling them; their KV is computed with the next step's chunk. Only the forced
+        text's canonical tokens are used, never across the boundary with the last sampled token
+        (its retokenization must not merge), and the last forced token is held back (the model may
+        extend it into free text), so the sequence stays one the tokenizer would produce."""
+        forced = r.matcher.find_jump_forward_string()
+        if not forced:
+            return
+        texts = self.grammar.planner.token_texts
+        last = texts[r.output_ids[-1]] if r.output_ids[-1] < len(texts) else None
+        if last is None:
+            return
+        ids = self.tokenizer.encode(forced, add_special_tokens=False)
+        if "".join(texts[i] or "\0" for i in ids) != forced:
+            return
+        joint = self.tokenizer.encode(last + forced, add_special_tokens=False)
+        if joint != [r.output_ids[-1], *ids]:
+            return
+        ids = ids[:-1][: max(0, r.max_tokens - len(r.output_ids) - 1)]
+        for i, t in enumerate(ids):
+            if not r.matcher.accept_token(t):  # cannot happen for a forced string; stay safe
+                ids = ids[:i]
+                break
+        if ids:
+            r.output_ids.extend(ids)
+            r.num_jump_forward_tokens += len(ids)
+            r.pending_jump_forward += len(ids)
+            self.stats.num_jump_forward_tokens += len(ids)
+            self.metrics.jump_forward_tokens.inc(len(ids))
+
     def _keep_closable(self, r: Request, tok: int) -> int:
         """Length-safe policy: `tok` was just accepted; if what is left of the budget after it
-        cannot close the grammar, undo it and take the first step of the closing path instead."""
+        cannot close the grammar, undo it and take the first step of the closing path instead.
+        Checked after every token, except on grammars whose closing search takes over 5 ms
+        (seen: long length-bounded strings): there, while more than 2 x the last path + 32 tokens
+        are left, every 8th token."""
         planner = self.grammar.planner
         left = r.max_tokens - len(r.output_ids) - 1
+        if r.close_skip > 0 and left > 2 * r.close_len + 32:
+            r.close_skip -= 1  # far from the budget, on a grammar whose search is slow: check every 8th
+            return tok
+        t0 = time.perf_counter()
         path = planner.closing_path(r.matcher)
+        r.close_skip = 0 if time.perf_counter() - t0 < 0.005 else 7
+        if path is not None:
+            r.close_len = path.num_tokens
         if path is not None and path.num_tokens <= left:
             return tok
         # over budget, or a state with no known way to close: never enter it

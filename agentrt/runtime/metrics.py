@@ -23,6 +23,9 @@ class EngineMetrics:
         self.length_forced_tokens = Counter("agentrt_length_policy_forced_tokens",
                                             "Tokens replaced by the length-safe policy to close a constraint",
                                             registry=r)
+        self.jump_forward_tokens = Counter("agentrt_jump_forward_tokens",
+                                           "Output tokens appended by jump-forward over forced grammar text",
+                                           registry=r)
         self.preemptions = Counter("agentrt_preemptions", "Requests preempted for lack of KV", registry=r)
         self.finished = Counter("agentrt_requests_finished", "Finished requests", ["reason"], registry=r)
         self.kv_usage = Gauge("agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)", registry=r)

@@ -123,6 +123,10 @@ class Request:
     compile_future: object | None = None
     not_enforced: list[str] = field(default_factory=list)  # schema keywords dropped under best-effort
     num_forced_tokens: int = 0  # tokens replaced by the length-safe policy
+    num_jump_forward_tokens: int = 0  # tokens appended by jump-forward (not sampled)
+    pending_jump_forward: int = 0  # of those, tokens whose KV is not computed yet
+    close_len: int = 0  # length-safe policy: tokens the last closing path needed
+    close_skip: int = 0  # length-safe policy: tokens to go before the next check
     generator: object | None = None
     text: str = ""
     sent_len: int = 0

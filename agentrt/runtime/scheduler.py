@@ -171,6 +171,7 @@ class Scheduler:
 
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
+        r.pending_jump_forward = 0  # recomputed with the rest, as prefill
         self._release(r, insert=True)
         r.status = RequestStatus.WAITING
         self.waiting.appendleft(r)

@@ -1,0 +1,61 @@
+"""Jump-forward over grammar-forced text: same greedy outputs as token-by-token decoding, fewer
+sampled tokens, forced tokens counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrt.extraction import extraction_messages
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.runtime.request import SamplingParams
+from tests.conftest import chat_ids, shared_path
+
+
+@pytest.fixture(scope="module")
+def engine_no_jf(default_model_dir):
+    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+    from agentrt.runtime.engine import Engine
+
+    return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
+                               cache=CacheConfig(kv_cache_bytes=128 << 20),
+                               grammar=GrammarConfig(jump_forward=False)))
+
+
+def _requests(tokenizer, n_per_schema: int):
+    docs = [json.loads(line) for line in shared_path("extraction", "docs.jsonl").read_text().splitlines()]
+    seen: dict[str, int] = {}
+    reqs = []
+    for d in docs:
+        if seen.get(d["schema_name"], 0) >= n_per_schema:
+            continue
+        seen[d["schema_name"]] = seen.get(d["schema_name"], 0) + 1
+        schema = json.loads(shared_path("extraction", "schemas", f"{d['schema_name']}.json").read_text())
+        reqs.append((chat_ids(tokenizer, extraction_messages(d["text"], schema)),
+                     SamplingParams(temperature=0, max_tokens=200), ConstraintSpec.json_schema(schema)))
+    return reqs
+
+
+def test_jump_forward_keeps_greedy_outputs(engine, engine_no_jf, tokenizer):
+    reqs = _requests(tokenizer, 2)
+    before = engine.stats.num_jump_forward_tokens
+    with_jf = engine.generate(reqs)
+    forced = engine.stats.num_jump_forward_tokens - before
+    without = engine_no_jf.generate(reqs)
+    assert engine_no_jf.stats.num_jump_forward_tokens == 0
+    assert forced > 0
+    for a, b in zip(with_jf, without):
+        assert a.text == b.text
+        assert a.finish_reason == b.finish_reason
+    total = sum(len(o.token_ids) for o in with_jf)
+    print(f"\njump-forward: {forced} of {total} output tokens forced ({forced / total:.1%})")
+
+
+def test_jump_forward_respects_max_tokens(engine, tokenizer):
+    schema = {"type": "object", "required": ["a_rather_long_property_name_to_force"],
+              "properties": {"a_rather_long_property_name_to_force": {"type": "integer"}}}
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Give a number."}])
+    out = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=4), ConstraintSpec.json_schema(schema))])[0]
+    assert len(out.token_ids) <= 4
+    assert out.finish_reason == "length"
