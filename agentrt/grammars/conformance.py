@@ -77,4 +77,4 @@ def check_schema(backend, schema, tests: list[dict], name: str = "") -> Counts:
     return c
 
 
-__all__ = ["Counts", "check_schema", "accepts", "UnsupportedSchemaError"]
+__all__ = ["Counts", "UnsupportedSchemaError", "accepts", "check_schema"]

@@ -8,12 +8,13 @@ grammar can terminate (xgrammar only admits stop tokens in an accepting state).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -142,7 +143,7 @@ class GrammarBackend:
         try:
             fut.set_exception(ValueError(f"{spec.kind} constraint did not compile within "
                                          f"{self.config.compile_timeout_s:g} s"))
-        except Exception:  # noqa: BLE001 (InvalidStateError: it finished just now)
+        except InvalidStateError:  # it finished just now
             return
         with self._lock:  # a later identical request may try again
             if self._cache.get(spec.key) is fut:
@@ -233,10 +234,8 @@ class GrammarBackend:
 
 def _forward(src: Future, dst: Future) -> None:
     """Copy a finished future's outcome into `dst` unless `dst` already timed out."""
-    try:
+    with contextlib.suppress(InvalidStateError):  # dst timed out first
         if src.exception() is not None:
             dst.set_exception(src.exception())
         else:
             dst.set_result(src.result())
-    except Exception:  # noqa: BLE001 (InvalidStateError: dst timed out first)
-        pass
