@@ -28,6 +28,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--any-whitespace", action="store_true",
                    help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
     p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt)
+    p.add_argument("--indent", type=int, default=None,
+                   help="pretty JSON layout with this indent (default: compact one-line layout)")
+    p.add_argument("--no-jump-forward", action="store_true",
+                   help="sample grammar-forced text token by token instead of appending it")
+    p.add_argument("--compile-timeout", type=float, default=GrammarConfig.compile_timeout_s,
+                   help="seconds a constraint may take to compile before it is refused (400)")
+    p.add_argument("--max-constraint-bytes", type=int, default=GrammarConfig.max_constraint_bytes,
+                   help="largest schema/regex/grammar text accepted")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -35,7 +43,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_cache=not args.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace),
+        grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace,
+                              indent=args.indent, jump_forward=not args.no_jump_forward,
+                              compile_timeout_s=args.compile_timeout,
+                              max_constraint_bytes=args.max_constraint_bytes),
     )
 
 
