@@ -27,15 +27,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens computed in one step (decodes + prefill chunks)")
     p.add_argument("--any-whitespace", action="store_true",
                    help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
-    p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt)
+    p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt,
+                   help="with --any-whitespace: most whitespace characters in one gap (default %(default)s)")
     p.add_argument("--indent", type=int, default=None,
                    help="pretty JSON layout with this indent (default: compact one-line layout)")
     p.add_argument("--no-jump-forward", action="store_true",
                    help="sample grammar-forced text token by token instead of appending it")
     p.add_argument("--compile-timeout", type=float, default=GrammarConfig.compile_timeout_s,
-                   help="seconds a constraint may take to compile before it is refused (400)")
+                   help="seconds a constraint may take to compile before it is refused (400; default %(default)s)")
     p.add_argument("--max-constraint-bytes", type=int, default=GrammarConfig.max_constraint_bytes,
-                   help="largest schema/regex/grammar text accepted")
+                   help="largest schema/regex/grammar text accepted, in bytes (default %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -164,7 +164,8 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                 err.param = "max_completion_tokens"
             raise err from None
         if first.finished and first.finish_reason == "error":
-            raise APIError(first.error or "generation failed", status=first.error_status,
+            param = "max_tokens" if (first.error or "").startswith("max_tokens ") else None
+            raise APIError(first.error or "generation failed", status=first.error_status, param=param,
                            type_="invalid_request_error" if first.error_status < 500 else "server_error")
         created = int(time.time())
         # best-effort schemas (strict: false): keywords dropped are named in a header and a field
