@@ -213,6 +213,10 @@ class _Normalizer:
         if not isinstance(s, dict):
             raise UnsupportedSchemaError("(schema)", pointer, "a subschema must be an object or a boolean")
         s = self.upgrade(dict(s), pointer)
+        for kw in NUMBER_KW + ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
+            v = s.get(kw)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UnsupportedSchemaError(kw, _ptr(pointer, kw), "must be a finite number")
         for kw in ("$dynamicRef", "$recursiveRef"):
             if kw in s:
                 self.unsupported(kw, _ptr(pointer, kw), "dynamic references are not supported")
@@ -536,7 +540,21 @@ class _Normalizer:
         else:
             for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
                 if k in s:
-                    out[k] = int(s[k]) if _is_int(s[k]) else s[k]
+                    v = s[k]
+                    if not _is_int(v) and abs(v - round(v, 6)) > 1e-12:
+                        # the backend's decimal range grammar loses such bounds (measured: a range
+                        # of width 1e-9 admitted an empty value)
+                        self.unsupported(k, _ptr(pointer, k), "number bounds with more than 6 decimals are "
+                                         "not supported")
+                        continue
+                    out[k] = int(v) if _is_int(v) else v
+            lo_b = max((out[k] for k in ("minimum", "exclusiveMinimum") if k in out), default=None)
+            hi_b = min((out[k] for k in ("maximum", "exclusiveMaximum") if k in out), default=None)
+            if lo_b is not None and hi_b is not None:
+                if lo_b > hi_b or (lo_b == hi_b and ("exclusiveMinimum" in out or "exclusiveMaximum" in out)):
+                    return _UNSAT
+                if hi_b - lo_b < 1e-6 and lo_b != hi_b:
+                    self.unsupported("maximum", pointer, "a number range narrower than 1e-6 is not supported")
         if "multipleOf" in s:
             m = s["multipleOf"]
             if integer and _is_int(m) and int(m) == 1:
@@ -765,7 +783,11 @@ class _Normalizer:
         if lo is not None and int(lo) > n_req:
             if closed and int(lo) > len(props):
                 return _UNSAT
-            out["minProperties"] = int(lo)
+            if not closed:  # the grammar may repeat an additional key, which counts once when parsed
+                self.unsupported("minProperties", _ptr(pointer, "minProperties"),
+                                 "minProperties beyond the required properties is supported on closed objects only")
+            else:
+                out["minProperties"] = int(lo)
         if hi is not None:
             if int(hi) < n_req:
                 return _UNSAT

@@ -239,6 +239,16 @@ class _RegexToEBNF:
         return "[" + ("^" if negate else "") + "".join(out) + "]"
 
 
+def regex_to_ebnf(pattern: str) -> str:
+    """An EBNF expression for the strings that fully match `pattern` (a leading `^` and a
+    trailing `$` are allowed; anchors elsewhere, lookaround and backreferences raise ValueError)."""
+    core = pattern
+    core = core.removeprefix("^")
+    if core.endswith("$") and not core.endswith("\\$"):
+        core = core[:-1]
+    return _RegexToEBNF("regex").convert(core, False)
+
+
 def regex_to_json_string_ebnf(pattern: str) -> str:
     """An EBNF expression for the raw JSON-string text of values that fully match `pattern`
     (Python/ECMA regex without anchors). Raises ValueError on constructs it cannot express."""

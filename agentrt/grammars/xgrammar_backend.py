@@ -179,7 +179,11 @@ class GrammarBackend:
 
                 return c.compile_grammar(lark_to_ebnf(spec.value), root_rule_name="root")
             if spec.kind == "regex":
-                return c.compile_regex(spec.value)
+                # our converter, not xgrammar's regex (which admits 1(?:x[0-9]+)?Z on 10Z and
+                # ignores anchors inside a pattern); a whole-match regex, ^ and $ at its ends optional
+                from agentrt.grammars.lark_grammar import regex_to_ebnf
+
+                return c.compile_grammar(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.value, root_rule_name="root")
             if spec.kind == "choice":
