@@ -64,7 +64,7 @@ def test_extra_stop_ids_cannot_end_json_early(engine, tokenizer):
     extra = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     stops = set(engine.stop_ids) | {extra}
     ids = chat_ids(tokenizer, [{"role": "user", "content": "Give a title and a summary of a film."}])
-    params = SamplingParams(temperature=0, max_tokens=120, stop_token_ids=[extra],
+    params = SamplingParams(temperature=0, max_tokens=120, stop_token_ids=[extra], max_tokens_policy="close",
                             logit_bias={t: 100.0 for t in stops})
     out = engine.generate([(ids, params, ConstraintSpec.json_schema(case["schema"]))])[0]
     assert out.finish_reason == "stop", out

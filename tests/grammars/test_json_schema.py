@@ -46,6 +46,7 @@ def test_json_schema_test_suite(backend):
     assert total.compiled >= 150  # most of the suite is enforceable (165 of 383 schemas at writing)
 
 
+@pytest.mark.slow  # minutes on 2 CPU cores: `make test-slow`
 def test_jsonschemabench_instances(backend):
     """The 150 real-world schemas over 10 splits: every valid instance accepted, every invalid one
     rejected, for every schema we compile; refusals name the keyword and its JSON pointer."""

@@ -37,6 +37,7 @@ def _requests(tokenizer, n_per_schema: int):
     return reqs
 
 
+@pytest.mark.slow  # minutes on 2 CPU cores: `make test-slow`
 def test_jump_forward_keeps_greedy_outputs(engine, engine_no_jf, tokenizer):
     """Identical greedy text with and without jump-forward, with one documented exception: decoding
     token by token the model may spell forced text with a non-canonical split (`Ġ[` + `{"` where

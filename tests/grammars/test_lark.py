@@ -43,6 +43,7 @@ def test_sql_grammar_agrees_with_lark_on_spider(backend, grammar):
     assert sum(ours for ours, _ in verdicts) >= 39  # most Spider queries are in these grammars
 
 
+@pytest.mark.slow  # minutes on 2 CPU cores: `make test-slow`
 def test_generated_sql_parses_with_lark(engine, tokenizer):
     """SQL generation on the default model under the converted Spider grammar: every finished
     output parses with lark."""

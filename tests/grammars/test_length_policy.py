@@ -169,6 +169,7 @@ def _random_walks(tmp_path_factory, default_model_dir, schemas, samples: int, ma
     return len(reqs), invalid, no_path
 
 
+@pytest.mark.slow  # minutes on 2 CPU cores: `make test-slow`
 def test_random_walk_soundness_sample(tmp_path_factory, default_model_dir):
     """Every 15th JSONSchemaBench schema, 3 random walks each: all outputs are valid JSON that
     passes jsonschema with format checking (all schemas x 5 walks is the slow test below)."""
