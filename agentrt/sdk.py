@@ -60,9 +60,10 @@ class LLM:
         """Structured output: each input (a user message text or a conversation) -> an object that
         satisfies `schema` (a JSON Schema dict -> dict; a pydantic model class -> an instance).
         One input gives one object, a list gives a list. Raises ValueError when the schema is
-        invalid or an output ran out of tokens before the JSON was complete."""
+        invalid or an output ran out of tokens before the JSON was complete. Objects are closed
+        (OpenAI strict mode: no properties beyond the schema's)."""
         schema_dict, model_cls = _schema_of(schema)
-        spec = ConstraintSpec.json_schema(schema_dict)
+        spec = ConstraintSpec.json_schema(schema_dict, strict=True)  # closed objects, as OpenAI strict
         single = isinstance(inputs, str) or (inputs and isinstance(inputs[0], dict))
         items = [inputs] if single else list(inputs)
         convs = [[{"role": "user", "content": x}] if isinstance(x, str) else x for x in items]
