@@ -58,6 +58,20 @@ def engine(default_model_dir):
                                cache=CacheConfig(kv_cache_bytes=256 << 20)))
 
 
+@pytest.fixture(scope="module")
+def client(engine):
+    """The OpenAI API in-process (FastAPI TestClient) over the shared engine."""
+    from fastapi.testclient import TestClient
+
+    from agentrt.api.server import create_app
+    from agentrt.runtime.async_engine import AsyncEngine
+
+    front = AsyncEngine(engine=engine)
+    with TestClient(create_app(front, "smollm2-135m-instruct")) as c:
+        yield c
+    front.shutdown()
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)

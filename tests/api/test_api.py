@@ -6,21 +6,10 @@ import json
 import re
 
 import pytest
-from fastapi.testclient import TestClient
 
-from agentrt.api.server import create_app
-from agentrt.runtime.async_engine import AsyncEngine
 from tests.conftest import load_case
 
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    front = AsyncEngine(engine=engine)
-    with TestClient(create_app(front, MODEL)) as c:
-        yield c
-    front.shutdown()
 
 
 def _chat(client, **kw):

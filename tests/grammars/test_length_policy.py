@@ -8,13 +8,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fastapi.testclient import TestClient
 from jsonschema.validators import validator_for
 
-from agentrt.api.server import create_app
 from agentrt.extraction import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec
-from agentrt.runtime.async_engine import AsyncEngine
 from agentrt.runtime.request import SamplingParams
 from tests.conftest import SHARED, make_tiny_model, shared_path
 
@@ -25,14 +22,6 @@ def _validate(instance, schema) -> list[str]:
     cls = validator_for(schema, default=jsonschema.Draft202012Validator)
     v = cls(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     return [e.message for e in v.iter_errors(instance)]
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    front = AsyncEngine(engine=engine)
-    with TestClient(create_app(front, MODEL)) as c:
-        yield c
-    front.shutdown()
 
 
 def _stream_text(client, body) -> tuple[str, str | None]:
