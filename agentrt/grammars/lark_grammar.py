@@ -19,6 +19,7 @@ dynamic lexer).
 
 from __future__ import annotations
 
+import functools
 import re
 
 try:
@@ -78,6 +79,39 @@ _CATEGORY_RANGES = {
     sre_c.CATEGORY_WORD: [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
     sre_c.CATEGORY_SPACE: [(0x09, 0x0D), (0x20, 0x20)],
 }
+# JSON Schema patterns are ECMA-262 (\d, \w ASCII; \s Unicode spaces); instances are checked by
+# Python's `re` in the wild (\d, \w, \s Unicode). Classes above are in both; a negated class is
+# the complement of the union of both meanings, so it is sound under either.
+_ECMA_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+               (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_NEGATED = {sre_c.CATEGORY_NOT_DIGIT: ("\\d", []), sre_c.CATEGORY_NOT_WORD: ("\\w", []),
+            sre_c.CATEGORY_NOT_SPACE: ("\\s", _ECMA_SPACE)}
+
+
+@functools.cache
+def _negated_ranges(category) -> list[tuple[int, int]]:
+    """Code-point ranges of \\D, \\W or \\S: outside both Python's Unicode class and ECMA's."""
+    cls, ecma = _NEGATED[category]
+    rx = re.compile(cls)
+    inside, lo = [], None
+    for cp in range(0x110000):
+        hit = rx.match(chr(cp)) is not None
+        if hit and lo is None:
+            lo = cp
+        elif not hit and lo is not None:
+            inside.append((lo, cp - 1))
+            lo = None
+    return _subtract([(0, 0x10FFFF)], _merge(inside + ecma))
+
+
+def _merge(ranges):
+    out = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _subtract(ranges, cut):
@@ -198,8 +232,10 @@ class _RegexToEBNF:
                 ranges.append(av)
             elif op is sre_c.CATEGORY and av in _CATEGORY_RANGES:
                 ranges += _CATEGORY_RANGES[av]
+            elif op is sre_c.CATEGORY and av in _NEGATED:
+                ranges += _negated_ranges(av)
             else:
-                self.fail("\\W, \\S, \\D and other class items")
+                self.fail(f"class item {op}")
         if negate:
             return self.ranges(ranges + _RAW_FORBIDDEN, negate=True)
         allowed = _subtract(ranges, _RAW_FORBIDDEN)

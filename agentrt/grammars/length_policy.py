@@ -10,9 +10,10 @@ which the grammar allows the fewest candidates, which moves toward structure (`@
 the closing quote) rather than more free text. The path's canonical
 tokenization (checked to spell the path exactly; else one token per character) gives the tokens
 still needed, plus one for the stop token. Invariant kept by the engine: tokens left >= path length + 1.
-A sampled token that would break it is replaced by the longest token spelling a prefix of the
-path, so the output stays on a path to a valid end (tokens whose text is a prefix of the path are
-the only ones allowed once the budget is tight).
+A sampled token that would break it is undone and the path found before it is followed from then
+on, token by token, to the end (`ClosingGuard`): re-planning after each forced token could find a
+longer path (the greedy search is not monotone: after `12:00:00.` it prefers six more digits to
+`Z`), and a path that fit once always fits while it is followed.
 
 This is a heuristic shortest path (greedy, not a search over all token sequences): it can be longer
 than the true shortest completion, which only makes the policy close earlier than necessary.
@@ -23,7 +24,8 @@ token), the policy cannot guarantee validity and the request behaves as under th
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 _PREFERENCE = '"}])' + ",:; " + string.digits + string.ascii_lowercase + string.ascii_uppercase + "\n-.+_/" + "".join(
     c for c in string.punctuation if c not in '"}]),:;-.+_/') + "\t"
@@ -164,3 +166,57 @@ class ClosingPlanner:
     def best_step(self, path: ClosingPath) -> int:
         """The first token of the path's tokenization."""
         return path.token_ids[0]
+
+
+@dataclass
+class ClosingGuard:
+    """Per-request state of the length-safe policy. `stop_id`: the token that ends the output when
+    the grammar is complete (the model's end-of-sequence id)."""
+
+    planner: ClosingPlanner
+    stop_id: int
+    plan: list[int] = field(default_factory=list)  # the rest of a path being followed
+    last_len: int = 0  # tokens the last closing path needed
+    skip: int = 0  # tokens to go before the next check (grammars whose search is slow)
+    num_forced: int = 0  # sampled tokens replaced
+
+    def start(self, matcher) -> int | None:
+        """Tokens needed to close from the matcher's start (None: no path found)."""
+        path = self.planner.closing_path(matcher)
+        return None if path is None else path.num_tokens
+
+    def keep(self, matcher, tok: int, left: int) -> int:
+        """`tok` was just accepted by `matcher`; `left`: tokens the budget allows after it. Returns
+        the token to keep: `tok`, or the next token of a closing path (the matcher is moved onto it).
+        Checked after every token, except on grammars whose search takes over 5 ms (long
+        length-bounded strings): there, while more than 2 x the last path + 32 tokens are left,
+        every 8th token."""
+        if self.plan:
+            return self._force(matcher, tok, self.plan.pop(0))
+        if self.skip > 0 and left > 2 * self.last_len + 32:
+            self.skip -= 1
+            return tok
+        t0 = time.perf_counter()
+        path = self.planner.closing_path(matcher)
+        self.skip = 0 if time.perf_counter() - t0 < 0.005 else 7
+        if path is not None:
+            self.last_len = path.num_tokens
+        if path is not None and path.num_tokens <= left:
+            return tok
+        # over budget, or a state with no known way to close: never enter it
+        matcher.rollback(1)
+        before = self.planner.closing_path(matcher)
+        if before is None:  # only when the request started without a path (refused at admission)
+            matcher.accept_token(tok)
+            return tok
+        self.plan = [*before.token_ids, self.stop_id]
+        matcher.accept_token(tok)
+        return self._force(matcher, tok, self.plan.pop(0))
+
+    def _force(self, matcher, tok: int, forced: int) -> int:
+        if forced != tok:
+            matcher.rollback(1)
+            if not matcher.accept_token(forced):  # cannot happen: the path was accepted from here
+                raise RuntimeError("closing path token rejected by the grammar")
+            self.num_forced += 1
+        return forced

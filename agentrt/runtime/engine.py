@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrt.grammars.jump_forward import forced_token_ids
+from agentrt.grammars.length_policy import ClosingGuard
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 from agentrt.prefix_cache import RadixCache
@@ -149,15 +151,19 @@ class Engine:
                 num_prefill += n
         self.stats.num_computed_prefill_tokens += num_prefill
         self.metrics.computed_prefill_tokens.inc(num_prefill)
-        logits = self.runner.execute(chunks)
         batch = [c.request for c in scheduled if c.sample]
-        apply_penalties(logits, batch)
         constrained = [i for i, r in enumerate(batch) if r.matcher is not None]
-        if constrained:
-            bitmask = self.grammar.allocate_bitmask(len(batch))
-            for i in constrained:
-                self.grammar.fill_bitmask(batch[i].matcher, bitmask, i)
-            self.grammar.apply_bitmask(logits, bitmask, constrained)
+        # mask overlap: the matchers are final for this step, so their bitmasks are filled while
+        # the forward pass runs (on a GPU the launches return at once; on CPU torch frees the GIL)
+        masks = self.grammar.fill_bitmasks_async([batch[i].matcher for i in constrained], constrained,
+                                                 len(batch)) if constrained else None
+        try:
+            logits = self.runner.execute(chunks)
+        finally:
+            bitmask = masks.result() if masks is not None else None  # matchers are idle again
+        apply_penalties(logits, batch)
+        if bitmask is not None:
+            self.grammar.apply_bitmask(logits, bitmask, constrained)  # one batched apply
         tokens = sample(logits, batch)
         self.stats.num_steps += 1
         self.stats.batch_sizes.append(len(scheduled))
@@ -202,15 +208,16 @@ class Engine:
             r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
             r.not_enforced = list(compiled.not_enforced)
             if r.params.max_tokens_policy == "close":
-                path = self.grammar.planner.closing_path(r.matcher)
-                if path is None:
+                r.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
+                need = r.closing.start(r.matcher)
+                if need is None:
                     r.error = ("max_tokens_policy 'close' is not available for this constraint: no closing "
                                "path was found from its start (a pattern needs text the planner cannot build)")
                     r.error_status = 400
                     outputs.append(self._finish(r, "error"))
                     continue
-                if path.num_tokens > r.max_tokens:
-                    r.error = (f"max_tokens {r.max_tokens} is below the {path.num_tokens} tokens the constraint "
+                if need > r.max_tokens:
+                    r.error = (f"max_tokens {r.max_tokens} is below the {need} tokens the constraint "
                                "needs to close (max_tokens_policy 'close')")
                     r.error_status = 400
                     outputs.append(self._finish(r, "error"))
@@ -238,8 +245,12 @@ class Engine:
             if not r.matcher.accept_token(tok):
                 r.error = f"token {tok} was rejected by the grammar matcher"
                 return self._finish(r, "error")
-            if p.max_tokens_policy == "close" and not r.matcher.is_terminated():
-                tok = self._keep_closable(r, tok)
+            if r.closing is not None and not r.matcher.is_terminated():
+                forced_before = r.closing.num_forced
+                tok = r.closing.keep(r.matcher, tok, r.max_tokens - len(r.output_ids) - 1)
+                if r.closing.num_forced > forced_before:
+                    r.num_forced_tokens += 1
+                    self.metrics.length_forced_tokens.inc()
             if r.matcher.is_terminated():
                 reason = "stop"
         r.output_ids.append(tok)
@@ -263,65 +274,32 @@ class Engine:
         return self._emit(r, final=False)
 
     def _jump_forward(self, r: Request) -> None:
-        """Append the tokens of the text the grammar forces next (xgrammar's jump-forward string)
-        without sampling them; their KV is computed with the next step's chunk. Only the forced
-        text's canonical tokens are used, never across the boundary with the last sampled token
-        (its retokenization must not merge), and the last forced token is held back (the model may
-        extend it into free text), so the sequence stays one the tokenizer would produce."""
+        """Append the tokens of the text the grammar forces next without sampling them (see
+        `forced_token_ids`); their KV is computed with the next step's chunk."""
+        if r.closing is not None and r.closing.plan:
+            return  # following a closing path: its tokens are already the forced ones
         forced = r.matcher.find_jump_forward_string()
         if not forced:
             return
-        texts = self.grammar.planner.token_texts
-        last = texts[r.output_ids[-1]] if r.output_ids[-1] < len(texts) else None
-        if last is None:
-            return
-        ids = self.tokenizer.encode(forced, add_special_tokens=False)
-        if "".join(texts[i] or "\0" for i in ids) != forced:
-            return
-        joint = self.tokenizer.encode(last + forced, add_special_tokens=False)
-        if joint != [r.output_ids[-1], *ids]:
-            return
-        ids = ids[:-1][: max(0, r.max_tokens - len(r.output_ids) - 1)]
+        ids = forced_token_ids(self.tokenizer, self.grammar.planner.token_texts, r.output_ids[-1], forced)
+        ids = ids[: max(0, r.max_tokens - len(r.output_ids) - 1)]
         for i, t in enumerate(ids):
             if not r.matcher.accept_token(t):  # cannot happen for a forced string; stay safe
                 ids = ids[:i]
                 break
+        if r.closing is not None:  # length-safe: keep only what leaves a closing path that fits
+            while ids:
+                need = r.closing.start(r.matcher)
+                if need is not None and need <= r.max_tokens - len(r.output_ids) - len(ids):
+                    break
+                r.matcher.rollback(1)
+                ids.pop()
         if ids:
             r.output_ids.extend(ids)
             r.num_jump_forward_tokens += len(ids)
             r.pending_jump_forward += len(ids)
             self.stats.num_jump_forward_tokens += len(ids)
             self.metrics.jump_forward_tokens.inc(len(ids))
-
-    def _keep_closable(self, r: Request, tok: int) -> int:
-        """Length-safe policy: `tok` was just accepted; if what is left of the budget after it
-        cannot close the grammar, undo it and take the first step of the closing path instead.
-        Checked after every token, except on grammars whose closing search takes over 5 ms
-        (seen: long length-bounded strings): there, while more than 2 x the last path + 32 tokens
-        are left, every 8th token."""
-        planner = self.grammar.planner
-        left = r.max_tokens - len(r.output_ids) - 1
-        if r.close_skip > 0 and left > 2 * r.close_len + 32:
-            r.close_skip -= 1  # far from the budget, on a grammar whose search is slow: check every 8th
-            return tok
-        t0 = time.perf_counter()
-        path = planner.closing_path(r.matcher)
-        r.close_skip = 0 if time.perf_counter() - t0 < 0.005 else 7
-        if path is not None:
-            r.close_len = path.num_tokens
-        if path is not None and path.num_tokens <= left:
-            return tok
-        # over budget, or a state with no known way to close: never enter it
-        r.matcher.rollback(1)
-        before = planner.closing_path(r.matcher)
-        if before is None:  # only when the request started without a path (checked at admission)
-            r.matcher.accept_token(tok)
-            return tok
-        forced = planner.best_step(before)
-        r.matcher.accept_token(forced)
-        r.num_forced_tokens += 1
-        self.metrics.length_forced_tokens.inc()
-        return forced
 
     def _emit(self, r: Request, final: bool) -> RequestOutput | None:
         text = r.text

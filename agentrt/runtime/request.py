@@ -125,8 +125,7 @@ class Request:
     num_forced_tokens: int = 0  # tokens replaced by the length-safe policy
     num_jump_forward_tokens: int = 0  # tokens appended by jump-forward (not sampled)
     pending_jump_forward: int = 0  # of those, tokens whose KV is not computed yet
-    close_len: int = 0  # length-safe policy: tokens the last closing path needed
-    close_skip: int = 0  # length-safe policy: tokens to go before the next check
+    closing: object | None = None  # length-safe policy state (grammars.length_policy.ClosingGuard)
     generator: object | None = None
     text: str = ""
     sent_len: int = 0

@@ -42,7 +42,7 @@ def test_json_schema_test_suite(backend):
     rows["TOTAL"] = total
     print("\n" + _table(rows))
     assert total.accepted_invalid == 0, total.wrong
-    assert total.rejected_valid == 0, total.wrong
+    assert total.rejected_valid == total.rejected_valid_escaped == 0, total.wrong
     assert total.compiled >= 150  # most of the suite is enforceable (165 of 383 schemas at writing)
 
 
@@ -61,7 +61,9 @@ def test_jsonschemabench_instances(backend):
     rows["TOTAL"] = total
     print("\n" + _table(rows))
     assert total.accepted_invalid == 0, total.wrong
-    assert total.rejected_valid == 0, total.wrong
+    # a valid instance may be refused only for the documented limit: no escaped characters in a
+    # maxLength string (and the first minLength - 1 characters), see xgrammar_backend
+    assert total.rejected_valid == total.rejected_valid_escaped, total.wrong
     assert total.compiled >= 110  # 120 of 150 at writing
     assert all(re.search(r"keyword '[^']+' at \S+", r) or "admits no value" in r for r in total.refusals), \
         total.refusals
@@ -181,6 +183,20 @@ def test_rewrites_enforce_both_facets(backend):
                   "dependentRequired": {"a": ["b"]}})
     assert accepts(backend, c, '{"a": 1, "b": 2}') and accepts(backend, c, '{"b": 2}') and accepts(backend, c, "{}")
     assert not accepts(backend, c, '{"a": 1}')
+
+
+def test_negated_class_escapes_are_sound_under_ecma_and_python(backend):
+    """\\S, \\D, \\W exclude what either ECMA-262 or Python's re counts in the class: Unicode
+    spaces (no-break, em space), Unicode digits (Arabic-Indic), Unicode letters for \\W."""
+    def compiled(pattern):
+        return backend.compile(ConstraintSpec.json_schema({"type": "string", "pattern": pattern}))
+
+    c = compiled(r"^\S+$")
+    assert accepts(backend, c, '"a-b/c"') and accepts(backend, c, '"日本"')
+    assert not any(accepts(backend, c, f'"a{sp}b"') for sp in (" ", "\u00a0", "\u2003", "\\t"))
+    c = compiled(r"^\D\W$")
+    assert accepts(backend, c, '"x-"') and not accepts(backend, c, '"5-"')
+    assert not accepts(backend, c, '"\u0663-"') and not accepts(backend, c, '"xé"') and not accepts(backend, c, '"x_"')
 
 
 def test_unsatisfiable_schema_is_an_error(backend):
