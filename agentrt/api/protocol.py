@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
@@ -42,7 +42,7 @@ class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -51,7 +51,7 @@ class ResponseFormat(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _CommonRequest(BaseModel):

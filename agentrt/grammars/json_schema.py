@@ -513,6 +513,16 @@ class _Normalizer:
     def norm_boolean(self, s, pointer):
         return {"type": "boolean"}
 
+    def count_bounds(self, min_kw: str, lo, hi, pointer):
+        """minLength/minItems over 2^31 - 1 are refused (the backend's counters are 32-bit); a
+        maximum that large is dropped: no output within a context window reaches it."""
+        if lo is not None and lo > _INT32_MAX:
+            self.unsupported(min_kw, _ptr(pointer, min_kw), f"{min_kw} over {_INT32_MAX} is not supported")
+            lo = None
+        if hi is not None and hi > _INT32_MAX:
+            hi = None
+        return lo, hi
+
     def norm_integer(self, s, pointer):
         return self.norm_number(s, pointer, integer=True)
 
@@ -537,6 +547,17 @@ class _Normalizer:
                 out["maximum"] = min(bounds)
             if "minimum" in out and "maximum" in out and out["minimum"] > out["maximum"]:
                 return _UNSAT
+            # the backend's integer ranges are 64-bit: a wider bound is clamped (stricter), a range
+            # wholly outside is refused
+            if out.get("minimum", 0) > _INT64_MAX or out.get("maximum", 0) < _INT64_MIN:
+                kw = "minimum" if out.get("minimum", 0) > _INT64_MAX else "maximum"
+                self.unsupported(kw, _ptr(pointer, kw), "integer bounds beyond 64 bits are not supported")
+                out.pop("minimum", None)
+                out.pop("maximum", None)
+            if out.get("minimum", 0) < _INT64_MIN:
+                out["minimum"] = _INT64_MIN
+            if out.get("maximum", 0) > _INT64_MAX:
+                out["maximum"] = _INT64_MAX
         else:
             for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
                 if k in s:
@@ -571,6 +592,7 @@ class _Normalizer:
     def norm_string(self, s, pointer):
         out = {"type": "string"}
         lo, hi = s.get("minLength"), s.get("maxLength")
+        lo, hi = self.count_bounds("minLength", lo, hi, pointer)
         lo = int(lo) if lo is not None else None
         hi = int(hi) if hi is not None else None
         if lo is not None and hi is not None and lo > hi:
@@ -649,6 +671,8 @@ class _Normalizer:
         out: dict = {"type": "array"}
         lo, hi = int(s.get("minItems", 0)), s.get("maxItems")
         hi = int(hi) if hi is not None else None
+        lo, hi = self.count_bounds("minItems", lo, hi, pointer)
+        lo = lo or 0
         if s.get("uniqueItems") is True and (hi is None or hi > 1):
             self.unsupported("uniqueItems", _ptr(pointer, "uniqueItems"), "unique array items are not supported")
         if "contains" in s:
@@ -886,6 +910,9 @@ def _json_equal(a, b) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
+
+
+_INT64_MIN, _INT64_MAX, _INT32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 
 
 def _unconvertible(full: str) -> str:

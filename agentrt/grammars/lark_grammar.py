@@ -6,7 +6,9 @@ templates, `?rule` inlining, EBNF operators -> plain BNF rules), then written ou
 - each terminal becomes a rule: a string (case-insensitive strings spelled `[sS][eE]...`) or its
   regular expression translated node by node from Python's regex parser (`re._parser`):
   literals, classes, `\\d \\w \\s`, `.`, groups, alternation, greedy repetition, inline `(?i:...)`;
-- `%ignore` terminals may follow every terminal and open the text (`root ::= ign start`).
+- `%ignore` terminals may follow every terminal and open the text (`root ::= ign start`), bounded
+  so a model that favours blanks cannot run to max_tokens: at most four ignored tokens per gap, each
+  unbounded repetition inside them capped at `max_ignore_repeat` (default 16) characters or groups.
 
 Refused with ValueError naming the construct (the result would not be the same language):
 lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
@@ -138,9 +140,11 @@ class _RegexToEBNF:
     raw text inside a JSON string (quote, backslash and control characters escaped; `.` and
     negated classes never produce a raw one), which is how xgrammar applies a JSON Schema pattern."""
 
-    def __init__(self, terminal: str, json_string: bool = False):
+    def __init__(self, terminal: str, json_string: bool = False, max_repeat: int | None = None):
+        """max_repeat: cap unbounded repetitions (`*`, `+`, `{n,}`) at this many (None: unbounded)."""
         self.terminal = terminal
         self.json_string = json_string
+        self.max_repeat = max_repeat
 
     def fail(self, what: str):
         raise ValueError(f"{self.terminal}: {what} cannot be converted to a grammar")
@@ -187,12 +191,16 @@ class _RegexToEBNF:
             if del_flags & re.IGNORECASE:
                 ic = False
             return self.seq(list(sub), ic)
+        if op is sre_c.MIN_REPEAT and self.json_string:
+            op = sre_c.MAX_REPEAT  # a pattern's language (the strings it matches) ignores laziness
         if op is sre_c.MAX_REPEAT:
             lo, hi, sub = av
             inner = self.seq(list(sub), ic)
             if not re.fullmatch(r'\[(?:\\.|[^\]\\])*\]|"(?:\\.|[^"\\])*"|\(.*\)', inner) or \
                     (inner.startswith("(") and not _balanced_group(inner)):
                 inner = f"({inner})"
+            if hi is sre_c.MAXREPEAT and self.max_repeat is not None:
+                hi = max(lo, self.max_repeat)
             if hi is sre_c.MAXREPEAT:
                 return f"{inner}*" if lo == 0 else (f"{inner}+" if lo == 1 else f"{inner}{{{lo},}}")
             if (lo, hi) == (0, 1):
@@ -325,7 +333,7 @@ def _term_name(name: str) -> str:
     return "t_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
-def lark_to_ebnf(text: str, start: str = "start") -> str:
+def lark_to_ebnf(text: str, start: str = "start", max_ignore_repeat: int = 16) -> str:
     """EBNF (root rule `root`) with the language of the Lark grammar `text` from rule `start`.
     Raises ValueError naming the problem (a Lark syntax error, or a construct above)."""
     import lark
@@ -358,5 +366,12 @@ def lark_to_ebnf(text: str, start: str = "start") -> str:
             body = _RegexToEBNF(t.name).convert(pat.value, "i" in pat.flags)
         lines.append(f"{_term_name(t.name)} ::= {body}")
     if ignore:
-        lines.append("ign ::= (" + " | ".join(_term_name(n) for n in ignore) + ")*")
+        by_name = {t.name: t.pattern for t in parser.terminals}
+        for n in ignore:
+            pat = by_name[n]
+            body = (_literal(pat.value, "i" in pat.flags) if pat.type == "str" else
+                    _RegexToEBNF(n, max_repeat=max_ignore_repeat).convert(pat.value, "i" in pat.flags))
+            lines.append(f"i_{_term_name(n)} ::= {body}")
+        one = "(" + " | ".join(f"i_{_term_name(n)}" for n in ignore) + ")"
+        lines.append(f"ign ::= ({one} ({one} ({one} {one}?)?)?)?")
     return "\n".join(lines) + "\n"

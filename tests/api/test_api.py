@@ -72,6 +72,9 @@ def test_broken_constraints_are_400_and_server_keeps_serving(client):
     _assert_error(_chat(client, regex="a+", choice=["x"]), 400, "choice", "at most one constraint")
     _assert_error(_chat(client, response_format={"type": "json_schema"}), 400,
                   "response_format.json_schema", "required")
+    _assert_error(_chat(client, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": "yes"}}), 400, "response_format.json_schema.strict",
+        "boolean")
     _assert_error(_chat(client, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
                   "not supported")
     ok = _chat(client)

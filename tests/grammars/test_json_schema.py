@@ -127,6 +127,10 @@ def test_oneof_by_required_is_refused_on_open_objects_and_enforced_on_closed(bac
     ({"$ref": "https://example.com/schema.json"}, "$ref", "/$ref"),
     ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if", "/if"),
     ({"type": "array", "contains": {"type": "integer"}}, "contains", "/contains"),
+    ({"properties": {"n": {"type": "integer", "minimum": 1e20}}}, "minimum", "/properties/n/minimum"),
+    ({"type": "array", "minItems": 10**12}, "minItems", "/minItems"),
+    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a*+b$"}}}, "pattern",
+     "/properties/p/pattern"),
 ])
 def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, keyword, pointer):
     with pytest.raises(UnsupportedSchemaError) as e:

@@ -99,3 +99,14 @@ def test_lark_features_convert(backend):
         assert accepts(backend, compiled, ok), ok
     for bad in ["a=", "a=maybe", "=1", "a=1,", "a=[1"]:
         assert not accepts(backend, compiled, bad), bad
+
+
+def test_ignored_whitespace_is_bounded(backend):
+    """%ignore terminals cannot run forever: at most four ignored tokens per gap, unbounded
+    repetitions inside them capped at 16; whitespace plus a comment and a newline still fit."""
+    text = 'start: "a" "b"\n%import common.WS\n%ignore WS\nCOMMENT: /#[^\\n]*/\n%ignore COMMENT\n'
+    compiled = backend.compile(ConstraintSpec.lark(text))
+    assert accepts(backend, compiled, "a b") and accepts(backend, compiled, "a  # why\n  b")
+    assert not accepts(backend, compiled, "a" + " " * 100 + "b")
+    m = backend.new_matcher(compiled)
+    assert m.accept_string("a") and not m.accept_string(" " * 100)
