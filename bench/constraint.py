@@ -1,7 +1,9 @@
 """Constraint engine benchmark.
 
 Part 1 (model-free, JSONSchemaBench sample): per split, compiled / refused rate and p50/p99 compile
-time for agentrt (faithful-schema rewrite + xgrammar) and raw xgrammar on the same tokenizer;
+time for agentrt (faithful-schema rewrite + xgrammar), raw xgrammar and llguidance (when installed:
+`pip install llguidance`; its matcher compiles lazily, so its compile time is the matcher's creation)
+on the same tokenizer;
 mask cost per token (fill_next_token_bitmask, p50/p99 us) walking each schema's first valid
 instance. Part 2 (default model): decode tokens/s constrained vs unconstrained at batch 1 and 16,
 and the share of output tokens forced by jump-forward.
@@ -27,6 +29,39 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def _llguidance(tokenizer):
+    """(compile, mask) functions for llguidance when it is installed, else None."""
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError:
+        return None
+    import torch
+
+    ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152)
+    defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+    def compile_schema(schema):
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+        m = llguidance.LLMatcher(ll_tok, grammar)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return grammar
+
+    def mask_walk(grammar, ids, sink):
+        m = llguidance.LLMatcher(ll_tok, grammar)
+        bm = torch.full((1, 49152 // 32), -1, dtype=torch.int32)
+        for t in ids:
+            t0 = time.perf_counter()
+            llguidance.torch.fill_next_token_bitmask(m, bm, 0)
+            sink.append((time.perf_counter() - t0) * 1e6)
+            if not m.consume_token(t):
+                break
+
+    return compile_schema, mask_walk
+
+
 def part1(tokenizer):
     import xgrammar as xgr
 
@@ -36,12 +71,14 @@ def part1(tokenizer):
 
     backend = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, cache_size=1))
     raw = xgr.GrammarCompiler(backend.info, max_threads=1, cache_enabled=False)
+    llg = _llguidance(tokenizer)
     rows = {}
-    mask_ours, mask_raw = [], []
+    masks = {"agentrt": [], "raw xgrammar": [], "llguidance": []}
     for f in sorted((SHARED / "jsonschemabench" / "with_tests").glob("*.json")):
         doc = json.loads(f.read_text())
         split = f.name.split("__")[0]
-        row = rows.setdefault(split, {"n": 0, "ours_ok": 0, "raw_ok": 0, "ours_ms": [], "raw_ms": []})
+        row = rows.setdefault(split, {"n": 0, "ours_ok": 0, "raw_ok": 0, "llg_ok": 0, "ours_ms": [], "raw_ms": [],
+                                      "llg_ms": []})
         row["n"] += 1
         t0 = time.perf_counter()
         try:
@@ -57,33 +94,49 @@ def part1(tokenizer):
             row["raw_ms"].append((time.perf_counter() - t0) * 1e3)
         except Exception:  # noqa: BLE001 (xgrammar raises several types)
             raw_g = None
+        llg_g = None
+        if llg is not None:
+            t0 = time.perf_counter()
+            try:
+                llg_g = llg[0](doc["schema"])
+                row["llg_ok"] += 1
+                row["llg_ms"].append((time.perf_counter() - t0) * 1e3)
+            except Exception:  # noqa: BLE001
+                llg_g = None
         valid = [t["data"] for t in doc["tests"] if t["valid"]]
         if ours is None or raw_g is None or not valid:
             continue
         text = canonical_json(valid[0], normalize_schema(doc["schema"]).schema)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        for compiled, sink in ((ours.grammar, mask_ours), (raw_g, mask_raw)):
+        for name, compiled in (("agentrt", ours.grammar), ("raw xgrammar", raw_g)):
             m = xgr.GrammarMatcher(compiled)
             bm = xgr.allocate_token_bitmask(1, 49152)
             for t in ids:
                 t0 = time.perf_counter()
                 m.fill_next_token_bitmask(bm, 0)
-                sink.append((time.perf_counter() - t0) * 1e6)
+                masks[name].append((time.perf_counter() - t0) * 1e6)
                 if not m.accept_token(t):
                     break
-    print("| split | schemas | agentrt compiled | raw xgrammar compiled | agentrt compile p50 / p99 ms | "
-          "raw compile p50 / p99 ms |")
-    print("|---|---|---|---|---|---|")
-    tot = {"n": 0, "ours_ok": 0, "raw_ok": 0, "ours_ms": [], "raw_ms": []}
+        if llg_g is not None:
+            llg[1](llg_g, ids, masks["llguidance"])
+    print("| split | schemas | agentrt compiled | raw xgrammar compiled | llguidance compiled | "
+          "agentrt compile p50 / p99 ms | raw xgrammar p50 / p99 ms | llguidance p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = {k: ([] if k.endswith("_ms") else 0) for k in next(iter(rows.values()))}
     for split, r in sorted(rows.items()) + [("all", tot)]:
         if split != "all":
             for k in tot:
                 tot[k] += r[k]
         print(f"| {split} | {r['n']} | {r['ours_ok']} ({r['ours_ok'] / r['n']:.0%}) | "
-              f"{r['raw_ok']} ({r['raw_ok'] / r['n']:.0%}) | {pct(r['ours_ms'], .5):.1f} / {pct(r['ours_ms'], .99):.1f} | "
-              f"{pct(r['raw_ms'], .5):.1f} / {pct(r['raw_ms'], .99):.1f} |")
-    print(f"\nmask cost per token (us), {len(mask_ours)} tokens: agentrt p50 {pct(mask_ours, .5):.1f} "
-          f"p99 {pct(mask_ours, .99):.1f}; raw xgrammar p50 {pct(mask_raw, .5):.1f} p99 {pct(mask_raw, .99):.1f}")
+              f"{r['raw_ok']} ({r['raw_ok'] / r['n']:.0%}) | {r['llg_ok']} ({r['llg_ok'] / r['n']:.0%}) | "
+              f"{pct(r['ours_ms'], .5):.1f} / {pct(r['ours_ms'], .99):.1f} | "
+              f"{pct(r['raw_ms'], .5):.1f} / {pct(r['raw_ms'], .99):.1f} | "
+              f"{pct(r['llg_ms'], .5):.1f} / {pct(r['llg_ms'], .99):.1f} |")
+    print("\nmask cost per token (us), walking the first valid instance of every schema all compile:")
+    print("| engine | tokens | p50 | p99 | max |\n|---|---|---|---|---|")
+    for name, xs in masks.items():
+        if xs:
+            print(f"| {name} | {len(xs)} | {pct(xs, .5):.1f} | {pct(xs, .99):.1f} | {max(xs):.0f} |")
     backend.shutdown()
 
 
@@ -91,7 +144,7 @@ def part2(model_dir: str, n_docs: int):
     from transformers import AutoTokenizer
 
     from agentrt.extraction import extraction_messages
-    from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+    from agentrt.grammars.spec import ConstraintSpec
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
     from agentrt.runtime.engine import Engine
     from agentrt.runtime.request import SamplingParams
@@ -107,47 +160,46 @@ def part2(model_dir: str, n_docs: int):
                           add_special_tokens=False)
 
     prompts = [prompt(d) for d in docs]
-    print("| batch | mode | output tokens | decode s | tokens/s | vs unconstrained | forced by jump-forward |")
+    eng = Engine(EngineConfig(model=ModelConfig(model=model_dir, device="cpu", dtype="float32"),
+                              cache=CacheConfig(kv_cache_bytes=512 << 20, enable_prefix_cache=True)))
+    specs = [ConstraintSpec.json_schema(schemas[d["schema_name"]]) for d in docs]
+    for spec in specs:
+        eng.grammar.compile(spec)
+    eng.generate([(p, SamplingParams(temperature=0, max_tokens=1), None) for p in prompts])  # warm prefixes
+
+    def run(batch, params_of, spec_of):
+        """(output tokens, seconds, jump-forward tokens) over all docs in groups of `batch`."""
+        n, secs, before = 0, 0.0, eng.stats.num_jump_forward_tokens
+        lengths = []
+        for i in range(0, len(docs), batch):
+            group = range(i, min(i + batch, len(docs)))
+            t0 = time.perf_counter()
+            outs = eng.generate([(prompts[j], params_of(j), spec_of(j)) for j in group])
+            secs += time.perf_counter() - t0
+            lengths += [len(o.token_ids) for o in outs]
+        n = sum(lengths)
+        return n, secs, eng.stats.num_jump_forward_tokens - before, lengths
+
+    print("Each row decodes the same documents; unconstrained runs decode exactly as many tokens per "
+          "request as the constrained run without jump-forward (ignore_eos), so both do the same steps "
+          "with the same batch shapes.\n")
+    print("| batch | mode | output tokens | s | tokens/s | vs unconstrained | forced by jump-forward |")
     print("|---|---|---|---|---|---|---|")
-    for jf in (True, False):
-        eng = Engine(EngineConfig(model=ModelConfig(model=model_dir, device="cpu", dtype="float32"),
-                                  cache=CacheConfig(kv_cache_bytes=512 << 20, enable_prefix_cache=True),
-                                  grammar=GrammarConfig(jump_forward=jf)))
-        for batch in (1, 16):
-            for constrained in ([False, True] if jf else [True]):
-                rate_base = None
-                outs_tokens = 0
-                t_total = 0.0
-                before = eng.stats.num_jump_forward_tokens
-                for i in range(0, len(docs), batch):
-                    group = list(range(i, min(i + batch, len(docs))))
-                    # warm the prefix cache so only decode is timed
-                    eng.generate([(prompts[j], SamplingParams(temperature=0, max_tokens=1), None) for j in group])
-                    reqs = []
-                    for j in group:
-                        spec = ConstraintSpec.json_schema(schemas[docs[j]["schema_name"]]) if constrained else None
-                        if spec is not None:
-                            eng.grammar.compile(spec)
-                        # unconstrained: same length budget, no early stop, so both decode ~120 tokens
-                        reqs.append((prompts[j], SamplingParams(temperature=0, max_tokens=120,
-                                                                ignore_eos=not constrained), spec))
-                    t0 = time.perf_counter()
-                    outs = eng.generate(reqs)
-                    t_total += time.perf_counter() - t0
-                    outs_tokens += sum(len(o.token_ids) for o in outs)
-                forced = eng.stats.num_jump_forward_tokens - before
-                rate = outs_tokens / t_total
-                if not constrained:
-                    part2.base[batch] = rate
-                rate_base = part2.base.get(batch)
-                mode = "unconstrained" if not constrained else f"json_schema, jump-forward {'on' if jf else 'off'}"
-                rel = f"{rate / rate_base:.2f}x" if rate_base and constrained else "1.00x"
-                print(f"| {batch} | {mode} | {outs_tokens} | {t_total:.1f} | {rate:.1f} | {rel} | "
-                      f"{forced} ({forced / max(outs_tokens, 1):.0%}) |")
-        eng.grammar.shutdown()
+    for batch in (1, 16):
+        eng.config.grammar.jump_forward = False
+        c_n, c_s, _, lengths = run(batch, lambda j: SamplingParams(temperature=0, max_tokens=120), lambda j: specs[j])
+        u_n, u_s, _, _ = run(batch, lambda j, lengths=lengths: SamplingParams(temperature=0, max_tokens=lengths[j], ignore_eos=True),
+                             lambda j: None)
+        eng.config.grammar.jump_forward = True
+        j_n, j_s, forced, _ = run(batch, lambda j: SamplingParams(temperature=0, max_tokens=120), lambda j: specs[j])
+        base = u_n / u_s
+        for mode, n, secs, f in (("unconstrained", u_n, u_s, 0), ("json_schema, jump-forward off", c_n, c_s, 0),
+                                 ("json_schema, jump-forward on", j_n, j_s, forced)):
+            print(f"| {batch} | {mode} | {n} | {secs:.1f} | {n / secs:.1f} | {n / secs / base:.3f}x | "
+                  f"{f} ({f / max(n, 1):.0%}) |")
+    eng.grammar.shutdown()
 
 
-part2.base = {}
 
 
 def main():

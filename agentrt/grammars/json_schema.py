@@ -51,8 +51,10 @@ CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 IPV4_PATTERN = rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"
 # RFC 3339 dates/times as exact patterns: xgrammar's date-time admits 1990-02-31. February stops at
-# 28 and seconds at 59 (leap days and leap seconds are valid but left out: narrower, never wrong)
-_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+# 28 and seconds at 59 (leap days and leap seconds are valid but left out: narrower, never wrong).
+# Year 0000 is left out too: Python's date (and jsonschema's format checker) starts at year 1; seen
+# when the length-safe policy closed a date-time with zeros.
+_DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "date": f"^{_DATE}$", "time": f"^{_TIME}$",

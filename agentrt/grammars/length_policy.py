@@ -78,18 +78,21 @@ class ClosingPlanner:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
         window of at least `max_chars`). None when no path is found."""
         text, ids = [], []
-        run_char, run, escapes = "", 0, 0
+        run_char, run, escapes, last_escape = "", 0, 0, 0
         self._fills = 0
         try:
             while not matcher.is_completed():
                 if len(ids) >= self.max_chars:
                     return None
-                stuck = run >= 6
+                # free text: one character repeated, or a short cycle (`abab`, `xyzxyz`)
+                stuck = run >= 6 or (len(text) - last_escape >= 12 and _periodic(text[-12:]))
                 if stuck:
                     escapes += 1
                     if escapes > self.max_escapes:
                         return None
                 pick = self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
+                if stuck:
+                    last_escape = len(text) + 1
                 if pick is None:
                     return None
                 c, tid = pick
@@ -125,6 +128,14 @@ class ClosingPlanner:
         for c, tid in order:
             if (int(words[tid >> 5]) >> (tid & 31)) & 1 and matcher.accept_token(tid):
                 return c, tid
+        # no single ASCII character fits (a pattern of Greek letters, CJK): the shortest allowed token
+        import numpy as np
+
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.token_texts)])
+        texts = [(len(self.token_texts[i]), int(i)) for i in allowed if self.token_texts[i]]
+        for _n, tid in sorted(texts)[:8]:
+            if matcher.accept_token(tid):
+                return self.token_texts[tid], tid
         return None
 
     def _num_allowed(self, matcher) -> int:
@@ -145,11 +156,11 @@ class ClosingPlanner:
         for c, tid in self.candidates:
             if not matcher.accept_token(tid):
                 continue
-            n = 0 if matcher.is_completed() else self._num_allowed(matcher)
+            n = -1 if matcher.is_completed() else self._num_allowed(matcher)  # an end beats all
             matcher.rollback(1)
             if best_n is None or n < best_n:
                 best, best_n = (c, tid), n
-                if n == 0:
+                if n < 0:
                     break
         if best is not None:
             matcher.accept_token(best[1])
@@ -166,6 +177,11 @@ class ClosingPlanner:
     def best_step(self, path: ClosingPath) -> int:
         """The first token of the path's tokenization."""
         return path.token_ids[0]
+
+
+def _periodic(chars: list[str]) -> bool:
+    """The characters repeat with a period of 2 or 3."""
+    return any(all(chars[i] == chars[i - k] for i in range(k, len(chars))) for k in (2, 3))
 
 
 @dataclass

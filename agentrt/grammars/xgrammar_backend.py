@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import threading
 import time
@@ -131,7 +132,7 @@ class GrammarBackend:
         self._tokenizer = tokenizer
         self._planner = None
         self._compiler = xgr.GrammarCompiler(info, max_threads=config.compile_threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(config.compile_threads, thread_name_prefix="grammar-compile")
+        self._pool = _DaemonPool(config.compile_threads, "grammar-compile")
         # mask overlap: bitmasks are filled on this thread while the engine runs the forward pass
         # (xgrammar releases the GIL; the rows of a batch are filled by its own thread pool)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
@@ -270,8 +271,46 @@ class GrammarBackend:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _DaemonPool:
+    """A fixed pool of daemon worker threads. A compile past its time limit keeps running inside
+    xgrammar (it cannot be interrupted); a ThreadPoolExecutor would join it at interpreter exit,
+    so a server stopped with SIGTERM hung until the compile ended. Daemon threads do not."""
+
+    def __init__(self, num_threads: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; idle workers exit, busy ones are left to the process."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
 
 
 def _forward(src: Future, dst: Future) -> None:

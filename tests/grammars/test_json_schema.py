@@ -179,6 +179,7 @@ def test_rewrites_enforce_both_facets(backend):
     # dates are real dates
     c = compiled({"type": "string", "format": "date-time"})
     assert accepts(backend, c, '"2024-02-28T10:00:00Z"') and not accepts(backend, c, '"2024-02-31T10:00:00Z"')
+    assert not accepts(backend, c, '"0000-01-01T00:00:00Z"')  # year 0 is not a date in Python
     c = compiled({"type": "string", "format": "ipv4"})
     assert accepts(backend, c, '"10.0.0.255"') and not accepts(backend, c, '"01.2.3.4"')
     # dependentRequired on a closed object
@@ -230,6 +231,33 @@ def test_compile_limits(tokenizer):
         slow.compile(ConstraintSpec.json_schema(huge))
     small.shutdown()
     slow.shutdown()
+
+
+_EXIT_SCRIPT = """
+import sys, time
+from transformers import AutoTokenizer
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.grammars.xgrammar_backend import GrammarBackend
+
+GrammarBackend._compile = lambda self, spec: time.sleep(120)  # a compile stuck inside the backend
+backend = GrammarBackend(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, (2,), GrammarConfig(compile_timeout_s=0.2))
+print(type(backend.submit(ConstraintSpec.regex("a+")).exception(timeout=30)).__name__, flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_a_timed_out_compile(default_model_dir):
+    """A compile past its time limit cannot be interrupted; the process must still exit at once
+    (it used to hang on SIGTERM until the compile ended)."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(default_model_dir)], capture_output=True,
+                         text=True, timeout=100, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ValueError"
+    assert time.monotonic() - t0 < 60
 
 
 def test_pretty_indent_layout(tokenizer):

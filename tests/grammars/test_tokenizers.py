@@ -188,3 +188,17 @@ def test_async_batched_fill_matches_single_fills(family):
         assert torch.equal(bitmask[row], single[0])
     assert (bitmask[1] == -1).all()
     assert not torch.equal(bitmask[0], bitmask[2])
+
+
+@pytest.mark.parametrize("spec", [ConstraintSpec.regex("[α-ω]{2,5}"), ConstraintSpec.regex("(ab|cd)+x"),
+                                  ConstraintSpec.json_schema({"type": "string", "pattern": "^[а-я]+$"})],
+                         ids=["greek", "cycle", "cyrillic-pattern"])
+def test_closing_paths_beyond_ascii_and_cycles(family, spec):
+    """The length-safe planner closes constraints that need non-ASCII characters (no single ASCII
+    character fits) and loops of more than one character (`abab...` until `x`)."""
+    _tok, backend = family
+    compiled = backend.compile(spec)
+    m = backend.new_matcher(compiled)
+    path = backend.planner.closing_path(m)
+    assert path is not None and path.num_tokens <= 16
+    assert all(m.accept_token(t) for t in path.token_ids) and m.is_completed()
