@@ -91,9 +91,8 @@ _NEGATED = {sre_c.CATEGORY_NOT_DIGIT: ("\\d", []), sre_c.CATEGORY_NOT_WORD: ("\\
 
 
 @functools.cache
-def _negated_ranges(category) -> list[tuple[int, int]]:
-    """Code-point ranges of \\D, \\W or \\S: outside both Python's Unicode class and ECMA's."""
-    cls, ecma = _NEGATED[category]
+def _python_class(cls: str) -> tuple[tuple[int, int], ...]:
+    """Code-point ranges Python's `re` puts in \\d, \\w or \\s (Unicode)."""
     rx = re.compile(cls)
     inside, lo = [], None
     for cp in range(0x110000):
@@ -103,7 +102,39 @@ def _negated_ranges(category) -> list[tuple[int, int]]:
         elif not hit and lo is not None:
             inside.append((lo, cp - 1))
             lo = None
-    return _subtract([(0, 0x10FFFF)], _merge(inside + ecma))
+    return tuple(inside)
+
+
+def _intersect(a, b):
+    return _subtract(a, _subtract([(0, 0x10FFFF)], b))
+
+
+def _category_ranges(category, widest: bool) -> list[tuple[int, int]]:
+    """\\d \\w \\s \\D \\W \\S as code-point ranges. widest=False: only what ECMA-262 and Python
+    both put in the class; widest=True: all that either does."""
+    full = [(0, 0x10FFFF)]
+    if category in _CATEGORY_RANGES:
+        ascii_ranges = _CATEGORY_RANGES[category]
+        if not widest:
+            return list(ascii_ranges)
+        cls = {sre_c.CATEGORY_DIGIT: "\\d", sre_c.CATEGORY_WORD: "\\w", sre_c.CATEGORY_SPACE: "\\s"}[category]
+        extra = _ECMA_SPACE if category is sre_c.CATEGORY_SPACE else []
+        return _merge(list(_python_class(cls)) + extra + ascii_ranges)
+    cls, ecma = _NEGATED[category]
+    python = list(_python_class(cls))
+    positive_union = _merge(python + ecma + _CATEGORY_RANGES.get(
+        {sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT, sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD,
+         sre_c.CATEGORY_NOT_SPACE: sre_c.CATEGORY_SPACE}[category], []))
+    if not widest:
+        return _subtract(full, positive_union)
+    # all that either meaning puts in the negation: outside the intersection of the positive sets
+    ecma_positive = ecma or _CATEGORY_RANGES[{sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT,
+                                              sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD}[category]]
+    return _subtract(full, _intersect(python, ecma_positive))
+
+
+def negate_pending(items) -> bool:
+    return any(op is sre_c.NEGATE for op, _av in items)
 
 
 def _merge(ranges):
@@ -152,6 +183,8 @@ class _RegexToEBNF:
     def convert(self, pattern: str, ignore_case: bool) -> str:
         try:
             tree = sre_parse.parse(pattern)
+        except OverflowError:
+            raise ValueError(f"{self.terminal}: a repetition count is too large") from None
         except re.error as e:
             self.fail(f"regex {pattern!r} ({e})")
         if tree.state.flags & re.IGNORECASE:
@@ -238,10 +271,10 @@ class _RegexToEBNF:
                     ranges.append((ord(c.swapcase()),) * 2)
             elif op is sre_c.RANGE:
                 ranges.append(av)
-            elif op is sre_c.CATEGORY and av in _CATEGORY_RANGES:
-                ranges += _CATEGORY_RANGES[av]
-            elif op is sre_c.CATEGORY and av in _NEGATED:
-                ranges += _negated_ranges(av)
+            elif op is sre_c.CATEGORY and (av in _CATEGORY_RANGES or av in _NEGATED):
+                # in [...] a category must not hold more than both meanings agree on; in [^...] it
+                # must hold all that either meaning does (its complement is what is allowed)
+                ranges += _category_ranges(av, widest=negate_pending(items))
             else:
                 self.fail(f"class item {op}")
         if negate:
@@ -340,7 +373,7 @@ def lark_to_ebnf(text: str, start: str = "start", max_ignore_repeat: int = 16) -
 
     try:
         parser = lark.Lark(text, start=start, parser="earley", lexer="dynamic", keep_all_tokens=True)
-    except lark.exceptions.LarkError as e:
+    except (lark.exceptions.LarkError, OSError, OverflowError) as e:  # OSError: %import of an unknown module
         raise ValueError(f"not a valid Lark grammar: {e}") from None
     ignore = list(parser.ignore_tokens)
     lines = []

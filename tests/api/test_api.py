@@ -67,6 +67,8 @@ def test_broken_constraints_are_400_and_server_keeps_serving(client):
         _assert_error(_chat(client, **extra), case["expect_status"], "response_format.json_schema.schema",
                       "not a valid JSON Schema")
     _assert_error(_chat(client, regex="(ab"), 400, "regex", "cannot be compiled")
+    _assert_error(_chat(client, regex="a{1,4294967295}"), 400, "regex", "too large")
+    _assert_error(_chat(client, lark="%import nosuchmodule.FOO\nstart: FOO"), 400, "lark", "not a valid Lark grammar")
     _assert_error(_chat(client, grammar="root ::= nothing_here"), 400, "grammar", "cannot be compiled")
     _assert_error(_chat(client, choice=[]), 400, "choice", "non-empty")
     _assert_error(_chat(client, regex="a+", choice=["x"]), 400, "choice", "at most one constraint")

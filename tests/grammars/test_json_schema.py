@@ -204,6 +204,13 @@ def test_negated_class_escapes_are_sound_under_ecma_and_python(backend):
     c = compiled(r"^\D\W$")
     assert accepts(backend, c, '"x-"') and not accepts(backend, c, '"5-"')
     assert not accepts(backend, c, '"\u0663-"') and not accepts(backend, c, '"xé"') and not accepts(backend, c, '"x_"')
+    # inside a negated class a category counts with its widest meaning: nothing escapes [^\s\S]
+    c = compiled(r"^[^\s]$")
+    assert accepts(backend, c, '"x"') and not any(accepts(backend, c, f'"{sp}"') for sp in ("\u205f", "\u00a0", " "))
+    with pytest.raises(ValueError):
+        c = compiled(r"^[^\s\S]$")
+        assert not any(accepts(backend, c, f'"{ch}"') for ch in ("x", "\u205f", " "))
+        raise ValueError("compiled to a grammar that accepts nothing")
 
 
 def test_unsatisfiable_schema_is_an_error(backend):
