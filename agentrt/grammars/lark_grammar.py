@@ -133,7 +133,7 @@ def _category_ranges(category, widest: bool) -> list[tuple[int, int]]:
     return _subtract(full, _intersect(python, ecma_positive))
 
 
-def negate_pending(items) -> bool:
+def _has_negate(items) -> bool:
     return any(op is sre_c.NEGATE for op, _av in items)
 
 
@@ -274,7 +274,7 @@ class _RegexToEBNF:
             elif op is sre_c.CATEGORY and (av in _CATEGORY_RANGES or av in _NEGATED):
                 # in [...] a category must not hold more than both meanings agree on; in [^...] it
                 # must hold all that either meaning does (its complement is what is allowed)
-                ranges += _category_ranges(av, widest=negate_pending(items))
+                ranges += _category_ranges(av, widest=_has_negate(items))
             else:
                 self.fail(f"class item {op}")
         if negate:
