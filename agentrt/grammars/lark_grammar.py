@@ -86,9 +86,6 @@ _CATEGORY_RANGES = {
 # the complement of the union of both meanings, so it is sound under either.
 _ECMA_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
                (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
-_NEGATED = {sre_c.CATEGORY_NOT_DIGIT: ("\\d", []), sre_c.CATEGORY_NOT_WORD: ("\\w", []),
-            sre_c.CATEGORY_NOT_SPACE: ("\\s", _ECMA_SPACE)}
-
 
 @functools.cache
 def _python_class(cls: str) -> tuple[tuple[int, int], ...]:
@@ -109,32 +106,22 @@ def _intersect(a, b):
     return _subtract(a, _subtract([(0, 0x10FFFF)], b))
 
 
+_POSITIVE = {sre_c.CATEGORY_DIGIT: "\\d", sre_c.CATEGORY_WORD: "\\w", sre_c.CATEGORY_SPACE: "\\s"}
+_NEGATION_OF = {sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT, sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD,
+                sre_c.CATEGORY_NOT_SPACE: sre_c.CATEGORY_SPACE}
+
+
 def _category_ranges(category, widest: bool) -> list[tuple[int, int]]:
     """\\d \\w \\s \\D \\W \\S as code-point ranges. widest=False: only what ECMA-262 and Python
     both put in the class; widest=True: all that either does."""
-    full = [(0, 0x10FFFF)]
-    if category in _CATEGORY_RANGES:
-        ascii_ranges = _CATEGORY_RANGES[category]
-        if not widest:
-            return list(ascii_ranges)
-        cls = {sre_c.CATEGORY_DIGIT: "\\d", sre_c.CATEGORY_WORD: "\\w", sre_c.CATEGORY_SPACE: "\\s"}[category]
-        extra = _ECMA_SPACE if category is sre_c.CATEGORY_SPACE else []
-        return _merge(list(_python_class(cls)) + extra + ascii_ranges)
-    cls, ecma = _NEGATED[category]
-    python = list(_python_class(cls))
-    positive_union = _merge(python + ecma + _CATEGORY_RANGES.get(
-        {sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT, sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD,
-         sre_c.CATEGORY_NOT_SPACE: sre_c.CATEGORY_SPACE}[category], []))
-    if not widest:
-        return _subtract(full, positive_union)
-    # all that either meaning puts in the negation: outside the intersection of the positive sets
-    ecma_positive = ecma or _CATEGORY_RANGES[{sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT,
-                                              sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD}[category]]
-    return _subtract(full, _intersect(python, ecma_positive))
-
-
-def _has_negate(items) -> bool:
-    return any(op is sre_c.NEGATE for op, _av in items)
+    positive = _NEGATION_OF.get(category, category)
+    python = list(_python_class(_POSITIVE[positive]))
+    ecma = _ECMA_SPACE if positive is sre_c.CATEGORY_SPACE else _CATEGORY_RANGES[positive]
+    union = _merge(python + ecma + _CATEGORY_RANGES[positive])
+    if category is positive:
+        return union if widest else list(_CATEGORY_RANGES[positive])
+    # a negation is the complement of the positive class taken at its opposite width
+    return _subtract([(0, 0x10FFFF)], _intersect(python, ecma) if widest else union)
 
 
 def _merge(ranges):
@@ -271,10 +258,10 @@ class _RegexToEBNF:
                     ranges.append((ord(c.swapcase()),) * 2)
             elif op is sre_c.RANGE:
                 ranges.append(av)
-            elif op is sre_c.CATEGORY and (av in _CATEGORY_RANGES or av in _NEGATED):
+            elif op is sre_c.CATEGORY and (av in _POSITIVE or av in _NEGATION_OF):
                 # in [...] a category must not hold more than both meanings agree on; in [^...] it
                 # must hold all that either meaning does (its complement is what is allowed)
-                ranges += _category_ranges(av, widest=_has_negate(items))
+                ranges += _category_ranges(av, widest=negate)  # NEGATE comes first
             else:
                 self.fail(f"class item {op}")
         if negate:
