@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
+from agentrt.grammars.finite import check_finite
 from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 
@@ -191,34 +192,42 @@ class GrammarBackend:
         if cfg.any_whitespace:
             ws["max_whitespace_cnt"] = cfg.max_whitespace_cnt
         try:
-            if spec.kind == "json_schema":
-                norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
-                                        close_objects=spec.strict is True)
-                not_enforced.extend(norm.not_enforced)
-                schema, patterns = _take_patterns(norm.schema)
-                grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
-                return c.compile_grammar(_put_patterns(_fix_bounded_strings(str(grammar)), patterns))
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
-            if spec.kind == "lark":
-                from agentrt.grammars.lark_grammar import lark_to_ebnf
-
-                return c.compile_grammar(lark_to_ebnf(spec.value), root_rule_name="root")
-            if spec.kind == "regex":
-                # our converter, not xgrammar's regex (which admits 1(?:x[0-9]+)?Z on 10Z and
-                # ignores anchors inside a pattern); a whole-match regex, ^ and $ at its ends optional
-                from agentrt.grammars.lark_grammar import regex_to_ebnf
-
-                return c.compile_grammar(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.value, root_rule_name="root")
-            if spec.kind == "choice":
-                alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
-                return c.compile_grammar(f"root ::= {alts}")
+            grammar = self._grammar(spec, not_enforced, ws)
+            if grammar is None:
+                raise ValueError(f"unknown constraint kind '{spec.kind}'")
+            check_finite(str(grammar), "root")
+            return c.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}") from None
-        raise ValueError(f"unknown constraint kind '{spec.kind}'")
 
+    @staticmethod
+    def _grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
+        """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind)."""
+        if spec.kind == "json_schema":
+            norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
+                                    close_objects=spec.strict is True)
+            not_enforced.extend(norm.not_enforced)
+            schema, patterns = _take_patterns(norm.schema)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
+            return xgr.Grammar.from_ebnf(_put_patterns(_fix_bounded_strings(str(grammar)), patterns))
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
+        if spec.kind == "lark":
+            from agentrt.grammars.lark_grammar import lark_to_ebnf
+
+            return xgr.Grammar.from_ebnf(lark_to_ebnf(spec.value), root_rule_name="root")
+        if spec.kind == "regex":
+            # our converter, not xgrammar's regex (which admits 1(?:x[0-9]+)?Z on 10Z and
+            # ignores anchors inside a pattern); a whole-match regex, ^ and $ at its ends optional
+            from agentrt.grammars.lark_grammar import regex_to_ebnf
+
+            return xgr.Grammar.from_ebnf(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
+        if spec.kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
+        if spec.kind == "choice":
+            alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
+            return xgr.Grammar.from_ebnf(f"root ::= {alts}")
+        return None
 
     def new_matcher(self, compiled: CompiledConstraint, extra_stop_ids: list[int] = (),
                     max_rollback_tokens: int = -1) -> xgr.GrammarMatcher:

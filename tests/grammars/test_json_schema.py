@@ -220,6 +220,30 @@ def test_unsatisfiable_schema_is_an_error(backend):
         backend.compile(ConstraintSpec.json_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}))
 
 
+@pytest.mark.parametrize("spec", [
+    ConstraintSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                                "required": ["c"]}}, "$ref": "#/$defs/n"}),
+    ConstraintSpec.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+    ConstraintSpec("grammar", 'root ::= "a" root'),
+    ConstraintSpec("grammar", 'root ::= "b" | "a" s\ns ::= "x" s'),  # after "a" no way out
+    ConstraintSpec("grammar", 'root ::= x*\nx ::= "a" x'),  # "" is an output, but "a" leads nowhere
+    ConstraintSpec("grammar", 'root ::= "a" [^\\x00-\\U0010FFFF]'),
+    ConstraintSpec("lark", 'start: "a" start'),
+], ids=["required-self-ref", "nonempty-array-of-itself", "ebnf-self", "ebnf-branch", "ebnf-star", "empty-class", "lark-self"])
+def test_grammar_with_no_finite_output_is_refused(backend, spec):
+    # such a grammar compiles in xgrammar; generation would run to max_tokens and jump-forward's
+    # forced-text search would grow without end (an OOM in the adversarial run)
+    with pytest.raises(ValueError, match="no finite output"):
+        backend.compile(spec)
+
+
+def test_finite_check_keeps_grammars_with_a_way_out(backend):
+    for spec in (ConstraintSpec("grammar", 'root ::= "a" root | "b"'),
+                 ConstraintSpec("grammar", 'root ::= [^\\x00-\\x40\\x42-\\U0010FFFF] "\\"x"'),
+                 ConstraintSpec.json_schema({"type": "object", "properties": {"c": {"$ref": "#"}}})):
+        backend.compile(spec)
+
+
 def test_recursive_ref_compiles_and_bounds(backend):
     schema = {"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}},
               "additionalProperties": False}

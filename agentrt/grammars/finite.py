@@ -1,0 +1,223 @@
+"""Refuse grammars that admit no finite output.
+
+A rule such as ``root ::= "a" root`` (or a JSON Schema object whose required property `$ref`s the
+object itself, or an empty character class) compiles in xgrammar, but no output ever satisfies it:
+generation runs to max_tokens, and xgrammar's jump-forward search over the forced text "aaaa..."
+never ends. The check is the textbook productive-symbol fixpoint for context-free grammars
+(Hopcroft & Ullman, "useless symbols"): a rule is productive when one of its alternatives consists
+only of terminals and productive rules. Every rule reachable from the root must be productive;
+otherwise a prefix can lead the matcher into a rule it can never leave.
+
+The input is xgrammar's printed EBNF (``str(xgr.Grammar)``), which is regular: one rule per line,
+``name ::= body`` with an optional lookahead ``(= ...)`` that does not affect productivity.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TOKEN = re.compile(r"""
+    (?P<ws>\s+)
+  | (?P<define>::=)
+  | (?P<string>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<look>\(=)
+  | (?P<count>\{\s*\d+\s*,\s*-?\d+\s*\})
+  | (?P<name>[A-Za-z_][\w.\-]*)
+  | (?P<punct>[()|*+?])
+""", re.X | re.S)
+
+_SIMPLE_ESCAPES = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "b": 8, "a": 7, "e": 27, "0": 0}
+_MAX_CODEPOINT = 0x10FFFF
+
+
+class _Unparsed(Exception):
+    pass
+
+
+def _class_is_empty(text: str) -> bool:
+    """True when the character class `text` ("[...]" in xgrammar's printed syntax) matches no
+    character: ``[]``, or a negated class whose ranges cover every code point."""
+    body, negated = text[1:-1], False
+    if body.startswith("^"):
+        body, negated = body[1:], True
+    chars, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\" and i + 1 < len(body):
+            e = body[i + 1]
+            width = {"x": 2, "u": 4, "U": 8}.get(e)
+            if width and re.fullmatch(r"[0-9a-fA-F]+", body[i + 2:i + 2 + width] or "-"):
+                chars.append(int(body[i + 2:i + 2 + width], 16))
+                i += 2 + width
+                continue
+            chars.append(_SIMPLE_ESCAPES.get(e, ord(e)))
+            i += 2
+            continue
+        chars.append(-1 if c == "-" else ord(c))  # -1: a range dash (an escaped dash is a char)
+        i += 1
+    ranges, j = [], 0
+    while j < len(chars):
+        if j + 2 < len(chars) and chars[j + 1] == -1 and chars[j] >= 0 and chars[j + 2] >= 0:
+            ranges.append((chars[j], chars[j + 2]))
+            j += 3
+        else:
+            c = ord("-") if chars[j] == -1 else chars[j]
+            ranges.append((c, c))
+            j += 1
+    if not negated:
+        return not ranges
+    covered = 0
+    for lo, hi in sorted(ranges):
+        if lo > covered:
+            return False
+        covered = max(covered, hi + 1)
+    return covered > _MAX_CODEPOINT
+
+
+def _parse(ebnf: str) -> dict[str, list]:
+    """{rule name: body} where a body is ("alt", [seq, ...]), a seq is a list of items and an item
+    is ("ref", name) | ("term", productive: bool) | ("alt", ...) | ("opt", item) | ("rep1", item)."""
+    rules: dict[str, list] = {}
+    for line in ebnf.splitlines():
+        if not line.strip():
+            continue
+        toks, at = [], 0
+        while at < len(line):
+            m = _TOKEN.match(line, at)
+            if m is None:
+                raise _Unparsed(line)
+            if m.lastgroup != "ws":
+                toks.append((m.lastgroup, m.group()))
+            at = m.end()
+        if len(toks) < 3 or toks[0][0] != "name" or toks[1][0] != "define":
+            raise _Unparsed(line)
+        pos = [2]
+
+        def peek():
+            return toks[pos[0]] if pos[0] < len(toks) else (None, None)
+
+        def expr():
+            alts = [seq()]
+            while peek()[1] == "|":
+                pos[0] += 1
+                alts.append(seq())
+            return ("alt", alts)
+
+        def seq():
+            items = []
+            while True:
+                kind, text = peek()
+                if kind is None or text in ("|", ")"):
+                    return items
+                items.append(item())
+
+        def item():
+            kind, text = peek()
+            pos[0] += 1
+            if kind == "name":
+                node = ("ref", text)
+            elif kind == "string":
+                node = ("term", True)
+            elif kind == "cls":
+                node = ("term", not _class_is_empty(text))
+            elif kind == "look":
+                expr()
+                close()
+                return ("term", True)  # a lookahead constrains, it does not produce
+            elif text == "(":
+                node = expr()
+                close()
+            else:
+                raise _Unparsed(line)
+            kind, text = peek()
+            if text in ("*", "?"):
+                pos[0] += 1
+                return ("opt", node)
+            if text == "+":
+                pos[0] += 1
+                return ("rep1", node)
+            if kind == "count":
+                pos[0] += 1
+                lo = int(text[1:].split(",")[0])
+                return ("rep1", node) if lo > 0 else ("opt", node)
+            return node
+
+        def close():
+            if peek()[1] != ")":
+                raise _Unparsed(line)
+            pos[0] += 1
+
+        body = expr()
+        if pos[0] != len(toks):
+            raise _Unparsed(line)
+        rules[toks[0][1]] = body
+    return rules
+
+
+def unproductive_rules(ebnf: str, root: str = "root") -> list[str] | None:
+    """Rules reachable from `root` that derive no finite string, in reachability order ([] when the
+    grammar is fine). None when `ebnf` is not in the printed form this module reads (the caller
+    then cannot tell and should not refuse)."""
+    try:
+        rules = _parse(ebnf)
+    except _Unparsed:
+        return None
+    if root not in rules:
+        return None
+    productive: set[str] = set()
+
+    def prod(node) -> bool:
+        kind = node[0]
+        if kind == "term":
+            return node[1]
+        if kind == "ref":
+            return node[1] in productive
+        if kind == "opt":
+            return True
+        if kind == "rep1":
+            return prod(node[1])
+        return any(all(prod(i) for i in s) for s in node[1])
+
+    users: dict[str, set[str]] = {}
+    for name, body in rules.items():
+        for ref in _refs(body):
+            users.setdefault(ref, set()).add(name)
+    work = list(rules)
+    while work:  # a rule is re-examined only when one of the rules it uses became productive
+        name = work.pop()
+        if name not in productive and prod(rules[name]):
+            productive.add(name)
+            work.extend(users.get(name, ()))
+    order, seen, stack = [], {root}, [root]
+    while stack:
+        name = stack.pop()
+        order.append(name)
+        for ref in _refs(rules.get(name, ("alt", []))):
+            if ref not in seen and ref in rules:
+                seen.add(ref)
+                stack.append(ref)
+    return [n for n in order if n not in productive]
+
+
+def _refs(node):
+    kind = node[0]
+    if kind == "ref":
+        yield node[1]
+    elif kind in ("opt", "rep1"):
+        yield from _refs(node[1])
+    elif kind == "alt":
+        for s in node[1]:
+            for i in s:
+                yield from _refs(i)
+
+
+def check_finite(ebnf: str, root: str = "root") -> None:
+    """Raise ValueError when some rule reachable from `root` in `ebnf` (xgrammar's printed form)
+    can never finish: a recursion with no way out, or an empty character class."""
+    bad = unproductive_rules(ebnf, root)
+    if bad:
+        names = ", ".join(f"'{n}'" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(f"the constraint admits no finite output: rule {names} can never finish "
+                         "(a recursion with no way out, such as a required property that contains "
+                         "its own object, or an empty character class)")
