@@ -85,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     http = threading.Thread(target=server.run, name="agentrt-http", daemon=True)
     http.start()
-    signal.signal(signal.SIGTERM, lambda *_: engine.shutdown())
+    signal.signal(signal.SIGTERM, lambda *_: engine.request_stop())  # full shutdown in `finally`
     try:
         engine.run_forever(should_stop=lambda: not http.is_alive())
     except KeyboardInterrupt:

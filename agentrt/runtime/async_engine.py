@@ -76,6 +76,11 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", request_id))
 
+    def request_stop(self) -> None:
+        """Ask the engine loop to exit within 0.5 s; safe in a signal handler (sets an event, takes
+        no lock: the handler may interrupt the loop's own thread while it holds the inbox lock)."""
+        self._stop.set()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))

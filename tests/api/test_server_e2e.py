@@ -49,9 +49,10 @@ def server(default_model_dir, tmp_path_factory):
         proc.kill()
         pytest.fail("agentrt serve did not become healthy in 180 s")
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    proc.terminate()  # SIGTERM: a clean exit, promptly
+    code = proc.wait(timeout=30)
     log.close()
+    assert code == 0, log_path.read_text()[-2000:]
 
 
 def test_extraction_schemas_with_openai_client(server):

@@ -166,3 +166,20 @@ def test_chunked_prefill_keeps_decodes_running(default_model_dir, tokenizer):
     for after, before, prefill in steps:
         assert prefill <= budget - 4
         assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1]
+
+
+def test_stop_request_from_a_signal_handler_takes_no_lock():
+    """`agentrt serve` stops on SIGTERM from a handler that runs on the engine loop's own thread,
+    possibly while that thread holds the inbox lock (queue.get): the handler must not take it
+    (calling shutdown() there hung the server once)."""
+    import threading
+
+    from agentrt.runtime.async_engine import AsyncEngine
+
+    eng = AsyncEngine(engine=object(), start_thread=False)
+    done = threading.Event()
+    with eng._inbox.mutex:  # what the interrupted loop thread may hold
+        t = threading.Thread(target=lambda: (eng.request_stop(), done.set()), daemon=True)
+        t.start()
+        assert done.wait(2), "request_stop blocked on the inbox lock"
+    eng.run_forever()  # returns at once: the stop is seen before any work
