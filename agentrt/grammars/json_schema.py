@@ -44,7 +44,7 @@ from typing import Any
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 # formats xgrammar's JSON-schema converter enforces (probed one by one against jsonschema's checkers)
 GRAMMAR_FORMATS = frozenset({
-    "email", "uri", "uuid", "ipv6", "hostname", "duration", "uri-reference",
+    "email", "uri", "uuid", "ipv6", "duration", "uri-reference",
     "json-pointer", "uri-template", "relative-json-pointer"})
 # formats jsonschema's FormatChecker asserts that the grammar does not: refused (unless best-effort)
 CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
@@ -57,9 +57,18 @@ IPV4_PATTERN = rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"
 _DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 1123 hostnames: labels of 1-63 letters, digits and inner hyphens, at most 253 characters in
+# all (jsonschema's checker; xgrammar's hostname admitted 64-character labels). The total is kept by
+# a narrower shape, sound and compact: a first label up to 63 and at most 9 more of up to 20
+# (63 + 9 * 21 = 252), an optional trailing dot.
+def _label(n: int) -> str:
+    return f"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,{n - 2}}}[A-Za-z0-9])?"
+
+
+HOSTNAME_PATTERN = rf"^{_label(63)}(?:\.{_label(20)}){{0,9}}\.?$"
 FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "date": f"^{_DATE}$", "time": f"^{_TIME}$",
-                   "date-time": f"^{_DATE}T{_TIME}$"}
-FORMAT_LENGTHS = {"ipv4": (7, 15), "date": (10, 10), "time": (9, 29), "date-time": (20, 40)}
+                   "date-time": f"^{_DATE}T{_TIME}$", "hostname": HOSTNAME_PATTERN}
+FORMAT_LENGTHS = {"ipv4": (7, 15), "date": (10, 10), "time": (9, 29), "date-time": (20, 40), "hostname": (1, 253)}
 
 ANNOTATIONS = frozenset({
     "$schema", "$id", "id", "$comment", "$vocabulary", "title", "description", "default", "examples",

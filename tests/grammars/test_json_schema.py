@@ -184,6 +184,12 @@ def test_rewrites_enforce_both_facets(backend):
     assert not accepts(backend, c, '"0000-01-01T00:00:00Z"')  # year 0 is not a date in Python
     c = compiled({"type": "string", "format": "ipv4"})
     assert accepts(backend, c, '"10.0.0.255"') and not accepts(backend, c, '"01.2.3.4"')
+    # hostnames: labels of at most 63, names of at most 253 (xgrammar's own admitted 64)
+    c = compiled({"type": "string", "format": "hostname"})
+    for ok in ("localhost", "api.eu-west-1.amazonaws.com", "x" * 63 + ".", "1.2.3.4"):
+        assert accepts(backend, c, json.dumps(ok)), ok
+    for bad in ("x" * 64, "-a.com", "a-.com", "a..b", "a_b", ".".join(["y" * 20] * 13)):
+        assert not accepts(backend, c, json.dumps(bad)), bad
     # dependentRequired on a closed object
     c = compiled({"type": "object", "additionalProperties": False,
                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
