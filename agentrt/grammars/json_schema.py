@@ -155,6 +155,7 @@ class _Normalizer:
         self.defs: dict[str, Any] = {}
         self.def_names: dict[str, str] = {}
         self.in_progress: set[str] = set()
+        self.first_unsat: tuple[str, str] | None = None  # (pointer, its keywords) for the error
         self.not_enforced: list[str] = []
         self.rewritten: list[str] = []
 
@@ -190,7 +191,8 @@ class _Normalizer:
     def run(self) -> dict:
         out = self.norm(self.root, "")
         if out is _UNSAT:
-            raise UnsatisfiableSchemaError("", "the schema rejects every instance")
+            where, kws = self.first_unsat or ("", "")
+            raise UnsatisfiableSchemaError(where, f"the subschema there ({kws}) rejects every instance")
         if self.defs:
             if "$ref" in out and len(out) == 1:
                 out = {"anyOf": [out]}
@@ -217,6 +219,15 @@ class _Normalizer:
 
     # ---- the walk ----------------------------------------------------------------------------
     def norm(self, s, pointer: str):
+        """The normalized subschema, or _UNSAT; the first subschema found unsatisfiable is kept for
+        the error message (deepest first: the walk returns bottom-up)."""
+        out = self._norm(s, pointer)
+        if out is _UNSAT and self.first_unsat is None:
+            kws = sorted(k for k in s if k in KNOWN) if isinstance(s, dict) else []
+            self.first_unsat = (pointer, ", ".join(kws) or json.dumps(s))
+        return out
+
+    def _norm(self, s, pointer: str):
         if s is True or s == {}:
             return {}
         if s is False:
@@ -689,6 +700,8 @@ class _Normalizer:
         hi = int(hi) if hi is not None else None
         lo, hi = self.count_bounds("minItems", lo, hi, pointer)
         lo = lo or 0
+        if hi is not None and lo > hi:
+            return _UNSAT
         if s.get("uniqueItems") is True and (hi is None or hi > 1):
             self.unsupported("uniqueItems", _ptr(pointer, "uniqueItems"), "unique array items are not supported")
         if "contains" in s:

@@ -79,6 +79,8 @@ class ConstraintSpec:
             raise ValueError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
         except RecursionError:
             raise ValueError("schema is nested too deeply to be checked") from None
+        except OverflowError as e:  # re.compile in the `regex` format check: a{1,4294967295}
+            raise ValueError(f"schema is not a valid JSON Schema: a pattern's {e}") from None
         return cls("json_schema", value, strict)
 
     @classmethod

@@ -149,6 +149,8 @@ def test_hostile_input_is_a_clear_400(client):
     _assert_error(_chat(client, response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}),
                   400, "response_format.json_schema.schema", "nested too deeply")
     _assert_error(_chat(client, regex=r"[^\s\S]"), 400, "regex", "cannot be converted")
+    _assert_error(_chat(client, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "string", "pattern": "a{1,4294967295}"}}}), 400, "response_format.json_schema.schema", "too large")
     _assert_error(_chat(client, grammar='root ::= "a" root'), 400, "grammar", "no finite output")
     _assert_error(_chat(client, stream=True, grammar='root ::= "a" []'), 400, "grammar", "no finite output")
     _assert_error(_chat(client, stop=["}"], response_format={"type": "json_object"}), 400, "stop", "stop cannot")

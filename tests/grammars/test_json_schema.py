@@ -224,6 +224,9 @@ def test_unsatisfiable_schema_is_an_error(backend):
         backend.compile(ConstraintSpec.json_schema({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 3}))
     with pytest.raises(ValueError, match="admits no value"):
         backend.compile(ConstraintSpec.json_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}))
+    with pytest.raises(ValueError, match=r"at /properties/a admits no value: .*\(maxItems, minItems, type\)"):
+        backend.compile(ConstraintSpec.json_schema({"type": "object", "required": ["a"], "properties": {
+            "a": {"type": "array", "minItems": 3, "maxItems": 1}}}))
 
 
 @pytest.mark.parametrize("spec", [
