@@ -57,6 +57,7 @@ class ClosingPlanner:
         self.max_escapes = max_escapes
         self.max_fills = max_fills
         self._fills = 0
+        self.failure = ""  # why the last closing_path() returned None (for error messages)
         self.token_texts = token_texts
         self.vocab_size = len(token_texts)
         self._bitmask = None
@@ -80,20 +81,25 @@ class ClosingPlanner:
         text, ids = [], []
         run_char, run, escapes, last_escape = "", 0, 0, 0
         self._fills = 0
+        self.failure = ""
         try:
             while not matcher.is_completed():
                 if len(ids) >= self.max_chars:
+                    self.failure = f"the path it built passed {self.max_chars} characters"
                     return None
                 # free text: one character repeated, or a short cycle (`abab`, `xyzxyz`)
                 stuck = run >= 6 or (len(text) - last_escape >= 12 and _periodic(text[-12:]))
                 if stuck:
                     escapes += 1
                     if escapes > self.max_escapes:
+                        self.failure = f"it gave up after {len(text)} characters in a repeating part"
                         return None
                 pick = self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
                 if stuck:
                     last_escape = len(text) + 1
                 if pick is None:
+                    self.failure = self.failure or (f"no text it can build is allowed after {''.join(text)[-40:]!r}"
+                                                    if text else "no text it can build is allowed at the start")
                     return None
                 c, tid = pick
                 text.append(c)
@@ -118,6 +124,7 @@ class ClosingPlanner:
         order = order[8:]
         self._fills += 1
         if self._fills > self.max_fills:
+            self.failure = f"the search passed its limit of {self.max_fills} bitmask fills"
             return None
         if self._bitmask is None:  # then one bitmask fill (milliseconds on large grammars)
             import xgrammar as xgr

@@ -211,8 +211,8 @@ class Engine:
                 r.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
                 need = r.closing.start(r.matcher)
                 if need is None:
-                    r.error = ("max_tokens_policy 'close' is not available for this constraint: no closing "
-                               "path was found from its start (a pattern needs text the planner cannot build)")
+                    r.error = ("max_tokens_policy 'close' is not available for this constraint: the closing-"
+                               f"path planner found no way to complete it from its start: {self.grammar.planner.failure}")
                     r.error_status = 400
                     outputs.append(self._finish(r, "error"))
                     continue

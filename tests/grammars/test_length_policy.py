@@ -4,6 +4,7 @@ workload; random-walk soundness of compiled schemas on a random-weight model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -84,6 +85,12 @@ def test_budget_below_the_minimum_is_a_400(client):
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert resp.status_code == 400, resp.text
     assert "needs to close" in resp.json()["error"]["message"]
+    # a constraint the planner cannot close says why
+    resp = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000,
+        "max_tokens_policy": "close", "regex": "x{600}"})
+    assert resp.status_code == 400, resp.text
+    assert re.search("gave up after|passed 512 characters", resp.json()["error"]["message"])
 
 
 def test_best_effort_names_dropped_keywords_in_header_and_body(client):
@@ -145,7 +152,7 @@ def _random_walks(tmp_path_factory, default_model_dir, schemas, samples: int, ma
             names.append((name, schema))
     invalid, no_path = [], set()
     for (name, schema), out in zip(names, eng.generate(reqs)):
-        if out.finish_reason == "error" and "no closing path" in (out.error or ""):
+        if out.finish_reason == "error" and "found no way to complete" in (out.error or ""):
             no_path.add(name)
             continue
         try:
