@@ -14,9 +14,11 @@ Refused with ValueError naming the construct (the result would not be the same l
 lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
 lazy repetition, `\\W \\S \\D`, Unicode-wide case folding. Lark priorities and the contextual
 lexer only choose among parses; they do not change the language of the text, with one caveat: a
-CFG admits tokenizations lark's lexer would not choose (e.g. a keyword spelled where a NAME is
-expected), so rare outputs may not parse with lark's LALR lexer (they parse with Earley's
-dynamic lexer).
+CFG admits tokenizations lark's greedy lexers would not choose, so rare outputs may not parse with
+lark: a keyword spelled where a NAME is expected (LALR), or an ignored comment ended early
+(`key #c = 1` with `%ignore SH_COMMENT`: lark's comment runs to the end of the line; no lark
+parser accepts it). xgrammar's lookahead `(= ...)` is not enforced, so maximal munch cannot be
+written into the grammar; a sound fix needs first-character sets of the terminals (open).
 """
 
 from __future__ import annotations
