@@ -20,7 +20,9 @@ class GrammarConfig:
     compile_threads: worker threads that compile grammars off the engine loop.
     cache_size: compiled grammars kept (LRU).
     compile_timeout_s: a constraint that has not compiled after this long is refused (400); the
-    compile thread finishes in the background and its result is dropped.
+    compile thread finishes in the background and its result is dropped; a new thread takes its
+    place meanwhile, and while 4 such compiles are still running new constraints are refused (400)
+    rather than queued behind them.
     max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
     jump_forward: append the tokens of grammar-forced text without sampling them (see
     Engine._jump_forward)."""

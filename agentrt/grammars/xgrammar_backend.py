@@ -155,9 +155,14 @@ class GrammarBackend:
                 fut.set_exception(ValueError(
                     f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
                     f"{self.config.max_constraint_bytes}-byte limit"))
+            elif self._pool.num_stuck >= self._pool.max_stuck:
+                fut.set_exception(ValueError(
+                    f"{self._pool.num_stuck} earlier constraints are still compiling past the "
+                    f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"))
+                return fut  # not cached: a later request may find capacity
             else:
                 inner = self._pool.submit(self._compile, spec)
-                timer = threading.Timer(self.config.compile_timeout_s, self._time_out, (fut, spec))
+                timer = threading.Timer(self.config.compile_timeout_s, self._time_out, (fut, spec, inner))
                 timer.daemon = True
                 timer.start()
                 inner.add_done_callback(lambda f: (timer.cancel(), _forward(f, fut)))
@@ -166,12 +171,13 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
             return fut
 
-    def _time_out(self, fut: Future, spec: ConstraintSpec) -> None:
+    def _time_out(self, fut: Future, spec: ConstraintSpec, inner: Future) -> None:
         try:
             fut.set_exception(ValueError(f"{spec.kind} constraint did not compile within "
                                          f"{self.config.compile_timeout_s:g} s"))
         except InvalidStateError:  # it finished just now
             return
+        self._pool.abandon(inner)
         with self._lock:  # a later identical request may try again
             if self._cache.get(spec.key) is fut:
                 del self._cache[spec.key]
@@ -289,17 +295,38 @@ class _DaemonPool:
     xgrammar (it cannot be interrupted); a ThreadPoolExecutor would join it at interpreter exit,
     so a server stopped with SIGTERM hung until the compile ended. Daemon threads do not."""
 
-    def __init__(self, num_threads: int, name: str):
+    def __init__(self, num_threads: int, name: str, max_stuck: int = 4):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(num_threads)]
-        for t in self._threads:
-            t.start()
+        self._name, self._lock = name, threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._abandoned: set[Future] = set()
+        self.max_stuck = max_stuck
+        for _ in range(num_threads):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        t = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    @property
+    def num_stuck(self) -> int:
+        """Tasks given up on (abandon()) that are still running."""
+        return len(self._abandoned)
 
     def submit(self, fn, *args) -> Future:
         fut: Future = Future()
         self._queue.put((fut, fn, args))
         return fut
+
+    def abandon(self, fut: Future) -> None:
+        """The caller stopped waiting for `fut` (a compile past its time limit, which xgrammar cannot
+        interrupt). If it is running, a new worker takes its place, so queued work is not starved;
+        the old worker exits when the task ends."""
+        with self._lock:
+            if fut.running() and fut not in self._abandoned:
+                self._abandoned.add(fut)
+                self._spawn()
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -310,6 +337,11 @@ class _DaemonPool:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
                 fut.set_exception(e)
+            with self._lock:
+                if fut in self._abandoned:  # replaced meanwhile: this worker is one too many
+                    self._abandoned.discard(fut)
+                    self._threads.remove(threading.current_thread())
+                    return
 
     def shutdown(self) -> None:
         """Cancel what has not started; idle workers exit, busy ones are left to the process."""

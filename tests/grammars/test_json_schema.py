@@ -275,6 +275,42 @@ def test_compile_limits(tokenizer):
     slow.shutdown()
 
 
+
+def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
+    """xgrammar cannot interrupt a compile: one past its limit keeps its worker. A new worker takes
+    its place, so the next spec compiles at once; past `max_stuck` stuck compiles new ones are
+    refused with a clear error instead of queueing behind them."""
+    import threading
+
+    release = threading.Event()
+    real = GrammarBackend._compile
+
+    def compile_(self, spec):
+        if spec.kind == "regex" and spec.value.startswith("stuck"):
+            release.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", compile_)
+    b = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, compile_timeout_s=0.3))
+    b._pool.max_stuck = 2
+    try:
+        with pytest.raises(ValueError, match="did not compile within 0.3 s"):
+            b.compile(ConstraintSpec.regex("stuck0"))
+        assert b.submit(ConstraintSpec.regex("[a-z]+")).result(timeout=10) is not None  # not queued behind
+        with pytest.raises(ValueError, match="did not compile within 0.3 s"):
+            b.compile(ConstraintSpec.regex("stuck1"))
+        with pytest.raises(ValueError, match="2 earlier constraints are still compiling"):
+            b.compile(ConstraintSpec.regex("[0-9]+"))
+        release.set()
+        deadline = __import__("time").monotonic() + 10
+        while b._pool.num_stuck and __import__("time").monotonic() < deadline:
+            release.wait(0.05)
+        assert b._pool.num_stuck == 0 and len(b._pool._threads) == 1  # the extra workers retired
+        assert b.compile(ConstraintSpec.regex("[0-9]+")) is not None  # capacity is back
+    finally:
+        release.set()
+        b.shutdown()
+
 _EXIT_SCRIPT = """
 import sys, time
 from transformers import AutoTokenizer
