@@ -24,7 +24,7 @@ run: $(STAMP)
 	$(VENV)/bin/agentrt serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
