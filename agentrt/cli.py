@@ -80,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{example}'", flush=True)
 
-    app = create_app(engine, args.model, on_ready=ready)
+    app = create_app(engine, args.model, on_ready=ready, tool_call_format=args.tool_call_format,
+                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     http = threading.Thread(target=server.run, name="agentrt-http", daemon=True)
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tool-call-format", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: read from its chat template; templates "
+                        "without tool support get the generic hermes-style format)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave tool definitions out of the prompt when tool_choice is 'none'")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

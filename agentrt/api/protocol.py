@@ -24,11 +24,33 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict:
+        """role, content text, and tool_calls / tool_call_id when present (OpenAI shapes)."""
+        d: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -154,8 +176,11 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    # extension: false leaves tool calls unconstrained (parsed only), for A/B benchmarks
+    tool_call_constraint: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call")

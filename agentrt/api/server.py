@@ -16,6 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrt.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, _CommonRequest
+from agentrt.api.tools import ToolCallParser, ToolPlan, detect_format, plan_tools, render_messages
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.grammars.tool_calls import FORMATS
 from agentrt.runtime.async_engine import AsyncEngine
 from agentrt.runtime.request import RequestOutput
 
@@ -46,9 +49,12 @@ def _value_error(e: ValueError, default_param: str) -> APIError:
 
 
 def create_app(engine: AsyncEngine, served_model_name: str,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None, tool_call_format: str = "auto",
+               exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
-    `on_ready` runs once the app has started."""
+    `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
+    template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
+    the tools out of the prompt when tool_choice is "none". Raises ValueError on an unknown format."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -59,6 +65,14 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=lifespan)
     tokenizer = engine.tokenizer
     max_model_len = engine.engine.max_model_len
+    template = getattr(tokenizer, "chat_template", None)
+    detected, native_tools = detect_format(template if isinstance(template, str) else json.dumps(template))
+    if tool_call_format not in ("auto", *FORMATS):
+        raise ValueError(f"unknown tool call format '{tool_call_format}' (auto, {', '.join(FORMATS)})")
+    tool_format = FORMATS[detected if tool_call_format == "auto" else tool_call_format]
+    # a template that renders tools in another syntax than the one asked for: use the generic prompt
+    native_tools = native_tools and tool_format.name == detected
+    logger.info("tool calls: format %s (%s prompt)", tool_format.name, "template" if native_tools else "generic")
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -117,16 +131,24 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req)
-        if req.tools and req.tool_choice != "none":
-            raise APIError("tools are not supported by this server yet; send tool_choice 'none' or no tools",
-                           param="tools")
-        if req.tool_choice not in (None, "none") and not req.tools:
-            raise APIError("tool_choice needs tools, and tools are not supported by this server yet",
-                           param="tool_choice")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format,
+                          constrained=req.tool_call_constraint)
+        tool_constraint = None
+        if plan is not None:
+            for i, t in enumerate(plan.all_tools):
+                try:  # the meta-schema check, as for response_format
+                    t["parameters"] = json.loads(ConstraintSpec.json_schema(t["parameters"]).value)
+                except ValueError as e:
+                    where = f"tools[{i}].function.parameters"
+                    raise APIError(f"{where}: {e}", param=where) from None
+            if plan.mode != "none" and plan.constrained:
+                tool_constraint = ConstraintSpec.tool_calls(plan.constraint_value())
+        messages = [m.as_dict() for m in req.messages]
+        rendered, template_tools = render_messages(messages, plan, native_tools, exclude_tools_when_tool_choice_none)
+        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, rendered, template_tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await _run(req, raw, prompt_ids, max_tokens, req.response_format, "messages", chat=True)
+        return await _run(req, raw, prompt_ids, max_tokens, req.response_format, "messages", chat=True,
+                          plan=plan, tool_constraint=tool_constraint)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -144,9 +166,21 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             prompt_ids = list(prompt)
         return await _run(req, raw, prompt_ids, req.max_tokens, req.response_format, "prompt", chat=False)
 
-    async def _run(req, raw, prompt_ids, max_tokens, response_format, prompt_param, chat: bool):
+    async def _run(req, raw, prompt_ids, max_tokens, response_format, prompt_param, chat: bool,
+                   plan: ToolPlan | None = None, tool_constraint: ConstraintSpec | None = None):
         params = req.sampling_params(max_tokens)
         constraint, constraint_param = req.constraint(response_format)
+        calls = plan is not None and plan.mode != "none"
+        if calls:
+            params.skip_special_tokens = plan.fmt.skip_special_tokens
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise APIError(f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
+                               param=constraint_param.split(".")[0])
+            if req.stop:
+                raise APIError("stop cannot be combined with constrained tool calls: a stop string could cut "
+                               "a call", param="stop")
+            constraint, constraint_param = tool_constraint, "tools"
         not_enforced: list[str] = []
         if constraint is not None:
             try:
@@ -173,7 +207,8 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(gen, first, stream_id, created, chat, include_usage, len(prompt_ids)),
+                _sse(gen, first, stream_id, created, chat, include_usage, len(prompt_ids),
+                     _parser(plan) if calls else None),
                 media_type="text/event-stream", headers=headers,
             )
         last = first
@@ -187,7 +222,17 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                            type_="invalid_request_error" if last.error_status < 500 else "server_error")
         usage = _usage(last)
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if chat:
+        if chat and calls:
+            parser = _parser(plan)
+            parser.feed(last.text)
+            parser.finish()
+            choice["message"] = {"role": "assistant", "content": parser.content or None}
+            if parser.calls:
+                choice["message"]["tool_calls"] = [_call_json(c) for c in parser.calls]
+                if last.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            obj = "chat.completion"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": last.text}
             obj = "chat.completion"
         else:
@@ -200,22 +245,38 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         return JSONResponse(body, headers=headers)
 
     async def _sse(gen: AsyncIterator[RequestOutput], first: RequestOutput, stream_id: str, created: int,
-                   chat: bool, include_usage: bool, num_prompt: int):
+                   chat: bool, include_usage: bool, num_prompt: int, parser: ToolCallParser | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def body(choice: dict) -> str:
+            b = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+                 "choices": [choice]}
+            if include_usage:
+                b["usage"] = None
+            return f"data: {json.dumps(b, ensure_ascii=False)}\n\n"
 
         def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {"content": delta_text}
                 if finish is not None and not delta_text:
                     delta = {}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            body = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
-                    "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                return body({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+            return body({"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None})
+
+        def events(evs) -> list[str]:
+            out = []
+            for e in evs:
+                if e.kind == "content":
+                    out.append(chunk(e.text, None))
+                    continue
+                if e.kind == "call":
+                    tc = {"index": e.index, "id": e.id, "type": "function",
+                          "function": {"name": e.name, "arguments": ""}}
+                else:
+                    tc = {"index": e.index, "function": {"arguments": e.text}}
+                out.append(body({"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None,
+                                 "logprobs": None}))
+            return out
 
         last = first
         try:
@@ -229,20 +290,38 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 if out.delta_text:
-                    yield chunk(out.delta_text, None)
+                    if parser is None:
+                        yield chunk(out.delta_text, None)
+                    else:
+                        for c in events(parser.feed(out.delta_text)):
+                            yield c
                 if out.finished:
-                    yield chunk(None, out.finish_reason)
+                    finish = out.finish_reason
+                    if parser is not None:
+                        for c in events(parser.finish()):
+                            yield c
+                        if parser.calls and finish == "stop":
+                            finish = "tool_calls"
+                    yield chunk(None, finish)
                     break
                 out = await gen.__anext__()
             if include_usage:
-                body = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
-                        "choices": [], "usage": _usage(last)}
-                yield f"data: {json.dumps(body)}\n\n"
+                b = {"id": stream_id, "object": obj, "created": created, "model": served_model_name,
+                     "choices": [], "usage": _usage(last)}
+                yield f"data: {json.dumps(b)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()
 
     return app
+
+
+def _parser(plan: ToolPlan) -> ToolCallParser:
+    return ToolCallParser(plan.fmt, names={t["name"] for t in plan.tools})
+
+
+def _call_json(c) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -264,9 +343,9 @@ def _encode(tokenizer, text: str, param: str) -> list[int]:
         raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
 
 
-def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
     return _encode(tokenizer, prompt, "messages")

@@ -25,7 +25,7 @@ _TOKEN = re.compile(r"""
   | (?P<count>\{\s*\d+\s*,\s*-?\d+\s*\})
   | (?P<name>[A-Za-z_][\w.\-]*)
   | (?P<punct>[()|*+?])
-""", re.X | re.S)
+""", re.VERBOSE | re.DOTALL)
 
 _SIMPLE_ESCAPES = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "b": 8, "a": 7, "e": 27, "0": 0}
 _MAX_CODEPOINT = 0x10FFFF
@@ -75,84 +75,93 @@ def _class_is_empty(text: str) -> bool:
     return covered > _MAX_CODEPOINT
 
 
-def _parse(ebnf: str) -> dict[str, list]:
+def _parse(ebnf: str) -> dict[str, tuple]:
     """{rule name: body} where a body is ("alt", [seq, ...]), a seq is a list of items and an item
     is ("ref", name) | ("term", productive: bool) | ("alt", ...) | ("opt", item) | ("rep1", item)."""
-    rules: dict[str, list] = {}
+    rules: dict[str, tuple] = {}
     for line in ebnf.splitlines():
-        if not line.strip():
-            continue
-        toks, at = [], 0
+        if line.strip():
+            name, body = _Line(line).rule()
+            rules[name] = body
+    return rules
+
+
+class _Line:
+    """Recursive-descent parser of one printed rule: name ::= alternatives [lookahead]."""
+
+    def __init__(self, line: str):
+        self.line, self.toks, self.pos = line, [], 0
+        at = 0
         while at < len(line):
             m = _TOKEN.match(line, at)
             if m is None:
                 raise _Unparsed(line)
             if m.lastgroup != "ws":
-                toks.append((m.lastgroup, m.group()))
+                self.toks.append((m.lastgroup, m.group()))
             at = m.end()
-        if len(toks) < 3 or toks[0][0] != "name" or toks[1][0] != "define":
-            raise _Unparsed(line)
-        pos = [2]
 
-        def peek():
-            return toks[pos[0]] if pos[0] < len(toks) else (None, None)
+    def rule(self) -> tuple[str, tuple]:
+        if len(self.toks) < 3 or self.toks[0][0] != "name" or self.toks[1][0] != "define":
+            raise _Unparsed(self.line)
+        self.pos = 2
+        body = self.expr()
+        if self.pos != len(self.toks):
+            raise _Unparsed(self.line)
+        return self.toks[0][1], body
 
-        def expr():
-            alts = [seq()]
-            while peek()[1] == "|":
-                pos[0] += 1
-                alts.append(seq())
-            return ("alt", alts)
+    def peek(self):
+        return self.toks[self.pos] if self.pos < len(self.toks) else (None, None)
 
-        def seq():
-            items = []
-            while True:
-                kind, text = peek()
-                if kind is None or text in ("|", ")"):
-                    return items
-                items.append(item())
+    def expr(self):
+        alts = [self.seq()]
+        while self.peek()[1] == "|":
+            self.pos += 1
+            alts.append(self.seq())
+        return ("alt", alts)
 
-        def item():
-            kind, text = peek()
-            pos[0] += 1
-            if kind == "name":
-                node = ("ref", text)
-            elif kind == "string":
-                node = ("term", True)
-            elif kind == "cls":
-                node = ("term", not _class_is_empty(text))
-            elif kind == "look":
-                expr()
-                close()
-                return ("term", True)  # a lookahead constrains, it does not produce
-            elif text == "(":
-                node = expr()
-                close()
-            else:
-                raise _Unparsed(line)
-            kind, text = peek()
-            if text in ("*", "?"):
-                pos[0] += 1
-                return ("opt", node)
-            if text == "+":
-                pos[0] += 1
-                return ("rep1", node)
-            if kind == "count":
-                pos[0] += 1
-                lo = int(text[1:].split(",")[0])
-                return ("rep1", node) if lo > 0 else ("opt", node)
-            return node
+    def seq(self):
+        items = []
+        while True:
+            kind, text = self.peek()
+            if kind is None or text in ("|", ")"):
+                return items
+            items.append(self.item())
 
-        def close():
-            if peek()[1] != ")":
-                raise _Unparsed(line)
-            pos[0] += 1
+    def item(self):
+        kind, text = self.peek()
+        self.pos += 1
+        if kind == "name":
+            node = ("ref", text)
+        elif kind == "string":
+            node = ("term", True)
+        elif kind == "cls":
+            node = ("term", not _class_is_empty(text))
+        elif kind == "look":
+            self.expr()
+            self.close()
+            return ("term", True)  # a lookahead constrains, it does not produce
+        elif text == "(":
+            node = self.expr()
+            self.close()
+        else:
+            raise _Unparsed(self.line)
+        kind, text = self.peek()
+        if text in ("*", "?"):
+            self.pos += 1
+            return ("opt", node)
+        if text == "+":
+            self.pos += 1
+            return ("rep1", node)
+        if kind == "count":
+            self.pos += 1
+            lo = int(text[1:].split(",")[0])
+            return ("rep1", node) if lo > 0 else ("opt", node)
+        return node
 
-        body = expr()
-        if pos[0] != len(toks):
-            raise _Unparsed(line)
-        rules[toks[0][1]] = body
-    return rules
+    def close(self):
+        if self.peek()[1] != ")":
+            raise _Unparsed(self.line)
+        self.pos += 1
 
 
 def unproductive_rules(ebnf: str, root: str = "root") -> list[str] | None:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark", "choice"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark", "choice", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,11 @@ class ConstraintSpec:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choice must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(choices, ensure_ascii=False))
+
+    @classmethod
+    def tool_calls(cls, plan: str) -> ConstraintSpec:
+        """Tool calls in a model's format: `plan` is canonical JSON {"format", "mode" ("auto" |
+        "required"), "parallel", "tools": [{"name", "parameters" (a checked JSON Schema), "strict"}]}
+        (built by agentrt/api/tools.py; compiled as an xgrammar structural tag, see
+        grammars/tool_calls.py)."""
+        return cls("tool_calls", plan)

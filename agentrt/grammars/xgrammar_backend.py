@@ -103,6 +103,17 @@ def _at_least(name: str, lo: int) -> str:
     return f"{name}{{{lo - 1}, {lo - 1}}} {name}_any+" if lo > 1 else f"{name}_any+"
 
 
+def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict) -> str:
+    """EBNF (root rule `root`) of a JSON Schema through the faithful pipeline: normalize (refuse or,
+    with strict False, drop what cannot be enforced, appending "keyword at pointer" to
+    `not_enforced`), xgrammar's converter, then our bounded strings and patterns. Raises ValueError."""
+    norm = normalize_schema(schema, best_effort=strict is False, close_objects=strict is True)
+    not_enforced.extend(norm.not_enforced)
+    schema, patterns = _take_patterns(norm.schema)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
+    return _put_patterns(_fix_bounded_strings(str(grammar)), patterns)
+
+
 def _clean_error(e: Exception) -> str:
     return _XGR_PREFIX.sub("", str(e)).strip()
 
@@ -210,12 +221,22 @@ class GrammarBackend:
     def _grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
         """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind)."""
         if spec.kind == "json_schema":
-            norm = normalize_schema(json.loads(spec.value), best_effort=spec.strict is False,
-                                    close_objects=spec.strict is True)
-            not_enforced.extend(norm.not_enforced)
-            schema, patterns = _take_patterns(norm.schema)
-            grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
-            return xgr.Grammar.from_ebnf(_put_patterns(_fix_bounded_strings(str(grammar)), patterns))
+            return xgr.Grammar.from_ebnf(_schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws))
+        if spec.kind == "tool_calls":
+            from agentrt.grammars.tool_calls import structural_tag
+
+            plan = json.loads(spec.value)
+            args = []
+            for t in plan["tools"]:
+                dropped: list[str] = []
+                try:
+                    ebnf = _schema_ebnf(t["parameters"], t["strict"], dropped, ws)
+                    check_finite(ebnf, "root")
+                except (RuntimeError, ValueError) as e:
+                    raise ValueError(f"tool '{t['name']}' parameters: {_clean_error(e)}") from None
+                not_enforced.extend(f"{d} (tool '{t['name']}')" for d in dropped)
+                args.append(ebnf)
+            return xgr.Grammar.from_structural_tag(json.dumps(structural_tag(plan, args), ensure_ascii=False))
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
         if spec.kind == "lark":

@@ -1,0 +1,188 @@
+"""Tool-call parsing (api/tools.py) for every chunking, and the tool-call grammar (structural tags)
+model-free: names, arguments and formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrt.api.protocol import APIError
+from agentrt.api.tools import ToolCallParser, plan_tools, render_messages
+from agentrt.grammars.conformance import accepts
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.grammars.tool_calls import FORMATS
+from agentrt.grammars.xgrammar_backend import GrammarBackend
+from tests.conftest import load_case
+
+
+def _parse(fmt: str, chunks: list[str], names=None) -> tuple[str, list[tuple[str, str]], list]:
+    """(content, [(name, arguments)], OpenAI-style deltas merged per call index)."""
+    p = ToolCallParser(FORMATS[fmt], names=names)
+    events = []
+    for c in chunks:
+        events += p.feed(c)
+    events += p.finish()
+    content = "".join(e.text for e in events if e.kind == "content")
+    calls: dict[int, list] = {}
+    for e in events:
+        if e.kind == "call":
+            assert e.index not in calls and e.index == len(calls)  # indexes 0, 1, ... in order
+            calls[e.index] = [e.name, ""]
+        elif e.kind == "args":
+            calls[e.index][1] += e.text
+    assert content == p.content
+    assert [tuple(v) for v in calls.values()] == [(c.name, c.arguments) for c in p.calls]
+    return content, [tuple(v) for v in calls.values()], events
+
+
+def _chunkings(text: str):
+    yield [text]
+    yield list(text)
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    for size in (2, 3, 5, 7, 11):
+        yield [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_case_stream_tool_call_boundaries():
+    case = load_case("stream-tool-call-boundaries")
+    want = [(c["name"], c["arguments"]) for c in case["expect_tool_calls"]]
+    for chunks in _chunkings(case["model_text"]):
+        content, calls, _ = _parse("hermes", chunks)
+        assert content.strip() == ""
+        assert [(n, json.loads(a)) for n, a in calls] == want, chunks
+
+
+@pytest.mark.parametrize("fmt,text,want_content,want", [
+    ("hermes", 'Let me check.<tool_call>\n{"name": "f", "arguments": {"a": "x}<\\"y"}}\n</tool_call> Done.',
+     "Let me check.Done.", [("f", '{"a": "x}<\\"y"}')]),
+    ("hermes", 'no call here, just <tool text and <tool_call', 'no call here, just <tool text and <tool_call', []),
+    ("hermes", '<tool_call>\n{"arguments": {"n": 1}, "name": "g"}\n</tool_call>', "", [("g", '{"n": 1}')]),
+    ("hermes", '<tool_call>\nnot json\n</tool_call>', "<tool_call>\nnot json\n</tool_call>", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": 2}]}}', "", [("f", '{"a": [1, {"b": 2}]}')]),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "",
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "]"}}]', "ok ",
+     [("f", '{"a": 1}'), ("g", '{"b": "]"}')]),
+])
+def test_formats_parse_the_same_under_any_chunking(fmt, text, want_content, want):
+    for chunks in _chunkings(text):
+        content, calls, _ = _parse(fmt, chunks)
+        assert (content, calls) == (want_content, want), chunks
+
+
+def test_unknown_tool_names_stay_content():
+    text = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    content, calls, _ = _parse("hermes", [text], names={"f"})
+    assert calls == [] and content == text
+
+
+def test_first_delta_of_a_call_carries_the_name_then_only_arguments():
+    _, _, events = _parse("hermes", list('<tool_call>\n{"name": "f", "arguments": {"a": 12345}}\n</tool_call>'))
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "call" and set(kinds[1:]) == {"args"} and len(kinds) > 3  # streamed piece by piece
+
+
+def test_plan_validation_errors_name_the_field():
+    fmt = FORMATS["hermes"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for tools, choice, param in [
+        ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
+        ([tool, tool], None, "tools[1].function.name"),
+        ([tool], {"type": "function", "function": {"name": "g"}}, "tool_choice"),
+        ([tool], "sometimes", "tool_choice"),
+        ([{"type": "retrieval"}], None, "tools[0]"),
+        (None, "required", "tool_choice"),
+    ]:
+        with pytest.raises(APIError) as e:
+            plan_tools(tools, choice, None, fmt)
+        assert e.value.param == param, (tools, choice, e.value.message)
+    plan = plan_tools([tool, {"type": "function", "function": {"name": "g"}}],
+                      {"type": "function", "function": {"name": "g"}}, False, fmt)
+    assert plan.mode == "required" and [t["name"] for t in plan.tools] == ["g"] and len(plan.all_tools) == 2
+
+
+def test_generic_rendering_puts_tools_in_the_system_prompt_and_calls_in_text():
+    plan = plan_tools([{"type": "function", "function": {"name": "get_time", "description": "Now.",
+                                                         "parameters": {"type": "object"}}}], "auto", None,
+                      FORMATS["hermes"])
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    out, tools = render_messages(msgs, plan, native=False)
+    assert tools is None
+    assert out[0]["content"].startswith("Be brief.") and '"name": "get_time"' in out[0]["content"]
+    assert out[2] == {"role": "assistant",
+                      "content": '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return GrammarBackend(tokenizer, 49152, (2,), GrammarConfig())
+
+
+def _spec(tools, mode="required", parallel=True, fmt="hermes"):
+    plan = plan_tools([{"type": "function", "function": t} for t in tools], mode, parallel, FORMATS[fmt])
+    return ConstraintSpec.tool_calls(plan.constraint_value())
+
+
+TZ = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+                                         "required": ["tz"], "additionalProperties": False}}
+NOTE = {"name": "save_note", "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 8}},
+                                            "required": ["text"]}}
+
+
+def _call(name, args, fmt="hermes"):
+    f = FORMATS[fmt]
+    return f.tag_begin(name) + json.dumps(args) + f.tag_end()  # the compact layout: ", " and ": "
+
+
+def test_required_grammar_admits_only_offered_tools_with_valid_arguments(backend):
+    c = backend.compile(_spec([TZ, NOTE]))
+    assert accepts(backend, c, _call("get_time", {"tz": "UTC"}))
+    assert accepts(backend, c, _call("get_time", {"tz": "UTC"}) + "\n" + _call("save_note", {"text": "hi"}))
+    assert not accepts(backend, c, "Sure!")  # required: a call, not text
+    assert not accepts(backend, c, _call("get_weather", {"tz": "UTC"}))  # no invented names
+    assert not accepts(backend, c, _call("get_time", {"tz": "PST"}))
+    assert not accepts(backend, c, _call("save_note", {"text": "far too long"}))
+    single = backend.compile(_spec([TZ, NOTE], parallel=False))
+    assert not accepts(backend, single, _call("get_time", {"tz": "UTC"}) + "\n" + _call("get_time", {"tz": "CET"}))
+
+
+def test_auto_grammar_admits_text_then_constrained_calls(backend):
+    c = backend.compile(_spec([TZ], mode="auto"))
+    assert accepts(backend, c, "It is noon.")
+    assert accepts(backend, c, "Checking. " + _call("get_time", {"tz": "CET"}))
+    assert not accepts(backend, c, "Checking. " + _call("get_time", {"tz": "PST"}))
+    assert not accepts(backend, c, _call("other", {}))
+
+
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+def test_other_formats_compile_and_parse_back(backend, fmt):
+    c = backend.compile(_spec([TZ, NOTE], fmt=fmt))
+    text = _call("get_time", {"tz": "UTC"}, fmt)
+    assert accepts(backend, c, text)
+    _, calls, _ = _parse(fmt, [text])
+    assert calls == [("get_time", '{"tz": "UTC"}')]
+
+
+def test_case_tool_without_parameters(backend):
+    case = load_case("tool-without-parameters")
+    plan = plan_tools(case["tools"], "required", True, FORMATS["hermes"])
+    c = backend.compile(ConstraintSpec.tool_calls(plan.constraint_value()))
+    assert accepts(backend, c, _call("get_server_time", {}))
+    assert accepts(backend, c, _call("save_note", {"text": "x" * 1000}))
+    # a tool with no parameters at all takes exactly {}
+    bare = plan_tools([{"type": "function", "function": {"name": "ping"}}], "required", True, FORMATS["hermes"])
+    c = backend.compile(ConstraintSpec.tool_calls(bare.constraint_value()))
+    assert accepts(backend, c, _call("ping", {})) and not accepts(backend, c, _call("ping", {"x": 1}))
+
+
+def test_unenforceable_tool_schema_names_the_tool(backend):
+    bad = {"name": "uniq", "parameters": {"type": "object", "properties": {
+        "xs": {"type": "array", "uniqueItems": True}}}}
+    with pytest.raises(ValueError, match="tool 'uniq' parameters: .*uniqueItems"):
+        backend.compile(_spec([TZ, bad]))
