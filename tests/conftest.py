@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +117,40 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str, **overrides) -> 
     model.save_pretrained(str(path))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir, tmp_path_factory):
+    """A real `agentrt serve` subprocess on the default model (shared by the tests that need one);
+    yields its base URL. It must exit 0 on SIGTERM."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", "smollm2-135m-instruct", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"agentrt serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("agentrt serve did not become healthy in 180 s")
+    yield url
+    proc.terminate()  # SIGTERM: a clean exit, promptly
+    code = proc.wait(timeout=30)
+    log.close()
+    assert code == 0, log_path.read_text()[-2000:]

@@ -77,8 +77,8 @@ def test_broken_constraints_are_400_and_server_keeps_serving(client):
     _assert_error(_chat(client, response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}, "strict": "yes"}}), 400, "response_format.json_schema.strict",
         "boolean")
-    _assert_error(_chat(client, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-                  "not supported")
+    _assert_error(_chat(client, tools=[{"type": "function", "function": {"name": "no spaces allowed"}}]), 400,
+                  "tools[0].function.name", "letters, digits")
     ok = _chat(client)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 
@@ -158,6 +158,7 @@ def test_hostile_input_is_a_clear_400(client):
     _assert_error(_chat(client, max_completion_tokens=10**9), 400, "max_completion_tokens", "context limit")
     _assert_error(_chat(client, functions=[{"name": "f"}]), 400, "functions", "not supported")
     _assert_error(_chat(client, tool_choice="required"), 400, "tool_choice", "needs tools")
+    _assert_error(_chat(client, tools="f"), 400, "tools", "list")
     _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400, "echo",
                   "not supported")
     _assert_error(client.get("/v1/nothing"), 404, None, "Not Found")

@@ -3,56 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import pytest
 
 from agentrt.extraction import extraction_messages
 from tests.conftest import shared_path
 
 MODEL = "smollm2-135m-instruct"
 NUM_DOCS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", MODEL, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"agentrt serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("agentrt serve did not become healthy in 180 s")
-    yield url
-    proc.terminate()  # SIGTERM: a clean exit, promptly
-    code = proc.wait(timeout=30)
-    log.close()
-    assert code == 0, log_path.read_text()[-2000:]
 
 
 def test_extraction_schemas_with_openai_client(server):

@@ -28,7 +28,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 
 def _body(tools, choice, parallel, stream):
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 160, "max_tokens_policy": "close",
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 96, "max_tokens_policy": "close",
             "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius? Also add 2 and 3."}],
             "tools": tools, "parallel_tool_calls": parallel, "stream": stream}
     if choice is not None:
