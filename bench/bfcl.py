@@ -13,6 +13,8 @@ and configuration:
   optional arguments may be omitted; parallel: the calls match the answers one to one, any order);
 - requests/s at the given concurrency.
 
+`parallel_tool_calls` is false for simple_python (one call expected) and true for parallel.
+
 BFCL's type names (dict, float, tuple, any) are mapped to JSON Schema here, not in the server.
 
     python bench/bfcl.py                       # starts `agentrt serve`, 100 simple + 50 parallel
@@ -135,7 +137,9 @@ def ast_match(calls: list[tuple[str, dict]], answers: list[dict], tools: dict) -
 def run_one(client: httpx.Client, url: str, model: str, q: dict, choice: str, constrained: bool,
             max_tokens: int) -> dict:
     body = {"model": model, "messages": q["question"][0], "tools": q["tools"], "tool_choice": choice,
-            "temperature": 0, "max_tokens": max_tokens, "tool_call_constraint": constrained}
+            "temperature": 0, "max_tokens": max_tokens, "tool_call_constraint": constrained,
+            # simple questions want exactly one call, parallel ones several
+            "parallel_tool_calls": len(q["answer"]) > 1 or q["id"].startswith("parallel")}
     resp = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     if resp.status_code != 200:
         return {"error": resp.text[:200], "calls": [], "valid": False, "ast": False}
@@ -164,7 +168,7 @@ def main() -> None:
     ap.add_argument("--simple", type=int, default=100, help="simple_python questions (of 400)")
     ap.add_argument("--parallel", type=int, default=50, help="parallel questions (of 200)")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     proc = None
     url = args.url
