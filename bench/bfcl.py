@@ -37,7 +37,7 @@ import httpx
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extraction import free_port, start_server  # noqa: E402
+from extraction import free_port, start_server
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "bfcl"
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "int": "integer",
@@ -186,8 +186,8 @@ def main() -> None:
                 for choice in ("auto", "required"):
                     for constrained in (True, False):  # side by side, same server, same run
                         t0 = time.perf_counter()
-                        res = list(pool.map(lambda q: run_one(client, url, args.model, q, choice, constrained,
-                                                              args.max_tokens), qs))
+                        res = list(pool.map(run_one, *zip(*[(client, url, args.model, q, choice, constrained,
+                                                               args.max_tokens) for q in qs])))
                         dt = time.perf_counter() - t0
                         n = len(res)
                         errors = [r["error"] for r in res if "error" in r]

@@ -88,8 +88,16 @@ def test_pydantic_ai_tool_output_and_native_output(server):
 
 def test_openai_agents_sdk_tool_round_trip(server):
     pytest.importorskip("agents", reason="openai-agents is not installed (it is in the test extra)")
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, ToolCallItem, ToolCallOutputItem,
-                        function_tool, set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        ToolCallItem,
+        ToolCallOutputItem,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no exporter: this machine has no internet
