@@ -28,7 +28,9 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 
 
 def _body(tools, choice, parallel, stream):
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 96, "max_tokens_policy": "close",
+    # free text (auto, none) gets a short budget: the 135M model rarely calls under auto
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 96 if choice not in ("auto", "none") else 48,
+            "max_tokens_policy": "close",
             "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius? Also add 2 and 3."}],
             "tools": tools, "parallel_tool_calls": parallel, "stream": stream}
     if choice is not None:
