@@ -83,7 +83,8 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, args.model, on_ready=ready, tool_call_format=args.tool_call_format,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="agentrt-http", daemon=True)
     http.start()
     signal.signal(signal.SIGTERM, lambda *_: engine.request_stop())  # full shutdown in `finally`
@@ -92,6 +93,8 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # streams in flight end with an error event (the loop no longer runs), then HTTP stops
+        engine.fail_pending("the server is shutting down")
         server.should_exit = True
         http.join(timeout=10)
         engine.shutdown()

@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrt.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, _CommonRequest
-from agentrt.api.tools import ToolCallParser, ToolPlan, detect_format, plan_tools, render_messages
+from agentrt.api.tools import (
+    ToolCallParser,
+    ToolPlan,
+    check_tool_messages,
+    detect_format,
+    plan_tools,
+    render_messages,
+)
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import FORMATS
 from agentrt.runtime.async_engine import AsyncEngine
@@ -144,6 +151,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             if plan.mode != "none" and plan.constrained:
                 tool_constraint = ConstraintSpec.tool_calls(plan.constraint_value())
         messages = [m.as_dict() for m in req.messages]
+        check_tool_messages(messages)
         rendered, template_tools = render_messages(messages, plan, native_tools, exclude_tools_when_tool_choice_none)
         prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, rendered, template_tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -182,21 +190,29 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                                "a call", param="stop")
             constraint, constraint_param = tool_constraint, "tools"
         not_enforced: list[str] = []
+        try:  # a prompt over the context is refused before any compile
+            engine.engine.check_request(prompt_ids, params)
+        except ValueError as e:
+            raise _request_error(e, req, prompt_param) from None
         if constraint is not None:
             try:
                 not_enforced = (await engine.compile(constraint)).not_enforced
             except ValueError as e:
-                raise APIError(f"{constraint_param}: {e}", param=constraint_param) from None
+                param = constraint_param
+                if plan is not None and constraint is tool_constraint:  # name the tool's schema
+                    for i, t in enumerate(plan.all_tools):
+                        if f"tool '{t['name']}' parameters" in str(e):
+                            param = f"tools[{i}].function.parameters"
+                raise APIError(f"{param}: {e}", param=param) from None
         stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id,
                               cache_salt=req.cache_salt or "")
         try:
             first = await gen.__anext__()
         except ValueError as e:
-            err = _value_error(e, prompt_param)
-            if err.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
-                err.param = "max_completion_tokens"
-            raise err from None
+            raise _request_error(e, req, prompt_param) from None
+        except RuntimeError as e:  # the server is shutting down (AsyncEngine.fail_pending)
+            raise APIError(str(e), status=503, type_="server_error") from None
         if first.finished and first.finish_reason == "error":
             param = "max_tokens" if (first.error or "").startswith("max_tokens ") else None
             raise APIError(first.error or "generation failed", status=first.error_status, param=param,
@@ -314,6 +330,13 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             await gen.aclose()
 
     return app
+
+
+def _request_error(e: ValueError, req, prompt_param: str) -> APIError:
+    err = _value_error(e, prompt_param)
+    if err.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        err.param = "max_completion_tokens"
+    return err
 
 
 def _parser(plan: ToolPlan) -> ToolCallParser:

@@ -108,6 +108,11 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise APIError(f"{where}.function.parameters must be a JSON Schema object", param=f"{where}.function.parameters")
+        if params.get("type", "object") != "object":
+            # arguments are a JSON object (OpenAI's contract; frameworks json.loads them into a dict)
+            raise APIError(f"{where}.function.parameters must describe an object (\"type\": \"object\"), got "
+                           f"type {json.dumps(params.get('type'))}", param=f"{where}.function.parameters")
+        params = {**params, "type": "object"}
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise APIError(f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
@@ -133,6 +138,25 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
         raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
                        '"function": {"name": ...}}', param="tool_choice")
     return ToolPlan(choice, specs, specs, parallel, fmt, constrained)
+
+
+def check_tool_messages(messages: list[dict]) -> None:
+    """OpenAI's rules for tool turns: `tool_calls` only on assistant messages, every `tool`
+    message answers (`tool_call_id`) a call of an earlier assistant message. Raises APIError."""
+    ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.get("tool_calls") and m["role"] != "assistant":
+            raise APIError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        for c in m.get("tool_calls") or []:
+            if c.get("id"):
+                ids.add(c["id"])
+        if m["role"] == "tool":
+            tid = m.get("tool_call_id")
+            if not tid:
+                raise APIError(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
+            if tid not in ids:
+                raise APIError(f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
+                               "message", param=f"messages[{i}].tool_call_id")
 
 
 def render_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
@@ -222,7 +246,9 @@ class ToolCallParser:
     still become a call marker is held back until it is decided, so the events do not depend on
     how the text is chunked. A call whose head is not `{"name": ..., "arguments": ...` in that
     order (possible only without constraints) is parsed whole at its end; a block that is not a
-    call at all is returned as content."""
+    call at all is returned as content; a block cut off by the end of the text (max_tokens) is
+    dropped, never returned as content (a call already started keeps its partial arguments, as
+    OpenAI's do under finish_reason "length")."""
 
     fmt: ToolCallFormat
     names: set[str] | None = None  # when given, calls to other names stay content
@@ -254,9 +280,8 @@ class ToolCallParser:
             if (self._state, len(self._buf)) == before:
                 break
         if final:
-            if self._state in ("obj", "raw") and self._block:
-                self._emit_text(ev, self._block + self._buf)
-            elif self._state == "text" and self._buf:
+            # an unfinished call block (cut by max_tokens) is neither a call nor content: dropped
+            if self._state == "text" and self._buf:
                 self._emit_text(ev, self._buf)
             self._buf, self._block, self._state = "", "", "text"
         return ev
@@ -396,7 +421,9 @@ class ToolCallParser:
         close = fmt.close
         if s.startswith(close):
             self._buf, self._state = s[len(close):], "gap"
-        elif close.startswith(s) and not final:
+        elif close.startswith(s):
+            if final:  # a close tag cut short
+                self._buf, self._state = "", "text"
             return  # "</tool_" so far
         else:
             self._state = "text"

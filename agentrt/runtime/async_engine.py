@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -80,6 +81,18 @@ class AsyncEngine:
         """Ask the engine loop to exit within 0.5 s; safe in a signal handler (sets an event, takes
         no lock: the handler may interrupt the loop's own thread while it holds the inbox lock)."""
         self._stop.set()
+
+    def fail_pending(self, message: str) -> None:
+        """After the loop has stopped (on the thread that ran it): end every request, queued or
+        running, with an error, so streams finish with an error event instead of hanging."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                kind, payload = self._inbox.get_nowait()
+                if kind == "add":
+                    loop, added = payload[5], payload[7]
+                    loop.call_soon_threadsafe(_set_exception, added, RuntimeError(message))
+        for out in self.engine.fail_all(message):
+            self._deliver(out)
 
     def shutdown(self) -> None:
         self._stop.set()

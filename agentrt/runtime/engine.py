@@ -68,15 +68,10 @@ class Engine:
         self._ids = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    constraint: ConstraintSpec | None = None, request_id: str | None = None,
-                    cache_salt: str = "") -> Request:
-        """Validate and enqueue. Raises ValueError naming the field for an empty prompt, invalid
-        sampling values, a prompt (+ max_tokens) beyond the context limit or the KV pool.
-        A constraint compiles in the background (status WAITING_FOR_GRAMMAR); a compile failure
-        finishes the request with finish_reason "error". `cache_salt` keeps a tenant's prefix
-        cache apart from others'."""
-        params = params or SamplingParams()
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
+        """(context limit, prompt length) after validating a request's prompt and sampling values.
+        Raises ValueError naming the field (see add_request); cheap, so callers may check before
+        compiling a constraint."""
         params.validate(self.vocab_size)
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -91,6 +86,18 @@ class Engine:
                 f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds the context limit "
                 f"of {limit} tokens"
             )
+        return limit, n
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    constraint: ConstraintSpec | None = None, request_id: str | None = None,
+                    cache_salt: str = "") -> Request:
+        """Validate and enqueue. Raises ValueError naming the field for an empty prompt, invalid
+        sampling values, a prompt (+ max_tokens) beyond the context limit or the KV pool.
+        A constraint compiles in the background (status WAITING_FOR_GRAMMAR); a compile failure
+        finishes the request with finish_reason "error". `cache_salt` keeps a tenant's prefix
+        cache apart from others'."""
+        params = params or SamplingParams()
+        limit, n = self.check_request(prompt_ids, params)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint, cache_salt)
         req.max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         seed = params.seed if params.seed is not None else random.getrandbits(63)

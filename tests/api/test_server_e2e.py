@@ -54,3 +54,50 @@ def test_extraction_schemas_with_openai_client(server):
     print(f"\n{NUM_DOCS - len(hit_length)}/{NUM_DOCS} finished with stop and validated; "
           f"hit max_tokens: {hit_length}")
     assert len(hit_length) < NUM_DOCS
+
+
+def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
+    """SIGTERM while a stream runs: the stream ends with an error event and [DONE], the process
+    exits 0 within seconds (it used to wait on the open stream until a 10 s join gave up)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.conftest import _free_port
+
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", MODEL, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:  # generation is under way
+                    t0 = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        assert any('"error"' in x and "shutting down" in x for x in lines), lines[-3:]
+        assert lines[-1] == "" or lines[-1] == "data: [DONE]"
+        assert "data: [DONE]" in lines
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+

@@ -72,6 +72,18 @@ def test_formats_parse_the_same_under_any_chunking(fmt, text, want_content, want
         assert (content, calls) == (want_content, want), chunks
 
 
+@pytest.mark.parametrize("text,want", [
+    ('<tool_call>\n{"name": "get_weather",', ("", [])),  # cut before the arguments: no call, no markup
+    ('ok<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name":', ("ok", [("f", '{"a": 1}')])),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call', ("", [("f", '{"a": "x"}')])),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": ', ("", [("f", '{"a": ')])),  # started: partial arguments
+])
+def test_text_cut_by_max_tokens_never_puts_call_markup_in_content(text, want):
+    for chunks in _chunkings(text):
+        content, calls, _ = _parse("hermes", chunks)
+        assert (content, calls) == want, chunks
+
+
 def test_unknown_tool_names_stay_content():
     text = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
     content, calls, _ = _parse("hermes", [text], names={"f"})

@@ -121,7 +121,24 @@ def test_tool_round_trip_and_errors(client):
         "xs": {"type": "array", "uniqueItems": True}}}}}
     bad = client.post("/v1/chat/completions", json=_body([WEATHER, bad_schema], "required", True, False))
     assert bad.status_code == 400 and "tool 'f' parameters" in bad.json()["error"]["message"], bad.text
-    assert bad.json()["error"]["param"] == "tools"
+    assert bad.json()["error"]["param"] == "tools[1].function.parameters"
+    scalar = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    bad = client.post("/v1/chat/completions", json=_body([scalar], "required", True, False))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.parameters", bad.text
+    for msgs, param in [
+        ([{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}], "messages[1].tool_call_id"),
+        ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}],
+         "messages[1].tool_call_id"),
+        ([{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls"),
+    ]:
+        bad = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": [WEATHER]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    # a prompt over the context is refused before the tools' grammar is compiled
+    huge = {"type": "function", "function": {"name": "big", "description": "word " * 9000,
+                                             "parameters": {"type": "object"}}}
+    bad = client.post("/v1/chat/completions", json=_body([huge], "required", True, False))
+    assert bad.status_code == 400 and "context limit" in bad.json()["error"]["message"], bad.text
     not_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}
     bad = client.post("/v1/chat/completions", json=_body([not_schema], "auto", True, False))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.parameters", bad.text
