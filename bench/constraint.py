@@ -6,9 +6,10 @@ time for agentrt (faithful-schema rewrite + xgrammar), raw xgrammar and llguidan
 on the same tokenizer;
 mask cost per token (fill_next_token_bitmask, p50/p99 us) walking each schema's first valid
 instance. Part 2 (default model): decode tokens/s constrained vs unconstrained at batch 1 and 16,
-and the share of output tokens forced by jump-forward.
+and the share of output tokens forced by jump-forward. Part 3 (model-free): cost of the
+finite-output check (grammars/finite.py) on each JSONSchemaBench schema's EBNF.
 
-    python bench/constraint.py [--part 1|2|all] [--docs 16]
+    python bench/constraint.py [--part 1|2|3|all] [--docs 16]
 """
 
 from __future__ import annotations
@@ -208,9 +209,33 @@ def part2(model_dir: str, n_docs: int):
 
 
 
+def part3():
+    from agentrt.grammars.finite import unproductive_rules
+    from agentrt.grammars.xgrammar_backend import _schema_ebnf
+
+    times, sizes, refused = [], [], 0
+    for path in sorted((SHARED / "jsonschemabench" / "schemas").glob("*.json")):
+        try:
+            ebnf = _schema_ebnf(json.loads(path.read_text()), None, [], {"any_whitespace": False, "indent": None})
+        except ValueError:
+            refused += 1
+            continue
+        t0 = time.perf_counter()
+        bad = unproductive_rules(ebnf)
+        times.append(time.perf_counter() - t0)
+        sizes.append(len(ebnf))
+        assert bad == [], (path.name, bad)  # none of these real schemas lacks a finite instance
+    big = max(range(len(sizes)), key=sizes.__getitem__)
+    print(f"\n### Finite-output check, {len(times)} JSONSchemaBench schemas ({refused} refused before)\n")
+    print("| p50 ms | p99 ms | max ms | largest EBNF (chars) | its check ms |")
+    print("|---|---|---|---|---|")
+    print(f"| {pct(times, .5) * 1e3:.2f} | {pct(times, .99) * 1e3:.1f} | {max(times) * 1e3:.0f} | {sizes[big]} "
+          f"| {times[big] * 1e3:.0f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["1", "2", "all"])
+    ap.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
     ap.add_argument("--docs", type=int, default=16)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -223,6 +248,8 @@ def main():
         part1(AutoTokenizer.from_pretrained(model_dir))
     if args.part in ("2", "all"):
         part2(model_dir, args.docs)
+    if args.part in ("3", "all"):
+        part3()
 
 
 if __name__ == "__main__":

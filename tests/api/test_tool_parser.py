@@ -198,3 +198,34 @@ def test_unenforceable_tool_schema_names_the_tool(backend):
         "xs": {"type": "array", "uniqueItems": True}}}}
     with pytest.raises(ValueError, match="tool 'uniq' parameters: .*uniqueItems"):
         backend.compile(_spec([TZ, bad]))
+
+
+QWEN_LIKE = (  # a Hermes/Qwen-style template that renders tools itself (shortened)
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_format_detection_and_native_template_rendering(tokenizer):
+    from agentrt.api.tools import detect_format
+
+    assert detect_format(QWEN_LIKE) == ("hermes", True)
+    assert detect_format("{{ '[TOOL_CALLS]' }} {% if tools %}{% endif %}") == ("mistral", True)
+    assert detect_format("<|python_tag|>{% for t in tools %}{% endfor %}") == ("llama3_json", True)
+    assert detect_format(tokenizer.chat_template) == ("hermes", False)  # the default model: generic
+    plan = plan_tools([{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+                      "auto", None, FORMATS["hermes"])
+    msgs = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    out, tools = render_messages(msgs, plan, native=True)
+    assert tools and tools[0]["function"]["name"] == "get_time"
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}  # objects for HF templates
+    assert out[2] == {"role": "tool", "content": "12:00", "tool_call_id": "c1"}
+    text = tokenizer.apply_chat_template(out, tools=tools, chat_template=QWEN_LIKE, tokenize=False,
+                                         add_generation_prompt=True)
+    assert '"name": "get_time"' in text and '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text
