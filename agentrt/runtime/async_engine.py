@@ -91,7 +91,7 @@ class AsyncEngine:
                 if kind == "add":
                     loop, added = payload[5], payload[7]
                     loop.call_soon_threadsafe(_set_exception, added, RuntimeError(message))
-        for out in self.engine.fail_all(message):
+        for out in self.engine.fail_all(message, status=503):
             self._deliver(out)
 
     def shutdown(self) -> None:

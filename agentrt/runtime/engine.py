@@ -118,11 +118,13 @@ class Engine:
                 return self._finish(r, "abort")
         return None
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with finish_reason "error" (after an unexpected engine failure)."""
+    def fail_all(self, message: str, status: int = 500) -> list[RequestOutput]:
+        """Finish every request with finish_reason "error" (after an unexpected engine failure, or
+        at shutdown with status 503)."""
         outputs = []
         for r in [*self.grammar_wait, *self.scheduler.waiting, *self.scheduler.running]:
             r.error = message
+            r.error_status = status
             outputs.append(self._finish(r, "error"))
         return outputs
 

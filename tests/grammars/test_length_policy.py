@@ -179,7 +179,7 @@ def _matcher_walks(tokenizer, schemas, samples: int, max_tokens: int):
     """Model-free random walks: at each step a uniformly random token among those the bitmask
     allows (random logits, without a forward pass), under the length-safe policy exactly as the
     engine applies it (ClosingGuard.keep after each accepted token). Returns (outputs checked,
-    invalid, schemas with no closing path)."""
+    invalid, schemas with no closing path, schemas whose shortest output exceeds max_tokens)."""
     import random
 
     import numpy as np
@@ -191,7 +191,7 @@ def _matcher_walks(tokenizer, schemas, samples: int, max_tokens: int):
     backend = GrammarBackend(tokenizer, 49152, (tokenizer.eos_token_id,), GrammarConfig(compile_timeout_s=900))
     stop = tokenizer.eos_token_id
     bitmask = backend.allocate_bitmask(1)
-    n, invalid, no_path = 0, [], set()
+    n, invalid, no_path, too_long = 0, [], set(), set()
     for name, schema in schemas:
         try:
             compiled = backend.compile(ConstraintSpec.json_schema(schema))
@@ -201,8 +201,9 @@ def _matcher_walks(tokenizer, schemas, samples: int, max_tokens: int):
             rng = random.Random(k)
             matcher = backend.new_matcher(compiled)
             guard = ClosingGuard(backend.planner, stop)
-            if guard.start(matcher) is None or guard.start(matcher) > max_tokens:
-                no_path.add(name)
+            need = guard.start(matcher)
+            if need is None or need > max_tokens:  # a 400 at admission: no path, or over the budget
+                (no_path if need is None else too_long).add(name)
                 break
             ids = []
             while not matcher.is_terminated() and len(ids) < max_tokens:
@@ -222,7 +223,7 @@ def _matcher_walks(tokenizer, schemas, samples: int, max_tokens: int):
             if errors:
                 invalid.append((name, text[:200], errors[:2]))
     backend.shutdown()
-    return n, invalid, no_path
+    return n, invalid, no_path, too_long
 
 
 @pytest.mark.slow
@@ -231,7 +232,11 @@ def test_random_walk_soundness_all(tokenizer):
     the length-safe policy: all outputs valid with format checking. (Through the engine with a
     random-weight model, the 610 walks took hours on 2 cores: the sample test above keeps that
     path.)"""
-    n, invalid, no_path = _matcher_walks(tokenizer, _bench_schemas(1), 5, 600)
-    print(f"\nrandom walks: {n} outputs, {len(invalid)} invalid, no closing path for {sorted(no_path)}")
+    n, invalid, no_path, too_long = _matcher_walks(tokenizer, _bench_schemas(1), 5, 600)
+    print(f"\nrandom walks: {n} outputs, {len(invalid)} invalid, no closing path for {sorted(no_path)}, "
+          f"shortest output over 600 tokens for {sorted(too_long)}")
     assert invalid == []
-    assert len(no_path) <= 6
+    # measured 2026-11-29: 8 of 122 compiled schemas are refused for the close policy (a clear 400:
+    # the planner's search passes its 256-fill limit or gives up in a repeating part); no schema's
+    # shortest output is over the budget
+    assert len(no_path) <= 8 and not too_long
