@@ -169,6 +169,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=50, help="parallel questions (of 200)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--choices", nargs="+", default=["auto", "required"], choices=["auto", "required"])
     args = ap.parse_args()
     proc = None
     url = args.url
@@ -183,7 +184,9 @@ def main() -> None:
     try:
         with httpx.Client() as client, ThreadPoolExecutor(args.concurrency) as pool:
             for cat, qs in sets.items():
-                for choice in ("auto", "required"):
+                if not qs:
+                    continue
+                for choice in args.choices:
                     for constrained in (True, False):  # side by side, same server, same run
                         t0 = time.perf_counter()
                         res = list(pool.map(run_one, *zip(*[(client, url, args.model, q, choice, constrained,
