@@ -135,11 +135,13 @@ def ast_match(calls: list[tuple[str, dict]], answers: list[dict], tools: dict) -
 
 
 def run_one(client: httpx.Client, url: str, model: str, q: dict, choice: str, constrained: bool,
-            max_tokens: int) -> dict:
+            max_tokens: int, close: bool = False) -> dict:
     body = {"model": model, "messages": q["question"][0], "tools": q["tools"], "tool_choice": choice,
             "temperature": 0, "max_tokens": max_tokens, "tool_call_constraint": constrained,
             # simple questions want exactly one call, parallel ones several
             "parallel_tool_calls": len(q["answer"]) > 1 or q["id"].startswith("parallel")}
+    if constrained and close:  # the length-safe policy: a call cut by max_tokens is closed validly
+        body["max_tokens_policy"] = "close"
     resp = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     if resp.status_code != 200:
         return {"error": resp.text[:200], "calls": [], "valid": False, "ast": False}
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=50, help="parallel questions (of 200)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--close", action="store_true",
+                    help='constrained runs use max_tokens_policy "close" (calls cut by max_tokens are closed)')
     ap.add_argument("--choices", nargs="+", default=["auto", "required"], choices=["auto", "required"])
     args = ap.parse_args()
     proc = None
@@ -178,7 +182,7 @@ def main() -> None:
         proc, url = start_server([sys.executable, "-m", "agentrt.cli", "serve", args.model, "--port", str(port)], port)
     sets = {"simple_python": load("simple_python", args.simple), "parallel": load("parallel", args.parallel)}
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, greedy")
+          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, greedy, close policy {args.close}")
     print("| category | n | tool_choice | constrained | call rate | valid-call rate | AST accuracy | requests/s |")
     print("|---|---|---|---|---|---|---|---|")
     try:
@@ -190,7 +194,7 @@ def main() -> None:
                     for constrained in (True, False):  # side by side, same server, same run
                         t0 = time.perf_counter()
                         res = list(pool.map(run_one, *zip(*[(client, url, args.model, q, choice, constrained,
-                                                               args.max_tokens) for q in qs])))
+                                                               args.max_tokens, args.close) for q in qs])))
                         dt = time.perf_counter() - t0
                         n = len(res)
                         errors = [r["error"] for r in res if "error" in r]
