@@ -154,3 +154,17 @@ def server(default_model_dir, tmp_path_factory):
     code = proc.wait(timeout=30)
     log.close()
     assert code == 0, log_path.read_text()[-2000:]
+
+
+def sse_chunks(client, body: dict, url: str = "/v1/chat/completions"):
+    """POST a streaming request with `client` (TestClient/httpx) and yield each parsed SSE chunk
+    (not [DONE]); asserts a 200 and no error event."""
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
+

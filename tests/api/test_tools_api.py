@@ -8,6 +8,8 @@ import json
 import jsonschema
 import pytest
 
+from tests.conftest import sse_chunks
+
 MODEL = "smollm2-135m-instruct"
 
 WEATHER = {"type": "function", "function": {
@@ -51,28 +53,22 @@ def _non_stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
 
 def _stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
     content, calls, finish, ids = "", {}, None, {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            choice = chunk["choices"][0]
-            delta = choice["delta"]
-            content += delta.get("content") or ""
-            for tc in delta.get("tool_calls") or []:
-                i = tc["index"]
-                if i not in calls:  # the first chunk of a call: id, type, name, empty arguments
-                    assert tc["id"].startswith("call_") and tc["type"] == "function"
-                    assert tc["function"]["arguments"] == "" and tc["function"]["name"]
-                    assert i == len(calls)
-                    calls[i] = [tc["function"]["name"], ""]
-                    ids[i] = tc["id"]
-                else:  # later chunks: argument fragments only
-                    assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
-                    calls[i][1] += tc["function"]["arguments"]
-            finish = choice["finish_reason"] or finish
+    for chunk in sse_chunks(client, body):
+        choice = chunk["choices"][0]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            i = tc["index"]
+            if i not in calls:  # the first chunk of a call: id, type, name, empty arguments
+                assert tc["id"].startswith("call_") and tc["type"] == "function"
+                assert tc["function"]["arguments"] == "" and tc["function"]["name"]
+                assert i == len(calls)
+                calls[i] = [tc["function"]["name"], ""]
+                ids[i] = tc["id"]
+            else:  # later chunks: argument fragments only
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                calls[i][1] += tc["function"]["arguments"]
+        finish = choice["finish_reason"] or finish
     return content or None, [tuple(v) for v in calls.values()], finish
 
 

@@ -14,7 +14,7 @@ from jsonschema.validators import validator_for
 from agentrt.extraction import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import SHARED, make_tiny_model, shared_path
+from tests.conftest import SHARED, make_tiny_model, shared_path, sse_chunks
 
 MODEL = "smollm2-135m-instruct"
 
@@ -27,16 +27,10 @@ def _validate(instance, schema) -> list[str]:
 
 def _stream_text(client, body) -> tuple[str, str | None]:
     text, finish = "", None
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            choice = chunk["choices"][0]
-            text += choice["delta"].get("content") or ""
-            finish = choice["finish_reason"] or finish
+    for chunk in sse_chunks(client, {**body, "stream": True}):
+        choice = chunk["choices"][0]
+        text += choice["delta"].get("content") or ""
+        finish = choice["finish_reason"] or finish
     return text, finish
 
 
