@@ -52,7 +52,7 @@ def _non_stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
 
 
 def _stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
-    content, calls, finish, ids = "", {}, None, {}
+    content, calls, finish = "", {}, None
     for chunk in sse_chunks(client, body):
         choice = chunk["choices"][0]
         delta = choice["delta"]
@@ -64,7 +64,6 @@ def _stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
                 assert tc["function"]["arguments"] == "" and tc["function"]["name"]
                 assert i == len(calls)
                 calls[i] = [tc["function"]["name"], ""]
-                ids[i] = tc["id"]
             else:  # later chunks: argument fragments only
                 assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
                 calls[i][1] += tc["function"]["arguments"]
