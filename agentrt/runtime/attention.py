@@ -20,12 +20,16 @@ class PrefillSpan:
     context_len: tokens of this sequence already in the KV pool before this chunk.
     kv_slots: [context_len + end - start] int64 slots of the whole context, or None when
         context_len == 0 (attention then reads the chunk's own K/V, no gather).
+    tree_mask: [end - start, end - start] bool, True where a new token attends to another new
+        token (a speculative draft tree, see speculative/tree.py); None = causal. Every new token
+        attends to the whole cached context.
     """
 
     start: int
     end: int
     context_len: int
     kv_slots: torch.Tensor | None
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,8 +64,12 @@ class AttentionMetadata:
                 ks = k_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
                 vs = v_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
                 n, total = span.end - span.start, span.kv_slots.shape[0]
-                q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
-                mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+                if span.tree_mask is None:
+                    q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
+                    mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+                else:
+                    mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
+                    mask[:, span.context_len :] = span.tree_mask
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return out

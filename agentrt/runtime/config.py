@@ -57,8 +57,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (agentrt/speculative). method: None (off), "ngram", "draft" or "medusa".
+
+    num_speculative_tokens: draft tokens per verify pass (n-gram, draft model; for Medusa the tree
+        depth is bounded by the number of heads instead).
+    ngram_min / ngram_max: n-gram lengths tried by prompt lookup.
+    draft_model: a second model (same vocabulary) as for ModelConfig.model; None with
+        draft_layers set = self-draft: the target's first `draft_layers` layers + its LM head.
+    medusa_heads: a Medusa heads directory (config.json + medusa_lm_head.safetensors); None = the
+        heads shipped for the default model.
+    medusa_tree: paths of top-k ranks (Medusa's `medusa_choices`); None = DEFAULT_MEDUSA_TREE.
+    acceptance: "exact" (greedy / sampled match, rejection sampling: the target distribution is
+        preserved) or "typical" (Medusa's typical acceptance at temperature > 0; does not preserve it).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    medusa_heads: str | None = None
+    medusa_tree: tuple[tuple[int, ...], ...] | None = None
+    acceptance: str = "exact"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram", "draft", "medusa"):
+            raise ValueError(f"speculative method must be ngram, draft or medusa, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if self.acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
+        if self.method == "draft" and self.draft_model is None and not self.draft_layers:
+            raise ValueError("speculative method 'draft' needs draft_model or draft_layers (self-draft)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)

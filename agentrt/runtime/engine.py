@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineStats:
     """Counters since start (tests read these). batch_sizes: sequences in each recent step;
-    prefill_sizes: prefill tokens in each recent step."""
+    prefill_sizes: prefill tokens in each recent step. Speculation: mean accepted length =
+    (num_accepted_tokens + num_spec_steps) / num_spec_steps."""
 
     num_steps: int = 0
     num_prompt_tokens: int = 0
@@ -45,6 +46,11 @@ class EngineStats:
     num_computed_prefill_tokens: int = 0
     num_generated_tokens: int = 0
     num_jump_forward_tokens: int = 0
+    num_spec_steps: int = 0  # verify passes (per request)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list = field(default_factory=list)  # passes accepting a token at depth d + 1
+    drafted_per_position: list = field(default_factory=list)  # passes drafting depth d + 1
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
     prefill_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -66,6 +72,12 @@ class Engine:
         self.stats = EngineStats()
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
+        self.speculator = None
+        if self.config.speculative.method is not None:
+            from agentrt.runtime.speculation import Speculator
+
+            self.speculator = Speculator(self.config.speculative, self.runner, self.config.model.model,
+                                         self.grammar, self.stats, self.metrics)
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
@@ -135,59 +147,135 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; returns outputs of requests that produced
-        text or finished in it."""
+        text or finished in it (a speculating request may report several in one step)."""
         outputs = self._collect_grammars()
+        spec = self.speculator
+        proposed = spec.propose(self.scheduler.running, self.max_model_len) if spec is not None else []
+        base_lens = {r: r.num_tokens for r in proposed}
         preempted_before = self.scheduler.num_preemptions
         scheduled = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
-        if not scheduled:
-            if self.grammar_wait:
+        try:
+            if scheduled:
+                outputs += self._run_scheduled(scheduled)
+            elif self.grammar_wait:
                 time.sleep(0.001)
-            return outputs
-        chunks = []
-        num_prefill = 0
+        finally:
+            for r in proposed:
+                spec.settle(r, base_lens[r])
+        return outputs
+
+    def _run_scheduled(self, scheduled) -> list[RequestOutput]:
+        spec = self.speculator
+        chunks, batch = [], []  # batch: (request, first logits row, rows) of the sampled chunks
+        num_prefill = num_rows = 0
         for c in scheduled:
             r = c.request
             if not r.prompt_counted:
                 r.prompt_counted = True
                 self._count_prompt(r)
-            ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
-            chunks.append(SeqChunk(ids, c.context_len, r.slots[: c.context_len + c.num_new], c.sample))
-            jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
-            r.pending_jump_forward -= jumped
-            n = c.num_new - jumped
-            if n > 1 or not c.sample:
-                num_prefill += n
+            slots = r.slots[: c.context_len + c.num_new]
+            if c.sample and r.draft is not None:  # verify: the last token + every draft node
+                tree = r.draft
+                ids = [r.output_ids[-1], *tree.token_ids]
+                positions = [c.context_len, *(c.context_len + d for d in tree.depths)]
+                mask = None if tree.is_chain else tree.attention_mask()
+                chunks.append(SeqChunk(ids, c.context_len, slots, True, len(ids), positions, mask))
+            else:
+                ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
+                chunks.append(SeqChunk(ids, c.context_len, slots, c.sample))
+                jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
+                r.pending_jump_forward -= jumped
+                n = c.num_new - jumped
+                if n > 1 or not c.sample:
+                    num_prefill += n
+            if c.sample:
+                batch.append((r, num_rows, len(ids) if r.draft is not None else 1))
+                num_rows += batch[-1][2]
         self.stats.num_computed_prefill_tokens += num_prefill
         self.metrics.computed_prefill_tokens.inc(num_prefill)
-        batch = [c.request for c in scheduled if c.sample]
-        constrained = [i for i, r in enumerate(batch) if r.matcher is not None]
+        plain = [(r, row) for r, row, _ in batch if r.draft is None]
+        constrained = [row for r, row in plain if r.matcher is not None]
         # mask overlap: the matchers are final for this step, so their bitmasks are filled while
         # the forward pass runs (on a GPU the launches return at once; on CPU torch frees the GIL)
-        masks = self.grammar.fill_bitmasks_async([batch[i].matcher for i in constrained], constrained,
-                                                 len(batch)) if constrained else None
+        masks = self.grammar.fill_bitmasks_async([r.matcher for r, row in plain if r.matcher is not None],
+                                                 constrained, num_rows) if constrained else None
+        want_hidden = spec is not None and spec.heads is not None
+        hidden = None
         try:
-            logits = self.runner.execute(chunks)
+            result = self.runner.execute(chunks, return_hidden=want_hidden)
+            logits, hidden = result if want_hidden else (result, None)
         finally:
             bitmask = masks.result() if masks is not None else None  # matchers are idle again
-        apply_penalties(logits, batch)
+        for r, row, n in batch:  # speculative rows carry the masks filled while drafting
+            if r.draft is not None and r.draft_bitmask is not None:
+                if bitmask is None:
+                    bitmask = self.grammar.allocate_bitmask(num_rows)
+                bitmask[row : row + n] = r.draft_bitmask
+                constrained.extend(range(row, row + n))
+        apply_penalties(logits, [r for r, _, n in batch for _ in range(n)])
         if bitmask is not None:
             self.grammar.apply_bitmask(logits, bitmask, constrained)  # one batched apply
-        tokens = sample(logits, batch)
+        tokens = dict(zip((r for r, _ in plain), sample(logits[[row for _, row in plain]], [r for r, _ in plain]))) \
+            if plain else {}
         self.stats.num_steps += 1
         self.stats.batch_sizes.append(len(scheduled))
         self.stats.prefill_sizes.append(num_prefill)
-        for r, tok in zip(batch, tokens):
+        outputs, medusa = [], []
+        for r, row, n in batch:
+            last_row = None
             try:
-                out = self._process_token(r, tok)
+                if r.draft is None:
+                    before = len(r.output_ids)
+                    out = [self._process_token(r, tokens[r])]
+                    if r.output_ids[before:] == [tokens[r]]:
+                        last_row = row
+                else:
+                    out, last_row = self._process_verified(r, logits[row : row + n], row)
             except Exception as e:  # one request's failure (e.g. detokenizing) must not end the others
                 logger.exception("request %s failed", r.request_id)
                 r.error = f"internal error: {type(e).__name__}: {e}"
-                out = self._finish(r, "error")
-            if out is not None:
-                outputs.append(out)
+                out = [self._finish(r, "error")]
+            outputs.extend(o for o in out if o is not None)
+            if want_hidden and last_row is not None and r.status is not RequestStatus.FINISHED:
+                medusa.append((r, last_row))
+        if medusa:
+            spec.medusa_candidates([r for r, _ in medusa], hidden[[row for _, row in medusa]])
         self._update_gauges()
         return outputs
+
+    def _process_verified(self, r: Request, logits: torch.Tensor, row: int) -> tuple[list, int | None]:
+        """Verify r's draft on its rows' logits [len(draft) + 1, V] and feed the accepted tokens +
+        the bonus token through `_process_token` one at a time, stopping at the first that ends the
+        request or that the length policy / jump-forward changes (later tokens were verified for
+        a different sequence). Only the KV slots of the path actually taken stay with r. Returns
+        (outputs, the logits row of the last token when every token went in unchanged, else None)."""
+        spec = self.speculator
+        tree = r.draft
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        greedy = [-1 if m else g for g, m in zip(greedy, torch.isneginf(logits).all(dim=-1).tolist())]
+        accepted, bonus = spec.verify(r, logits, greedy)
+        spec.account(tree, accepted)
+        ctx = len(r.slots) - 1 - len(tree)
+        base, node_slots = r.slots[:ctx], r.slots[ctx:]
+        path = [0, *(1 + a for a in accepted)]
+        seq = [*(tree.token_ids[a] for a in accepted), bonus]
+        r.draft = None
+        outs, used, complete = [], 0, False
+        try:
+            for i, tok in enumerate(seq):
+                r.slots = base + [node_slots[j] for j in path[: i + 1]]
+                used = i + 1
+                before = len(r.output_ids)
+                outs.append(self._process_token(r, tok))
+                if r.status is RequestStatus.FINISHED or r.output_ids[before:] != [tok]:
+                    break
+            else:
+                complete = True
+        finally:
+            keep = set(path[:used])
+            self.runner.kv.free([s for j, s in enumerate(node_slots) if j not in keep])
+        return outs, (row + path[-1] if complete else None)
 
     def _count_prompt(self, r: Request) -> None:
         """At a request's first scheduling: account its prompt tokens and prefix-cache hits."""
@@ -335,6 +423,8 @@ class Engine:
         else:
             self.scheduler.finish(r)
         r.matcher = None
+        if self.speculator is not None:
+            self.speculator.release(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         self.metrics.finished.labels(reason).inc()

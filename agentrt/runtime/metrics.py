@@ -38,8 +38,31 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("agentrt_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_drafts = Counter("agentrt_spec_drafts", "Speculative verify passes (one per request with a draft)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("agentrt_spec_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("agentrt_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_acceptance_rate = Gauge("agentrt_spec_acceptance_rate",
+                                          "Accepted / drafted tokens since start", registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "agentrt_spec_mean_accepted_length",
+            "Tokens emitted per verify pass since start (accepted draft tokens + the target's own)", registry=r)
+        self.spec_position_acceptance = Gauge("agentrt_spec_position_acceptance_rate",
+                                              "Verify passes accepting a token at draft depth / passes drafting it",
+                                              ["position"], registry=r)
         self._prompt = 0
         self._cached = 0
+
+    def on_verify(self, num_draft: int, num_accepted: int, depth: int, stats) -> None:
+        """One verify pass; `stats` holds the running totals (EngineStats)."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(num_draft)
+        self.spec_accepted_tokens.inc(num_accepted)
+        self.spec_acceptance_rate.set(stats.num_accepted_tokens / max(1, stats.num_draft_tokens))
+        self.spec_mean_accepted_length.set((stats.num_accepted_tokens + stats.num_spec_steps) / stats.num_spec_steps)
+        for d in range(depth):
+            self.spec_position_acceptance.labels(str(d + 1)).set(
+                stats.accepted_per_position[d] / max(1, stats.drafted_per_position[d]))
 
     def on_admit(self, num_prompt: int, num_cached: int) -> None:
         self.prompt_tokens.inc(num_prompt)

@@ -22,12 +22,18 @@ class SeqChunk:
     """One sequence's part of a forward: `token_ids` new tokens at positions
     [context_len, context_len + len(token_ids)); `slots` are the KV slots of the whole context
     including the new tokens (len == context_len + len(token_ids)). `need_logits`: return the
-    logits of the last new token (False for a prefill chunk that does not end the prompt)."""
+    logits of the last `num_logits` new tokens (False for a prefill chunk that does not end the
+    prompt; num_logits > 1 for a speculative verify chunk). `positions`: explicit positions of the
+    new tokens (a draft tree: context_len + depth), with `tree_mask` [n, n] bool saying which new
+    tokens each attends to; None = consecutive positions, causal."""
 
     token_ids: list[int]
     context_len: int
     slots: list[int]
     need_logits: bool = True
+    num_logits: int = 1
+    positions: list[int] | None = None
+    tree_mask: torch.Tensor | None = None
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -84,40 +90,52 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        dev = self.device
-        ids, positions, new_slots, last_idx = [], [], [], []
-        decode_rows, prefills = [], []
-        for chunk in chunks:
-            n = len(chunk.token_ids)
-            start = len(ids)
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.context_len, chunk.context_len + n))
-            new_slots.extend(chunk.slots[chunk.context_len :])
-            if chunk.need_logits:
-                last_idx.append(start + n - 1)
-            if n == 1 and chunk.context_len > 0:
-                decode_rows.append((start, chunk.slots))
-            else:
-                kv_slots = None
-                if chunk.context_len > 0:
-                    kv_slots = torch.tensor(chunk.slots, dtype=torch.int64, device=dev)
-                prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots))
-        decode_idx = decode_slots = decode_mask = None
-        if decode_rows:
-            max_len = max(len(s) for _, s in decode_rows)
-            padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
-            decode_idx = torch.tensor([i for i, _ in decode_rows], dtype=torch.int64, device=dev)
-            decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
-            lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
-            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
-            decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
-        )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv.k, self.kv.v, meta,
-        )
-        return self.model.compute_logits(hidden[torch.tensor(last_idx, dtype=torch.int64, device=dev)])
+    def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):
+        """Logits [N, vocab] fp32 (N = sum of num_logits over chunks with need_logits, in order);
+        with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
+        return run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device, return_hidden)
+
+
+@torch.inference_mode()
+def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.device, return_hidden: bool = False):
+    """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
+    compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute."""
+    ids, positions, new_slots, logit_idx = [], [], [], []
+    decode_rows, prefills = [], []
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        start = len(ids)
+        ids.extend(chunk.token_ids)
+        positions.extend(chunk.positions if chunk.positions is not None
+                         else range(chunk.context_len, chunk.context_len + n))
+        new_slots.extend(chunk.slots[chunk.context_len :])
+        if chunk.need_logits:
+            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
+        if n == 1 and chunk.context_len > 0:
+            decode_rows.append((start, chunk.slots))
+        else:
+            kv_slots = None
+            if chunk.context_len > 0:
+                kv_slots = torch.tensor(chunk.slots, dtype=torch.int64, device=dev)
+            tree_mask = chunk.tree_mask.to(dev) if chunk.tree_mask is not None else None
+            prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots, tree_mask))
+    decode_idx = decode_slots = decode_mask = None
+    if decode_rows:
+        max_len = max(len(s) for _, s in decode_rows)
+        padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
+        decode_idx = torch.tensor([i for i, _ in decode_rows], dtype=torch.int64, device=dev)
+        decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
+        lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
+        decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
+        decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+    )
+    hidden = model(
+        torch.tensor(ids, dtype=torch.int64, device=dev),
+        torch.tensor(positions, dtype=torch.int64, device=dev),
+        k_caches, v_caches, meta,
+    )
+    rows = hidden[torch.tensor(logit_idx, dtype=torch.int64, device=dev)]
+    logits = model.compute_logits(rows)
+    return (logits, rows) if return_hidden else logits

@@ -22,6 +22,9 @@ class SamplingParams:
     max_tokens_policy: "length" (default, OpenAI: stop at max_tokens, finish_reason "length") or
     "close": with a constraint, keep enough budget to finish it and close it validly
     (grammars/length_policy.py); no effect without a constraint.
+    speculative: use the engine's speculative decoding for this request (when the engine has it;
+    requests with presence/frequency/repetition penalties never speculate: those depend on the
+    tokens being verified).
     Raises ValueError naming the field on an invalid value (see `validate`).
     """
 
@@ -40,6 +43,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     max_tokens_policy: str = "length"
+    speculative: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -139,6 +143,12 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_counted: bool = False
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
+    # speculative decoding (runtime/speculation.py)
+    draft: object | None = None  # speculative.DraftTree to verify this step (its KV slots follow r.slots)
+    draft_bitmask: object | None = None  # [len(draft) + 1, words] int32 grammar masks of the verify rows
+    medusa_topk: object | None = None  # Medusa heads' top-k ids [heads, k] at the last sampled position
+    draft_slots: list[int] = field(default_factory=list)  # draft model's KV slots (its own pool)
+    draft_fed: list[int] = field(default_factory=list)  # draft tokens whose draft-model KV is computed
 
     @property
     def num_tokens(self) -> int:

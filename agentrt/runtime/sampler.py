@@ -77,3 +77,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             continue
         tokens.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
     return tokens
+
+
+def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """logits [N, V] fp32 (masks and logit_bias applied) -> probabilities [N, V] fp32 under a
+    request's temperature (> 0), top-k, top-p and min-p: the distribution `sample` draws from.
+    A row with every token masked comes back all zero."""
+    rows = [_filter(row / params.temperature, params.top_k, params.top_p, params.min_p) for row in logits]
+    probs = torch.softmax(torch.stack(rows), dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)

@@ -69,6 +69,11 @@ class Scheduler:
                 continue
             remaining = r.num_tokens - len(r.slots)
             n = min(remaining, budget)
+            if r.draft is not None:  # a speculative verify chunk: the last token + the draft
+                if remaining == 1 and budget >= 1 + len(r.draft):
+                    n = 1 + len(r.draft)
+                else:
+                    r.draft = None
             if n <= 0:
                 continue  # prefill chunk waits for budget; decodes always take their 1 token
             if not self._allocate(r, n):
@@ -94,8 +99,9 @@ class Scheduler:
 
     @staticmethod
     def _add_chunk(chunks: list[ScheduledChunk], r: Request, n: int) -> None:
-        chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) == r.num_tokens))
-        if n > 1:
+        """(A verify chunk's draft slots lie beyond r.num_tokens; the engine trims them after.)"""
+        chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens))
+        if n > 1 and r.draft is None:
             r.prefilled_since_insert = True
 
     def _cache_computed_prefix(self, r: Request) -> None:
@@ -187,6 +193,10 @@ class Scheduler:
         self._release(r, insert=True)
 
     def _release(self, r: Request, insert: bool) -> None:
+        r.draft = None
+        if len(r.slots) > r.num_tokens:  # draft slots of a verify chunk (preempted mid-schedule)
+            self.kv.free(r.slots[r.num_tokens :])
+            del r.slots[r.num_tokens :]
         if self.cache is None:
             self.kv.free(r.slots)
         else:

@@ -194,11 +194,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
-    def forward(self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
+        """num_layers: run only the first layers (then the final norm): a self-draft's early exit."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for layer, k_cache, v_cache in zip(self.layers[:num_layers], k_caches, v_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 

@@ -1,0 +1,331 @@
+"""Speculative decoding in the engine: propose drafts, fit them to the grammar, verify, account.
+
+One step of a speculating request (Engine.step):
+
+1. `Speculator.propose` gives each decoding request that opted in a draft (speculative/tree.py):
+   n-gram prompt lookup, the draft model's k sampled/greedy tokens, or the Medusa heads' top-k tree
+   computed from the previous step's hidden state.
+2. For a constrained request the draft runs through the request's own matcher (accept, then
+   rollback: a fork that leaves the real state untouched): the first token the grammar rejects cuts
+   its subtree, and the bitmask of every remaining position is filled (`r.draft_bitmask`, row 0 =
+   after the last known token, row i + 1 = after node i). The draft model is masked while it
+   drafts, so its proposal probabilities q are those of a grammar-respecting proposer.
+3. The scheduler gives the request 1 + len(draft) KV slots: one forward computes the last token
+   and every draft node (tree attention), with logits at each.
+4. `Speculator.verify` applies the masks and decides the accepted path and the bonus token
+   (speculative/verify.py); the engine then feeds those tokens one at a time through its normal
+   token processing (matcher, stop conditions, length policy, jump-forward) and stops at the first
+   one that ends the request or is changed by the length policy / followed by jump-forward text.
+   Only the accepted path's KV slots stay with the request; the rest go back to the pool.
+
+Requests with presence / frequency / repetition penalties do not speculate (the penalties depend
+on the very tokens being verified); logit_bias applies to every row.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
+from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.model_runner import ModelRunner, SeqChunk, run_chunks
+from agentrt.runtime.request import Request
+from agentrt.runtime.sampler import sample, target_probs
+from agentrt.speculative.medusa import MedusaHeads
+from agentrt.speculative.ngram import NgramProposer
+from agentrt.speculative.tree import DEFAULT_MEDUSA_TREE, DraftTree, tree_from_topk
+from agentrt.speculative.verify import rejection_sample, typical_accept, verify_tree
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "speculative" / "heads"
+
+
+def default_medusa_heads(model_name: str) -> Path | None:
+    """The heads directory shipped for a registered model name (None when there is none)."""
+    d = SHIPPED_HEADS / Path(model_name).name.lower()
+    return d if (d / "config.json").exists() else None
+
+
+class _SelfDraft:
+    """The target's first `num_layers` layers + its final norm and LM head (early exit), sharing
+    the target's weights; its KV lives in the draft pool."""
+
+    def __init__(self, model, num_layers: int):
+        self.model, self.num_layers = model, num_layers
+
+    def __call__(self, ids, positions, k_caches, v_caches, meta):
+        return self.model(ids, positions, k_caches, v_caches, meta, num_layers=self.num_layers)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+class DraftModelProposer:
+    """A smaller model with the target's vocabulary (or a self-draft) and its own KV pool.
+
+    Per request it keeps KV for a prefix of the sequence (`r.draft_slots`); `propose` catches up
+    on the tokens it has not seen (the prompt the first time, the accepted tokens afterwards) and
+    then drafts k tokens one forward at a time, batched across requests."""
+
+    def __init__(self, model, kv: KVPool, device: torch.device):
+        self.model, self.kv, self.device = model, kv, device
+
+    def propose(self, reqs: list[Request], ks: dict[Request, int], grammar) -> dict[Request, tuple[DraftTree, object]]:
+        """Drafts (chains, with q_probs when sampling) and, for constrained requests, the bitmask
+        rows [len + 1, words] filled along the way. Requests whose KV does not fit get none."""
+        active, chunks = [], []
+        for r in reqs:
+            seq = r.prompt_ids + r.output_ids
+            have = len(r.draft_slots)
+            slots = self.kv.allocate(len(seq) - have + ks[r] - 1)
+            if slots is None:
+                continue
+            need = len(seq) - have
+            r.draft_slots.extend(slots[:need])
+            state = {"r": r, "spare": slots[need:], "tokens": [], "q": [], "bitmask": None}
+            if r.matcher is not None:
+                state["bitmask"] = grammar.allocate_bitmask(ks[r] + 1)
+            active.append(state)
+            chunks.append(SeqChunk(seq[have:], have, list(r.draft_slots)))
+        out: dict[Request, tuple[DraftTree, object]] = {}
+        step = 0
+        while active:
+            logits = run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device)
+            nxt_active, nxt_chunks = [], []
+            for i, st in enumerate(active):
+                r = st["r"]
+                row = logits[i : i + 1]
+                if st["bitmask"] is not None:
+                    r.matcher.fill_next_token_bitmask(st["bitmask"], step)
+                    grammar.apply_bitmask(row, st["bitmask"][step : step + 1], [0])
+                if r.params.temperature < 1e-5:
+                    tok = sample(row, [r])[0]
+                    q = None
+                else:
+                    q = target_probs(row, r.params)[0]
+                    tok = int(torch.multinomial(q, 1, generator=r.generator).item()) if float(q.sum()) > 0 else -1
+                ok = tok >= 0 and (r.matcher is None or r.matcher.accept_token(tok))
+                if ok:
+                    st["tokens"].append(tok)
+                    if q is not None:
+                        st["q"].append(q)
+                done = (not ok or len(st["tokens"]) >= ks[r] or tok in (r.params.stop_token_ids or ())
+                        or (r.matcher is not None and r.matcher.is_terminated()))
+                if not done:
+                    slot = st["spare"].pop(0)
+                    r.draft_slots.append(slot)
+                    r.draft_fed.append(tok)
+                    nxt_active.append(st)
+                    nxt_chunks.append(SeqChunk([tok], len(r.draft_slots) - 1, list(r.draft_slots)))
+                else:
+                    self._finish_draft(st, out)
+            active, chunks = nxt_active, nxt_chunks
+            step += 1
+        return out
+
+    def _finish_draft(self, st: dict, out: dict) -> None:
+        r, tokens = st["r"], st["tokens"]
+        self.kv.free(st["spare"])
+        st["spare"] = []
+        if st["bitmask"] is not None:
+            if tokens and not r.matcher.is_terminated():
+                r.matcher.fill_next_token_bitmask(st["bitmask"], len(tokens))
+            if tokens:
+                r.matcher.rollback(len(tokens))
+            st["bitmask"] = st["bitmask"][: len(tokens) + 1]
+        if not tokens:
+            return
+        q = torch.stack(st["q"]) if st["q"] else None
+        out[r] = (DraftTree.chain(tokens, q), st["bitmask"])
+
+    def settle(self, r: Request, base_len: int) -> None:
+        """After the step: keep draft KV only for the prefix of the sequence it was computed for
+        (the fed draft tokens that were accepted), minus the last token (fed next time)."""
+        seq_len = r.num_tokens
+        seq = r.prompt_ids + r.output_ids
+        m = 0
+        while m < len(r.draft_fed) and base_len + m < seq_len and seq[base_len + m] == r.draft_fed[m]:
+            m += 1
+        valid = min(base_len + m, seq_len - 1, len(r.draft_slots))
+        self.kv.free(r.draft_slots[valid:])
+        del r.draft_slots[valid:]
+        r.draft_fed = []
+
+    def release(self, r: Request) -> None:
+        self.kv.free(r.draft_slots)
+        r.draft_slots = []
+        r.draft_fed = []
+
+
+class Speculator:
+    """Owns the proposer of one engine and the speculation counters (EngineStats / metrics)."""
+
+    def __init__(self, config: SpecConfig, runner: ModelRunner, model_name: str, grammar, stats, metrics):
+        self.config, self.runner, self.grammar, self.stats, self.metrics = config, runner, grammar, stats, metrics
+        self.method = config.method
+        self.k = config.num_speculative_tokens
+        self.ngram = self.draft = self.heads = None
+        if self.method == "ngram":
+            self.ngram = NgramProposer(self.k, config.ngram_min, config.ngram_max)
+        elif self.method == "draft":
+            self.draft = self._load_draft(config, runner)
+        elif self.method == "medusa":
+            path = config.medusa_heads or default_medusa_heads(model_name)
+            if path is None:
+                raise ValueError(f"no Medusa heads are shipped for model '{model_name}': pass --medusa-heads DIR "
+                                 "(train them with `agentrt train-medusa`)")
+            arch = runner.arch
+            self.heads = MedusaHeads.load(path, arch.hidden_size, arch.vocab_size).to(runner.device, runner.dtype).eval()
+            self.tree_choices = tuple(config.medusa_tree or DEFAULT_MEDUSA_TREE)
+            self.topk = 1 + max(max(c) for c in self.tree_choices)
+            logger.info("Medusa: %d heads from %s, tree of %d nodes", self.heads.num_heads, path, len(self.tree_choices))
+
+    @staticmethod
+    def _load_draft(config: SpecConfig, runner: ModelRunner) -> DraftModelProposer:
+        target = runner.arch
+        if config.draft_model is None:
+            n = config.draft_layers
+            if not 1 <= n < target.num_layers:
+                raise ValueError(f"draft_layers must be in [1, {target.num_layers - 1}] for this model, got {n}")
+            kv = KVPool(n, target.num_kv_heads, target.head_dim, runner.dtype, runner.device,
+                        runner.kv.num_slots * runner.kv.bytes_per_token * n // target.num_layers)
+            logger.info("self-draft: the first %d of %d layers", n, target.num_layers)
+            return DraftModelProposer(_SelfDraft(runner.model, n), kv, runner.device)
+        draft = ModelRunner(ModelConfig(model=config.draft_model, device=str(runner.device),
+                                        dtype=str(runner.dtype).removeprefix("torch.")),
+                            CacheConfig(kv_cache_bytes=1))  # a placeholder pool, replaced below
+        if draft.arch.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "
+                             f"({target.vocab_size})")
+        probe = "Draft models must share the tokenizer: {\"a\": 1}"
+        if draft.tokenizer.encode(probe, add_special_tokens=False) != runner.tokenizer.encode(probe, add_special_tokens=False):
+            raise ValueError("draft model tokenizer differs from the target's")
+        a = draft.arch
+        kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, draft.dtype, draft.device,
+                    runner.kv.num_slots * 2 * a.num_layers * a.num_kv_heads * a.head_dim * draft.kv.k[0].element_size())
+        return DraftModelProposer(draft.model, kv, draft.device)
+
+    # ---- 1-2: drafts ---------------------------------------------------------------------------
+    def _budget(self, r: Request, max_model_len: int) -> int:
+        """Draft tokens worth proposing for r now (0: none)."""
+        p = r.params
+        if (not p.speculative or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or r.num_tokens - len(r.slots) != 1 or not r.output_ids):
+            return 0
+        return max(0, min(self.k, r.max_tokens - len(r.output_ids) - 1, max_model_len - r.num_tokens - 1))
+
+    def propose(self, running: list[Request], max_model_len: int) -> list[Request]:
+        """Set r.draft (and r.draft_bitmask) on running requests that speculate this step; returns
+        the requests proposed to (each needs `settle` after the step)."""
+        ks = {r: k for r in running if (k := self._budget(r, max_model_len)) > 0}
+        if not ks:
+            return []
+        if self.draft is not None:
+            for r, (tree, bitmask) in self.draft.propose(list(ks), ks, self.grammar).items():
+                r.draft, r.draft_bitmask = tree, bitmask
+            return list(ks)
+        for r, k in ks.items():
+            if self.ngram is not None:
+                tree = DraftTree.chain(self.ngram.propose(r.prompt_ids + r.output_ids, k))
+            else:
+                topk, r.medusa_topk = r.medusa_topk, None
+                if topk is None:
+                    continue
+                tree = tree_from_topk(topk[:k], self.tree_choices)
+            if len(tree) == 0:
+                continue
+            bitmask = None
+            if r.matcher is not None:
+                tree, bitmask = self._fit_to_grammar(r, tree)
+            if len(tree):
+                r.draft, r.draft_bitmask = tree, bitmask
+        return list(ks)
+
+    def _fit_to_grammar(self, r: Request, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+        """Walk the tree depth-first with the request's matcher (accept, recurse, rollback): cut
+        every node the grammar rejects (and its subtree); fill the bitmask row of each kept node."""
+        m = r.matcher
+        n = len(tree)
+        bitmask = self.grammar.allocate_bitmask(n + 1)
+        m.fill_next_token_bitmask(bitmask, 0)
+        keep = [False] * n
+        children = [[] for _ in range(n + 1)]
+        for i, p in enumerate(tree.parents):
+            children[p + 1].append(i)
+
+        def visit(node: int) -> None:
+            for c in children[node + 1]:
+                if m.is_terminated() or not m.accept_token(tree.token_ids[c]):
+                    continue
+                keep[c] = True
+                if not m.is_terminated():
+                    m.fill_next_token_bitmask(bitmask, c + 1)
+                visit(c)
+                m.rollback(1)
+
+        visit(-1)
+        rows = [0] + [i + 1 for i in range(n) if keep[i]]
+        return tree.prune(keep), bitmask[rows]
+
+    # ---- 4: verification -----------------------------------------------------------------------
+    def verify(self, r: Request, logits: torch.Tensor, greedy_ids: list[int]) -> tuple[list[int], int]:
+        """logits [len(draft) + 1, V] fp32 for r's verify rows (penalties and masks applied);
+        greedy_ids: their argmax (-1 where all masked). Returns (accepted node indices, bonus)."""
+        tree = r.draft
+        p = r.params
+        if p.temperature < 1e-5:
+            return verify_tree(tree, lambda row: greedy_ids[row])
+
+        def draw(row: int) -> int:
+            return sample(logits[row : row + 1], [r])[0]
+
+        if tree.q_probs is not None:
+            probs = target_probs(logits, p)
+            if float(probs[0].sum()) <= 0.0:
+                return [], -1
+            n, bonus = rejection_sample(probs, tree, r.generator)
+            return list(range(n)), bonus
+        if self.config.acceptance == "typical":
+            return typical_accept(tree, lambda row: target_probs(logits[row : row + 1], p)[0], draw,
+                                  self.config.typical_epsilon, self.config.typical_delta)
+        return verify_tree(tree, draw)
+
+    def account(self, tree: DraftTree, accepted: list[int]) -> None:
+        """Count one verify pass: draft tokens, accepted tokens, acceptance per depth."""
+        s, m = self.stats, self.metrics
+        s.num_spec_steps += 1
+        s.num_draft_tokens += len(tree)
+        s.num_accepted_tokens += len(accepted)
+        depth = max(tree.depths, default=0)
+        while len(s.accepted_per_position) < depth:
+            s.accepted_per_position.append(0)
+            s.drafted_per_position.append(0)
+        for d in set(tree.depths):
+            s.drafted_per_position[d - 1] += 1
+        for i in range(len(accepted)):
+            s.accepted_per_position[i] += 1
+        m.on_verify(len(tree), len(accepted), depth, s)
+
+    # ---- Medusa: the next step's candidates -------------------------------------------------------
+    @torch.inference_mode()
+    def medusa_candidates(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        """hidden [len(reqs), hidden_size]: the state at each request's last sampled token; sets
+        r.medusa_topk = top-k token ids per head ([heads][topk])."""
+        logits = self.heads(hidden, self.runner.model.lm_head.weight)  # [K, B, V]
+        top = torch.topk(logits, self.topk, dim=-1).indices.permute(1, 0, 2).tolist()  # [B, K, topk]
+        for r, ids in zip(reqs, top):
+            r.medusa_topk = ids
+
+    def settle(self, r: Request, base_len: int) -> None:
+        r.draft, r.draft_bitmask = None, None
+        if self.draft is not None:
+            self.draft.settle(r, base_len)
+
+    def release(self, r: Request) -> None:
+        r.draft, r.draft_bitmask, r.medusa_topk = None, None, None
+        if self.draft is not None:
+            self.draft.release(r)
