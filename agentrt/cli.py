@@ -10,7 +10,7 @@ import sys
 import threading
 
 from agentrt.grammars.spec import GrammarConfig
-from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a constraint may take to compile before it is refused (400; default %(default)s)")
     p.add_argument("--max-constraint-bytes", type=int, default=GrammarConfig.max_constraint_bytes,
                    help="largest schema/regex/grammar text accepted, in bytes (default %(default)s)")
+    p.add_argument("--speculative-method", choices=["ngram", "draft", "medusa"], default=None,
+                   help="speculative decoding: n-gram prompt lookup, a draft model, or Medusa heads (default off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=SpecConfig.num_speculative_tokens,
+                   help="draft tokens per verify pass (ngram, draft; default %(default)s)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (same vocabulary) for --speculative-method draft")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="self-draft: the target's first N layers + its LM head (when no --draft-model)")
+    p.add_argument("--medusa-heads", default=None,
+                   help="Medusa heads directory (default: the heads shipped for the model)")
+    p.add_argument("--speculative-acceptance", choices=["exact", "typical"], default="exact",
+                   help="typical: Medusa's typical acceptance at temperature > 0 (faster, does NOT preserve "
+                        "the model's distribution); exact (default) preserves it")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -48,6 +61,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                               indent=args.indent, jump_forward=not args.no_jump_forward,
                               compile_timeout_s=args.compile_timeout,
                               max_constraint_bytes=args.max_constraint_bytes),
+        speculative=SpecConfig(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                               draft_model=args.draft_model, draft_layers=args.draft_layers,
+                               medusa_heads=args.medusa_heads, acceptance=args.speculative_acceptance),
     )
 
 
@@ -114,10 +130,35 @@ def main(argv: list[str] | None = None) -> int:
                         "without tool support get the generic hermes-style format)")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave tool definitions out of the prompt when tool_choice is 'none'")
+    t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
+    add_engine_args(t)
+    t.add_argument("--prompts", required=True,
+                   help="JSONL: one object per line with `messages` (chat) or `prompt` (text)")
+    t.add_argument("--output", required=True, help="directory for config.json + medusa_lm_head.safetensors")
+    t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--max-tokens", type=int, default=192, help="response tokens generated per prompt")
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
+    t.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "train-medusa":
+        from agentrt.train_medusa import train_medusa
+
+        try:
+            train_medusa(config, args)
+        except ValueError as e:
+            print(f"agentrt: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     return 2
 
 

@@ -79,7 +79,7 @@ class StreamOptions(BaseModel):
 class _CommonRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
     repetition_penalty, regex, grammar (EBNF), lark, choice, ignore_eos, stop_token_ids, cache_salt,
-    max_tokens_policy)."""
+    max_tokens_policy, speculative: false opts this request out of the server's speculative decoding)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -107,6 +107,7 @@ class _CommonRequest(BaseModel):
     choice: list[str] | None = None
     cache_salt: str | None = None
     max_tokens_policy: Literal["length", "close"] = "length"
+    speculative: bool = True
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in self.unsupported_fields:
@@ -130,7 +131,7 @@ class _CommonRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
-            max_tokens_policy=self.max_tokens_policy,
+            max_tokens_policy=self.max_tokens_policy, speculative=self.speculative,
         )
 
     unsupported_fields: ClassVar[tuple[str, ...]] = ()

@@ -49,6 +49,7 @@ class EngineStats:
     num_spec_steps: int = 0  # verify passes (per request)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_draft_tokens_cut_by_grammar: int = 0  # draft nodes the request's grammar rejected before verification
     accepted_per_position: list = field(default_factory=list)  # passes accepting a token at depth d + 1
     drafted_per_position: list = field(default_factory=list)  # passes drafting depth d + 1
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))

@@ -269,6 +269,7 @@ class Speculator:
 
         visit(-1)
         rows = [0] + [i + 1 for i in range(n) if keep[i]]
+        self.stats.num_draft_tokens_cut_by_grammar += n - sum(keep)
         return tree.prune(keep), bitmask[rows]
 
     # ---- 4: verification -----------------------------------------------------------------------

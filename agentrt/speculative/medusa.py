@@ -175,7 +175,7 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
             loss.backward()
             opt.step()
             sched.step()
-            total = [t + float(x) for t, x in zip(total, loss_k)]
+            total = [t + float(x.detach()) for t, x in zip(total, loss_k)]
             count += 1
         losses = [t / max(1, count) for t in total]
         log(f"epoch {epoch + 1}/{epochs}: loss per head " + " ".join(f"{x:.3f}" for x in losses))

@@ -1,0 +1,204 @@
+"""Speculative decoding through the engine: exactness (greedy identity, sampling distribution),
+grammar composition, metrics and per-request opt-out."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from agentrt.runtime.engine import Engine
+from agentrt.runtime.request import SamplingParams
+from agentrt.runtime.speculation import SHIPPED_HEADS
+from tests.conftest import chat_ids, make_tiny_model
+
+HEADS = SHIPPED_HEADS / "smollm2-135m-instruct"
+METHODS = {
+    "ngram": SpecConfig(method="ngram", num_speculative_tokens=4),
+    "draft": SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=8),
+    "medusa": SpecConfig(method="medusa", medusa_heads=str(HEADS)),
+}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+TICKET = {"type": "object", "properties": {"status": {"enum": ["open", "closed", "pending"]},
+                                           "note": {"type": ["string", "null"]}},
+          "required": ["status"], "additionalProperties": False}
+
+
+def spec_engine(model_dir, spec: SpecConfig, **cache) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu", dtype="float32"),
+                               cache=CacheConfig(kv_cache_bytes=64 << 20, **cache), speculative=spec))
+
+
+def greedy_requests(tokenizer):
+    prompts = ["Repeat exactly: red, green, blue, red, green, blue, red, green, blue.",
+               "Write a JSON object for a person named Ada aged 36.",
+               "Explain what a hash table is."]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    reqs = [(chat_ids(tokenizer, [{"role": "user", "content": p}]), params, None) for p in prompts]
+    reqs.append((chat_ids(tokenizer, [{"role": "user", "content": prompts[1]}]), params,
+                 ConstraintSpec.json_schema(PERSON)))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference(engine, tokenizer):
+    reqs = greedy_requests(tokenizer)
+    return reqs, [o.token_ids for o in engine.generate(reqs)]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_is_token_identical_batched_cold_and_warm_cache(default_model_dir, reference, method):
+    if method == "medusa" and not (HEADS / "config.json").exists():
+        pytest.fail(f"the shipped Medusa heads are missing from {HEADS}")
+    reqs, want = reference
+    eng = spec_engine(default_model_dir, METHODS[method])
+    cold = [o.token_ids for o in eng.generate(reqs)]  # all four in one batch, empty prefix cache
+    warm = [o.token_ids for o in eng.generate(reqs)]  # every prompt now cached
+    assert cold == want
+    assert warm == want
+    s = eng.stats
+    assert s.num_spec_steps > 0 and s.num_draft_tokens > 0
+    assert s.num_steps < sum(len(w) for w in want)  # fewer steps than tokens: batching + speculation
+    if method != "draft":  # the untrained 8-layer self-draft rarely matches
+        assert s.num_accepted_tokens > 0
+    # no KV slot leaks: every slot is free or held by the radix tree (rejected drafts returned)
+    assert eng.runner.kv.num_free + eng.scheduler.cache.total_tokens == eng.runner.kv.num_slots
+    eng.grammar.shutdown()
+
+
+def test_greedy_identity_without_prefix_cache(default_model_dir, reference):
+    reqs, want = reference
+    eng = spec_engine(default_model_dir, METHODS["ngram"], enable_prefix_cache=False)
+    assert [o.token_ids for o in eng.generate(reqs)] == want
+    assert eng.runner.kv.num_free == eng.runner.kv.num_slots  # rejected drafts' KV all returned
+    eng.grammar.shutdown()
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, tokenizer, method):
+    """Schema with an enum and an optional nullable string; 8 requests at once, greedy and
+    sampled, length-safe policy. Drafts the grammar rejects are cut before verification (the real
+    matcher never sees them: a rejected token would end the request with an error)."""
+    eng = spec_engine(default_model_dir, METHODS[method])
+    doc = ("Ticket 4411: printer on floor 3 jams. Status: open. Ticket 4412: VPN drops. Status: closed. "
+           "Ticket 4413: new laptop. Status: pending. ") * 2
+    reqs = []
+    for i in range(8):
+        msgs = [{"role": "system", "content": "Reply with JSON: " + json.dumps(TICKET)},
+                {"role": "user", "content": f"{doc}\nWhat is the status of ticket 441{i % 3 + 1}? Add a note."}]
+        params = SamplingParams(max_tokens=48, temperature=0.0 if i < 4 else 0.9, seed=i, max_tokens_policy="close")
+        reqs.append((chat_ids(tokenizer, msgs), params, ConstraintSpec.json_schema(TICKET)))
+    outs = eng.generate(reqs)
+    for o in outs:
+        assert o.error is None and o.finish_reason == "stop", (o.error, o.text)
+        jsonschema.validate(json.loads(o.text), TICKET)
+    assert eng.stats.num_spec_steps > 0
+    if method == "ngram":  # prompt lookup proposes document text: the grammar must cut some
+        assert eng.stats.num_draft_tokens_cut_by_grammar > 0
+    eng.grammar.shutdown()
+
+
+def test_metrics_and_per_request_opt_out(default_model_dir, tokenizer):
+    eng = spec_engine(default_model_dir, METHODS["ngram"])
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Repeat: one two three one two three one two three"}])
+    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0, speculative=False), None)])
+    assert eng.stats.num_spec_steps == 0
+    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2), None)])
+    assert eng.stats.num_spec_steps == 0  # penalties depend on the verified tokens: no speculation
+    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0), None)])
+    s = eng.stats
+    assert s.num_spec_steps > 0
+    text = eng.metrics.render().decode()
+    assert f"agentrt_spec_draft_tokens_total {float(s.num_draft_tokens)}" in text
+    assert f"agentrt_spec_accepted_tokens_total {float(s.num_accepted_tokens)}" in text
+    assert 'agentrt_spec_position_acceptance_rate{position="1"}' in text
+    rate = s.num_accepted_tokens / s.num_draft_tokens
+    assert f"agentrt_spec_acceptance_rate {rate}" in text
+    eng.grammar.shutdown()
+
+
+# ---- distribution (temperature 1) --------------------------------------------------------------
+
+def two_sample_p(a: list[int], b: list[int]) -> float:
+    """Chi-square homogeneity p-value of two equal-size samples of token ids (cells with fewer
+    than 10 observations in both samples together are merged)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cells, rest_a, rest_b = [], 0, 0
+    for t in set(ca) | set(cb):
+        if ca[t] + cb[t] >= 10:
+            cells.append((ca[t], cb[t]))
+        else:
+            rest_a, rest_b = rest_a + ca[t], rest_b + cb[t]
+    if rest_a + rest_b:
+        cells.append((rest_a, rest_b))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def peaked_tiny_model(tmp_path_factory, default_model_dir):
+    """A 2-layer random model with peaked, context-dependent next-token distributions that every
+    proposer can sometimes guess: tied embeddings of std 0.1 make "repeat the current token" likely
+    (p ~ 0.8 under top_k 8); layer 0 adds nothing (o_proj, down_proj zero), so the 1-layer
+    self-draft is a bigram model while the target's layer 1 still mixes in the context (q != p).
+    Medusa heads start as identity blocks, proposing the current next-token top-k."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrt.speculative.medusa import MedusaHeads
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir, "llama",
+                           tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+    model.save_pretrained(str(path))
+    heads = tmp_path_factory.mktemp("heads")
+    MedusaHeads(64, 49152, num_heads=3).save(heads, dtype=torch.float32)
+    return path, heads
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft", "medusa"])
+def test_sampling_distribution_matches_non_speculative(peaked_tiny_model, method):
+    """Temperature 1, top_k 8: the first 3 sampled tokens over 1500 seeds, speculative vs plain
+    (chi-square per position at alpha = 1e-3; seeded, so deterministic). "plain" checks that the
+    test detects a different distribution (temperature 1.4)."""
+    path, heads = peaked_tiny_model
+    spec = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, ngram_max=2),
+            "draft": SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=1),
+            "medusa": SpecConfig(method="medusa", medusa_heads=str(heads))}[method]
+    n = 1500
+    prompt = [1000, 2000, 3000, 1000, 2000, 3000, 1000, 2000]
+
+    def run(cfg: SpecConfig, temperature: float = 1.0):
+        eng = Engine(EngineConfig(model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
+                                  cache=CacheConfig(kv_cache_bytes=16 << 20),
+                                  scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096),
+                                  speculative=cfg))
+        params = [SamplingParams(max_tokens=6, temperature=temperature, top_k=8, seed=s, ignore_eos=True)
+                  for s in range(n)]
+        outs = eng.generate([(prompt, p, None) for p in params])
+        eng.grammar.shutdown()
+        return [o.token_ids[:3] for o in outs], eng.stats
+
+    base, _ = run(SpecConfig())
+    if method == "plain":
+        other, _ = run(SpecConfig(), temperature=1.4)
+        assert min(two_sample_p([b[i] for b in base], [o[i] for o in other]) for i in range(3)) < 1e-3
+        return
+    got, stats = run(spec)
+    assert stats.num_spec_steps > 0
+    if method != "ngram":
+        assert stats.num_accepted_tokens > 0
+    for i in range(3):
+        assert two_sample_p([b[i] for b in base], [g[i] for g in got]) > 1e-3, f"position {i}"
