@@ -10,7 +10,14 @@ import sys
 import threading
 
 from agentrt.grammars.spec import GrammarConfig
-from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from agentrt.runtime.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

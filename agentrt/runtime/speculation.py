@@ -197,7 +197,7 @@ class Speculator:
             return DraftModelProposer(_SelfDraft(runner.model, n), kv, runner.device)
         draft = ModelRunner(ModelConfig(model=config.draft_model, device=str(runner.device),
                                         dtype=str(runner.dtype).removeprefix("torch.")),
-                            CacheConfig(kv_cache_bytes=1))  # a placeholder pool, replaced below
+                            CacheConfig(kv_cache_bytes=1 << 20))  # a small pool, replaced below
         if draft.arch.vocab_size != target.vocab_size:
             raise ValueError(f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")

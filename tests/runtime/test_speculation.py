@@ -71,6 +71,19 @@ def test_greedy_is_token_identical_batched_cold_and_warm_cache(default_model_dir
     eng.grammar.shutdown()
 
 
+def test_greedy_identity_with_a_separate_draft_model(default_model_dir, reference, tmp_path):
+    """A second model with the same tokenizer (a tiny random one: it rarely agrees, but every
+    step still drafts, verifies and rolls its own KV back)."""
+    reqs, want = reference
+    tiny = make_tiny_model(tmp_path / "draft", default_model_dir, "llama")
+    eng = spec_engine(default_model_dir, SpecConfig(method="draft", draft_model=str(tiny), num_speculative_tokens=2))
+    assert [o.token_ids for o in eng.generate(reqs)] == want
+    assert eng.stats.num_spec_steps > 0
+    draft_kv = eng.speculator.draft.kv
+    assert draft_kv.num_free == draft_kv.num_slots  # finished requests returned their draft KV
+    eng.grammar.shutdown()
+
+
 def test_greedy_identity_without_prefix_cache(default_model_dir, reference):
     reqs, want = reference
     eng = spec_engine(default_model_dir, METHODS["ngram"], enable_prefix_cache=False)
@@ -202,3 +215,68 @@ def test_sampling_distribution_matches_non_speculative(peaked_tiny_model, method
         assert stats.num_accepted_tokens > 0
     for i in range(3):
         assert two_sample_p([b[i] for b in base], [g[i] for g in got]) > 1e-3, f"position {i}"
+
+
+# ---- configuration, CLI, API field, training ------------------------------------------------------
+
+def test_cli_flags_and_request_field():
+    import argparse
+
+    from agentrt.api.protocol import ChatCompletionRequest
+    from agentrt.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config(p.parse_args(["--speculative-method", "draft", "--draft-layers", "12",
+                                      "--num-speculative-tokens", "6", "--speculative-acceptance", "typical"]))
+    assert cfg.speculative == SpecConfig(method="draft", draft_layers=12, num_speculative_tokens=6, acceptance="typical")
+    assert engine_config(p.parse_args([])).speculative.method is None
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], speculative=False)
+    assert req.sampling_params(8).speculative is False
+
+
+def test_invalid_speculation_settings_are_clear_errors(tmp_path, default_model_dir):
+    with pytest.raises(ValueError, match="ngram, draft or medusa"):
+        SpecConfig(method="eagle")
+    with pytest.raises(ValueError, match="draft_model or draft_layers"):
+        SpecConfig(method="draft")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpecConfig(method="ngram", num_speculative_tokens=0)
+    tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    with pytest.raises(ValueError, match="no Medusa heads are shipped .* --medusa-heads"):
+        spec_engine(tiny, SpecConfig(method="medusa"))
+    with pytest.raises(ValueError, match=r"draft_layers must be in \[1, 1\]"):
+        spec_engine(tiny, SpecConfig(method="draft", draft_layers=2))
+    with pytest.raises(ValueError, match="needs"):  # heads for another hidden size
+        spec_engine(tiny, SpecConfig(method="medusa", medusa_heads=str(HEADS)))
+    other = make_tiny_model(tmp_path / "o", default_model_dir, "llama", vocab_size=50000)
+    with pytest.raises(ValueError, match="draft model vocabulary"):
+        spec_engine(tiny, SpecConfig(method="draft", draft_model=str(other)))
+
+
+def test_train_medusa_writes_loadable_heads(tmp_path, default_model_dir):
+    import argparse
+
+    from agentrt.speculative.medusa import MedusaHeads
+    from agentrt.train_medusa import train_medusa
+
+    tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(3)]
+    lines.append({"prompt": "Ticket 7: open.", "schema": TICKET})
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "heads"
+    args = argparse.Namespace(prompts=str(prompts), output=str(out), num_heads=2, max_tokens=12, epochs=1, lr=1e-3,
+                              batch_size=16, seed=0)
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny), device="cpu"), cache=CacheConfig(kv_cache_bytes=8 << 20))
+    record = train_medusa(cfg, args, log=lambda *_: None)
+    assert record["num_prompts"] == 4 and record["num_positions"] > 0 and len(record["holdout_top1"]) == 2
+    heads = MedusaHeads.load(out, 64, 49152)
+    assert heads.num_heads == 2 and heads.shared_lm_head
+    assert json.loads((out / "config.json").read_text())["training"]["epochs"] == 1
+    eng = spec_engine(tiny, SpecConfig(method="medusa", medusa_heads=str(out)))
+    assert eng.generate([([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0), None)])[0].finish_reason
+    eng.grammar.shutdown()
+    prompts.write_text('{"messages": [{"role": "user", "content": "x"}]}\nnot json\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:2: not JSON"):
+        train_medusa(cfg, args, log=lambda *_: None)
