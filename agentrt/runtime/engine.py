@@ -6,6 +6,11 @@ their grammar bitmask, samples, and reports new text. Requests join and leave be
 When the KV pool runs out mid-decode the newest running request is preempted: its KV is freed and
 it is requeued first in line; on readmission its prompt and output so far are recomputed, so it
 continues exactly where it stopped (its matcher and generator are kept).
+With speculative decoding (runtime/speculation.py) a decoding request's chunk is a verify chunk:
+its last token plus a draft (a chain or a Medusa tree), with logits at every position; the
+accepted tokens go through the same per-token processing as sampled ones. The KV pool is
+token-granular, so keeping the accepted path of a tree is a matter of which slots stay with the
+request: no KV is copied.
 """
 
 from __future__ import annotations
