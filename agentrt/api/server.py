@@ -241,7 +241,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
         if chat and calls:
             parser = _parser(plan)
             parser.feed(last.text)
-            parser.finish()
+            parser.finish(cut_off=last.finish_reason == "length")
             choice["message"] = {"role": "assistant", "content": parser.content or None}
             if parser.calls:
                 choice["message"]["tool_calls"] = [_call_json(c) for c in parser.calls]
@@ -314,7 +314,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                 if out.finished:
                     finish = out.finish_reason
                     if parser is not None:
-                        for c in events(parser.finish()):
+                        for c in events(parser.finish(cut_off=finish == "length")):
                             yield c
                         if parser.calls and finish == "stop":
                             finish = "tool_calls"

@@ -262,8 +262,13 @@ class ToolCallParser:
         self._buf += text
         return self._run(final=False)
 
-    def finish(self) -> list[ParseEvent]:
+    def finish(self, cut_off: bool = False) -> list[ParseEvent]:
+        """The rest of the events. cut_off: the text ended at max_tokens, so a trailing partial
+        call marker (`<tool_`) is the start of a cut-off call: dropped, not content."""
+        self._cut_off = cut_off
         return self._run(final=True)
+
+    _cut_off: bool = False
 
     @property
     def content(self) -> str:
@@ -282,7 +287,8 @@ class ToolCallParser:
         if final:
             # an unfinished call block (cut by max_tokens) is neither a call nor content: dropped
             if self._state == "text" and self._buf:
-                self._emit_text(ev, self._buf)
+                keep = _held_back(self._buf, self.fmt.marker) if self._cut_off else 0
+                self._emit_text(ev, self._buf[: len(self._buf) - keep])
             self._buf, self._block, self._state = "", "", "text"
         return ev
 
@@ -298,7 +304,7 @@ class ToolCallParser:
         marker = self.fmt.marker
         i = self._buf.find(marker)
         if i < 0:
-            keep = 0 if final else _held_back(self._buf, marker)
+            keep = _held_back(self._buf, marker) if (not final or self._cut_off) else 0
             self._emit_text(ev, self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return

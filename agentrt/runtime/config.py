@@ -91,7 +91,9 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if self.acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
-        if self.method == "draft" and self.draft_model is None and not self.draft_layers:
+        if self.acceptance == "typical" and self.method != "medusa":
+            raise ValueError("acceptance 'typical' applies to Medusa only (--speculative-method medusa)")
+        if self.method == "draft" and self.draft_model is None and self.draft_layers is None:
             raise ValueError("speculative method 'draft' needs draft_model or draft_layers (self-draft)")
 
 

@@ -16,13 +16,13 @@ from agentrt.grammars.xgrammar_backend import GrammarBackend
 from tests.conftest import load_case
 
 
-def _parse(fmt: str, chunks: list[str], names=None) -> tuple[str, list[tuple[str, str]], list]:
+def _parse(fmt: str, chunks: list[str], names=None, cut_off: bool = False) -> tuple[str, list[tuple[str, str]], list]:
     """(content, [(name, arguments)], OpenAI-style deltas merged per call index)."""
     p = ToolCallParser(FORMATS[fmt], names=names)
     events = []
     for c in chunks:
         events += p.feed(c)
-    events += p.finish()
+    events += p.finish(cut_off=cut_off)
     content = "".join(e.text for e in events if e.kind == "content")
     calls: dict[int, list] = {}
     for e in events:
@@ -77,11 +77,18 @@ def test_formats_parse_the_same_under_any_chunking(fmt, text, want_content, want
     ('ok<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name":', ("ok", [("f", '{"a": 1}')])),
     ('<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call', ("", [("f", '{"a": "x"}')])),
     ('<tool_call>\n{"name": "f", "arguments": {"a": ', ("", [("f", '{"a": ')])),  # started: partial arguments
+    # a second call cut inside its marker (found by the adversarial pass: '<tool_' was content)
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_', ("", [("f", "{}")])),
+    ('done <tool_ca', ("done ", [])),
 ])
 def test_text_cut_by_max_tokens_never_puts_call_markup_in_content(text, want):
     for chunks in _chunkings(text):
-        content, calls, _ = _parse("hermes", chunks)
+        content, calls, _ = _parse("hermes", chunks, cut_off=True)
         assert (content, calls) == want, chunks
+
+
+def test_a_partial_marker_at_a_natural_end_stays_content():
+    assert _parse("hermes", ["see <tool_"])[0] == "see <tool_"  # finish_reason "stop": it is text
 
 
 def test_unknown_tool_names_stay_content():

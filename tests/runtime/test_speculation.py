@@ -228,8 +228,11 @@ def test_cli_flags_and_request_field():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     cfg = engine_config(p.parse_args(["--speculative-method", "draft", "--draft-layers", "12",
-                                      "--num-speculative-tokens", "6", "--speculative-acceptance", "typical"]))
-    assert cfg.speculative == SpecConfig(method="draft", draft_layers=12, num_speculative_tokens=6, acceptance="typical")
+                                      "--num-speculative-tokens", "6"]))
+    assert cfg.speculative == SpecConfig(method="draft", draft_layers=12, num_speculative_tokens=6)
+    cfg = engine_config(p.parse_args(["--speculative-method", "medusa", "--medusa-heads", "h",
+                                      "--speculative-acceptance", "typical"]))
+    assert cfg.speculative == SpecConfig(method="medusa", medusa_heads="h", acceptance="typical")
     assert engine_config(p.parse_args([])).speculative.method is None
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], speculative=False)
     assert req.sampling_params(8).speculative is False
@@ -242,11 +245,14 @@ def test_invalid_speculation_settings_are_clear_errors(tmp_path, default_model_d
         SpecConfig(method="draft")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpecConfig(method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="typical' applies to Medusa only"):
+        SpecConfig(method="ngram", acceptance="typical")
     tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
     with pytest.raises(ValueError, match="no Medusa heads are shipped .* --medusa-heads"):
         spec_engine(tiny, SpecConfig(method="medusa"))
-    with pytest.raises(ValueError, match=r"draft_layers must be in \[1, 1\]"):
-        spec_engine(tiny, SpecConfig(method="draft", draft_layers=2))
+    for layers in (0, 2):
+        with pytest.raises(ValueError, match=r"draft_layers must be in \[1, 1\]"):
+            spec_engine(tiny, SpecConfig(method="draft", draft_layers=layers))
     with pytest.raises(ValueError, match="needs"):  # heads for another hidden size
         spec_engine(tiny, SpecConfig(method="medusa", medusa_heads=str(HEADS)))
     other = make_tiny_model(tmp_path / "o", default_model_dir, "llama", vocab_size=50000)
