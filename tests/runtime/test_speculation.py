@@ -286,3 +286,30 @@ def test_train_medusa_writes_loadable_heads(tmp_path, default_model_dir):
     prompts.write_text('{"messages": [{"role": "user", "content": "x"}]}\nnot json\n')
     with pytest.raises(ValueError, match="prompts.jsonl:2: not JSON"):
         train_medusa(cfg, args, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_shipped_medusa_heads_accept_over_1_5_tokens_per_pass_on_extraction(default_model_dir):
+    """The shipped heads on 4 extraction documents they were not trained on (odd positions of
+    docs.jsonl), greedy, JSON Schema constrained: mean accepted length > 1.5."""
+    from tests.conftest import shared_path
+
+    docs_path = shared_path("extraction", "docs.jsonl")
+    from agentrt.extraction import extraction_messages
+
+    docs = [json.loads(line) for line in docs_path.read_text().splitlines()][1::2][:4]
+    schemas = {p.stem: json.loads(p.read_text()) for p in (docs_path.parent / "schemas").glob("*.json")}
+    eng = spec_engine(default_model_dir, SpecConfig(method="medusa", medusa_heads=str(HEADS)))
+    tok = eng.tokenizer
+    reqs = []
+    for d in docs:
+        schema = schemas[d["schema_name"]]
+        text = tok.apply_chat_template(extraction_messages(d["text"], schema), add_generation_prompt=True,
+                                       tokenize=False)
+        reqs.append((tok.encode(text, add_special_tokens=False), SamplingParams(max_tokens=128, temperature=0.0),
+                     ConstraintSpec.json_schema(schema)))
+    for o in eng.generate(reqs):
+        assert o.finish_reason == "stop", o.text
+    s = eng.stats
+    assert (s.num_accepted_tokens + s.num_spec_steps) / s.num_spec_steps > 1.5
+    eng.grammar.shutdown()
