@@ -63,7 +63,6 @@ def test_greedy_is_token_identical_batched_cold_and_warm_cache(default_model_dir
     assert warm == want
     s = eng.stats
     assert s.num_spec_steps > 0 and s.num_draft_tokens > 0
-    assert s.num_steps <= max(len(w) for w in want) + 1  # never more steps than plain batched decoding
     if method != "draft":  # the untrained 8-layer self-draft rarely matches
         assert s.num_accepted_tokens > 0
     # no KV slot leaks: every slot is free or held by the radix tree (rejected drafts returned)
