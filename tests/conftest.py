@@ -13,6 +13,14 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run on the CPU interpreter when no GPU is present; the flag is read when a kernel
+# module is imported, so it is set before any test imports agentrt.runtime.kernels.
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "testdata"
 

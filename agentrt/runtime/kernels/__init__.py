@@ -1,0 +1,36 @@
+"""Triton kernels for the CUDA path, each with a torch reference (`*_ref`) that tests compare it
+to (on CPU under TRITON_INTERPRET=1, on small shapes).
+
+- paged decode attention (split-K, GQA): decode_attention.py
+- extend attention (prefill of new tokens over a cached prefix, causal): extend_attention.py
+- fused RoPE + KV store into the pool: rope_store.py
+- token-bitmask apply on the logits: bitmask.py
+
+KV addressing is a page table [B, max_pages] int32 of page ids with `page_size` tokens per page:
+token j of sequence b sits at slot page_table[b, j // page_size] * page_size + j % page_size of
+the pool [num_slots, num_kv_heads, head_dim]. agentrt's pool is token-granular (page_size 1: the
+table holds slots); the kernels take any page size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def triton_usable(device: torch.device) -> bool:
+    """True when Triton kernels can run on `device`: a CUDA device with triton installed, or any
+    device with TRITON_INTERPRET=1 (the CPU interpreter used by tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """Whether attention kernels upcast 16-bit operands to fp32 before `tl.dot`: only under the
+    CPU interpreter, whose 16-bit dot is wrong (numpy has no bf16: measured, triton 3.9); a GPU
+    keeps bf16/fp16 operands on the tensor cores with fp32 accumulation."""
+    return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"

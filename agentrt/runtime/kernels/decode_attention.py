@@ -1,0 +1,183 @@
+"""Paged decode attention: one query token per sequence over its KV in the pool, split-K.
+
+Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"): the context of
+each sequence is cut into `num_splits` pieces that run as separate programs (so a batch of one
+long sequence still fills the GPU); each writes a partial output and its log-sum-exp, and a
+second kernel merges them. Grouped-query attention (Ainslie et al. 2023) is handled per KV head:
+one program loads each K/V block once for the whole group of query heads that share it (the
+group is padded to 16 rows so the block products run on tensor cores, as SGLang's grouped
+decode kernel does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from agentrt.runtime.kernels import upcast_dot
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, SeqLens, PartOut, PartLse,
+    sm_scale,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_pt,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * sm_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+             out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartOut, PartLse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # empty splits (lse -inf) weigh 0
+    parts = tl.load(PartOut + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Splits per sequence so that batch x kv_heads x splits programs cover about two waves of
+    `num_sms` streaming multiprocessors, with at least 256 tokens per split; between 1 and 32."""
+    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    return int(max(1, min(32, want, math.ceil(max_seq_len / 256))))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor, sm_scale: float | None = None, page_size: int = 1,
+                     num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole context in the KV pool.
+
+    q: [B, H, D] (the new tokens' queries, RoPE applied); k_cache / v_cache: [S, Hkv, D] with the
+    new tokens' K/V already stored; page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
+    context per sequence, new token included (0 = a padding row: its output is 0).
+    H must be a multiple of Hkv. Returns out [B, H, D] in q's dtype (written into `out` if given).
+    `num_splits` is a launch constant (static for CUDA graph capture), not data-dependent.
+    Raises ValueError on mismatched shapes.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
+    if page_table.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError("page_table and seq_lens need one row per query")
+    group = num_heads // num_kv_heads
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    block_d = triton.next_power_of_2(head_dim)
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        UPCAST=upcast_dot(q.dtype),
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def gather_kv_ref(cache: torch.Tensor, page_table: torch.Tensor, b: int, length: int, page_size: int) -> torch.Tensor:
+    """Torch reference of the paged addressing: [length, Hkv, D] K or V of sequence b."""
+    j = torch.arange(length, device=cache.device)
+    slots = page_table[b, j // page_size].long() * page_size + j % page_size
+    return cache[slots]
+
+
+def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1):
+    """Torch reference of `decode_attention` (fp32 math, one sequence at a time)."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        k = gather_kv_ref(k_cache, page_table, b, n, page_size).float().repeat_interleave(group, dim=1)
+        v = gather_kv_ref(v_cache, page_table, b, n, page_size).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,96 @@
+"""Fused rotary position embedding + KV store: one kernel rotates the new tokens' queries and
+keys (RoFormer, Su et al. 2021, arXiv 2104.09864; the half-split layout of Llama/GPT-NeoX) and
+writes the keys and values into their KV pool slots, instead of four separate torch ops."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(
+    Q, K, V, QOut, Cos, Sin, Positions, SlotMapping, KCache, VCache,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(Positions + t)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    c = tl.load(Cos + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
+    s = tl.load(Sin + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
+
+    offs_h = tl.arange(0, BLOCK_H)
+    qm = (offs_h < NUM_HEADS)[:, None] & d_mask[None, :]
+    qp = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
+    op = QOut + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(op, (q1 * c - q2 * s).to(QOut.dtype.element_ty), mask=qm)
+    tl.store(op + HALF, (q2 * c + q1 * s).to(QOut.dtype.element_ty), mask=qm)
+
+    slot = tl.load(SlotMapping + t)
+    if slot >= 0:
+        offs_kh = tl.arange(0, BLOCK_KH)
+        km = (offs_kh < NUM_KV_HEADS)[:, None] & d_mask[None, :]
+        kp = K + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
+        k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
+        kc = KCache + slot * stride_kcs + offs_kh[:, None] * stride_kch + offs_d[None, :]
+        tl.store(kc, (k1 * c - k2 * s).to(KCache.dtype.element_ty), mask=km)
+        tl.store(kc + HALF, (k2 * c + k1 * s).to(KCache.dtype.element_ty), mask=km)
+        vp = V + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+        vc = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + offs_d[None, :]
+        tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+        tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k of T new tokens and store k, v into the pool.
+
+    q: [T, H, D], k / v: [T, Hkv, D] (views of the fused QKV projection are fine: the last dim
+    must be contiguous); cos / sin: [max_positions, D // 2] fp32 tables; positions: [T] int64;
+    slot_mapping: [T] int64 pool slot per token (-1 = do not store: a padding row);
+    k_cache / v_cache: [S, Hkv, D]. Math in fp32. Returns the rotated q [T, H, D] (`q_out` if
+    given, else a new tensor). Raises ValueError on an odd head_dim or a non-contiguous last dim.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim % 2 or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("rope_and_store needs an even head_dim and contiguous head vectors")
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rope_store_kernel[(num_tokens,)](
+        q, k, v, q_out, cos, sin, positions, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return q_out
+
+
+def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
+    """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes)."""
+    half = q.shape[-1] // 2
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def rot(x):
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    keep = slot_mapping >= 0
+    k_cache[slot_mapping[keep]] = rot(k)[keep].to(k_cache.dtype)
+    v_cache[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
+    return rot(q)

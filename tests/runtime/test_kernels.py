@@ -1,0 +1,161 @@
+"""Triton kernels vs their torch references (CPU: TRITON_INTERPRET=1, set in conftest; on a GPU
+the same tests run the compiled kernels). Random shapes with odd lengths, GQA ratios 1/4/8,
+page sizes that put sequence ends on and off page boundaries, and split-K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.runtime.kernels import triton_usable
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_usable(DEVICE), reason="triton is not installed")
+
+
+def paged_pool(lens: list[int], num_kv_heads: int, head_dim: int, page_size: int, gen: torch.Generator,
+               dtype=torch.float32):
+    """A KV pool with random contents (no zeros) and a shuffled page table covering `lens`."""
+    pages = max(1, max((n + page_size - 1) // page_size for n in lens))
+    num_pages = len(lens) * pages + 3
+    k = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_pages, generator=gen)[: len(lens) * pages].view(len(lens), pages).to(torch.int32)
+    return k.to(DEVICE), v.to(DEVICE), table.to(DEVICE)
+
+
+DECODE_CASES = [  # (batch, kv_heads, group, head_dim, page_size, num_splits, max_len)
+    (1, 4, 1, 64, 1, 1, 37),
+    (3, 2, 4, 64, 1, 3, 130),
+    (5, 1, 8, 32, 16, 2, 97),
+    (4, 2, 8, 40, 4, 4, 65),  # head_dim not a power of two
+    (2, 8, 1, 128, 16, 5, 33),  # more splits than some sequences have blocks
+]
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,head_dim,page_size,num_splits,max_len", DECODE_CASES)
+def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, page_size, num_splits, max_len):
+    from agentrt.runtime.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(batch * 100 + group)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
+    lens[0] = max_len  # one sequence at the maximum
+    if page_size > 1 and batch > 1:
+        lens[1] = page_size * 2  # ends exactly on a page boundary
+    k, v, table = paged_pool(lens, kv_heads, head_dim, page_size, gen)
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits)
+    ref = decode_attention_ref(q, k, v, table, seq_lens, page_size=page_size)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_attention_padding_rows_and_bf16():
+    """seq_len 0 (a CUDA-graph padding row) gives zeros, not NaN; bf16 within bf16 tolerance."""
+    from agentrt.runtime.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    gen = torch.Generator().manual_seed(7)
+    lens = [0, 45, 1]
+    k, v, table = paged_pool(lens, 2, 64, 1, gen, dtype=torch.bfloat16)
+    q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k, v, table, seq_lens, num_splits=3)
+    assert torch.equal(out[0].float(), torch.zeros(8, 64, device=DEVICE))
+    ref = decode_attention_ref(q, k, v, table, seq_lens)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+EXTEND_CASES = [  # (batch, kv_heads, group, head_dim, page_size, max_new, max_prefix)
+    (1, 4, 1, 64, 1, 33, 0),  # plain prefill, one block and a bit
+    (3, 2, 4, 64, 1, 19, 41),
+    (2, 1, 8, 32, 16, 40, 50),
+    (4, 2, 8, 40, 4, 7, 17),
+]
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,head_dim,page_size,max_new,max_prefix", EXTEND_CASES)
+@pytest.mark.parametrize("tree", [False, True])
+def test_extend_attention_matches_reference(batch, kv_heads, group, head_dim, page_size, max_new, max_prefix, tree):
+    from agentrt.runtime.kernels.extend_attention import extend_attention, extend_attention_ref
+
+    gen = torch.Generator().manual_seed(batch * 10 + group + tree)
+    q_lens = torch.randint(1, max_new + 1, (batch,), generator=gen)
+    q_lens[0] = max_new
+    prefix = torch.randint(0, max_prefix + 1, (batch,), generator=gen)
+    if page_size > 1:
+        prefix[0] = page_size  # new tokens start exactly on a page boundary
+    lens = (q_lens + prefix).tolist()
+    k, v, table = paged_pool(lens, kv_heads, head_dim, page_size, gen)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)[:-1]]) + 1  # row 0 unused
+    num_rows = int(q_lens.sum()) + 2
+    q = torch.randn(num_rows, kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    masks = flat = offsets = None
+    if tree:  # random draft trees: each node sees itself and a random subset of earlier nodes
+        masks, parts, offs, acc = [], [], [], 0
+        for n in q_lens.tolist():
+            m = (torch.rand(n, n, generator=gen) < 0.5).tril()
+            m.fill_diagonal_(True)
+            masks.append(m.to(DEVICE))
+            parts.append(m.flatten().to(torch.uint8))
+            offs.append(acc)
+            acc += n * n
+        flat = torch.cat(parts).to(DEVICE)
+        offsets = torch.tensor(offs, dtype=torch.int64, device=DEVICE)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    args = (q, k, v, starts.to(**i32), q_lens.to(**i32), prefix.to(**i32), table)
+    out = torch.full_like(q, 7.0)
+    extend_attention(*args, int(q_lens.max()), page_size=page_size, tree_mask=flat, tree_offsets=offsets, out=out)
+    ref = extend_attention_ref(*args, page_size=page_size, tree_masks=masks)
+    torch.testing.assert_close(out[1:-1], ref[1:-1], atol=2e-5, rtol=1e-4)
+    assert (out[0] == 7.0).all() and (out[-1] == 7.0).all()  # rows of no sequence stay untouched
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 40), (16, 2, 32)])
+def test_rope_and_store_matches_reference(num_heads, num_kv_heads, head_dim):
+    from agentrt.runtime.kernels.rope_store import rope_and_store, rope_and_store_ref
+
+    gen = torch.Generator().manual_seed(num_heads)
+    t = 11
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+    freqs = torch.outer(torch.arange(64.0), torch.rand(head_dim // 2, generator=gen)).to(DEVICE)
+    positions = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
+    slots = torch.randperm(30, generator=gen)[:t].to(DEVICE)
+    slots[3] = -1  # a padding row: nothing stored
+    caches = [torch.randn(30, num_kv_heads, head_dim, generator=gen).to(DEVICE) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    out = rope_and_store(q, k, v, freqs.cos(), freqs.sin(), positions, slots, caches[0], caches[1])
+    ref = rope_and_store_ref(q, k, v, freqs.cos(), freqs.sin(), positions, slots, caches[2], caches[3])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152, 4097])
+def test_apply_token_bitmask_matches_reference_and_xgrammar(vocab):
+    import xgrammar as xgr
+
+    from agentrt.runtime.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_ref
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    rows = torch.tensor([0, 3, 4], dtype=torch.int32)
+    ours, ref, lib = logits.clone().to(DEVICE), logits.clone(), logits.clone()
+    apply_token_bitmask(ours, bitmask.to(DEVICE), rows.to(DEVICE))
+    apply_token_bitmask_ref(ref, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(lib, bitmask, indices=rows.tolist())
+    assert torch.equal(ours.cpu(), ref) and torch.equal(ref, lib)
+    assert torch.isneginf(ref[0]).any() and not torch.isneginf(ref[1]).any()
+
+
+def test_kernels_reject_mismatched_shapes():
+    from agentrt.runtime.kernels.bitmask import apply_token_bitmask
+    from agentrt.runtime.kernels.decode_attention import decode_attention
+
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention(torch.zeros(1, 6, 64), torch.zeros(4, 4, 64), torch.zeros(4, 4, 64),
+                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not cover"):
+        apply_token_bitmask(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
