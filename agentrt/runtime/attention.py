@@ -1,5 +1,9 @@
 """Attention over the token-slot KV pool (torch reference path: gather + SDPA).
 
+The CPU path and the reference for the Triton path (runtime/triton_attention.py): both metadata
+classes offer the same three calls a model layer makes: `prepare_rope` once per forward,
+`rope_and_store` (rotate q/k, write k/v to the pool) and `attend` per layer.
+
 One forward carries a flat batch of T new tokens from several sequences. Decoding sequences
 (one new token each) are attended together, padded to the longest context; prefill chunks are
 attended one sequence at a time with a causal mask offset by the tokens already cached.
@@ -11,6 +15,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin [T, head_dim // 2] -> rotated x (half-split layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 @dataclass
@@ -45,6 +57,20 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
+    cos: torch.Tensor | None = None  # [T, head_dim // 2] in the activations' dtype, set by prepare_rope
+    sin: torch.Tensor | None = None
+
+    def prepare_rope(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+        """Gather the cos/sin rows [T, head_dim // 2] of this batch's positions [T] once per forward."""
+        self.cos, self.sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
+
+    def rope_and_store(self, q, k, v, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool."""
+        q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        k_cache[self.slot_mapping] = k
+        v_cache[self.slot_mapping] = v
+        return q, k
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D]."""

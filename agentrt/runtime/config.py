@@ -25,6 +25,11 @@ class ModelConfig:
     device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
     dtype: `auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`.
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
+    attention_backend: `auto` (Triton kernels on CUDA, torch on CPU), `torch`, `triton` (on CPU
+        only under TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
+    enforce_eager: never capture CUDA graphs.
+    cuda_graph_batch_sizes: decode batch sizes captured as CUDA graphs (a batch is padded up to
+        the next size; a larger one runs eagerly).
     """
 
     model: str = DEFAULT_MODEL
@@ -32,15 +37,33 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if not self.cuda_graph_batch_sizes or any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache sizing. `kv_cache_bytes` is the byte budget of the KV pool (K and V, all layers);
-    `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse."""
+    None = automatic: on CUDA, `gpu_memory_utilization` of the device's total memory minus what is
+    in use after loading the weights and an activation reserve (see ModelRunner's memory plan); on
+    CPU, 1 GiB. `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse."""
 
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
     enable_prefix_cache: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        self.runner = ModelRunner(self.config.model, self.config.cache)
+        self.runner = ModelRunner(self.config.model, self.config.cache, self.config.scheduler.max_num_seqs)
         self.tokenizer = self.runner.tokenizer
         self.stop_ids = self.runner.stop_ids
         self.max_model_len = self.runner.max_model_len
@@ -186,10 +186,10 @@ class Engine:
                 ids = [r.output_ids[-1], *tree.token_ids]
                 positions = [c.context_len, *(c.context_len + d for d in tree.depths)]
                 mask = None if tree.is_chain else tree.attention_mask()
-                chunks.append(SeqChunk(ids, c.context_len, slots, True, len(ids), positions, mask))
+                chunks.append(SeqChunk(ids, c.context_len, slots, True, len(ids), positions, mask, id(r)))
             else:
                 ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
-                chunks.append(SeqChunk(ids, c.context_len, slots, c.sample))
+                chunks.append(SeqChunk(ids, c.context_len, slots, c.sample, seq_key=id(r)))
                 jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
                 r.pending_jump_forward -= jumped
                 n = c.num_new - jumped

@@ -16,8 +16,7 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, budget_bytes: int):
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * itemsize
+        self.bytes_per_token = self.bytes_per_token_of(num_layers, num_kv_heads, head_dim, dtype)
         self.num_slots = int(budget_bytes // self.bytes_per_token)
         if self.num_slots < 1:
             raise ValueError(f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)")
@@ -25,6 +24,11 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K + V bytes of one token over all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def num_free(self) -> int:

@@ -5,14 +5,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentrt.runtime.attention import AttentionMetadata, PrefillSpan
 from agentrt.runtime.config import CacheConfig, ModelConfig
+from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
 from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
+
+if TYPE_CHECKING:
+    from agentrt.runtime.triton_attention import SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +30,9 @@ class SeqChunk:
     logits of the last `num_logits` new tokens (False for a prefill chunk that does not end the
     prompt; num_logits > 1 for a speculative verify chunk). `positions`: explicit positions of the
     new tokens (a draft tree: context_len + depth), with `tree_mask` [n, n] bool saying which new
-    tokens each attends to; None = consecutive positions, causal."""
+    tokens each attends to; None = consecutive positions, causal. `seq_key`: identifies the
+    sequence across steps (the Triton path keeps its slots on the device and uploads only new
+    ones); None = anonymous (uploaded in full)."""
 
     token_ids: list[int]
     context_len: int
@@ -34,9 +41,11 @@ class SeqChunk:
     num_logits: int = 1
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None
+    seq_key: object | None = None
 
 
-def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's .safetensors files, loaded straight onto `device`."""
     from safetensors.torch import load_file
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -44,18 +53,65 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"model directory {model_dir} has no .safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        tensors.update(load_file(str(f), device=str(device)))
     return tensors
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the device memory goes (bytes): weights, KV pool, per-token KV, and what the plan
+    kept back (activations, CUDA graphs, the allocator). Printed at start."""
+
+    device: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_pool_bytes: int
+    max_kv_tokens: int
+    reserved_bytes: int
+    total_bytes: int
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB, KV pool "
+                f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
+                f"bytes/token, reserved {self.reserved_bytes / gb:.2f} GB"
+                + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else ""))
+
+
+def plan_kv_budget(cache_config: CacheConfig, device: torch.device, bytes_per_token: int,
+                   max_model_len: int, max_num_seqs: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
+    """(KV budget bytes, reserved bytes, device total bytes). An explicit kv_cache_bytes wins. On
+    CUDA the budget is gpu_memory_utilization x total - memory in use now (weights) - a reserve
+    for activations and logits (max_num_seqs x (vocab + 8 x hidden) x 4 bytes x 4, at least 1 GiB);
+    raises ValueError when that leaves less than one full-context sequence. CPU: 1 GiB."""
+    if cache_config.kv_cache_bytes is not None:
+        return cache_config.kv_cache_bytes, 0, 0
+    if device.type != "cuda":
+        return 1 << 30, 0, 0
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    reserve = max(1 << 30, 16 * max_num_seqs * (vocab_size + 8 * hidden_size))
+    budget = int(cache_config.gpu_memory_utilization * total) - used - reserve
+    if budget < bytes_per_token * max_model_len:
+        raise ValueError(
+            f"not enough device memory for the KV cache: {budget / 1e9:.2f} GB left after the weights "
+            f"({used / 1e9:.2f} GB in use) and a {reserve / 1e9:.2f} GB activation reserve, below one "
+            f"{max_model_len}-token sequence ({bytes_per_token * max_model_len / 1e9:.2f} GB): lower "
+            "max_model_len, raise gpu_memory_utilization or set kv_cache_bytes")
+    return budget, reserve, total
 
 
 class ModelRunner:
     """Holds the model, tokenizer and KV pool on one device.
 
     execute(chunks) runs one forward over all chunks and returns logits [N, vocab] fp32 for the
-    last new token of each chunk with need_logits (N of them, in order).
+    last new token of each chunk with need_logits (N of them, in order). Weights load straight to
+    the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
+    kernels on CUDA (decode batches replayed from CUDA graphs) and torch SDPA on CPU.
+    `max_num_seqs` sizes the slot table and the memory plan's activation reserve.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 16):
         from transformers import AutoConfig
 
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
@@ -73,33 +129,65 @@ class ModelRunner:
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         with torch.device("meta"):
             model = LlamaForCausalLM(self.arch, self.max_model_len)
-        model = model.to_empty(device=self.device)
-        model.load_hf_state_dict(load_weights(self.model_dir))
-        for p in model.parameters():
-            p.data = p.data.to(self.dtype)
+        model = model.to(self.dtype).to_empty(device=self.device)  # dtype on meta: no copy
+        model.load_hf_state_dict(load_weights(self.model_dir, self.device))
         model.init_rope()
         self.model = model.eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         a = self.arch
-        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device,
-                         cache_config.kv_cache_bytes)
-        logger.info(
-            "model %s on %s/%s: weights %.1f MB, KV %d bytes/token, %d KV tokens, context %d",
-            self.model_dir, self.device, self.dtype, self.weights_bytes / 1e6,
-            self.kv.bytes_per_token, self.kv.num_slots, self.max_model_len,
-        )
+        bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        budget, reserved, total = plan_kv_budget(cache_config, self.device, bytes_per_token, self.max_model_len,
+                                                 max_num_seqs, a.vocab_size, a.hidden_size)
+        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, budget)
+        self.memory_plan = MemoryPlan(str(self.device), self.weights_bytes, bytes_per_token,
+                                      self.kv.num_slots * bytes_per_token, self.kv.num_slots, reserved, total)
+        backend = model_config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and triton_usable(self.device) else "torch"
+        if backend == "triton" and not triton_usable(self.device):
+            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
+                             "and the triton package")
+        self.attention_backend = backend
+        self.slot_table = self.graphs = None
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 132)
+        if backend == "triton":
+            from agentrt.runtime.cuda_graph import DecodeGraphRunner
+            from agentrt.runtime.triton_attention import SlotTable
+
+            self.slot_table = SlotTable(2 * max_num_seqs + 8, self.max_model_len + 128, self.device)
+            sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
+            capture = self.device.type == "cuda" and not model_config.enforce_eager
+            self.graphs = DecodeGraphRunner(model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device,
+                                            capture, self.num_sms)
+        logger.info("model %s on %s/%s, attention %s, context %d; %s", self.model_dir, self.device, self.dtype,
+                    backend, self.max_model_len, self.memory_plan.describe())
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):
         """Logits [N, vocab] fp32 (N = sum of num_logits over chunks with need_logits, in order);
         with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
-        return run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device, return_hidden)
+        if self.graphs is not None and not return_hidden and self.graphs.accepts(chunks):
+            return self.graphs.run(chunks)
+        return run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device, return_hidden,
+                          self.slot_table, self.num_sms)
 
 
 @torch.inference_mode()
-def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.device, return_hidden: bool = False):
+def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.device, return_hidden: bool = False,
+               slot_table: SlotTable | None = None, num_sms: int = 132):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
-    compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute."""
+    compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
+    With a slot_table the Triton kernels run, else the torch reference path."""
+    if slot_table is not None:
+        from agentrt.runtime.triton_attention import build_triton_metadata
+
+        meta, ids, positions, logit_idx = build_triton_metadata(chunks, slot_table, model.arch.num_kv_heads, dev,
+                                                                num_sms)
+        hidden = model(torch.tensor(ids, dtype=torch.int64, device=dev), meta.positions, k_caches, v_caches, meta)
+        rows = hidden[torch.tensor(logit_idx, dtype=torch.int64, device=dev)]
+        logits = model.compute_logits(rows)
+        return (logits, rows) if return_hidden else logits
     ids, positions, new_slots, logit_idx = [], [], [], []
     decode_rows, prefills = [], []
     for chunk in chunks:

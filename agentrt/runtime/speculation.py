@@ -196,8 +196,9 @@ class Speculator:
             logger.info("self-draft: the first %d of %d layers", n, target.num_layers)
             return DraftModelProposer(_SelfDraft(runner.model, n), kv, runner.device)
         draft = ModelRunner(ModelConfig(model=config.draft_model, device=str(runner.device),
-                                        dtype=str(runner.dtype).removeprefix("torch.")),
-                            CacheConfig(kv_cache_bytes=1 << 20))  # a small pool, replaced below
+                                        dtype=str(runner.dtype).removeprefix("torch."),
+                                        attention_backend="torch", enforce_eager=True),
+                            CacheConfig(kv_cache_bytes=1 << 20), max_num_seqs=1)  # a small pool, replaced below
         if draft.arch.vocab_size != target.vocab_size:
             raise ValueError(f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")

@@ -45,8 +45,13 @@ def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, pa
     k, v, table = paged_pool(lens, kv_heads, head_dim, page_size, gen)
     q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention(q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits)
-    ref = decode_attention_ref(q, k, v, table, seq_lens, page_size=page_size)
+    rows = None
+    if batch % 2:  # a persistent table: sequences sit in shuffled rows of a taller table
+        rows = torch.randperm(batch, generator=gen).to(torch.int32).to(DEVICE)
+        table = table[torch.argsort(rows.long())].contiguous()
+        table = torch.cat([table, table[:1]])  # one row more than the batch
+    out = decode_attention(q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits, page_rows=rows)
+    ref = decode_attention_ref(q, k, v, table, seq_lens, page_size=page_size, page_rows=rows)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -102,10 +107,15 @@ def test_extend_attention_matches_reference(batch, kv_heads, group, head_dim, pa
         flat = torch.cat(parts).to(DEVICE)
         offsets = torch.tensor(offs, dtype=torch.int64, device=DEVICE)
     i32 = {"dtype": torch.int32, "device": DEVICE}
+    rows = None
+    if batch % 2:  # a persistent table with shuffled rows
+        rows = torch.randperm(batch, generator=gen).to(**i32)
+        table = table[torch.argsort(rows.long())].contiguous()
     args = (q, k, v, starts.to(**i32), q_lens.to(**i32), prefix.to(**i32), table)
     out = torch.full_like(q, 7.0)
-    extend_attention(*args, int(q_lens.max()), page_size=page_size, tree_mask=flat, tree_offsets=offsets, out=out)
-    ref = extend_attention_ref(*args, page_size=page_size, tree_masks=masks)
+    extend_attention(*args, int(q_lens.max()), page_size=page_size, tree_mask=flat, tree_offsets=offsets, out=out,
+                     page_rows=rows)
+    ref = extend_attention_ref(*args, page_size=page_size, tree_masks=masks, page_rows=rows)
     torch.testing.assert_close(out[1:-1], ref[1:-1], atol=2e-5, rtol=1e-4)
     assert (out[0] == 7.0).all() and (out[-1] == 7.0).all()  # rows of no sequence stay untouched
 

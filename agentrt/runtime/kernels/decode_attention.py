@@ -22,7 +22,7 @@ from agentrt.runtime.kernels import upcast_dot
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, PageTable, SeqLens, PartOut, PartLse,
+    Q, K, V, PageTable, PageRows, SeqLens, PartOut, PartLse,
     sm_scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
@@ -32,12 +32,13 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
+    table_row = tl.load(PageRows + b).to(tl.int64) if HAS_ROWS else b
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -58,7 +59,7 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        page = tl.load(PageTable + table_row * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -118,7 +119,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float | None = None, page_size: int = 1,
-                     num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int = 1, out: torch.Tensor | None = None,
+                     page_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its whole context in the KV pool.
 
     q: [B, H, D] (the new tokens' queries, RoPE applied); k_cache / v_cache: [S, Hkv, D] with the
@@ -132,7 +134,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
-    if page_table.shape[0] != batch or seq_lens.shape[0] != batch:
+    if (page_rows is None and page_table.shape[0] != batch) or seq_lens.shape[0] != batch:
         raise ValueError("page_table and seq_lens need one row per query")
     group = num_heads // num_kv_heads
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -142,13 +144,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, sm_scale,
+        q, k_cache, v_cache, page_table, page_rows if page_rows is not None else seq_lens, seq_lens, part_out, part_lse, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        UPCAST=upcast_dot(q.dtype),
+        UPCAST=upcast_dot(q.dtype), HAS_ROWS=page_rows is not None,
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
@@ -166,8 +168,11 @@ def gather_kv_ref(cache: torch.Tensor, page_table: torch.Tensor, b: int, length:
     return cache[slots]
 
 
-def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1):
+def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1,
+                         page_rows=None):
     """Torch reference of `decode_attention` (fp32 math, one sequence at a time)."""
+    if page_rows is not None:
+        page_table = page_table[page_rows.long()]
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)

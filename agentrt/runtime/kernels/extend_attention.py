@@ -21,7 +21,7 @@ from agentrt.runtime.kernels import upcast_dot
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, QStarts, QLens, PrefixLens, PageTable, TreeMask, TreeOffsets,
+    Q, K, V, Out, QStarts, QLens, PrefixLens, PageTable, PageRows, TreeMask, TreeOffsets,
     sm_scale,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
@@ -30,6 +30,7 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -37,6 +38,7 @@ def _extend_kernel(
     q_start = tl.load(QStarts + b)
     q_len = tl.load(QLens + b)
     prefix = tl.load(PrefixLens + b)
+    table_row = tl.load(PageRows + b).to(tl.int64) if HAS_ROWS else b
     kvh = h // GROUP
 
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,7 +61,7 @@ def _extend_kernel(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        page = tl.load(PageTable + table_row * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -94,7 +96,8 @@ def _extend_kernel(
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_starts: torch.Tensor,
                      q_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
                      sm_scale: float | None = None, page_size: int = 1, tree_mask: torch.Tensor | None = None,
-                     tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     page_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens of B sequences laid out in one flat batch.
 
     q: [T, H, D] queries (RoPE applied); sequence b's new tokens are rows
@@ -104,7 +107,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_q_len: max of q_lens (sets the grid). tree_mask (optional): flat uint8 with, for sequence
     b, a [q_lens[b], q_lens[b]] row-major block at tree_offsets[b] (int64): 1 where new token i
     attends to new token j (replaces the causal rule; every new token sees the whole prefix).
-    Rows of q not covered by any sequence are left untouched in `out`.
+    Rows of q not covered by any sequence are left untouched in `out`. page_rows (optional): [B]
+    int32 row of page_table per sequence (a persistent per-request table); None = row b.
     Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -123,19 +127,23 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (batch, num_heads, triton.cdiv(max(1, max_q_len), block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, q_starts, q_lens, prefix_lens, page_table,
+        page_rows if page_rows is not None else q_lens,
         tree_mask if has_tree else q_lens, tree_offsets if has_tree else q_lens, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=has_tree,
         BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d, UPCAST=upcast_dot(q.dtype),
+        HAS_ROWS=page_rows is not None,
     )
     return out
 
 
 def extend_attention_ref(q, k_cache, v_cache, q_starts, q_lens, prefix_lens, page_table, sm_scale=None,
-                         page_size: int = 1, tree_masks: list | None = None):
+                         page_size: int = 1, tree_masks: list | None = None, page_rows=None):
     """Torch reference of `extend_attention` (fp32 math); tree_masks: per sequence a [n, n] bool
     tensor or None (causal)."""
+    if page_rows is not None:
+        page_table = page_table[page_rows.long()]
     from agentrt.runtime.kernels.decode_attention import gather_kv_ref
 
     head_dim = q.shape[2]

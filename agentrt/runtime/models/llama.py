@@ -100,14 +100,6 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim // 2] -> rotated x (half-split layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -130,14 +122,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        q, k = meta.rope_and_store(q, k, v, k_cache, v_cache)
         out = meta.attend(q, k, v, k_cache, v_cache)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -162,8 +153,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+    def forward(self, x, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,10 +189,9 @@ class LlamaForCausalLM(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:
         """num_layers: run only the first layers (then the final norm): a self-draft's early exit."""
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        meta.prepare_rope(positions, self.rope_cos, self.rope_sin, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers[:num_layers], k_caches, v_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

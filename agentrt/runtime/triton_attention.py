@@ -1,0 +1,167 @@
+"""Triton attention path (CUDA; the CPU interpreter in tests): a persistent device slot table and
+the per-forward metadata that drives the kernels in runtime/kernels/.
+
+Same interface as the torch path's `AttentionMetadata` (prepare_rope, rope_and_store, attend).
+A batch where every sequence decodes one token runs the split-K decode kernel (and can be
+replayed from a CUDA graph, see cuda_graph.py); any other batch (prefill chunks, speculative
+verify chunks, mixed) runs the extend kernel for all its sequences, a decode being an extend of
+one token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from agentrt.runtime.kernels.decode_attention import decode_attention, default_num_splits
+from agentrt.runtime.kernels.extend_attention import extend_attention
+from agentrt.runtime.kernels.rope_store import rope_and_store
+
+
+class SlotTable:
+    """KV slots of each running sequence, one row per sequence, on the device (SGLang's
+    req_to_token pool): [num_rows, max_len] int32.
+
+    `sync` gives each sequence a row and uploads only the slots that changed since the previous
+    step (usually the one new token), so a step costs O(new tokens) host-to-device traffic rather
+    than O(context). Rows of sequences absent from a step stay until a new sequence needs one
+    (least recently used first); correctness never depends on a key's history, since the cached
+    copy is compared with the sequence's slots every step.
+    """
+
+    def __init__(self, num_rows: int, max_len: int, device: torch.device):
+        self.max_len = max_len
+        self.table = torch.zeros(num_rows, max_len, dtype=torch.int32, device=device)
+        self._rows: OrderedDict[Hashable, tuple[int, list[int]]] = OrderedDict()
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def sync(self, entries: list[tuple[Hashable, list[int]]]) -> list[int]:
+        """Rows (in order) for entries of (sequence key, its KV slots). Raises ValueError when a
+        sequence is longer than max_len or the batch has more sequences than rows."""
+        keys = {key for key, _ in entries}
+        if len(keys) != len(entries):
+            raise ValueError("a sequence appears twice in one batch")
+        rows, r_idx, c_idx, vals = [], [], [], []
+        for key, slots in entries:
+            if len(slots) > self.max_len:
+                raise ValueError(f"sequence of {len(slots)} tokens exceeds the slot table's {self.max_len}")
+            entry = self._rows.pop(key, None)
+            if entry is None:
+                row, synced = self._take_row(keys), []
+            else:
+                row, synced = entry
+            n = len(synced)
+            start = n if n <= len(slots) and slots[:n] == synced else 0
+            r_idx.extend([row] * (len(slots) - start))
+            c_idx.extend(range(start, len(slots)))
+            vals.extend(slots[start:])
+            self._rows[key] = (row, list(slots))
+            rows.append(row)
+        if vals:
+            dev = self.table.device
+            self.table[torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)] = torch.tensor(
+                vals, dtype=torch.int32, device=dev)
+        return rows
+
+    def _take_row(self, in_use: set) -> int:
+        if self._free:
+            return self._free.pop()
+        for key in self._rows:  # least recently used first
+            if key not in in_use:
+                return self._rows.pop(key)[0]
+        raise ValueError(f"more sequences in one batch than the slot table's {self.table.shape[0]} rows")
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """slot_mapping: [T] int64 pool slot of each new token (-1: a padding row, not stored).
+    positions: [T] int64. page_table: the SlotTable's [rows, max_len] int32; page_rows: [B] int32
+    row per sequence. Decode batches (is_decode): seq_lens [B] int32 (context incl. the new token),
+    num_splits (split-K launch constant). Extend batches: q_starts / q_lens / prefix_lens [B] int32,
+    max_q_len, and optionally a flat uint8 tree mask with int64 offsets per sequence."""
+
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    page_table: torch.Tensor
+    page_rows: torch.Tensor
+    is_decode: bool
+    seq_lens: torch.Tensor | None = None
+    num_splits: int = 1
+    q_starts: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    max_q_len: int = 1
+    tree_mask: torch.Tensor | None = None
+    tree_offsets: torch.Tensor | None = None
+    cos_table: torch.Tensor | None = None
+    sin_table: torch.Tensor | None = None
+
+    def prepare_rope(self, positions, cos_table, sin_table, dtype) -> None:
+        """Keep the fp32 cos/sin tables [max_positions, head_dim // 2]; the kernel gathers rows."""
+        self.cos_table, self.sin_table = cos_table, sin_table
+
+    def rope_and_store(self, q, k, v, k_cache, v_cache):
+        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, k unrotated: the kernels read K from the pool)."""
+        q = rope_and_store(q, k, v, self.cos_table, self.sin_table, self.positions, self.slot_mapping,
+                           k_cache, v_cache)
+        return q, k
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored)."""
+        if self.is_decode:
+            return decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
+                                    num_splits=self.num_splits, page_rows=self.page_rows)
+        out = torch.zeros_like(q)
+        return extend_attention(q, k_cache, v_cache, self.q_starts, self.q_lens, self.prefix_lens,
+                                self.page_table, self.max_q_len, tree_mask=self.tree_mask,
+                                tree_offsets=self.tree_offsets, out=out, page_rows=self.page_rows)
+
+
+def build_triton_metadata(chunks, table: SlotTable, num_kv_heads: int, dev: torch.device,
+                          num_sms: int = 132) -> tuple[TritonAttentionMetadata, list[int], list[int], list[int]]:
+    """(metadata, token ids, positions, logits rows) of a flat batch of SeqChunks (see
+    model_runner.SeqChunk); uploads the chunks' slots to `table`."""
+    ids, positions, new_slots, logit_idx = [], [], [], []
+    q_starts, q_lens, prefix_lens = [], [], []
+    entries, trees = [], []
+    for i, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        start = len(ids)
+        ids.extend(chunk.token_ids)
+        positions.extend(chunk.positions if chunk.positions is not None
+                         else range(chunk.context_len, chunk.context_len + n))
+        new_slots.extend(chunk.slots[chunk.context_len :])
+        if chunk.need_logits:
+            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
+        q_starts.append(start)
+        q_lens.append(n)
+        prefix_lens.append(chunk.context_len)
+        entries.append((chunk.seq_key if chunk.seq_key is not None else ("anon", i), chunk.slots))
+        trees.append(chunk.tree_mask)
+    rows = table.sync(entries)
+    i32 = {"dtype": torch.int32, "device": dev}
+    is_decode = all(n == 1 and p > 0 for n, p in zip(q_lens, prefix_lens)) and all(t is None for t in trees)
+    meta = TritonAttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
+        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+        page_table=table.table, page_rows=torch.tensor(rows, **i32), is_decode=is_decode,
+    )
+    if is_decode:
+        meta.seq_lens = torch.tensor([p + 1 for p in prefix_lens], **i32)
+        meta.num_splits = default_num_splits(len(chunks), num_kv_heads, max(prefix_lens) + 1, num_sms)
+    else:
+        meta.q_starts, meta.q_lens = torch.tensor(q_starts, **i32), torch.tensor(q_lens, **i32)
+        meta.prefix_lens, meta.max_q_len = torch.tensor(prefix_lens, **i32), max(q_lens)
+        if any(t is not None for t in trees):
+            blocks, offsets, acc = [], [], 0
+            for n, t in zip(q_lens, trees):
+                block = t if t is not None else torch.ones(n, n, dtype=torch.bool).tril()
+                blocks.append(block.reshape(-1).to(torch.uint8).cpu())
+                offsets.append(acc)
+                acc += n * n
+            meta.tree_mask = torch.cat(blocks).to(dev)
+            meta.tree_offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
+    return meta, ids, positions, logit_idx
