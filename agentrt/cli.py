@@ -26,7 +26,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    p.add_argument("--kv-cache-bytes", type=int, default=CacheConfig.kv_cache_bytes, help="KV pool size in bytes")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV pool size in bytes (default: on CUDA from free memory, see --gpu-memory-utilization; "
+                        "1 GiB on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+                   help="share of the GPU's memory the process may use; the KV pool gets what weights and "
+                        "activations leave (default %(default)s)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: Triton kernels on CUDA, torch SDPA on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                    help="sequences decoded together in one step")
@@ -61,8 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_cache=not args.no_prefix_cache),
+        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          attention_backend=args.attention_backend, enforce_eager=args.enforce_eager),
+        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace,
                               indent=args.indent, jump_forward=not args.no_jump_forward,
@@ -86,11 +96,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"agentrt: error: {e}", file=sys.stderr)
         return 2
     runner = engine.engine.runner
-    print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}): "
-          f"weights {runner.weights_bytes / 1e6:.0f} MB, KV {runner.kv.bytes_per_token} bytes/token, "
-          f"{runner.kv.num_slots} KV tokens, context {runner.max_model_len} tokens, up to "
-          f"{runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
-          f"{'off' if args.no_prefix_cache else 'on'})", flush=True)
+    graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
+    print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}), attention "
+          f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "
+          f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
+          f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}", flush=True)
     url = f"http://{args.host}:{args.port}"
 
     example = json.dumps({

@@ -31,7 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, kv_cache_bytes: int = CacheConfig.kv_cache_bytes,
+                 max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, grammar: GrammarConfig | None = None):
         self.engine = Engine(EngineConfig(
             model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len),

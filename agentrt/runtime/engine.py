@@ -33,7 +33,7 @@ from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.metrics import EngineMetrics
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
-from agentrt.runtime.sampler import apply_penalties, sample
+from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample
 from agentrt.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class Engine:
                 constrained.extend(range(row, row + n))
         apply_penalties(logits, [r for r, _, n in batch for _ in range(n)])
         if bitmask is not None:
-            self.grammar.apply_bitmask(logits, bitmask, constrained)  # one batched apply
+            apply_bitmask(logits, bitmask, constrained, self.grammar)  # one batched apply
         tokens = dict(zip((r for r, _ in plain), sample(logits[[row for _, row in plain]], [r for r, _ in plain]))) \
             if plain else {}
         self.stats.num_steps += 1

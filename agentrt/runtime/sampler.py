@@ -33,6 +33,23 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], grammar) -> None:
+    """Mask logits [B, V] fp32 in place with a grammar bitmask [B, ceil(V / 32)] int32 (CPU, as the
+    matchers fill it) on `rows`: on CUDA one Triton launch for all rows (runtime/kernels/bitmask.py),
+    elsewhere xgrammar's apply (`grammar.apply_bitmask`)."""
+    if logits.is_cuda:
+        from agentrt.runtime.kernels import triton_usable
+
+        if triton_usable(logits.device):
+            from agentrt.runtime.kernels.bitmask import apply_token_bitmask
+
+            host = torch.tensor(rows, dtype=torch.int32)
+            apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True),
+                                host.to(logits.device, non_blocking=True))
+            return
+    grammar.apply_bitmask(logits, bitmask, rows)
+
+
 def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """row [V] logits already divided by temperature -> row with filtered entries at -inf."""
     if 0 < top_k < row.shape[0]:
@@ -59,8 +76,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     caller finishes that request with an error); a row whose parameters overflow fp32 (a tiny
     temperature or penalty) falls back to the argmax of its logits."""
     tokens: list[int] = []
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
-    all_masked = torch.isneginf(logits).all(dim=-1).tolist()  # one host sync for the batch
+    greedy_ids, all_masked = torch.stack(  # the step's one host sync for the whole batch
+        [torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]).tolist()
     for i, r in enumerate(requests):
         row = logits[i]
         if all_masked[i]:
