@@ -34,3 +34,10 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     CPU interpreter, whose 16-bit dot is wrong (numpy has no bf16: measured, triton 3.9); a GPU
     keeps bf16/fp16 operands on the tensor cores with fp32 accumulation."""
     return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: exact fp32 ("ieee") for fp32 activations (a GPU would otherwise
+    round them to TF32), the default for 16-bit ones (whose fp32 upcast is exact under "tf32"
+    too) and under the interpreter."""
+    return "ieee" if dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1" else "tf32"

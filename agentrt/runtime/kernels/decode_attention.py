@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt.runtime.kernels import upcast_dot
+from agentrt.runtime.kernels import dot_precision, upcast_dot
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,7 +65,7 @@ def _decode_split_kernel(
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * sm_scale
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -73,7 +73,7 @@ def _decode_split_kernel(
         v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -150,7 +150,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        UPCAST=upcast_dot(q.dtype), HAS_ROWS=page_rows is not None,
+        UPCAST=upcast_dot(q.dtype), HAS_ROWS=page_rows is not None, PRECISION=dot_precision(q.dtype),
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt.runtime.kernels import upcast_dot
+from agentrt.runtime.kernels import dot_precision, upcast_dot
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -67,7 +67,7 @@ def _extend_kernel(
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * sm_scale
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         new_col = offs_n - prefix  # index among the new tokens (negative: a prefix key)
         if HAS_TREE:
             in_new = (new_col[None, :] >= 0) & m_mask[:, None] & n_mask[None, :]
@@ -84,7 +84,7 @@ def _extend_kernel(
         v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -133,7 +133,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=has_tree,
         BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d, UPCAST=upcast_dot(q.dtype),
-        HAS_ROWS=page_rows is not None,
+        HAS_ROWS=page_rows is not None, PRECISION=dot_precision(q.dtype),
     )
     return out
 
