@@ -131,20 +131,25 @@ class Bench:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         a, ctx = self.arch, args.context
         self.max_len = ctx + 2 * args.steps + 256
-        self.model = build_model(a, self.max_len + 8, device, self.dtype)
         self.bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         tokens = max(args.batches) * self.max_len + 4 * (ctx + 128)
-        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, device, tokens * self.bytes_per_token)
-        for k, v in zip(self.kv.k, self.kv.v):
-            k.normal_()
-            v.normal_()
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.table = SlotTable(2 * max(args.batches) + 8, self.max_len, device)
-        capture = device.type == "cuda" and not args.eager
-        t = time.perf_counter()
-        self.graphs = DecodeGraphRunner(self.model, self.kv.k, self.kv.v, self.table, args.batches, device,
-                                        capture, self.num_sms)
-        self.capture_s = time.perf_counter() - t
+        self.capture_s = 0.0
+        if args.host_only:  # slot bookkeeping only: a KV pool of 1-element tokens, no model
+            self.model = self.graphs = None
+            self.kv = KVPool(1, 1, 1, torch.float32, device, tokens * 8)
+        else:
+            self.model = build_model(a, self.max_len + 8, device, self.dtype)
+            self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, device,
+                             tokens * self.bytes_per_token)
+            for k, v in zip(self.kv.k, self.kv.v):
+                k.normal_()
+                v.normal_()
+            t = time.perf_counter()
+            self.graphs = DecodeGraphRunner(self.model, self.kv.k, self.kv.v, self.table, args.batches, device,
+                                            device.type == "cuda" and not args.eager, self.num_sms)
+            self.capture_s = time.perf_counter() - t
         self.gen = torch.Generator().manual_seed(1)
         self.rows: list[dict] = []
 
@@ -202,6 +207,33 @@ class Bench:
         for s in seqs:
             self.kv.free(s["slots"])
         return batch * steps / elapsed, replay
+
+    def host_overhead(self, batch: int, reps: int = 20) -> tuple[float, float]:
+        """(torch path, Triton path) median seconds of host work to build one decode step's inputs
+        at this batch and context (the torch path pads every context's slot list to a tensor; the
+        Triton path uploads the one new slot per sequence to the device slot table)."""
+        from agentrt.runtime.attention import build_torch_metadata
+        from agentrt.runtime.triton_attention import build_triton_metadata
+
+        seqs = self._sequences(batch)
+        times: dict[str, list[float]] = {"torch": [], "triton": []}
+        for rep in range(reps + 1):
+            for s in seqs:
+                s["len"] += 1
+            chunks = self._chunks(seqs)
+            for name, spent in times.items():
+                sync(self.device)
+                t = time.perf_counter()
+                if name == "torch":
+                    build_torch_metadata(chunks, self.device)
+                else:
+                    build_triton_metadata(chunks, self.table, self.arch.num_kv_heads, self.device, self.num_sms)
+                sync(self.device)
+                if rep:
+                    spent.append(time.perf_counter() - t)
+        for s in seqs:
+            self.kv.free(s["slots"])
+        return statistics.median(times["torch"]), statistics.median(times["triton"])
 
     def roofline(self, batch: int) -> float:
         """Tokens/s bound: batch tokens per (weights + KV bytes read) / bandwidth."""
@@ -325,17 +357,25 @@ def synthetic_vocab(size: int) -> list[str]:
 def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) -> dict:
     t0 = time.perf_counter()
     b = Bench(name, args, device, bw)
-    out = {"model": name, "weights_gb": sum(p.numel() * p.element_size() for p in b.model.parameters()) / 1e9,
+    weights = sum(p.numel() * p.element_size() for p in b.model.parameters()) if b.model is not None else 0
+    out = {"model": name, "weights_gb": weights / 1e9,
            "kv_bytes_per_token": b.bytes_per_token, "graph_capture_s": b.capture_s, "decode": []}
-    for batch in args.batches:
+    for batch in [] if args.host_only else args.batches:
         tps, replay = b.decode(batch)
         bound = b.roofline(batch)
         out["decode"].append({"batch": batch, "tokens_s": tps, "replay_tokens_s": replay, "bound_tokens_s": bound,
                               "fraction": tps / bound, "replay_fraction": (replay / bound) if replay else None})
         print(f"  [{name}] decode batch {batch}: {tps:.1f} tok/s ({tps / bound:.0%} of {bound:.1f} bound)", flush=True)
+    out["host_ms"] = []
+    for batch in args.batches:
+        t_torch, t_triton = b.host_overhead(batch)
+        out["host_ms"].append({"batch": batch, "torch_ms": t_torch * 1e3, "triton_ms": t_triton * 1e3})
+    if args.host_only:
+        out["seconds"] = time.perf_counter() - t0
+        return out
     out["eager_batch1_tokens_s"] = b.decode(1, eager=True)[0]
-    out["prefill_4096_tokens_s"] = b.prefill(1, args.context)
-    out["prefill_8x512_tokens_s"] = b.prefill(8, min(512, args.context))
+    out["prefill_long_tokens_s"] = b.prefill(1, args.context)
+    out["prefill_batched_tokens_s"] = b.prefill(8, min(512, args.context))
     out["constrained"] = []
     for batch in (1, 8):
         if batch not in args.batches:
@@ -353,6 +393,13 @@ def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) 
 
 
 def print_tables(meta: dict, results: list[dict]) -> None:
+    print("\n| model | batch | host ms per decode step: torch path (padded slot lists) | Triton path (slot table) |")
+    print("| --- | --- | --- | --- |")
+    for r in results:
+        for h in r["host_ms"]:
+            print(f"| {r['model']} | {h['batch']} | {h['torch_ms']:.2f} | {h['triton_ms']:.2f} |")
+    if meta["host_only"]:
+        return
     print(f"\n{meta['date']} | {meta['device']} | torch {meta['torch']}, triton {meta['triton']} | copy bandwidth "
           f"{meta['copy_bw_gbs']:.0f} GB/s (read + write) | context {meta['context']} tokens, {meta['steps']} steps")
     print("\n| model | batch | decode tok/s (end to end) | graph replay tok/s | roofline tok/s | achieved | replay share |")
@@ -369,7 +416,7 @@ def print_tables(meta: dict, results: list[dict]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['model']} | {r['weights_gb']:.2f} | {r['eager_batch1_tokens_s']:.1f} | "
-              f"{r['prefill_4096_tokens_s']:.0f} | {r['prefill_8x512_tokens_s']:.0f} | {r['ttft_cold_s'] * 1e3:.1f} | "
+              f"{r['prefill_long_tokens_s']:.0f} | {r['prefill_batched_tokens_s']:.0f} | {r['ttft_cold_s'] * 1e3:.1f} | "
               f"{r['ttft_warm_s'] * 1e3:.1f} | {r['graph_capture_s']:.1f} |")
     print("\n| model | batch | unconstrained tok/s | constrained tok/s | overhead | bitmask |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -388,6 +435,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument("--host-only", action="store_true",
+                   help="only the host work per decode step (input building), e.g. on CPU for the real shapes")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
@@ -405,7 +454,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
             "copy_bw_gbs": bw / 1e9, "context": args.context, "steps": args.steps,
-            "interpret": os.environ.get("TRITON_INTERPRET") == "1"}
+            "interpret": os.environ.get("TRITON_INTERPRET") == "1", "host_only": args.host_only}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; bitmask source: {mask_mode}", flush=True)
     results = []
     for name in args.models.split(","):

@@ -12,6 +12,7 @@ attended one sequence at a time with a causal mask offset by the tokens already 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,3 +107,61 @@ class AttentionMetadata:
         vd = v_cache[self.decode_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
         return o.squeeze(2)
+
+
+class BatchInputs(NamedTuple):
+    """What one forward needs, on the device: input_ids [T] int64, positions [T] int64, the
+    attention metadata (this module's or triton_attention's), logit_idx [N] int64 rows whose
+    logits are wanted."""
+
+    meta: Any
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logit_idx: torch.Tensor
+
+
+def flatten_chunks(chunks) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(token ids, positions, new tokens' slots, logits rows) of a flat batch of SeqChunks."""
+    ids, positions, new_slots, logit_idx = [], [], [], []
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        start = len(ids)
+        ids.extend(chunk.token_ids)
+        positions.extend(chunk.positions if chunk.positions is not None
+                         else range(chunk.context_len, chunk.context_len + n))
+        new_slots.extend(chunk.slots[chunk.context_len :])
+        if chunk.need_logits:
+            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
+    return ids, positions, new_slots, logit_idx
+
+
+def build_torch_metadata(chunks, dev: torch.device) -> BatchInputs:
+    """Inputs of the torch path for a flat batch of SeqChunks (model_runner.SeqChunk): decoding
+    sequences gather their context slots padded to the longest; the others are prefill spans."""
+    ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
+    decode_rows, prefills, start = [], [], 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        if n == 1 and chunk.context_len > 0:
+            decode_rows.append((start, chunk.slots))
+        else:
+            kv_slots = None
+            if chunk.context_len > 0:
+                kv_slots = torch.tensor(chunk.slots, dtype=torch.int64, device=dev)
+            tree_mask = chunk.tree_mask.to(dev) if chunk.tree_mask is not None else None
+            prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots, tree_mask))
+        start += n
+    decode_idx = decode_slots = decode_mask = None
+    if decode_rows:
+        max_len = max(len(s) for _, s in decode_rows)
+        padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
+        decode_idx = torch.tensor([i for i, _ in decode_rows], dtype=torch.int64, device=dev)
+        decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
+        lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
+        decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
+        decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+    )
+    i64 = {"dtype": torch.int64, "device": dev}
+    return BatchInputs(meta, torch.tensor(ids, **i64), torch.tensor(positions, **i64), torch.tensor(logit_idx, **i64))

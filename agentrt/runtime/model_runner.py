@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentrt.runtime.attention import AttentionMetadata, PrefillSpan
+from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
@@ -182,48 +182,10 @@ def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.dev
     if slot_table is not None:
         from agentrt.runtime.triton_attention import build_triton_metadata
 
-        meta, ids, positions, logit_idx = build_triton_metadata(chunks, slot_table, model.arch.num_kv_heads, dev,
-                                                                num_sms)
-        hidden = model(torch.tensor(ids, dtype=torch.int64, device=dev), meta.positions, k_caches, v_caches, meta)
-        rows = hidden[torch.tensor(logit_idx, dtype=torch.int64, device=dev)]
-        logits = model.compute_logits(rows)
-        return (logits, rows) if return_hidden else logits
-    ids, positions, new_slots, logit_idx = [], [], [], []
-    decode_rows, prefills = [], []
-    for chunk in chunks:
-        n = len(chunk.token_ids)
-        start = len(ids)
-        ids.extend(chunk.token_ids)
-        positions.extend(chunk.positions if chunk.positions is not None
-                         else range(chunk.context_len, chunk.context_len + n))
-        new_slots.extend(chunk.slots[chunk.context_len :])
-        if chunk.need_logits:
-            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
-        if n == 1 and chunk.context_len > 0:
-            decode_rows.append((start, chunk.slots))
-        else:
-            kv_slots = None
-            if chunk.context_len > 0:
-                kv_slots = torch.tensor(chunk.slots, dtype=torch.int64, device=dev)
-            tree_mask = chunk.tree_mask.to(dev) if chunk.tree_mask is not None else None
-            prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots, tree_mask))
-    decode_idx = decode_slots = decode_mask = None
-    if decode_rows:
-        max_len = max(len(s) for _, s in decode_rows)
-        padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
-        decode_idx = torch.tensor([i for i, _ in decode_rows], dtype=torch.int64, device=dev)
-        decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
-        lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
-        decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
-        decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
-    )
-    hidden = model(
-        torch.tensor(ids, dtype=torch.int64, device=dev),
-        torch.tensor(positions, dtype=torch.int64, device=dev),
-        k_caches, v_caches, meta,
-    )
-    rows = hidden[torch.tensor(logit_idx, dtype=torch.int64, device=dev)]
+        batch = build_triton_metadata(chunks, slot_table, model.arch.num_kv_heads, dev, num_sms)
+    else:
+        batch = build_torch_metadata(chunks, dev)
+    hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)
+    rows = hidden[batch.logit_idx]
     logits = model.compute_logits(rows)
     return (logits, rows) if return_hidden else logits

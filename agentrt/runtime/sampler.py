@@ -51,7 +51,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
 
 
 def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """row [V] logits already divided by temperature -> row with filtered entries at -inf."""
+    """row [V] logits already divided by temperature -> row with filtered entries at -inf.
+    Tensor ops only: no host sync."""
     if 0 < top_k < row.shape[0]:
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -61,8 +62,7 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.
         # drop a token when the mass before it already reaches top_p (always keeps the first)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
         drop[0] = False  # the most likely token always stays (top_p may round to 0 in fp32)
-        row = row.clone()
-        row[order[drop]] = float("-inf")
+        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     if min_p > 0.0:
         probs = torch.softmax(row, dim=-1)
         row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
@@ -74,26 +74,20 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 
     temperature 0 = greedy argmax. Raises nothing: a row with every token masked returns -1 (the
     caller finishes that request with an error); a row whose parameters overflow fp32 (a tiny
-    temperature or penalty) falls back to the argmax of its logits."""
-    tokens: list[int] = []
-    greedy_ids, all_masked = torch.stack(  # the step's one host sync for the whole batch
-        [torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]).tolist()
+    temperature or penalty) falls back to the argmax of its logits. Every row is computed on the
+    logits' device and read back with one host sync for the batch (the step's only one)."""
+    greedy = torch.argmax(logits, dim=-1)
+    tokens = greedy.clone()
     for i, r in enumerate(requests):
-        row = logits[i]
-        if all_masked[i]:
-            tokens.append(-1)
-            continue
         p = r.params
         if p.temperature < 1e-5:  # 0 (or a value too small for fp32 division) is greedy
-            tokens.append(greedy_ids[i])
             continue
-        row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(row, dim=-1)
-        if not torch.isfinite(probs).all() or float(probs.sum()) <= 0.0:
-            tokens.append(greedy_ids[i] if torch.isfinite(logits[i]).any() else -1)
-            continue
-        tokens.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
-    return tokens
+        probs = torch.softmax(_filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
+        valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+        fallback = torch.nn.functional.one_hot(greedy[i], logits.shape[1]).to(probs.dtype)
+        tokens[i] = torch.multinomial(torch.where(valid, probs, fallback), 1, generator=r.generator)[0]
+    ids, all_masked = torch.stack([tokens, torch.isneginf(logits).all(dim=-1).long()]).tolist()
+    return [-1 if masked else t for t, masked in zip(ids, all_masked)]
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:

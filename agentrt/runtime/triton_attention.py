@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.runtime.attention import BatchInputs, flatten_chunks
 from agentrt.runtime.kernels.decode_attention import decode_attention, default_num_splits
 from agentrt.runtime.kernels.extend_attention import extend_attention
 from agentrt.runtime.kernels.rope_store import rope_and_store
@@ -121,32 +122,21 @@ class TritonAttentionMetadata:
 
 
 def build_triton_metadata(chunks, table: SlotTable, num_kv_heads: int, dev: torch.device,
-                          num_sms: int = 132) -> tuple[TritonAttentionMetadata, list[int], list[int], list[int]]:
-    """(metadata, token ids, positions, logits rows) of a flat batch of SeqChunks (see
-    model_runner.SeqChunk); uploads the chunks' slots to `table`."""
-    ids, positions, new_slots, logit_idx = [], [], [], []
-    q_starts, q_lens, prefix_lens = [], [], []
-    entries, trees = [], []
-    for i, chunk in enumerate(chunks):
-        n = len(chunk.token_ids)
-        start = len(ids)
-        ids.extend(chunk.token_ids)
-        positions.extend(chunk.positions if chunk.positions is not None
-                         else range(chunk.context_len, chunk.context_len + n))
-        new_slots.extend(chunk.slots[chunk.context_len :])
-        if chunk.need_logits:
-            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
-        q_starts.append(start)
-        q_lens.append(n)
-        prefix_lens.append(chunk.context_len)
-        entries.append((chunk.seq_key if chunk.seq_key is not None else ("anon", i), chunk.slots))
-        trees.append(chunk.tree_mask)
-    rows = table.sync(entries)
-    i32 = {"dtype": torch.int32, "device": dev}
+                          num_sms: int = 132) -> BatchInputs:
+    """Inputs of the Triton path for a flat batch of SeqChunks (model_runner.SeqChunk); uploads
+    the chunks' new slots to `table`."""
+    ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
+    q_lens = [len(c.token_ids) for c in chunks]
+    prefix_lens = [c.context_len for c in chunks]
+    q_starts = [0]
+    for n in q_lens[:-1]:
+        q_starts.append(q_starts[-1] + n)
+    trees = [c.tree_mask for c in chunks]
+    rows = table.sync([(c.seq_key if c.seq_key is not None else ("anon", i), c.slots) for i, c in enumerate(chunks)])
+    i32, i64 = {"dtype": torch.int32, "device": dev}, {"dtype": torch.int64, "device": dev}
     is_decode = all(n == 1 and p > 0 for n, p in zip(q_lens, prefix_lens)) and all(t is None for t in trees)
     meta = TritonAttentionMetadata(
-        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
-        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+        slot_mapping=torch.tensor(new_slots, **i64), positions=torch.tensor(positions, **i64),
         page_table=table.table, page_rows=torch.tensor(rows, **i32), is_decode=is_decode,
     )
     if is_decode:
@@ -163,5 +153,5 @@ def build_triton_metadata(chunks, table: SlotTable, num_kv_heads: int, dev: torc
                 offsets.append(acc)
                 acc += n * n
             meta.tree_mask = torch.cat(blocks).to(dev)
-            meta.tree_offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
-    return meta, ids, positions, logit_idx
+            meta.tree_offsets = torch.tensor(offsets, **i64)
+    return BatchInputs(meta, torch.tensor(ids, **i64), meta.positions, torch.tensor(logit_idx, **i64))
