@@ -125,6 +125,12 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens")
+        backend = model_config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and triton_usable(self.device) else "torch"
+        if backend == "triton" and not triton_usable(self.device):
+            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
+                             "and the triton package")
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         with torch.device("meta"):
@@ -141,12 +147,6 @@ class ModelRunner:
         self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, budget)
         self.memory_plan = MemoryPlan(str(self.device), self.weights_bytes, bytes_per_token,
                                       self.kv.num_slots * bytes_per_token, self.kv.num_slots, reserved, total)
-        backend = model_config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" and triton_usable(self.device) else "torch"
-        if backend == "triton" and not triton_usable(self.device):
-            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
-                             "and the triton package")
         self.attention_backend = backend
         self.slot_table = self.graphs = None
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count

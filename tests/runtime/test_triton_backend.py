@@ -129,3 +129,38 @@ def test_memory_plan(monkeypatch):
         plan_kv_budget(CacheConfig(gpu_memory_utilization=0.26), torch.device("cuda"), 131072, 8192, 16, 128256, 4096)
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(attention_backend="flash")
+
+
+def test_verify_chunks_with_draft_trees_match_reference(tiny_dir):
+    """Speculative verify chunks (explicit positions, a tree mask; a chain; a plain decode in the
+    same batch) give the same logits on the Triton path as on the torch path."""
+    from agentrt.speculative.tree import DraftTree
+
+    eng = tiny_engine(tiny_dir, "triton")
+    runner = eng.runner
+    gen = torch.Generator().manual_seed(1)
+    tree = DraftTree(torch.randint(0, 1000, (6,), generator=gen).tolist(), [-1, -1, 0, 0, 1, 2])
+    chunks = []
+    for i, ctx in enumerate((9, 20, 31)):
+        slots = runner.kv.allocate(ctx + 1 + len(tree))
+        ids = torch.randint(0, 1000, (ctx,), generator=gen).tolist()
+        run_chunks(runner.model, runner.kv.k, runner.kv.v, [SeqChunk(ids, 0, slots[:ctx])], runner.device)
+        if i == 0:  # a tree
+            chunks.append(SeqChunk([ids[-1], *tree.token_ids], ctx, slots, True, 1 + len(tree),
+                                   [ctx, *(ctx + d for d in tree.depths)], tree.attention_mask(), seq_key=i))
+        elif i == 1:  # a chain: consecutive positions, causal
+            chunks.append(SeqChunk([ids[-1], 5, 6, 7], ctx, slots[: ctx + 4], True, 4, list(range(ctx, ctx + 4)),
+                                   None, seq_key=i))
+        else:
+            chunks.append(SeqChunk([ids[-1]], ctx, slots[: ctx + 1], seq_key=i))
+    ref = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks, runner.device)
+    got = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks, runner.device, slot_table=runner.slot_table)
+    assert ref.shape[0] == 1 + len(tree) + 4 + 1
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    eng.grammar.shutdown()
+
+
+def test_triton_backend_needs_a_usable_device(tiny_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        tiny_engine(tiny_dir, "triton")
