@@ -112,6 +112,8 @@ class SpecConfig:
             raise ValueError(f"speculative method must be ngram, draft or medusa, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if self.medusa_tree is not None and not 1 <= len(self.medusa_tree) <= 64:
+            raise ValueError(f"medusa_tree must have 1 to 64 nodes, got {len(self.medusa_tree)}")
         if self.acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
         if self.acceptance == "typical" and self.method != "medusa":

@@ -155,6 +155,7 @@ class ModelRunner:
             from agentrt.runtime.cuda_graph import DecodeGraphRunner
             from agentrt.runtime.triton_attention import SlotTable
 
+            # a verify chunk may hold up to 65 tokens past the context (1 + 64 draft nodes, SpecConfig)
             self.slot_table = SlotTable(2 * max_num_seqs + 8, self.max_model_len + 128, self.device)
             sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
             capture = self.device.type == "cuda" and not model_config.enforce_eager

@@ -169,3 +169,30 @@ def test_kernels_reject_mismatched_shapes():
                          torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="does not cover"):
         apply_token_bitmask(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_extend_attention_bf16_and_fused_rope_bf16():
+    """bf16 pool and activations (the CUDA dtype) within bf16 tolerance of the fp32 references."""
+    from agentrt.runtime.kernels.extend_attention import extend_attention, extend_attention_ref
+    from agentrt.runtime.kernels.rope_store import rope_and_store, rope_and_store_ref
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [23 + 9, 40 + 1]
+    k, v, table = paged_pool(lens, 2, 64, 1, gen, dtype=torch.bfloat16)
+    q = torch.randn(49, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    args = (q, k, v, torch.tensor([0, 9], **i32), torch.tensor([9, 40], **i32), torch.tensor([23, 1], **i32), table)
+    out = extend_attention(*args, 40)
+    ref = extend_attention_ref(*(a.float() if a.dtype == torch.bfloat16 else a for a in args))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+    t = 5
+    x = torch.randn(t, 12, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    freqs = torch.outer(torch.arange(16.0), torch.rand(32, generator=gen)).to(DEVICE)
+    pos = torch.tensor([0, 3, 7, 8, 15], device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 9, 6], device=DEVICE)
+    caches = [torch.zeros(10, 2, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    qo = rope_and_store(x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[0], caches[1])
+    qr = rope_and_store_ref(x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[2], caches[3])
+    torch.testing.assert_close(qo.float(), qr.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=1e-2, rtol=1e-2)

@@ -93,6 +93,17 @@ def test_graph_path_logits_match_reference_with_padding(tiny_dir):
     for k_now, k_old in zip(runner.kv.k, k_before):
         assert torch.equal(k_now[untouched], k_old[untouched])  # the padding row stored nothing
     assert ref_prefill.shape[0] == 3
+    # a batch larger than the largest captured size runs the eager Triton path, same logits
+    extra = runner.kv.allocate(2 * 8)
+    more = chunks_decode + [SeqChunk([7], 7, extra[:8], seq_key="x"), SeqChunk([8], 7, extra[8:], seq_key="y")]
+    run_chunks(runner.model, runner.kv.k, runner.kv.v, [SeqChunk([1] * 7, 0, extra[:7]), SeqChunk([2] * 7, 0, extra[8:15])],
+               runner.device)
+    assert not runner.graphs.accepts(more)
+    runs = runner.graphs.num_runs
+    torch.testing.assert_close(runner.execute(more),
+                               run_chunks(runner.model, runner.kv.k, runner.kv.v, more, runner.device),
+                               atol=1e-4, rtol=1e-4)
+    assert runner.graphs.num_runs == runs
     eng.grammar.shutdown()
 
 
