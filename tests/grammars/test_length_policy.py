@@ -34,7 +34,9 @@ def _stream_text(client, body) -> tuple[str, str | None]:
     return text, finish
 
 
-@pytest.mark.parametrize("max_tokens,policy", [(300, "length"), (300, "close"), (80, "close")])
+@pytest.mark.parametrize("max_tokens,policy", [  # the 300-token runs take ~80 s each: slow
+    pytest.param(300, "length", marks=pytest.mark.slow), pytest.param(300, "close", marks=pytest.mark.slow),
+    (80, "close")])
 def test_extraction_stream_is_valid(client, max_tokens, policy):
     """Streamed extraction outputs validate against their schema. With the default policy an
     output cut by max_tokens is reported as `length` (and only then may be incomplete); with

@@ -144,20 +144,24 @@ def test_rope_and_store_matches_reference(num_heads, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize("vocab", [1000, 49152, 4097])
 def test_apply_token_bitmask_matches_reference_and_xgrammar(vocab):
-    import xgrammar as xgr
-
     from agentrt.runtime.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
     rows = torch.tensor([0, 3, 4], dtype=torch.int32)
-    ours, ref, lib = logits.clone().to(DEVICE), logits.clone(), logits.clone()
+    ours, ref = logits.clone().to(DEVICE), logits.clone()
     apply_token_bitmask(ours, bitmask.to(DEVICE), rows.to(DEVICE))
     apply_token_bitmask_ref(ref, bitmask, rows)
-    xgr.apply_token_bitmask_inplace(lib, bitmask, indices=rows.tolist())
-    assert torch.equal(ours.cpu(), ref) and torch.equal(ref, lib)
+    assert torch.equal(ours.cpu(), ref)
     assert torch.isneginf(ref[0]).any() and not torch.isneginf(ref[1]).any()
+    try:  # the layout is xgrammar's: its own apply agrees (xgrammar is absent on bare GPU images)
+        import xgrammar as xgr
+    except ImportError:
+        return
+    lib = logits.clone()
+    xgr.apply_token_bitmask_inplace(lib, bitmask, indices=rows.tolist())
+    assert torch.equal(ref, lib)
 
 
 def test_kernels_reject_mismatched_shapes():
