@@ -23,7 +23,7 @@ from agentrt.runtime.kernels import dot_precision, upcast_dot
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, PageRows, SeqLens, PartOut, PartLse,
-    sm_scale,
+    sm_scale, num_splits,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -31,7 +31,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -39,7 +39,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     table_row = tl.load(PageRows + b).to(tl.int64) if HAS_ROWS else b
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -87,17 +87,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PartOut, PartLse, Out,
+    PartOut, PartLse, Out, num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -127,7 +127,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     new tokens' K/V already stored; page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
     context per sequence, new token included (0 = a padding row: its output is 0).
     H must be a multiple of Hkv. Returns out [B, H, D] in q's dtype (written into `out` if given).
-    `num_splits` is a launch constant (static for CUDA graph capture), not data-dependent.
+    `num_splits` sets the grid (static for CUDA graph capture); it is a runtime kernel argument,
+    so a new value compiles nothing (only its power-of-two ceiling is a compile-time constant).
     Raises ValueError on mismatched shapes.
     """
     batch, num_heads, head_dim = q.shape
@@ -144,19 +145,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, page_rows if page_rows is not None else seq_lens, seq_lens, part_out, part_lse, sm_scale,
+        q, k_cache, v_cache, page_table, page_rows if page_rows is not None else seq_lens, seq_lens, part_out, part_lse,
+        sm_scale, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d,
         UPCAST=upcast_dot(q.dtype), HAS_ROWS=page_rows is not None, PRECISION=dot_precision(q.dtype),
     )
     _decode_merge_kernel[(batch, num_heads)](
-        part_out, part_lse, out,
+        part_out, part_lse, out, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return out
 
