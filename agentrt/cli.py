@@ -27,19 +27,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV pool size in bytes (default: on CUDA from free memory, see --gpu-memory-utilization; "
+                   help="KV pool size in bytes, an integer (default: on CUDA from --gpu-memory-utilization; "
                         "1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
-                   help="share of the GPU's memory the process may use; the KV pool gets what weights and "
-                        "activations leave (default %(default)s)")
+                   help="share of the GPU's total memory this process may end up using; the KV pool gets that "
+                        "minus all memory in use after loading the weights (other processes' too) minus an "
+                        "activation reserve (default %(default)s)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: Triton kernels on CUDA, torch SDPA on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="sequences decoded together in one step")
+                   help="sequences decoded together in one step (default %(default)s: CPU-sized; on a GPU "
+                        "raise it, e.g. 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="tokens computed in one step (decodes + prefill chunks)")
+                   help="tokens computed in one step, decodes + prefill chunks (default %(default)s; on a GPU "
+                        "e.g. 8192)")
     p.add_argument("--any-whitespace", action="store_true",
                    help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
     p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt,
@@ -139,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default %(default)s)")
     p.add_argument("--tool-call-format", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (default: read from its chat template; templates "
                         "without tool support get the generic hermes-style format)")

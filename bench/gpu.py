@@ -18,12 +18,15 @@ device slot table, CUDA-graph decode):
 - prefix-cache TTFT for a 4096-token shared prefix + 64-token suffix: cold (prefill all) vs warm
   (radix-tree match, extend the suffix over the cached prefix).
 
-Run on a GPU machine from the repo root:  python bench/gpu.py [--models llama-3.1-8b,qwen2.5-0.5b]
-CPU smoke run of every code path (tiny shape, Triton interpreter):
-    TRITON_INTERPRET=1 python bench/gpu.py --device cpu --models tiny --context 96 --steps 4
-xgrammar is not on the GPU image; to measure a real matcher there, carry its wheels (see the
-device tool's README: pip download --no-deps xgrammar pydantic pydantic-core annotated-types
-typing-inspection for cp312 manylinux into .whl/).
+Run on a GPU machine from the repo root (a few minutes; python = one with torch + triton, e.g.
+.venv/bin/python):  python bench/gpu.py [--models llama-3.1-8b,qwen2.5-0.5b] [--out results.json]
+Host work per decode step only (no model, any device, seconds):  python bench/gpu.py --device cpu --host-only
+CPU smoke run of every code path (tiny shape, Triton interpreter, ~2-3 minutes; its speeds are
+the interpreter's and mean nothing):
+    TRITON_INTERPRET=1 .venv/bin/python bench/gpu.py --device cpu --models tiny --context 96 --steps 4
+The constrained row uses real xgrammar matchers when xgrammar is importable (a bare PyTorch
+image lacks it: install or carry the wheels of xgrammar, pydantic, pydantic-core,
+annotated-types, typing-inspection), else a fixed random bitmask (the row says which).
 """
 
 from __future__ import annotations
@@ -393,6 +396,9 @@ def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) 
 
 
 def print_tables(meta: dict, results: list[dict]) -> None:
+    print(f"\n{meta['date']} | {meta['device']} | torch {meta['torch']}, triton {meta['triton']} | copy bandwidth "
+          f"{meta['copy_bw_gbs']:.0f} GB/s (read + write) | context {meta['context']} tokens, {meta['steps']} steps"
+          + (" | Triton interpreter: speeds are meaningless" if meta["interpret"] and not meta["host_only"] else ""))
     print("\n| model | batch | host ms per decode step: torch path (padded slot lists) | Triton path (slot table) |")
     print("| --- | --- | --- | --- |")
     for r in results:
@@ -400,8 +406,6 @@ def print_tables(meta: dict, results: list[dict]) -> None:
             print(f"| {r['model']} | {h['batch']} | {h['torch_ms']:.2f} | {h['triton_ms']:.2f} |")
     if meta["host_only"]:
         return
-    print(f"\n{meta['date']} | {meta['device']} | torch {meta['torch']}, triton {meta['triton']} | copy bandwidth "
-          f"{meta['copy_bw_gbs']:.0f} GB/s (read + write) | context {meta['context']} tokens, {meta['steps']} steps")
     print("\n| model | batch | decode tok/s (end to end) | graph replay tok/s | roofline tok/s | achieved | replay share |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
@@ -452,10 +456,12 @@ def main() -> None:
 
     bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (
+                "cpu (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"),
             "copy_bw_gbs": bw / 1e9, "context": args.context, "steps": args.steps,
             "interpret": os.environ.get("TRITON_INTERPRET") == "1", "host_only": args.host_only}
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; bitmask source: {mask_mode}", flush=True)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s" + ("" if args.host_only else f"; bitmask source: {mask_mode}"),
+          flush=True)
     results = []
     for name in args.models.split(","):
         results.append(run_model(name, args, device, bw, mask_mode))

@@ -258,8 +258,8 @@ class Engine:
         (outputs, the logits row of the last token when every token went in unchanged, else None)."""
         spec = self.speculator
         tree = r.draft
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        greedy = [-1 if m else g for g, m in zip(greedy, torch.isneginf(logits).all(dim=-1).tolist())]
+        argmax, masked = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]).tolist()
+        greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
         accepted, bonus = spec.verify(r, logits, greedy)
         spec.account(tree, accepted)
         ctx = len(r.slots) - 1 - len(tree)
