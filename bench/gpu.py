@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.cuda_graph import DecodeGraphRunner
+from agentrt.runtime.kernels import interpreting
 from agentrt.runtime.kernels.bitmask import apply_token_bitmask
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.model_runner import SeqChunk, run_chunks
@@ -457,9 +457,9 @@ def main() -> None:
     bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (
-                "cpu (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"),
+                "cpu (Triton interpreter)" if interpreting() else "cpu"),
             "copy_bw_gbs": bw / 1e9, "context": args.context, "steps": args.steps,
-            "interpret": os.environ.get("TRITON_INTERPRET") == "1", "host_only": args.host_only}
+            "interpret": interpreting(), "host_only": args.host_only}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s" + ("" if args.host_only else f"; bitmask source: {mask_mode}"),
           flush=True)
     results = []

@@ -78,6 +78,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     reorder_window_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.reorder_window_s < 0:
+            raise ValueError(f"reorder_window_s must be >= 0, got {self.reorder_window_s}")
+
 
 @dataclass(frozen=True)
 class SpecConfig:

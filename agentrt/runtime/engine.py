@@ -66,7 +66,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        self.runner = ModelRunner(self.config.model, self.config.cache, self.config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(self.config.model, self.config.cache, self.config.scheduler.max_num_seqs,
+                                  self.config.speculative)
         self.tokenizer = self.runner.tokenizer
         self.stop_ids = self.runner.stop_ids
         self.max_model_len = self.runner.max_model_len

@@ -11,7 +11,8 @@ class KVPool:
     Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes.
     `allocate` pops slots from a free list (no partial allocation: it returns None when fewer than
     asked are free); `free` returns them. Slots are token-granular, so no memory is lost to
-    partially filled pages.
+    partially filled pages. Raises ValueError when the budget holds no token or cannot be
+    allocated on the device.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -21,8 +22,13 @@ class KVPool:
         if self.num_slots < 1:
             raise ValueError(f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)")
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        try:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        except RuntimeError as e:  # includes torch.OutOfMemoryError
+            self.k = self.v = []
+            raise ValueError(f"cannot allocate a KV pool of {budget_bytes / 1e9:.2f} GB on {device} "
+                             f"({type(e).__name__}): lower kv_cache_bytes") from None
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     @staticmethod

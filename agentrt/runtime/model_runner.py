@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentrt.runtime.attention import build_torch_metadata
-from agentrt.runtime.config import CacheConfig, ModelConfig
+from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
@@ -108,10 +108,14 @@ class ModelRunner:
     last new token of each chunk with need_logits (N of them, in order). Weights load straight to
     the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
     kernels on CUDA (decode batches replayed from CUDA graphs) and torch SDPA on CPU.
-    `max_num_seqs` sizes the slot table and the memory plan's activation reserve.
+    `max_num_seqs` sizes the slot table and the memory plan's activation reserve. With a draft
+    model (`spec_config`), an automatic KV budget is shared: a self-draft of n of L layers leaves
+    this pool L / (L + n) of it (the draft pool, sized in proportion, takes the rest); a separate
+    draft model leaves it 80% (for the draft's weights and pool).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 16):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 16,
+                 spec_config: SpecConfig | None = None):
         from transformers import AutoConfig
 
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
@@ -144,6 +148,12 @@ class ModelRunner:
         bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         budget, reserved, total = plan_kv_budget(cache_config, self.device, bytes_per_token, self.max_model_len,
                                                  max_num_seqs, a.vocab_size, a.hidden_size)
+        if cache_config.kv_cache_bytes is None and spec_config is not None and spec_config.method == "draft":
+            n = spec_config.draft_layers or 0
+            if spec_config.draft_model is not None:
+                budget = int(budget * 0.8)
+            elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
+                budget = int(budget * a.num_layers / (a.num_layers + n))
         self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, budget)
         self.memory_plan = MemoryPlan(str(self.device), self.weights_bytes, bytes_per_token,
                                       self.kv.num_slots * bytes_per_token, self.kv.num_slots, reserved, total)
@@ -179,7 +189,11 @@ def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.dev
                slot_table: SlotTable | None = None, num_sms: int = 132):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
     compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
-    With a slot_table the Triton kernels run, else the torch reference path."""
+    With a slot_table the Triton kernels run, else the torch reference path. An empty batch
+    gives logits [0, vocab]."""
+    if not chunks:
+        empty = torch.empty(0, model.arch.vocab_size, device=dev)
+        return (empty, torch.empty(0, model.arch.hidden_size, device=dev)) if return_hidden else empty
     if slot_table is not None:
         from agentrt.runtime.triton_attention import build_triton_metadata
 

@@ -73,21 +73,26 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """logits [B, V] fp32 (penalties and masks applied) -> one token id per row.
 
     temperature 0 = greedy argmax. Raises nothing: a row with every token masked returns -1 (the
-    caller finishes that request with an error); a row whose parameters overflow fp32 (a tiny
-    temperature or penalty) falls back to the argmax of its logits. Every row is computed on the
+    caller finishes that request with an error), as does a sampled row with no finite logit; a
+    row whose parameters overflow fp32 (a tiny temperature or penalty) falls back to the argmax of
+    its logits. Every row is computed on the
     logits' device and read back with one host sync for the batch (the step's only one)."""
     greedy = torch.argmax(logits, dim=-1)
     tokens = greedy.clone()
+    failed = torch.isneginf(logits).all(dim=-1)  # every token masked
+    no_finite = ~torch.isfinite(logits).any(dim=-1)
     for i, r in enumerate(requests):
         p = r.params
         if p.temperature < 1e-5:  # 0 (or a value too small for fp32 division) is greedy
             continue
         probs = torch.softmax(_filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
         valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+        failed[i] |= ~valid & no_finite[i]  # nothing to fall back to (NaN / inf logits)
         fallback = torch.nn.functional.one_hot(greedy[i], logits.shape[1]).to(probs.dtype)
+        # an invalid row draws from its argmax one-hot: the generator advances either way
         tokens[i] = torch.multinomial(torch.where(valid, probs, fallback), 1, generator=r.generator)[0]
-    ids, all_masked = torch.stack([tokens, torch.isneginf(logits).all(dim=-1).long()]).tolist()
-    return [-1 if masked else t for t, masked in zip(ids, all_masked)]
+    ids, bad = torch.stack([tokens, failed.long()]).tolist()
+    return [-1 if b else t for t, b in zip(ids, bad)]
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:

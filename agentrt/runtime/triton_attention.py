@@ -45,10 +45,15 @@ class SlotTable:
         keys = {key for key, _ in entries}
         if len(keys) != len(entries):
             raise ValueError("a sequence appears twice in one batch")
+        longest = max((len(slots) for _, slots in entries), default=0)
+        if longest > self.max_len:
+            raise ValueError(f"sequence of {longest} tokens exceeds the slot table's {self.max_len}")
+        new_keys = sum(1 for key in keys if key not in self._rows)
+        spare = len(self._free) + sum(1 for key in self._rows if key not in keys)
+        if new_keys > spare:  # checked before any change, so a refused batch leaves the table as it was
+            raise ValueError(f"more sequences in one batch than the slot table's {self.table.shape[0]} rows")
         rows, r_idx, c_idx, vals = [], [], [], []
         for key, slots in entries:
-            if len(slots) > self.max_len:
-                raise ValueError(f"sequence of {len(slots)} tokens exceeds the slot table's {self.max_len}")
             entry = self._rows.pop(key, None)
             if entry is None:
                 row, synced = self._take_row(keys), []
@@ -70,10 +75,10 @@ class SlotTable:
     def _take_row(self, in_use: set) -> int:
         if self._free:
             return self._free.pop()
-        for key in self._rows:  # least recently used first
+        for key in self._rows:  # least recently used first (sync checked that one exists)
             if key not in in_use:
                 return self._rows.pop(key)[0]
-        raise ValueError(f"more sequences in one batch than the slot table's {self.table.shape[0]} rows")
+        raise AssertionError("no row to recycle")
 
 
 @dataclass

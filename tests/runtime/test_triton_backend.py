@@ -175,3 +175,51 @@ def test_triton_backend_needs_a_usable_device(tiny_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
         tiny_engine(tiny_dir, "triton")
+
+
+def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
+    """Found by the adversarial pass: strided head vectors, a refused slot-table batch leaving
+    stale bookkeeping, NaN rows in the sampler, zero-sized scheduler limits, bogus devices."""
+    from agentrt.runtime.config import SchedulerConfig
+    from agentrt.runtime.kernels import interpreting
+    from agentrt.runtime.kernels.decode_attention import decode_attention
+    from agentrt.runtime.models.loader import resolve_device_dtype
+    from agentrt.runtime.request import Request
+    from agentrt.runtime.sampler import sample
+    from agentrt.runtime.triton_attention import SlotTable
+
+    q = torch.zeros(1, 4, 128)[:, :, ::2]  # head vectors with stride 2
+    with pytest.raises(ValueError, match="q needs a contiguous last dimension"):
+        decode_attention(q, torch.zeros(4, 4, 64), torch.zeros(4, 4, 64), torch.zeros(1, 4, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32))
+    table = SlotTable(num_rows=2, max_len=4, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="more sequences"):
+        table.sync([("a", [7, 8]), ("b", [9]), ("c", [1])])
+    rows = table.sync([("a", [7, 8]), ("b", [9])])  # the refused batch changed nothing
+    assert table.table[rows[0], :2].tolist() == [7, 8] and table.table[rows[1], 0] == 9
+    r = Request("r", [0], SamplingParams(temperature=1.0))
+    r.generator = torch.Generator().manual_seed(0)
+    assert sample(torch.full((1, 8), float("nan")), [r]) == [-1]
+    for kw in ({"max_num_seqs": 0}, {"max_num_batched_tokens": -3}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SchedulerConfig(**kw)
+    for device in ("bogus", "cuda:abc", "meta"):
+        with pytest.raises(ValueError, match="is not one of auto, cpu, cuda"):
+            resolve_device_dtype(device, "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    assert interpreting()
+
+
+def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny_dir):
+    from agentrt.runtime.config import SpecConfig
+    from agentrt.runtime.kv_cache import KVPool
+
+    eng = Engine(EngineConfig(model=ModelConfig(model=str(tiny_dir), device="cpu"),
+                              speculative=SpecConfig(method="draft", draft_layers=1)))
+    target, draft = eng.runner.kv, eng.speculator.draft.kv
+    total = (target.num_slots * target.bytes_per_token + draft.num_slots * draft.bytes_per_token)
+    assert abs(target.num_slots * target.bytes_per_token - (1 << 30) * 2 / 3) < target.bytes_per_token
+    assert total <= 1 << 30  # the automatic budget now covers the draft pool too
+    eng.grammar.shutdown()
+    with pytest.raises(ValueError, match="cannot allocate a KV pool"):
+        KVPool(1, 1, 1, torch.float32, torch.device("cpu"), 1 << 52)

@@ -19,6 +19,11 @@ import os
 import torch
 
 
+def interpreting() -> bool:
+    """TRITON_INTERPRET is set to a true value (Triton reads 1/true/yes/on as its CPU interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def triton_usable(device: torch.device) -> bool:
     """True when Triton kernels can run on `device`: a CUDA device with triton installed, or any
     device with TRITON_INTERPRET=1 (the CPU interpreter used by tests)."""
@@ -26,18 +31,26 @@ def triton_usable(device: torch.device) -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or interpreting()
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
     """Whether attention kernels upcast 16-bit operands to fp32 before `tl.dot`: only under the
     CPU interpreter, whose 16-bit dot is wrong (numpy has no bf16: measured, triton 3.9); a GPU
     keeps bf16/fp16 operands on the tensor cores with fp32 accumulation."""
-    return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype != torch.float32 and interpreting()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 ("ieee") for fp32 activations (a GPU would otherwise
     round them to TF32), the default for 16-bit ones (whose fp32 upcast is exact under "tf32"
     too) and under the interpreter."""
-    return "ieee" if dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1" else "tf32"
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+
+
+def require_contiguous_heads(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the first tensor whose last dimension (the head vector) is not
+    contiguous: the kernels index it with stride 1."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension, got strides {tuple(t.stride())}")

@@ -29,9 +29,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: to
     """In place on logits [B, V] fp32/bf16 (last dim contiguous): logits[r, j] = -inf where bit j
     of bitmask[r] is 0, for the rows r in `indices` ([N] int32/int64 on the logits' device; None =
     every row). bitmask: [B, ceil(V / 32)] int32 on the logits' device. Raises ValueError when
-    the bitmask is too narrow for V or sits on another device."""
+    the bitmask is too narrow for V, sits on another device, or either last dim is strided."""
     batch, vocab = logits.shape
-    if bitmask.shape[-1] * 32 < vocab or bitmask.device != logits.device or logits.stride(1) != 1:
+    if (bitmask.shape[-1] * 32 < vocab or bitmask.device != logits.device or logits.stride(1) != 1
+            or bitmask.stride(-1) != 1):
         raise ValueError(f"bitmask {tuple(bitmask.shape)} on {bitmask.device} does not cover logits "
                          f"{tuple(logits.shape)} on {logits.device}")
     num_rows = batch if indices is None else indices.shape[0]

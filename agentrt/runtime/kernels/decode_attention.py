@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt.runtime.kernels import dot_precision, upcast_dot
+from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q: [B, H, D] (the new tokens' queries, RoPE applied); k_cache / v_cache: [S, Hkv, D] with the
     new tokens' K/V already stored; page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
     context per sequence, new token included (0 = a padding row: its output is 0).
-    H must be a multiple of Hkv. Returns out [B, H, D] in q's dtype (written into `out` if given).
+    H must be a multiple of Hkv; the last dimension of q and the caches must be contiguous. Returns out [B, H, D] in q's dtype (written into `out` if given).
     `num_splits` sets the grid (static for CUDA graph capture); it is a runtime kernel argument,
     so a new value compiles nothing (only its power-of-two ceiling is a compile-time constant).
     Raises ValueError on mismatched shapes.
@@ -137,6 +137,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
     if (page_rows is None and page_table.shape[0] != batch) or seq_lens.shape[0] != batch:
         raise ValueError("page_table and seq_lens need one row per query")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     group = num_heads // num_kv_heads
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     block_d = triton.next_power_of_2(head_dim)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt.runtime.kernels import dot_precision, upcast_dot
+from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
 
 
 @triton.jit
@@ -104,9 +104,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [q_starts[b], q_starts[b] + q_lens[b]) at positions prefix_lens[b] + i. k_cache / v_cache:
     [S, Hkv, D] holding the prefix and the new tokens' K/V; page_table: [B, P] int32 page ids
     covering prefix_lens[b] + q_lens[b] tokens; q_starts / q_lens / prefix_lens: [B] int32;
-    max_q_len: max of q_lens (sets the grid). tree_mask (optional): flat uint8 with, for sequence
-    b, a [q_lens[b], q_lens[b]] row-major block at tree_offsets[b] (int64): 1 where new token i
-    attends to new token j (replaces the causal rule; every new token sees the whole prefix).
+    max_q_len: at least the max of q_lens (sets the grid; rows past it are not computed).
+    tree_mask (optional): flat uint8 with, for sequence b, a [q_lens[b], q_lens[b]] row-major block
+    at tree_offsets[b] (int64): 1 where new token i attends to new token j (replaces the causal
+    rule; every new token sees the whole prefix). It must be lower triangular, as a draft tree's
+    is (parents come before children): keys after a row's own block are not visited.
+    The last dimension of q and the caches must be contiguous.
     Rows of q not covered by any sequence are left untouched in `out`. page_rows (optional): [B]
     int32 row of page_table per sequence (a persistent per-request table); None = row b.
     Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes.
@@ -118,6 +121,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch = q_lens.shape[0]
     if (tree_mask is None) != (tree_offsets is None):
         raise ValueError("tree_mask and tree_offsets go together")
+    require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     if out is None:
         out = torch.empty_like(q)

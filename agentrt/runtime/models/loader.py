@@ -174,8 +174,15 @@ def load_tokenizer(model_dir: Path, hf_config, vocab_size: int) -> LoadedTokeniz
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` device = CUDA if available else CPU; `auto` dtype = bf16 on CUDA, fp32 on CPU."""
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    """`auto` device = CUDA if available else CPU; `auto` dtype = bf16 on CUDA, fp32 on CPU.
+    Raises ValueError for a device other than cpu / cuda / cuda:N (or CUDA absent), or a dtype
+    other than auto / float32 / bfloat16 / float16."""
+    try:
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device '{device}' is not one of auto, cpu, cuda, cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device '{device}' requested but CUDA is not available")
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
