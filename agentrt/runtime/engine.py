@@ -30,6 +30,7 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.config import EngineConfig
+from agentrt.runtime.detokenizer import IncrementalDetokenizer
 from agentrt.runtime.metrics import EngineMetrics
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -364,14 +365,20 @@ class Engine:
         if r.matcher is None and ((tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
         text_ids = r.output_ids[:-1] if reason == "stop" else r.output_ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
-        if p.stop and reason is None:
-            cut = min((i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-        if reason is None and (len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
-            reason = "length"
+        cut = -1
+        if reason is None:  # a window of new tokens, not the whole output (see runtime/detokenizer.py)
+            if r.detokenizer is None:
+                r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
+            text = r.detokenizer.update(self.tokenizer, text_ids)
+            if p.stop:
+                cut = min((i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    text, reason = text[:cut], "stop"
+            if reason is None and (len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
+                reason = "length"
+        if reason is not None and cut < 0:  # the final text: one full decode, exactly as the tokenizer says
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
         r.text = text
         if reason is not None:
             return self._finish(r, reason)

@@ -132,6 +132,7 @@ class Request:
     closing: object | None = None  # length-safe policy state (grammars.length_policy.ClosingGuard)
     generator: object | None = None
     text: str = ""
+    detokenizer: object | None = None  # runtime.detokenizer.IncrementalDetokenizer, made at the first token
     sent_len: int = 0
     finish_reason: str | None = None
     error: str | None = None
