@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
+from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
 
 
 @triton.jit
@@ -59,23 +60,11 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        page = tl.load(PageTable + table_row * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k, v = load_paged_kv(K, V, PageTable, table_row, stride_pt, offs_n, n_mask, offs_d, d_mask, kvh,
+                             stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
