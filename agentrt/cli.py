@@ -98,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"agentrt: error: {e}", file=sys.stderr)
         return 2
-    runner = engine.engine.runner
+    runner = engine.runner
     graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
     print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}), attention "
           f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "

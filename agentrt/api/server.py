@@ -24,17 +24,19 @@ from agentrt.api.tools import (
     plan_tools,
     render_messages,
 )
+from agentrt.errors import (
+    AgentrtError,
+    ConstraintError,
+    ContextLengthError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+)
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import FORMATS
 from agentrt.runtime.async_engine import AsyncEngine
 from agentrt.runtime.request import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
-                    "stop_token_ids")
-
 
 MAX_BODY_BYTES = 16 << 20
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
@@ -49,10 +51,14 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
     return {"error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}}
 
 
-def _value_error(e: ValueError, default_param: str) -> APIError:
-    """Engine ValueErrors start with the offending field's name."""
-    first = str(e).split(" ", 1)[0]
-    return APIError(str(e), param=first if first in _SAMPLING_FIELDS else default_param)
+def to_api_error(e: AgentrtError, default_param: str | None = None) -> APIError:
+    """The HTTP status and OpenAI error fields for a typed runtime error."""
+    if isinstance(e, InvalidRequestError):
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        return APIError(e.message, status=400, param=e.param or default_param, code=code)
+    if isinstance(e, ServiceUnavailableError):
+        return APIError(e.message, status=503, type_="server_error")
+    return APIError(e.message, status=500, type_="server_error")
 
 
 def create_app(engine: AsyncEngine, served_model_name: str,
@@ -71,7 +77,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
 
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=lifespan)
     tokenizer = engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
     template = getattr(tokenizer, "chat_template", None)
     detected, native_tools = detect_format(template if isinstance(template, str) else json.dumps(template))
     if tool_call_format not in ("auto", *FORMATS):
@@ -122,7 +128,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(engine.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
@@ -189,34 +195,27 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                 raise APIError("stop cannot be combined with constrained tool calls: a stop string could cut "
                                "a call", param="stop")
             constraint, constraint_param = tool_constraint, "tools"
-        not_enforced: list[str] = []
-        try:  # a prompt over the context is refused before any compile
-            engine.engine.check_request(prompt_ids, params)
-        except ValueError as e:
-            raise _request_error(e, req, prompt_param) from None
-        if constraint is not None:
-            try:
-                not_enforced = (await engine.compile(constraint)).not_enforced
-            except ValueError as e:
-                param = constraint_param
-                if plan is not None and constraint is tool_constraint:  # name the tool's schema
-                    for i, t in enumerate(plan.all_tools):
-                        if f"tool '{t['name']}' parameters" in str(e):
-                            param = f"tools[{i}].function.parameters"
-                raise APIError(f"{param}: {e}", param=param) from None
         stream_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = engine.generate(prompt_ids, params, constraint, request_id=stream_id,
-                              cache_salt=req.cache_salt or "")
-        try:
-            first = await gen.__anext__()
-        except ValueError as e:
+        try:  # validates, then compiles the constraint once, then queues
+            gen = await engine.submit(prompt_ids, params, constraint, request_id=stream_id,
+                                      cache_salt=req.cache_salt or "")
+        except ConstraintError as e:
+            param = constraint_param
+            if e.tool_index is not None and plan is not None:  # name the tool's schema
+                param = f"tools[{e.tool_index}].function.parameters"
+            elif plan is not None and constraint is tool_constraint:
+                for i, t in enumerate(plan.all_tools):
+                    if f"tool '{t['name']}' parameters" in str(e):
+                        param = f"tools[{i}].function.parameters"
+            raise APIError(f"{param}: {e}", param=param) from None
+        except InvalidRequestError as e:
             raise _request_error(e, req, prompt_param) from None
-        except RuntimeError as e:  # the server is shutting down (AsyncEngine.fail_pending)
-            raise APIError(str(e), status=503, type_="server_error") from None
+        except AgentrtError as e:  # e.g. the server is shutting down (AsyncEngine.fail_pending)
+            raise to_api_error(e) from None
+        not_enforced = gen.not_enforced
+        first = await gen.__anext__()
         if first.finished and first.finish_reason == "error":
-            param = "max_tokens" if (first.error or "").startswith("max_tokens ") else None
-            raise APIError(first.error or "generation failed", status=first.error_status, param=param,
-                           type_="invalid_request_error" if first.error_status < 500 else "server_error")
+            raise _request_error(first.error, req, None) from None
         created = int(time.time())
         # best-effort schemas (strict: false): keywords dropped are named in a header and a field
         headers = {"X-Agentrt-Not-Enforced": ", ".join(not_enforced)} if not_enforced else None
@@ -234,8 +233,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
                 await gen.aclose()
                 raise APIError("client disconnected", status=499)
         if last.finish_reason == "error":
-            raise APIError(last.error or "generation failed", status=last.error_status,
-                           type_="invalid_request_error" if last.error_status < 500 else "server_error")
+            raise _request_error(last.error, req, None) from None
         usage = _usage(last)
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         if chat and calls:
@@ -302,7 +300,7 @@ def create_app(engine: AsyncEngine, served_model_name: str,
             while True:
                 last = out
                 if out.finish_reason == "error":
-                    err = error_body(out.error or "generation failed", "server_error", None, None)
+                    err = error_body(str(out.error or "generation failed"), "server_error", None, None)
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 if out.delta_text:
@@ -332,8 +330,10 @@ def create_app(engine: AsyncEngine, served_model_name: str,
     return app
 
 
-def _request_error(e: ValueError, req, prompt_param: str) -> APIError:
-    err = _value_error(e, prompt_param)
+def _request_error(e: AgentrtError, req, prompt_param: str | None) -> APIError:
+    err = to_api_error(e, prompt_param)
+    if err.param == "prompt" and prompt_param is not None:  # the chat API's prompt is its messages
+        err.param = prompt_param
     if err.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
         err.param = "max_completion_tokens"
     return err

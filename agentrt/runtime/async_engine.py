@@ -9,13 +9,40 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+from agentrt.errors import AgentrtError, ConstraintError, InternalError, ServiceUnavailableError
 from agentrt.grammars.spec import ConstraintSpec
+from agentrt.grammars.xgrammar_backend import CompiledConstraint
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.request import RequestOutput, SamplingParams
+from agentrt.runtime.request import Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox message: enqueue a validated request (`compiled`: its constraint, compiled once by the
+    caller); `added` resolves on the caller's event loop `loop`, and outputs go to `stream`."""
+
+    request: Request
+    compiled: CompiledConstraint | None
+    loop: asyncio.AbstractEventLoop
+    stream: asyncio.Queue
+    added: asyncio.Future
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox message: cancel a request (client gone); frees its KV and grammar state."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Inbox message: wake the loop (shutdown)."""
 
 
 class AsyncEngine:
@@ -48,34 +75,66 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The model's context limit in tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def runner(self):
+        """The engine's ModelRunner (device, dtype, KV pool, memory plan: read-only use)."""
+        return self.engine.runner
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate a prompt and its sampling values without enqueueing (reads only immutable engine
+        facts, so safe from any thread). Raises InvalidRequestError / ContextLengthError."""
+        self.engine.check_request(prompt_ids, params)
+
+    def metrics_text(self) -> bytes:
+        """The engine's Prometheus metrics (text exposition format)."""
+        return self.engine.metrics.render()
+
     async def compile(self, spec: ConstraintSpec):
         """Compile (or find cached) a constraint without blocking the event loop; returns the
-        CompiledConstraint. Raises ValueError."""
-        return await asyncio.wrap_future(self.engine.grammar.submit(spec))
+        CompiledConstraint. Raises ConstraintError (an InvalidRequestError)."""
+        try:
+            return await asyncio.wrap_future(self.engine.grammar.submit(spec))
+        except AgentrtError:
+            raise
+        except ValueError as e:
+            raise ConstraintError(str(e)) from None
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, constraint: ConstraintSpec | None = None,
+                     request_id: str | None = None, cache_salt: str = "") -> RequestStream:
+        """Validate, compile the constraint (once), enqueue; returns the request's output stream.
+        Raises InvalidRequestError / ContextLengthError (validation), ConstraintError (compile),
+        ServiceUnavailableError (shutting down), all before anything is queued."""
+        request = self.engine.make_request(prompt_ids, params, constraint, request_id or uuid.uuid4().hex,
+                                           cache_salt)
+        compiled = await self.compile(constraint) if constraint is not None else None
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._inbox.put(AddRequest(request, compiled, loop, stream, added))
+        await added
+        return RequestStream(self, request.request_id, stream, list(compiled.not_enforced) if compiled else [])
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        constraint: ConstraintSpec | None = None,
                        request_id: str | None = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until the final one. Validation errors (ValueError)
-        and constraint compile errors are raised before the first output. Closing the iterator
-        early (client disconnect) aborts the request and frees its KV and grammar state."""
-        if constraint is not None:
-            await self.compile(constraint)
-        loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        stream: asyncio.Queue = asyncio.Queue()
-        added = loop.create_future()
-        self._inbox.put(("add", (prompt_ids, params, constraint, request_id, cache_salt, loop, stream, added)))
-        await added
-        finished = False
+        """`submit`, then yield the request's outputs until the final one. Closing the iterator early
+        (client disconnect) aborts the request and frees its KV and grammar state."""
+        stream = await self.submit(prompt_ids, params, constraint, request_id, cache_salt)
         try:
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            if not finished:
-                self._inbox.put(("abort", request_id))
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (any thread): it stops within one engine step and frees its KV and
+        grammar state; its stream ends with finish_reason "abort"."""
+        self._inbox.put(AbortRequest(request_id))
 
     def request_stop(self) -> None:
         """Ask the engine loop to exit within 0.5 s; safe in a signal handler (sets an event, takes
@@ -84,19 +143,20 @@ class AsyncEngine:
 
     def fail_pending(self, message: str) -> None:
         """After the loop has stopped (on the thread that ran it): end every request, queued or
-        running, with an error, so streams finish with an error event instead of hanging."""
+        running, with a ServiceUnavailableError, so streams finish with an error event instead of
+        hanging."""
+        error = ServiceUnavailableError(message)
         with contextlib.suppress(queue.Empty):
             while True:
-                kind, payload = self._inbox.get_nowait()
-                if kind == "add":
-                    loop, added = payload[5], payload[7]
-                    loop.call_soon_threadsafe(_set_exception, added, RuntimeError(message))
-        for out in self.engine.fail_all(message, status=503):
+                msg = self._inbox.get_nowait()
+                if isinstance(msg, AddRequest):
+                    msg.loop.call_soon_threadsafe(_set_exception, msg.added, error)
+        for out in self.engine.fail_all(error):
             self._deliver(out)
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(Wake())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         if self._owns_engine:
@@ -109,33 +169,37 @@ class AsyncEngine:
             block = not engine.has_work()
             while True:
                 try:
-                    kind, payload = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    msg = self._inbox.get(block=block, timeout=0.5 if block else None)
                 except queue.Empty:
                     break
                 block = False
-                self._handle(kind, payload)
+                self._handle(msg)
             if not engine.has_work():
                 continue
             try:
                 outputs = engine.step()
             except Exception as e:  # a bug must not take the server down: fail the batch, go on
                 logger.exception("engine step failed")
-                outputs = engine.fail_all(f"internal engine error: {type(e).__name__}: {e}")
+                outputs = engine.fail_all(InternalError(f"internal engine error: {type(e).__name__}: {e}"))
             for out in outputs:
                 self._deliver(out)
 
-    def _handle(self, kind: str, payload) -> None:
-        if kind == "add":
-            prompt_ids, params, constraint, request_id, cache_salt, loop, stream, added = payload
+    def _handle(self, msg: AddRequest | AbortRequest | Wake) -> None:
+        if isinstance(msg, AddRequest):
+            self._streams[msg.request.request_id] = (msg.loop, msg.stream)
             try:
-                self.engine.add_request(prompt_ids, params, constraint, request_id, cache_salt)
-            except ValueError as e:
-                loop.call_soon_threadsafe(_set_exception, added, e)
+                out = self.engine.enqueue(msg.request, msg.compiled)
+            except Exception as e:  # a fault while queueing fails this request only
+                logger.exception("enqueue of %s failed", msg.request.request_id)
+                del self._streams[msg.request.request_id]
+                err = e if isinstance(e, AgentrtError) else InternalError(f"internal error: {type(e).__name__}: {e}")
+                msg.loop.call_soon_threadsafe(_set_exception, msg.added, err)
                 return
-            self._streams[request_id] = (loop, stream)
-            loop.call_soon_threadsafe(_set_result, added)
-        elif kind == "abort":
-            out = self.engine.abort(payload)
+            msg.loop.call_soon_threadsafe(_set_result, msg.added)
+            if out is not None:
+                self._deliver(out)
+        elif isinstance(msg, AbortRequest):
+            out = self.engine.abort(msg.request_id)
             if out is not None:
                 self._deliver(out)
 
@@ -160,3 +224,28 @@ def _set_result(fut: asyncio.Future) -> None:
 def _set_exception(fut: asyncio.Future, e: Exception) -> None:
     if not fut.done():
         fut.set_exception(e)
+
+
+class RequestStream:
+    """The outputs of one submitted request, in order: `async for out in stream` yields
+    RequestOutput until the final one (finished=True). `not_enforced`: schema keywords dropped
+    under best-effort (strict: false). `aclose()` aborts the request if it has not finished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue_: asyncio.Queue, not_enforced: list[str]):
+        self._engine, self.request_id, self._queue, self.not_enforced = engine, request_id, queue_, not_enforced
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self.finished = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)

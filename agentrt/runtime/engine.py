@@ -24,10 +24,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrt.errors import (
+    AgentrtError,
+    ConstraintError,
+    ContextLengthError,
+    InternalError,
+    InvalidRequestError,
+)
 from agentrt.grammars.jump_forward import forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard
 from agentrt.grammars.spec import ConstraintSpec
-from agentrt.grammars.xgrammar_backend import GrammarBackend
+from agentrt.grammars.xgrammar_backend import CompiledConstraint, GrammarBackend
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.detokenizer import IncrementalDetokenizer
@@ -65,10 +72,12 @@ class EngineStats:
 class Engine:
     """Synchronous engine; not thread-safe (AsyncEngine drives it from one thread)."""
 
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+        """`runner`: a model runner to use instead of loading `config.model` (tests pass a fake one
+        with deterministic logits and no weights, see agentrt/runtime/testing.py)."""
         self.config = config or EngineConfig()
-        self.runner = ModelRunner(self.config.model, self.config.cache, self.config.scheduler.max_num_seqs,
-                                  self.config.speculative)
+        self.runner = runner or ModelRunner(self.config.model, self.config.cache,
+                                            self.config.scheduler.max_num_seqs, self.config.speculative)
         self.tokenizer = self.runner.tokenizer
         self.stop_ids = self.runner.stop_ids
         self.max_model_len = self.runner.max_model_len
@@ -90,46 +99,65 @@ class Engine:
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
         """(context limit, prompt length) after validating a request's prompt and sampling values.
-        Raises ValueError naming the field (see add_request); cheap, so callers may check before
-        compiling a constraint."""
+        Raises InvalidRequestError (param names the field) or ContextLengthError (see add_request);
+        cheap, so callers may check before compiling a constraint."""
         params.validate(self.vocab_size)
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
         limit = min(self.max_model_len, self.runner.kv.num_slots)
         n = len(prompt_ids)
         if n >= limit:
-            raise ValueError(f"prompt has {n} tokens, which leaves no room in the context limit of {limit} tokens")
+            raise ContextLengthError(f"prompt has {n} tokens, which leaves no room in the context limit of "
+                                     f"{limit} tokens", param="prompt", num_prompt_tokens=n, limit=limit)
         if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds the context limit "
-                f"of {limit} tokens"
-            )
+                f"of {limit} tokens", param="max_tokens", num_prompt_tokens=n, limit=limit)
         return limit, n
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     constraint: ConstraintSpec | None = None, request_id: str | None = None,
                     cache_salt: str = "") -> Request:
-        """Validate and enqueue. Raises ValueError naming the field for an empty prompt, invalid
-        sampling values, a prompt (+ max_tokens) beyond the context limit or the KV pool.
-        A constraint compiles in the background (status WAITING_FOR_GRAMMAR); a compile failure
-        finishes the request with finish_reason "error". `cache_salt` keeps a tenant's prefix
-        cache apart from others'."""
-        params = params or SamplingParams()
+        """Validate and enqueue (`make_request` + `enqueue`). Raises InvalidRequestError naming the
+        field for an empty prompt or invalid sampling values, ContextLengthError for a prompt
+        (+ max_tokens) beyond the context limit or the KV pool. A constraint compiles in the
+        background (status WAITING_FOR_GRAMMAR); a compile failure finishes the request with
+        finish_reason "error" and a ConstraintError. `cache_salt` keeps a tenant's prefix cache
+        apart from others'."""
+        req = self.make_request(prompt_ids, params or SamplingParams(), constraint, request_id, cache_salt)
+        self.enqueue(req)
+        return req
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, constraint: ConstraintSpec | None = None,
+                     request_id: str | None = None, cache_salt: str = "") -> Request:
+        """A validated Request (not enqueued; touches no engine state, so any thread may call it).
+        Raises as `check_request`."""
         limit, n = self.check_request(prompt_ids, params)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint, cache_salt)
         req.max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        if constraint is not None:
-            req.compile_future = self.grammar.submit(constraint)
+        return req
+
+    def enqueue(self, req: Request, compiled: CompiledConstraint | None = None) -> RequestOutput | None:
+        """Queue a request from `make_request` (engine thread). With a constraint: `compiled` when
+        the caller already has it (compiled once per request), else the compile is submitted and the
+        request waits for it. Returns the final output when the request fails at once (a
+        max_tokens_policy the constraint cannot meet), else None."""
+        out = None
+        if req.constraint is not None and compiled is None:
+            req.compile_future = self.grammar.submit(req.constraint)
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar_wait.append(req)
+        elif req.constraint is not None:
+            out = self._start_constrained(req, compiled)
         else:
             self.scheduler.add(req)
         self._update_gauges()
-        return req
+        return out
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; frees its KV (into the prefix cache) and grammar state."""
@@ -138,13 +166,12 @@ class Engine:
                 return self._finish(r, "abort")
         return None
 
-    def fail_all(self, message: str, status: int = 500) -> list[RequestOutput]:
-        """Finish every request with finish_reason "error" (after an unexpected engine failure, or
-        at shutdown with status 503)."""
+    def fail_all(self, error: AgentrtError) -> list[RequestOutput]:
+        """Finish every request with finish_reason "error" and `error` (an InternalError after an
+        unexpected engine failure, a ServiceUnavailableError at shutdown)."""
         outputs = []
         for r in [*self.grammar_wait, *self.scheduler.waiting, *self.scheduler.running]:
-            r.error = message
-            r.error_status = status
+            r.error = error
             outputs.append(self._finish(r, "error"))
         return outputs
 
@@ -242,7 +269,7 @@ class Engine:
                     out, last_row = self._process_verified(r, logits[row : row + n], row)
             except Exception as e:  # one request's failure (e.g. detokenizing) must not end the others
                 logger.exception("request %s failed", r.request_id)
-                r.error = f"internal error: {type(e).__name__}: {e}"
+                r.error = InternalError(f"internal error: {type(e).__name__}: {e}")
                 out = [self._finish(r, "error")]
             outputs.extend(o for o in out if o is not None)
             if want_hidden and last_row is not None and r.status is not RequestStatus.FINISHED:
@@ -306,35 +333,38 @@ class Engine:
             try:
                 compiled = r.compile_future.result()
             except ValueError as e:
-                r.error = str(e)
-                r.error_status = 400
+                r.error = e if isinstance(e, AgentrtError) else ConstraintError(str(e))
                 outputs.append(self._finish(r, "error"))
                 continue
-            r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
-            r.not_enforced = list(compiled.not_enforced)
-            if r.params.max_tokens_policy == "close":
-                r.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
-                need = r.closing.start(r.matcher)
-                if need is None:
-                    r.error = ("max_tokens_policy 'close' is not available for this constraint: the closing-"
-                               f"path planner found no way to complete it from its start: {self.grammar.planner.failure}")
-                    r.error_status = 400
-                    outputs.append(self._finish(r, "error"))
-                    continue
-                if need > r.max_tokens:
-                    r.error = (f"max_tokens {r.max_tokens} is below the {need} tokens the constraint "
-                               "needs to close (max_tokens_policy 'close')")
-                    r.error_status = 400
-                    outputs.append(self._finish(r, "error"))
-                    continue
-            self.scheduler.add(r)
+            out = self._start_constrained(r, compiled)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _start_constrained(self, r: Request, compiled: CompiledConstraint) -> RequestOutput | None:
+        """Give r its matcher (and closing guard) and queue it; the final output if it fails."""
+        r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
+        if r.params.max_tokens_policy == "close":
+            r.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
+            need = r.closing.start(r.matcher)
+            if need is None:
+                r.error = ConstraintError(
+                    "max_tokens_policy 'close' is not available for this constraint: the closing-path "
+                    f"planner found no way to complete it from its start: {self.grammar.planner.failure}",
+                    param="max_tokens_policy")
+                return self._finish(r, "error")
+            if need > r.max_tokens:
+                r.error = InvalidRequestError(f"max_tokens {r.max_tokens} is below the {need} tokens the "
+                                              "constraint needs to close (max_tokens_policy 'close')",
+                                              param="max_tokens")
+                return self._finish(r, "error")
+        self.scheduler.add(r)
+        return None
 
     # ---- per-token processing ------------------------------------------------------------------
     def _process_token(self, r: Request, tok: int) -> RequestOutput | None:
         if tok < 0:
-            r.error = "the constraint admits no continuation here (every token is masked)"
-            r.error_status = 400
+            r.error = ConstraintError("the constraint admits no continuation here (every token is masked)")
             return self._finish(r, "error")
         now = time.monotonic()
         if r.first_token_time is None:
@@ -348,7 +378,7 @@ class Engine:
         reason = None
         if r.matcher is not None:
             if not r.matcher.accept_token(tok):
-                r.error = f"token {tok} was rejected by the grammar matcher"
+                r.error = InternalError(f"token {tok} was rejected by the grammar matcher")
                 return self._finish(r, "error")
             if r.closing is not None and not r.matcher.is_terminated():
                 forced_before = r.closing.num_forced
@@ -428,7 +458,7 @@ class Engine:
             return None
         r.sent_len = max(r.sent_len, upto)
         return RequestOutput(r.request_id, text[:upto], delta, list(r.output_ids), len(r.prompt_ids),
-                             final, r.finish_reason, r.error, r.num_cached_tokens or 0, r.error_status)
+                             final, r.finish_reason, r.error, r.num_cached_tokens or 0)
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         """Leave every queue; KV goes to the prefix cache (or is freed); grammar state is dropped."""

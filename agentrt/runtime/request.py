@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from agentrt.errors import AgentrtError, InvalidRequestError
 from agentrt.grammars.spec import ConstraintSpec
 
 
@@ -25,7 +26,8 @@ class SamplingParams:
     speculative: use the engine's speculative decoding for this request (when the engine has it;
     requests with presence/frequency/repetition penalties never speculate: those depend on the
     tokens being verified).
-    Raises ValueError naming the field on an invalid value (see `validate`).
+    Raises InvalidRequestError (a ValueError) with `param` naming the field on an invalid value
+    (see `validate`).
     """
 
     max_tokens: int | None = None
@@ -46,8 +48,8 @@ class SamplingParams:
     speculative: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}")
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} {why}", param=name)
 
         if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -93,7 +95,9 @@ class RequestOutput:
 
     text: the whole completion so far (stop strings cut off); delta_text: the part new since the
     last report. finish_reason: None while running, else "stop" | "length" | "abort" | "error".
-    error: the message when finish_reason == "error" (e.g. a grammar that failed to compile)."""
+    error: with finish_reason "error", what went wrong as a typed error (agentrt.errors): an
+    InvalidRequestError / ConstraintError when the request is at fault (e.g. a grammar that failed
+    to compile), ServiceUnavailableError at shutdown, InternalError for a fault while serving it."""
 
     request_id: str
     text: str
@@ -102,9 +106,8 @@ class RequestOutput:
     num_prompt_tokens: int
     finished: bool
     finish_reason: str | None = None
-    error: str | None = None
+    error: AgentrtError | None = None
     num_cached_tokens: int = 0
-    error_status: int = 500  # with finish_reason "error": 400 when the request itself is at fault
 
 
 @dataclass(eq=False)
@@ -125,7 +128,6 @@ class Request:
     max_tokens: int = 0  # resolved budget, set by the engine
     matcher: object | None = None
     compile_future: object | None = None
-    not_enforced: list[str] = field(default_factory=list)  # schema keywords dropped under best-effort
     num_forced_tokens: int = 0  # tokens replaced by the length-safe policy
     num_jump_forward_tokens: int = 0  # tokens appended by jump-forward (not sampled)
     pending_jump_forward: int = 0  # of those, tokens whose KV is not computed yet
@@ -135,8 +137,7 @@ class Request:
     detokenizer: object | None = None  # runtime.detokenizer.IncrementalDetokenizer, made at the first token
     sent_len: int = 0
     finish_reason: str | None = None
-    error: str | None = None
-    error_status: int = 500
+    error: AgentrtError | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     cache_node: object | None = None  # radix-tree node locked for this request's shared prefix

@@ -1,0 +1,77 @@
+"""Typed errors shared by every layer (no imports: grammars, runtime, api and the SDK all use it).
+
+The layer that knows what went wrong raises one of these with the facts as fields; the API layer
+alone maps them to an HTTP status and OpenAI's error shape (`agentrt/api/errors.py`), and the SDK
+raises them as they are. No layer reads another's error text.
+
+    AgentrtError
+    ├── InvalidRequestError (also a ValueError)   the request is at fault; `param` names the field
+    │   ├── ConstraintError                       a constraint cannot be compiled or enforced;
+    │   │                                         `keyword`, `pointer` (RFC 6901), `tool_index`
+    │   └── ContextLengthError                    prompt (+ max_tokens) beyond the context limit
+    ├── ServiceUnavailableError                   retryable: shutting down, overloaded, busy compiler
+    └── InternalError                             a bug or a fault while serving this request
+
+`InvalidRequestError` subclasses `ValueError` so callers that catch `ValueError` (the SDK's
+documented contract) keep working.
+"""
+
+from __future__ import annotations
+
+
+class AgentrtError(Exception):
+    """Base of agentrt's errors. `message` is the full text shown to the user (HTTP and SDK alike)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequestError(AgentrtError, ValueError):
+    """The request is malformed or cannot be served as asked. `param`: the request field at fault
+    (OpenAI's `param`, e.g. "max_tokens", "response_format.json_schema"), or None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def with_param(self, param: str | None) -> InvalidRequestError:
+        """This error naming `param` (the layer that knows which request field carried the value
+        sets it; the message is unchanged). Returns self."""
+        self.param = param
+        return self
+
+
+class ConstraintError(InvalidRequestError):
+    """A constraint cannot be compiled or enforced. `keyword` / `pointer` name a JSON Schema
+    keyword and its location (RFC 6901 JSON Pointer) when the schema is at fault; `tool_index`
+    the offered tool whose parameters are at fault (tool-call constraints)."""
+
+    def __init__(self, message: str, param: str | None = None, *, keyword: str | None = None,
+                 pointer: str | None = None, tool_index: int | None = None):
+        super().__init__(message, param)
+        self.keyword, self.pointer, self.tool_index = keyword, pointer, tool_index
+
+    def in_tool(self, index: int, name: str) -> ConstraintError:
+        """The same error attributed to offered tool `index` (message prefixed with its name)."""
+        return ConstraintError(f"tool '{name}' parameters: {self.message}", self.param, keyword=self.keyword,
+                               pointer=self.pointer, tool_index=index)
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt plus max_tokens, does not fit the context limit (tokens)."""
+
+    def __init__(self, message: str, param: str | None = None, *, num_prompt_tokens: int, limit: int):
+        super().__init__(message, param)
+        self.num_prompt_tokens, self.limit = num_prompt_tokens, limit
+
+
+class ServiceUnavailableError(AgentrtError):
+    """The server cannot serve the request now (shutting down, overloaded); retrying may succeed."""
+
+
+class InternalError(AgentrtError):
+    """An unexpected fault while serving a request (a bug); the request fails, others continue."""
