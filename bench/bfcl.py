@@ -24,11 +24,11 @@ BFCL's type names (dict, float, tuple, any) are mapped to JSON Schema here, not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,8 +36,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extraction import free_port, start_server
+from agentrt.testing import agentrt_server
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "bfcl"
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "int": "integer",
@@ -175,17 +174,13 @@ def main() -> None:
                     help='constrained runs use max_tokens_policy "close" (calls cut by max_tokens are closed)')
     ap.add_argument("--choices", nargs="+", default=["auto", "required"], choices=["auto", "required"])
     args = ap.parse_args()
-    proc = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        proc, url = start_server([sys.executable, "-m", "agentrt.cli", "serve", args.model, "--port", str(port)], port)
     sets = {"simple_python": load("simple_python", args.simple), "parallel": load("parallel", args.parallel)}
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
           f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, greedy, close policy {args.close}")
     print("| category | n | tool_choice | constrained | call rate | valid-call rate | AST accuracy | requests/s |")
     print("|---|---|---|---|---|---|---|---|")
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(agentrt_server(args.model, timeout_s=300)).url
         with httpx.Client() as client, ThreadPoolExecutor(args.concurrency) as pool:
             for cat, qs in sets.items():
                 if not qs:
@@ -202,10 +197,6 @@ def main() -> None:
                               f"| {sum(bool(r['calls']) for r in res) / n:.1%} | {sum(r['valid'] for r in res) / n:.1%} "
                               f"| {sum(r['ast'] for r in res) / n:.1%} | {n / dt:.2f} |"
                               + (f" errors: {len(errors)} e.g. {errors[0]}" if errors else ""), flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

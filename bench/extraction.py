@@ -13,43 +13,23 @@ TTFT p50/p95.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import jsonschema
 from openai import OpenAI
 
 from agentrt.extraction import extraction_messages
+from agentrt.testing import free_port, launch_server
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"
-
-
-def start_server(cmd: list[str], port: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server did not start: {cmd}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_doc(client: OpenAI, model: str, doc: dict, schema: dict, max_tokens: int) -> dict:
@@ -129,11 +109,10 @@ def main() -> None:
           "| TTFT p50 s | TTFT p95 s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, cmd, url in servers:
-        proc = None
-        if url is None:
-            port = free_port()
-            proc, url = start_server([*cmd, "--port", str(port)], port)
-        try:
+        with contextlib.ExitStack() as stack:
+            if url is None:
+                port = free_port()
+                url = stack.enter_context(launch_server([*cmd, "--port", str(port)], port, timeout_s=300)).url
             client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
             run_doc(client, args.model, docs[0], schemas[docs[0]["schema_name"]], 16)  # warm-up (grammar cache)
             for c in args.concurrency:
@@ -141,10 +120,6 @@ def main() -> None:
                 print(f"| {label} | {c} | {r['docs_per_s']:.2f} | {r['valid']}/{r['docs']} | "
                       f"{r['valid'] / r['wall_s']:.2f} | {r['hit_length']} | {r['field_acc']:.2f} | "
                       f"{r['completion_tok_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |", flush=True)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

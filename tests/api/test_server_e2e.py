@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 
 from agentrt.extraction import extraction_messages
-from tests.conftest import shared_path
+from tests.helpers import shared_path
 
 MODEL = "smollm2-135m-instruct"
 NUM_DOCS = 12
@@ -59,45 +59,25 @@ def test_extraction_schemas_with_openai_client(server):
 def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
     """SIGTERM while a stream runs: the stream ends with an error event and [DONE], the process
     exits 0 within seconds (it used to wait on the open stream until a 10 s join gave up)."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import httpx
 
-    from tests.conftest import _free_port
+    from agentrt.testing import agentrt_server
 
-    port = _free_port()
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", MODEL, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with agentrt_server(MODEL, log_path=tmp_path / "server.log") as srv:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000,
                 "ignore_eos": True, "stream": True}
         lines = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as resp:
             for line in resp.iter_lines():
                 lines.append(line)
                 if len(lines) == 6:  # generation is under way
                     t0 = time.monotonic()
-                    proc.send_signal(signal.SIGTERM)
+                    srv.proc.send_signal(signal.SIGTERM)
         assert any('"error"' in x and "shutting down" in x for x in lines), lines[-3:]
         assert lines[-1] == "" or lines[-1] == "data: [DONE]"
         assert "data: [DONE]" in lines
-        assert proc.wait(timeout=20) == 0
+        assert srv.proc.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 15
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.conftest import sse_chunks
+from tests.helpers import sse_chunks
 
 MODEL = "smollm2-135m-instruct"
 

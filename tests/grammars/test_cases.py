@@ -12,7 +12,7 @@ import torch
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import chat_ids, load_case
+from tests.helpers import chat_ids, load_case
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from agentrt.extraction import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import chat_ids, shared_path
+from tests.helpers import chat_ids, shared_path
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from jsonschema.validators import validator_for
 from agentrt.extraction import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import SHARED, make_tiny_model, shared_path, sse_chunks
+from tests.helpers import SHARED, make_tiny_model, shared_path, sse_chunks
 
 MODEL = "smollm2-135m-instruct"
 

@@ -15,7 +15,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import SeqChunk
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import ROOT, chat_ids
+from tests.helpers import ROOT, chat_ids
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GPU machine)")
 QUESTIONS = ["Name a city in France.", "What is 12 times 7?", "Write a haiku about rain.",

@@ -7,7 +7,7 @@ import pytest
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import chat_ids
+from tests.helpers import chat_ids
 
 QUESTIONS = ["Name a red fruit.", "What is 2+2?", "Say hello in French.", "Name a planet.",
              "What color is the sky?", "Name a big cat.", "What do bees make?", "Name an ocean.",

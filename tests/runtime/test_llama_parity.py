@@ -9,7 +9,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import chat_ids, make_tiny_model
+from tests.helpers import chat_ids, make_tiny_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -15,7 +15,7 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.model_runner import SeqChunk, plan_kv_budget, run_chunks
 from agentrt.runtime.request import SamplingParams
-from tests.conftest import make_tiny_model
+from tests.helpers import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
                                 reason="needs triton (TRITON_INTERPRET=1 on CPU)")
