@@ -19,8 +19,6 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,42 +29,21 @@ from agentrt.errors import (
     InternalError,
     InvalidRequestError,
 )
-from agentrt.grammars.jump_forward import forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import CompiledConstraint, GrammarBackend
 from agentrt.prefix_cache import RadixCache
+from agentrt.runtime.batch import BatchPlan, ForwardOutput, SampleOutput, SampleRow
 from agentrt.runtime.config import EngineConfig
-from agentrt.runtime.detokenizer import IncrementalDetokenizer
-from agentrt.runtime.metrics import EngineMetrics
+from agentrt.runtime.constraint_state import ConstraintState
+from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.output_processor import OutputProcessor
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
 from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample
-from agentrt.runtime.scheduler import Scheduler
+from agentrt.runtime.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters since start (tests read these). batch_sizes: sequences in each recent step;
-    prefill_sizes: prefill tokens in each recent step. Speculation: mean accepted length =
-    (num_accepted_tokens + num_spec_steps) / num_spec_steps."""
-
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_computed_prefill_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_jump_forward_tokens: int = 0
-    num_spec_steps: int = 0  # verify passes (per request)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_cut_by_grammar: int = 0  # draft nodes the request's grammar rejected before verification
-    accepted_per_position: list = field(default_factory=list)  # passes accepting a token at depth d + 1
-    drafted_per_position: list = field(default_factory=list)  # passes drafting depth d + 1
-    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
-    prefill_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class Engine:
@@ -87,14 +64,15 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.runner.kv, cache)
         self.grammar_wait: list[Request] = []
         self.stats = EngineStats()
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(self.stats, self._load)
+        self.output = OutputProcessor(self.tokenizer, self.stop_ids, self.max_model_len)
         self._ids = itertools.count()
         self.speculator = None
         if self.config.speculative.method is not None:
             from agentrt.runtime.speculation import Speculator
 
             self.speculator = Speculator(self.config.speculative, self.runner, self.config.model.model,
-                                         self.grammar, self.stats, self.metrics)
+                                         self.grammar, self.stats)
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
@@ -156,7 +134,6 @@ class Engine:
             out = self._start_constrained(req, compiled)
         else:
             self.scheduler.add(req)
-        self._update_gauges()
         return out
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -181,18 +158,19 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + forward + sampling step; returns outputs of requests that produced
-        text or finished in it (a speculating request may report several in one step)."""
+        """One step: schedule -> prepare -> forward -> sample -> process (runtime/batch.py has the
+        hand-off types). Returns outputs of requests that produced text or finished in it (a
+        speculating request may report several in one step)."""
         outputs = self._collect_grammars()
         spec = self.speculator
         proposed = spec.propose(self.scheduler.running, self.max_model_len) if spec is not None else []
         base_lens = {r: r.num_tokens for r in proposed}
-        preempted_before = self.scheduler.num_preemptions
-        scheduled = self.scheduler.schedule()
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
         try:
+            scheduled = self._schedule()
             if scheduled:
-                outputs += self._run_scheduled(scheduled)
+                plan = self._prepare(scheduled)
+                fwd = self._forward(plan)
+                outputs += self._process(plan, fwd, self._sample(plan, fwd))
             elif self.grammar_wait:
                 time.sleep(0.001)
         finally:
@@ -200,24 +178,34 @@ class Engine:
                 spec.settle(r, base_lens[r])
         return outputs
 
-    def _run_scheduled(self, scheduled) -> list[RequestOutput]:
-        spec = self.speculator
-        chunks, batch = [], []  # batch: (request, first logits row, rows) of the sampled chunks
+    def _schedule(self) -> list[ScheduledChunk]:
+        """The scheduler's chunks for this step (admission, chunked prefill, preemption)."""
+        before = self.scheduler.num_preemptions
+        scheduled = self.scheduler.schedule()
+        self.stats.num_preemptions += self.scheduler.num_preemptions - before
+        return scheduled
+
+    def _prepare(self, scheduled: list[ScheduledChunk]) -> BatchPlan:
+        """Lay out the forward: a SeqChunk per scheduled request (a verify chunk: its last token
+        plus every draft node, with a tree mask unless the draft is a chain) and the logits rows of
+        the requests that get tokens. Counts prompt tokens at first scheduling."""
+        chunks, rows = [], []
         num_prefill = num_rows = 0
         for c in scheduled:
             r = c.request
             if not r.prompt_counted:
                 r.prompt_counted = True
-                self._count_prompt(r)
+                self.stats.num_prompt_tokens += r.num_prompt_tokens
+                self.stats.num_cached_prompt_tokens += r.num_cached_tokens or 0
             slots = r.slots[: c.context_len + c.num_new]
-            if c.sample and r.draft is not None:  # verify: the last token + every draft node
-                tree = r.draft
-                ids = [r.output_ids[-1], *tree.token_ids]
+            tree = r.spec.draft
+            if c.sample and tree is not None:
+                ids = [r.last_token_id, *tree.token_ids]
                 positions = [c.context_len, *(c.context_len + d for d in tree.depths)]
                 mask = None if tree.is_chain else tree.attention_mask()
                 chunks.append(SeqChunk(ids, c.context_len, slots, True, len(ids), positions, mask, id(r)))
             else:
-                ids = (r.prompt_ids + r.output_ids)[c.context_len : c.context_len + c.num_new]
+                ids = r.token_ids[c.context_len : c.context_len + c.num_new]
                 chunks.append(SeqChunk(ids, c.context_len, slots, c.sample, seq_key=id(r)))
                 jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
                 r.pending_jump_forward -= jumped
@@ -225,58 +213,77 @@ class Engine:
                 if n > 1 or not c.sample:
                     num_prefill += n
             if c.sample:
-                batch.append((r, num_rows, len(ids) if r.draft is not None else 1))
-                num_rows += batch[-1][2]
+                verify = tree is not None
+                rows.append(SampleRow(r, num_rows, len(ids) if verify else 1, verify))
+                num_rows += rows[-1].num_rows
         self.stats.num_computed_prefill_tokens += num_prefill
-        self.metrics.computed_prefill_tokens.inc(num_prefill)
-        plain = [(r, row) for r, row, _ in batch if r.draft is None]
-        constrained = [row for r, row in plain if r.matcher is not None]
-        # mask overlap: the matchers are final for this step, so their bitmasks are filled while
-        # the forward pass runs (on a GPU the launches return at once; on CPU torch frees the GIL)
-        masks = self.grammar.fill_bitmasks_async([r.matcher for r, row in plain if r.matcher is not None],
-                                                 constrained, num_rows) if constrained else None
-        want_hidden = spec is not None and spec.heads is not None
-        hidden = None
+        return BatchPlan(chunks, rows, num_rows, num_prefill, len(scheduled))
+
+    def _forward(self, plan: BatchPlan) -> ForwardOutput:
+        """Run the model over the plan. The bitmasks of sampled constrained rows are filled on a
+        grammar thread while the forward runs (their matchers are final for this step; on a GPU
+        the launches return at once, on CPU torch frees the GIL); verify rows carry the masks
+        filled while drafting."""
+        sampled = [s for s in plan.sampled if s.request.grammar is not None]
+        constrained = [s.row for s in sampled]
+        masks = self.grammar.fill_bitmasks_async([s.request.grammar.matcher for s in sampled], constrained,
+                                                 plan.num_rows) if sampled else None
+        want_hidden = self.speculator is not None and self.speculator.heads is not None
         try:
-            result = self.runner.execute(chunks, return_hidden=want_hidden)
+            result = self.runner.execute(plan.chunks, return_hidden=want_hidden)
             logits, hidden = result if want_hidden else (result, None)
         finally:
             bitmask = masks.result() if masks is not None else None  # matchers are idle again
-        for r, row, n in batch:  # speculative rows carry the masks filled while drafting
-            if r.draft is not None and r.draft_bitmask is not None:
+        for s in plan.rows:
+            draft_bitmask = s.request.spec.draft_bitmask
+            if s.verify and draft_bitmask is not None:
                 if bitmask is None:
-                    bitmask = self.grammar.allocate_bitmask(num_rows)
-                bitmask[row : row + n] = r.draft_bitmask
-                constrained.extend(range(row, row + n))
-        apply_penalties(logits, [r for r, _, n in batch for _ in range(n)])
-        if bitmask is not None:
-            apply_bitmask(logits, bitmask, constrained, self.grammar)  # one batched apply
-        tokens = dict(zip((r for r, _ in plain), sample(logits[[row for _, row in plain]], [r for r, _ in plain]))) \
-            if plain else {}
+                    bitmask = self.grammar.allocate_bitmask(plan.num_rows)
+                bitmask[s.row : s.row + s.num_rows] = draft_bitmask
+                constrained.extend(range(s.row, s.row + s.num_rows))
+        return ForwardOutput(logits, hidden, bitmask, constrained)
+
+    def _sample(self, plan: BatchPlan, fwd: ForwardOutput) -> SampleOutput:
+        """Penalties and bitmasks on every row (in place: verification reads the same logits), then
+        one sampler call for the sampled rows."""
+        logits = fwd.logits
+        apply_penalties(logits, [s.request for s in plan.rows for _ in range(s.num_rows)])
+        if fwd.bitmask is not None:
+            apply_bitmask(logits, fwd.bitmask, fwd.constrained_rows, self.grammar)  # one batched apply
+        sampled = plan.sampled
+        if not sampled:
+            return SampleOutput([])
+        return SampleOutput(sample(logits[[s.row for s in sampled]], [s.request for s in sampled]))
+
+    def _process(self, plan: BatchPlan, fwd: ForwardOutput, sampled: SampleOutput) -> list[RequestOutput]:
+        """Feed each request its new token(s) (sampled, or verified draft tokens + a bonus token);
+        one request's failure finishes it alone. Then Medusa candidates for the next step."""
         self.stats.num_steps += 1
-        self.stats.batch_sizes.append(len(scheduled))
-        self.stats.prefill_sizes.append(num_prefill)
+        self.stats.batch_sizes.append(plan.num_seqs)
+        self.stats.prefill_sizes.append(plan.num_prefill_tokens)
+        tokens = iter(sampled.token_ids)
         outputs, medusa = [], []
-        for r, row, n in batch:
+        for s in plan.rows:
+            r = s.request
             last_row = None
             try:
-                if r.draft is None:
-                    before = len(r.output_ids)
-                    out = [self._process_token(r, tokens[r])]
-                    if r.output_ids[before:] == [tokens[r]]:
-                        last_row = row
+                if not s.verify:
+                    tok = next(tokens)
+                    before = r.num_tokens
+                    out = [self._process_token(r, tok)]
+                    if r.token_ids[before:] == [tok]:
+                        last_row = s.row
                 else:
-                    out, last_row = self._process_verified(r, logits[row : row + n], row)
+                    out, last_row = self._process_verified(r, fwd.logits[s.row : s.row + s.num_rows], s.row)
             except Exception as e:  # one request's failure (e.g. detokenizing) must not end the others
                 logger.exception("request %s failed", r.request_id)
                 r.error = InternalError(f"internal error: {type(e).__name__}: {e}")
                 out = [self._finish(r, "error")]
             outputs.extend(o for o in out if o is not None)
-            if want_hidden and last_row is not None and r.status is not RequestStatus.FINISHED:
+            if fwd.hidden is not None and last_row is not None and r.status is not RequestStatus.FINISHED:
                 medusa.append((r, last_row))
         if medusa:
-            spec.medusa_candidates([r for r, _ in medusa], hidden[[row for _, row in medusa]])
-        self._update_gauges()
+            self.speculator.medusa_candidates([r for r, _ in medusa], fwd.hidden[[row for _, row in medusa]])
         return outputs
 
     def _process_verified(self, r: Request, logits: torch.Tensor, row: int) -> tuple[list, int | None]:
@@ -286,7 +293,7 @@ class Engine:
         a different sequence). Only the KV slots of the path actually taken stay with r. Returns
         (outputs, the logits row of the last token when every token went in unchanged, else None)."""
         spec = self.speculator
-        tree = r.draft
+        tree = r.spec.draft
         argmax, masked = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]).tolist()
         greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
         accepted, bonus = spec.verify(r, logits, greedy)
@@ -295,15 +302,15 @@ class Engine:
         base, node_slots = r.slots[:ctx], r.slots[ctx:]
         path = [0, *(1 + a for a in accepted)]
         seq = [*(tree.token_ids[a] for a in accepted), bonus]
-        r.draft = None
+        r.spec.draft = None
         outs, used, complete = [], 0, False
         try:
             for i, tok in enumerate(seq):
                 r.slots = base + [node_slots[j] for j in path[: i + 1]]
                 used = i + 1
-                before = len(r.output_ids)
+                before = r.num_tokens
                 outs.append(self._process_token(r, tok))
-                if r.status is RequestStatus.FINISHED or r.output_ids[before:] != [tok]:
+                if r.status is RequestStatus.FINISHED or r.token_ids[before:] != [tok]:
                     break
             else:
                 complete = True
@@ -312,17 +319,11 @@ class Engine:
             self.runner.kv.free([s for j, s in enumerate(node_slots) if j not in keep])
         return outs, (row + path[-1] if complete else None)
 
-    def _count_prompt(self, r: Request) -> None:
-        """At a request's first scheduling: account its prompt tokens and prefix-cache hits."""
-        self.stats.num_prompt_tokens += len(r.prompt_ids)
-        self.stats.num_cached_prompt_tokens += r.num_cached_tokens or 0
-        self.metrics.on_admit(len(r.prompt_ids), r.num_cached_tokens or 0)
-
-    def _update_gauges(self) -> None:
+    def _load(self) -> LoadGauges:
+        """Live load for /metrics (read on the HTTP thread at scrape time: plain reads)."""
         kv = self.runner.kv
-        self.metrics.kv_usage.set(1.0 - kv.num_free / kv.num_slots)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting) + len(self.grammar_wait))
+        return LoadGauges(1.0 - kv.num_free / kv.num_slots, len(self.scheduler.running),
+                          len(self.scheduler.waiting) + len(self.grammar_wait))
 
     def _collect_grammars(self) -> list[RequestOutput]:
         outputs = []
@@ -343,10 +344,11 @@ class Engine:
 
     def _start_constrained(self, r: Request, compiled: CompiledConstraint) -> RequestOutput | None:
         """Give r its matcher (and closing guard) and queue it; the final output if it fails."""
-        r.matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
+        matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
+        r.grammar = ConstraintState(matcher)
         if r.params.max_tokens_policy == "close":
-            r.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
-            need = r.closing.start(r.matcher)
+            r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
+            need = r.grammar.closing.start(matcher)
             if need is None:
                 r.error = ConstraintError(
                     "max_tokens_policy 'close' is not available for this constraint: the closing-path "
@@ -363,6 +365,8 @@ class Engine:
 
     # ---- per-token processing ------------------------------------------------------------------
     def _process_token(self, r: Request, tok: int) -> RequestOutput | None:
+        """One new token for r: latency metrics, the grammar (closing guard, jump-forward), then the
+        output processor's stop checks, text and emission. Returns r's output (None: nothing new)."""
         if tok < 0:
             r.error = ConstraintError("the constraint admits no continuation here (every token is masked)")
             return self._finish(r, "error")
@@ -373,92 +377,30 @@ class Engine:
         else:
             self.metrics.itl.observe(now - r.last_token_time)
         r.last_token_time = now
-        self.metrics.generation_tokens.inc()
-        p = r.params
         reason = None
-        if r.matcher is not None:
-            if not r.matcher.accept_token(tok):
+        if r.grammar is not None:
+            accepted = r.grammar.accept(tok, r.max_tokens - r.num_output_tokens - 1)
+            if accepted is None:
                 r.error = InternalError(f"token {tok} was rejected by the grammar matcher")
                 return self._finish(r, "error")
-            if r.closing is not None and not r.matcher.is_terminated():
-                forced_before = r.closing.num_forced
-                tok = r.closing.keep(r.matcher, tok, r.max_tokens - len(r.output_ids) - 1)
-                if r.closing.num_forced > forced_before:
-                    r.num_forced_tokens += 1
-                    self.metrics.length_forced_tokens.inc()
-            if r.matcher.is_terminated():
+            tok = accepted.token_id
+            self.stats.num_length_forced_tokens += accepted.forced
+            if r.grammar.is_terminated():
                 reason = "stop"
-        r.output_ids.append(tok)
+        r.append_output([tok])
         self.stats.num_generated_tokens += 1
-        if r.matcher is not None and reason is None and self.config.grammar.jump_forward:
-            self._jump_forward(r)
-        if r.matcher is None and ((tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids):
-            reason = "stop"
-        text_ids = r.output_ids[:-1] if reason == "stop" else r.output_ids
-        cut = -1
-        if reason is None:  # a window of new tokens, not the whole output (see runtime/detokenizer.py)
-            if r.detokenizer is None:
-                r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
-            text = r.detokenizer.update(self.tokenizer, text_ids)
-            if p.stop:
-                cut = min((i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    text, reason = text[:cut], "stop"
-            if reason is None and (len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
-                reason = "length"
-        if reason is not None and cut < 0:  # the final text: one full decode, exactly as the tokenizer says
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
-        r.text = text
+        if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
+            ids = r.grammar.jump_forward(self.tokenizer, self.grammar.planner.token_texts, tok,
+                                         r.max_tokens - r.num_output_tokens)
+            if ids:  # their KV is computed with the next step's chunk
+                r.append_output(ids)
+                r.num_jump_forward_tokens += len(ids)
+                r.pending_jump_forward += len(ids)
+                self.stats.num_jump_forward_tokens += len(ids)
+        reason = self.output.update(r, reason)
         if reason is not None:
             return self._finish(r, reason)
-        return self._emit(r, final=False)
-
-    def _jump_forward(self, r: Request) -> None:
-        """Append the tokens of the text the grammar forces next without sampling them (see
-        `forced_token_ids`); their KV is computed with the next step's chunk."""
-        if r.closing is not None and r.closing.plan:
-            return  # following a closing path: its tokens are already the forced ones
-        forced = r.matcher.find_jump_forward_string()
-        if not forced:
-            return
-        ids = forced_token_ids(self.tokenizer, self.grammar.planner.token_texts, r.output_ids[-1], forced)
-        ids = ids[: max(0, r.max_tokens - len(r.output_ids) - 1)]
-        for i, t in enumerate(ids):
-            if not r.matcher.accept_token(t):  # cannot happen for a forced string; stay safe
-                ids = ids[:i]
-                break
-        if r.closing is not None:  # length-safe: keep only what leaves a closing path that fits
-            while ids:
-                need = r.closing.start(r.matcher)
-                if need is not None and need <= r.max_tokens - len(r.output_ids) - len(ids):
-                    break
-                r.matcher.rollback(1)
-                ids.pop()
-        if ids:
-            r.output_ids.extend(ids)
-            r.num_jump_forward_tokens += len(ids)
-            r.pending_jump_forward += len(ids)
-            self.stats.num_jump_forward_tokens += len(ids)
-            self.metrics.jump_forward_tokens.inc(len(ids))
-
-    def _emit(self, r: Request, final: bool) -> RequestOutput | None:
-        text = r.text
-        upto = len(text)
-        if not final:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                upto = len(text.rstrip("\ufffd"))
-            for s in r.params.stop:  # hold back a possible start of a stop string
-                for k in range(min(len(s) - 1, upto), 0, -1):
-                    if text[:upto].endswith(s[:k]):
-                        upto -= k
-                        break
-        delta = text[r.sent_len : upto] if upto > r.sent_len else ""
-        if not delta and not final:
-            return None
-        r.sent_len = max(r.sent_len, upto)
-        return RequestOutput(r.request_id, text[:upto], delta, list(r.output_ids), len(r.prompt_ids),
-                             final, r.finish_reason, r.error, r.num_cached_tokens or 0)
+        return self.output.emit(r, final=False)
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         """Leave every queue; KV goes to the prefix cache (or is freed); grammar state is dropped."""
@@ -466,14 +408,14 @@ class Engine:
             self.grammar_wait.remove(r)
         else:
             self.scheduler.finish(r)
-        r.matcher = None
+        r.grammar = None
         if self.speculator is not None:
             self.speculator.release(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
-        self.metrics.finished.labels(reason).inc()
+        self.stats.num_finished[reason] += 1
         self.metrics.e2e.observe(time.monotonic() - r.arrival_time)
-        return self._emit(r, final=True)
+        return self.output.emit(r, final=True)
 
     # ---- offline helper ----------------------------------------------------------------------
     def generate(self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]) -> list[RequestOutput]:

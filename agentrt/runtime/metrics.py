@@ -1,75 +1,139 @@
-"""Engine metrics in a per-engine prometheus-client registry (served at GET /metrics)."""
+"""Engine counters, in one store (`EngineStats`), exported to Prometheus at scrape time.
+
+The engine thread only increments `EngineStats` fields; `EngineMetrics` registers a collector that
+reads them (and the live gauges: KV usage, running, waiting) when GET /metrics is served, so the
+two views can never disagree and gauges are current even when no step has run since an abort.
+Latency distributions (TTFT, inter-token, end-to-end) are prometheus-client histograms.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections import Counter as CountsByKey
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class EngineMetrics:
-    """Counters (tokens, preemptions, finished requests by reason), gauges (KV usage, queue
-    lengths, cache hit rate) and latency histograms in seconds (TTFT, inter-token, end-to-end)."""
+@dataclass
+class EngineStats:
+    """Counters since start (the one store: tests, benchmarks and /metrics read these).
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.prompt_tokens = Counter("agentrt_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.cached_prompt_tokens = Counter("agentrt_cached_prompt_tokens",
-                                            "Prompt tokens served from the prefix cache", registry=r)
-        self.computed_prefill_tokens = Counter("agentrt_computed_prefill_tokens",
-                                               "Prefill tokens computed (incl. recompute)", registry=r)
-        self.generation_tokens = Counter("agentrt_generation_tokens", "Tokens generated", registry=r)
-        self.length_forced_tokens = Counter("agentrt_length_policy_forced_tokens",
-                                            "Tokens replaced by the length-safe policy to close a constraint",
-                                            registry=r)
-        self.jump_forward_tokens = Counter("agentrt_jump_forward_tokens",
-                                           "Output tokens appended by jump-forward over forced grammar text",
-                                           registry=r)
-        self.preemptions = Counter("agentrt_preemptions", "Requests preempted for lack of KV", registry=r)
-        self.finished = Counter("agentrt_requests_finished", "Finished requests", ["reason"], registry=r)
-        self.kv_usage = Gauge("agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)", registry=r)
-        self.cache_hit_rate = Gauge("agentrt_prefix_cache_hit_rate",
-                                    "Cached prompt tokens / prompt tokens since start", registry=r)
-        self.running = Gauge("agentrt_num_requests_running", "Requests running", registry=r)
-        self.waiting = Gauge("agentrt_num_requests_waiting", "Requests waiting (incl. for grammar)", registry=r)
+    Token counts are in tokens. batch_sizes: sequences in each recent step; prefill_sizes: prefill
+    tokens in each recent step. Speculation: mean accepted length =
+    (num_accepted_tokens + num_spec_steps) / num_spec_steps."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_computed_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_jump_forward_tokens: int = 0
+    num_length_forced_tokens: int = 0  # sampled tokens replaced by the length-safe policy
+    num_preemptions: int = 0
+    num_finished: CountsByKey = field(default_factory=CountsByKey)  # finish reason -> requests
+    num_spec_steps: int = 0  # verify passes (per request)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_cut_by_grammar: int = 0  # draft nodes the request's grammar rejected before verification
+    accepted_per_position: list = field(default_factory=list)  # passes accepting a token at depth d + 1
+    drafted_per_position: list = field(default_factory=list)  # passes drafting depth d + 1
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
+    prefill_sizes: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def count_verify(self, num_draft: int, num_accepted: int, depths: list[int]) -> None:
+        """One verify pass of a draft with node `depths` (1-based) of which `num_accepted` tokens
+        (a path from the root) were accepted."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < max(depths, default=0):
+            self.accepted_per_position.append(0)
+            self.drafted_per_position.append(0)
+        for d in set(depths):
+            self.drafted_per_position[d - 1] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+class LoadGauges(NamedTuple):
+    """Live load, read at scrape time: KV slots in use / all slots, running and waiting requests."""
+
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+
+
+# Prometheus counter name -> (help, EngineStats field)
+_COUNTERS = {
+    "agentrt_prompt_tokens": ("Prompt tokens admitted", "num_prompt_tokens"),
+    "agentrt_cached_prompt_tokens": ("Prompt tokens served from the prefix cache", "num_cached_prompt_tokens"),
+    "agentrt_computed_prefill_tokens": ("Prefill tokens computed (incl. recompute)", "num_computed_prefill_tokens"),
+    "agentrt_generation_tokens": ("Tokens generated", "num_generated_tokens"),
+    "agentrt_length_policy_forced_tokens": ("Tokens replaced by the length-safe policy to close a constraint",
+                                            "num_length_forced_tokens"),
+    "agentrt_jump_forward_tokens": ("Output tokens appended by jump-forward over forced grammar text",
+                                    "num_jump_forward_tokens"),
+    "agentrt_preemptions": ("Requests preempted for lack of KV", "num_preemptions"),
+    "agentrt_spec_drafts": ("Speculative verify passes (one per request with a draft)", "num_spec_steps"),
+    "agentrt_spec_draft_tokens": ("Draft tokens verified", "num_draft_tokens"),
+    "agentrt_spec_accepted_tokens": ("Draft tokens accepted", "num_accepted_tokens"),
+}
+
+
+class _StatsCollector:
+    """prometheus-client custom collector over EngineStats and the live load gauges."""
+
+    def __init__(self, stats: EngineStats, load: Callable[[], LoadGauges]):
+        self.stats, self.load = stats, load
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        for name, (help_, attr) in _COUNTERS.items():
+            yield CounterMetricFamily(name, help_, value=getattr(s, attr))
+        finished = CounterMetricFamily("agentrt_requests_finished", "Finished requests", labels=["reason"])
+        for reason, n in sorted(s.num_finished.items()):
+            finished.add_metric([reason], n)
+        yield finished
+        load = self.load()
+        yield GaugeMetricFamily("agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)",
+                                value=load.kv_usage)
+        yield GaugeMetricFamily("agentrt_num_requests_running", "Requests running", value=load.num_running)
+        yield GaugeMetricFamily("agentrt_num_requests_waiting", "Requests waiting (incl. for grammar)",
+                                value=load.num_waiting)
+        yield GaugeMetricFamily("agentrt_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens since start",
+                                value=s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0)
+        yield GaugeMetricFamily("agentrt_spec_acceptance_rate", "Accepted / drafted tokens since start",
+                                value=s.num_accepted_tokens / max(1, s.num_draft_tokens))
+        yield GaugeMetricFamily(
+            "agentrt_spec_mean_accepted_length",
+            "Tokens emitted per verify pass since start (accepted draft tokens + the target's own)",
+            value=(s.num_accepted_tokens + s.num_spec_steps) / max(1, s.num_spec_steps))
+        pos = GaugeMetricFamily("agentrt_spec_position_acceptance_rate",
+                                "Verify passes accepting a token at draft depth / passes drafting it",
+                                labels=["position"])
+        for d, (acc, drafted) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
+            pos.add_metric([str(d + 1)], acc / max(1, drafted))
+        yield pos
+
+
+class EngineMetrics:
+    """The Prometheus view of one engine: counters and gauges read from `stats` / `load()` at scrape
+    time, plus latency histograms in seconds (TTFT, inter-token, end-to-end) observed by the engine."""
+
+    def __init__(self, stats: EngineStats, load: Callable[[], LoadGauges]) -> None:
+        self.registry = r = CollectorRegistry()
+        r.register(_StatsCollector(stats, load))
         self.ttft = Histogram("agentrt_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("agentrt_inter_token_latency_seconds", "Time between output tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("agentrt_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.spec_drafts = Counter("agentrt_spec_drafts", "Speculative verify passes (one per request with a draft)",
-                                   registry=r)
-        self.spec_draft_tokens = Counter("agentrt_spec_draft_tokens", "Draft tokens verified", registry=r)
-        self.spec_accepted_tokens = Counter("agentrt_spec_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.spec_acceptance_rate = Gauge("agentrt_spec_acceptance_rate",
-                                          "Accepted / drafted tokens since start", registry=r)
-        self.spec_mean_accepted_length = Gauge(
-            "agentrt_spec_mean_accepted_length",
-            "Tokens emitted per verify pass since start (accepted draft tokens + the target's own)", registry=r)
-        self.spec_position_acceptance = Gauge("agentrt_spec_position_acceptance_rate",
-                                              "Verify passes accepting a token at draft depth / passes drafting it",
-                                              ["position"], registry=r)
-        self._prompt = 0
-        self._cached = 0
-
-    def on_verify(self, num_draft: int, num_accepted: int, depth: int, stats) -> None:
-        """One verify pass; `stats` holds the running totals (EngineStats)."""
-        self.spec_drafts.inc()
-        self.spec_draft_tokens.inc(num_draft)
-        self.spec_accepted_tokens.inc(num_accepted)
-        self.spec_acceptance_rate.set(stats.num_accepted_tokens / max(1, stats.num_draft_tokens))
-        self.spec_mean_accepted_length.set((stats.num_accepted_tokens + stats.num_spec_steps) / stats.num_spec_steps)
-        for d in range(depth):
-            self.spec_position_acceptance.labels(str(d + 1)).set(
-                stats.accepted_per_position[d] / max(1, stats.drafted_per_position[d]))
-
-    def on_admit(self, num_prompt: int, num_cached: int) -> None:
-        self.prompt_tokens.inc(num_prompt)
-        self.cached_prompt_tokens.inc(num_cached)
-        self._prompt += num_prompt
-        self._cached += num_cached
-        self.cache_hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""

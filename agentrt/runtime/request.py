@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from agentrt.errors import AgentrtError, InvalidRequestError
 from agentrt.grammars.spec import ConstraintSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from agentrt.prefix_cache.radix_tree import TreeNode
+    from agentrt.runtime.constraint_state import ConstraintState
+    from agentrt.runtime.detokenizer import IncrementalDetokenizer
+    from agentrt.speculative.tree import DraftTree
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy decoding (argmax): 0, or a value too small for fp32 division."""
 
 
 @dataclass
@@ -15,7 +28,7 @@ class SamplingParams:
     """Per-request decoding parameters (OpenAI semantics where OpenAI defines one).
 
     max_tokens: completion tokens at most; None = up to the context limit.
-    temperature: 0 (or below 1e-5) = greedy. top_k: <= 0 disables. top_p in (0, 1]. min_p in [0, 1].
+    temperature: 0 (or below GREEDY_TEMPERATURE) = greedy. top_k: <= 0 disables. top_p in (0, 1]. min_p in [0, 1].
     presence_penalty / frequency_penalty in [-2, 2] on generated tokens (OpenAI);
     repetition_penalty in [0.01, 10] on prompt and generated tokens (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias in [-100, 100] added to the logit.
@@ -46,6 +59,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     max_tokens_policy: str = "length"
     speculative: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy decoding (argmax): temperature below GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -110,53 +128,96 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class SpecState:
+    """A request's speculative-decoding state (runtime/speculation.py).
+
+    draft: the DraftTree to verify this step (its target KV slots follow Request.slots);
+    draft_bitmask: [len(draft) + 1, ceil(vocab / 32)] int32 grammar masks of the verify rows;
+    medusa_topk: Medusa heads' top-k token ids [heads][k] at the last sampled position;
+    draft_slots: the draft model's KV slots (its own pool); draft_fed: draft tokens whose
+    draft-model KV is computed."""
+
+    draft: DraftTree | None = None
+    draft_bitmask: torch.Tensor | None = None
+    medusa_topk: list[list[int]] | None = None
+    draft_slots: list[int] = field(default_factory=list)
+    draft_fed: list[int] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Request:
     """A generation request and its mutable per-request state (owned by the engine thread).
-    Compared by identity."""
+    Compared by identity.
+
+    `token_ids` is the one token list of the sequence: the prompt (the constructor's argument),
+    then every output token; `prompt_ids` / `output_ids` are views of it (copies). `slots[i]` is
+    the KV slot of token_ids[i]."""
 
     request_id: str
-    prompt_ids: list[int]
+    token_ids: list[int]
     params: SamplingParams
     constraint: ConstraintSpec | None = None
     cache_salt: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
+    num_prompt_tokens: int = field(init=False)
     # state
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
-    max_tokens: int = 0  # resolved budget, set by the engine
-    matcher: object | None = None
-    compile_future: object | None = None
-    num_forced_tokens: int = 0  # tokens replaced by the length-safe policy
+    max_tokens: int = 0  # resolved completion budget (tokens), set by the engine
+    compile_future: Future | None = None  # of the CompiledConstraint, while WAITING_FOR_GRAMMAR
+    grammar: ConstraintState | None = None  # matcher, closing guard, jump-forward (constrained requests)
     num_jump_forward_tokens: int = 0  # tokens appended by jump-forward (not sampled)
     pending_jump_forward: int = 0  # of those, tokens whose KV is not computed yet
-    closing: object | None = None  # length-safe policy state (grammars.length_policy.ClosingGuard)
-    generator: object | None = None
+    generator: torch.Generator | None = None
     text: str = ""
-    detokenizer: object | None = None  # runtime.detokenizer.IncrementalDetokenizer, made at the first token
+    detokenizer: IncrementalDetokenizer | None = None  # made at the first token
     sent_len: int = 0
     finish_reason: str | None = None
     error: AgentrtError | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    cache_node: object | None = None  # radix-tree node locked for this request's shared prefix
+    cache_node: TreeNode | None = None  # radix-tree node locked for this request's shared prefix
     num_shared: int = 0  # leading slots that belong to the radix tree
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_counted: bool = False
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
-    # speculative decoding (runtime/speculation.py)
-    draft: object | None = None  # speculative.DraftTree to verify this step (its KV slots follow r.slots)
-    draft_bitmask: object | None = None  # [len(draft) + 1, words] int32 grammar masks of the verify rows
-    medusa_topk: object | None = None  # Medusa heads' top-k ids [heads, k] at the last sampled position
-    draft_slots: list[int] = field(default_factory=list)  # draft model's KV slots (its own pool)
-    draft_fed: list[int] = field(default_factory=list)  # draft tokens whose draft-model KV is computed
+    spec: SpecState = field(default_factory=SpecState)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @output_ids.setter
+    def output_ids(self, ids: list[int]) -> None:
+        del self.token_ids[self.num_prompt_tokens :]
+        self.token_ids.extend(ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def append_output(self, ids: list[int]) -> None:
+        """Append generated (or forced) tokens."""
+        self.token_ids.extend(ids)
 
     def cached_key(self) -> list[int]:
         """Tokens whose KV may come from the cache: all known tokens but the last, which must be
         computed to get the next token's logits."""
-        return (self.prompt_ids + self.output_ids)[:-1]
+        return self.token_ids[:-1]

@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     no_finite = ~torch.isfinite(logits).any(dim=-1)
     for i, r in enumerate(requests):
         p = r.params
-        if p.temperature < 1e-5:  # 0 (or a value too small for fp32 division) is greedy
+        if p.is_greedy:  # 0 (or a value too small for fp32 division) is greedy
             continue
         probs = torch.softmax(_filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
         valid = torch.isfinite(probs).all() & (probs.sum() > 0)

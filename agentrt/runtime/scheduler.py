@@ -69,11 +69,11 @@ class Scheduler:
                 continue
             remaining = r.num_tokens - len(r.slots)
             n = min(remaining, budget)
-            if r.draft is not None:  # a speculative verify chunk: the last token + the draft
-                if remaining == 1 and budget >= 1 + len(r.draft):
-                    n = 1 + len(r.draft)
+            if r.spec.draft is not None:  # a speculative verify chunk: the last token + the draft
+                if remaining == 1 and budget >= 1 + len(r.spec.draft):
+                    n = 1 + len(r.spec.draft)
                 else:
-                    r.draft = None
+                    r.spec.draft = None
             if n <= 0:
                 continue  # prefill chunk waits for budget; decodes always take their 1 token
             if not self._allocate(r, n):
@@ -101,7 +101,7 @@ class Scheduler:
     def _add_chunk(chunks: list[ScheduledChunk], r: Request, n: int) -> None:
         """(A verify chunk's draft slots lie beyond r.num_tokens; the engine trims them after.)"""
         chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens))
-        if n > 1 and r.draft is None:
+        if n > 1 and r.spec.draft is None:
             r.prefilled_since_insert = True
 
     def _cache_computed_prefix(self, r: Request) -> None:
@@ -109,7 +109,7 @@ class Scheduler:
         so requests arriving while it still runs share it (as SGLang caches unfinished requests).
         r then reads the tree's slots for that prefix; duplicates of ours are freed."""
         r.prefilled_since_insert = False
-        tokens = (r.prompt_ids + r.output_ids)[: len(r.slots)]
+        tokens = r.token_ids[: len(r.slots)]
         present = self.cache.insert(tokens, r.slots, r.cache_salt)
         match = self.cache.match_prefix(tokens, r.cache_salt)
         tree_slots = match.slots
@@ -193,7 +193,7 @@ class Scheduler:
         self._release(r, insert=True)
 
     def _release(self, r: Request, insert: bool) -> None:
-        r.draft = None
+        r.spec.draft = None
         if len(r.slots) > r.num_tokens:  # draft slots of a verify chunk (preempted mid-schedule)
             self.kv.free(r.slots[r.num_tokens :])
             del r.slots[r.num_tokens :]
@@ -201,7 +201,7 @@ class Scheduler:
             self.kv.free(r.slots)
         else:
             if insert and len(r.slots) > r.num_shared:
-                tokens = (r.prompt_ids + r.output_ids)[: len(r.slots)]
+                tokens = r.token_ids[: len(r.slots)]
                 present = self.cache.insert(tokens, r.slots, r.cache_salt)
                 self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
             else:

@@ -7,7 +7,7 @@ One step of a speculating request (Engine.step):
    computed from the previous step's hidden state.
 2. For a constrained request the draft runs through the request's own matcher (accept, then
    rollback: a fork that leaves the real state untouched): the first token the grammar rejects cuts
-   its subtree, and the bitmask of every remaining position is filled (`r.draft_bitmask`, row 0 =
+   its subtree, and the bitmask of every remaining position is filled (`r.spec.draft_bitmask`, row 0 =
    after the last known token, row i + 1 = after node i). The draft model is masked while it
    drafts, so its proposal probabilities q are those of a grammar-respecting proposer.
 3. The scheduler gives the request 1 + len(draft) KV slots: one forward computes the last token
@@ -31,6 +31,7 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.metrics import EngineStats
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk, run_chunks
 from agentrt.runtime.request import Request
 from agentrt.runtime.sampler import sample, target_probs
@@ -67,7 +68,7 @@ class _SelfDraft:
 class DraftModelProposer:
     """A smaller model with the target's vocabulary (or a self-draft) and its own KV pool.
 
-    Per request it keeps KV for a prefix of the sequence (`r.draft_slots`); `propose` catches up
+    Per request it keeps KV for a prefix of the sequence (`r.spec.draft_slots`); `propose` catches up
     on the tokens it has not seen (the prompt the first time, the accepted tokens afterwards) and
     then drafts k tokens one forward at a time, batched across requests."""
 
@@ -79,18 +80,18 @@ class DraftModelProposer:
         rows [len + 1, words] filled along the way. Requests whose KV does not fit get none."""
         active, chunks = [], []
         for r in reqs:
-            seq = r.prompt_ids + r.output_ids
-            have = len(r.draft_slots)
+            seq = r.token_ids
+            have = len(r.spec.draft_slots)
             slots = self.kv.allocate(len(seq) - have + ks[r] - 1)
             if slots is None:
                 continue
             need = len(seq) - have
-            r.draft_slots.extend(slots[:need])
+            r.spec.draft_slots.extend(slots[:need])
             state = {"r": r, "spare": slots[need:], "tokens": [], "q": [], "bitmask": None}
-            if r.matcher is not None:
+            if r.grammar is not None:
                 state["bitmask"] = grammar.allocate_bitmask(ks[r] + 1)
             active.append(state)
-            chunks.append(SeqChunk(seq[have:], have, list(r.draft_slots)))
+            chunks.append(SeqChunk(seq[have:], have, list(r.spec.draft_slots)))
         out: dict[Request, tuple[DraftTree, object]] = {}
         step = 0
         while active:
@@ -100,27 +101,27 @@ class DraftModelProposer:
                 r = st["r"]
                 row = logits[i : i + 1]
                 if st["bitmask"] is not None:
-                    r.matcher.fill_next_token_bitmask(st["bitmask"], step)
+                    r.grammar.matcher.fill_next_token_bitmask(st["bitmask"], step)
                     grammar.apply_bitmask(row, st["bitmask"][step : step + 1], [0])
-                if r.params.temperature < 1e-5:
+                if r.params.is_greedy:
                     tok = sample(row, [r])[0]
                     q = None
                 else:
                     q = target_probs(row, r.params)[0]
                     tok = int(torch.multinomial(q, 1, generator=r.generator).item()) if float(q.sum()) > 0 else -1
-                ok = tok >= 0 and (r.matcher is None or r.matcher.accept_token(tok))
+                ok = tok >= 0 and (r.grammar is None or r.grammar.matcher.accept_token(tok))
                 if ok:
                     st["tokens"].append(tok)
                     if q is not None:
                         st["q"].append(q)
                 done = (not ok or len(st["tokens"]) >= ks[r] or tok in (r.params.stop_token_ids or ())
-                        or (r.matcher is not None and r.matcher.is_terminated()))
+                        or (r.grammar is not None and r.grammar.matcher.is_terminated()))
                 if not done:
                     slot = st["spare"].pop(0)
-                    r.draft_slots.append(slot)
-                    r.draft_fed.append(tok)
+                    r.spec.draft_slots.append(slot)
+                    r.spec.draft_fed.append(tok)
                     nxt_active.append(st)
-                    nxt_chunks.append(SeqChunk([tok], len(r.draft_slots) - 1, list(r.draft_slots)))
+                    nxt_chunks.append(SeqChunk([tok], len(r.spec.draft_slots) - 1, list(r.spec.draft_slots)))
                 else:
                     self._finish_draft(st, out)
             active, chunks = nxt_active, nxt_chunks
@@ -132,10 +133,10 @@ class DraftModelProposer:
         self.kv.free(st["spare"])
         st["spare"] = []
         if st["bitmask"] is not None:
-            if tokens and not r.matcher.is_terminated():
-                r.matcher.fill_next_token_bitmask(st["bitmask"], len(tokens))
+            if tokens and not r.grammar.matcher.is_terminated():
+                r.grammar.matcher.fill_next_token_bitmask(st["bitmask"], len(tokens))
             if tokens:
-                r.matcher.rollback(len(tokens))
+                r.grammar.matcher.rollback(len(tokens))
             st["bitmask"] = st["bitmask"][: len(tokens) + 1]
         if not tokens:
             return
@@ -146,26 +147,26 @@ class DraftModelProposer:
         """After the step: keep draft KV only for the prefix of the sequence it was computed for
         (the fed draft tokens that were accepted), minus the last token (fed next time)."""
         seq_len = r.num_tokens
-        seq = r.prompt_ids + r.output_ids
+        seq = r.token_ids
         m = 0
-        while m < len(r.draft_fed) and base_len + m < seq_len and seq[base_len + m] == r.draft_fed[m]:
+        while m < len(r.spec.draft_fed) and base_len + m < seq_len and seq[base_len + m] == r.spec.draft_fed[m]:
             m += 1
-        valid = min(base_len + m, seq_len - 1, len(r.draft_slots))
-        self.kv.free(r.draft_slots[valid:])
-        del r.draft_slots[valid:]
-        r.draft_fed = []
+        valid = min(base_len + m, seq_len - 1, len(r.spec.draft_slots))
+        self.kv.free(r.spec.draft_slots[valid:])
+        del r.spec.draft_slots[valid:]
+        r.spec.draft_fed = []
 
     def release(self, r: Request) -> None:
-        self.kv.free(r.draft_slots)
-        r.draft_slots = []
-        r.draft_fed = []
+        self.kv.free(r.spec.draft_slots)
+        r.spec.draft_slots = []
+        r.spec.draft_fed = []
 
 
 class Speculator:
-    """Owns the proposer of one engine and the speculation counters (EngineStats / metrics)."""
+    """Owns the proposer of one engine; counts its passes in the engine's EngineStats."""
 
-    def __init__(self, config: SpecConfig, runner: ModelRunner, model_name: str, grammar, stats, metrics):
-        self.config, self.runner, self.grammar, self.stats, self.metrics = config, runner, grammar, stats, metrics
+    def __init__(self, config: SpecConfig, runner: ModelRunner, model_name: str, grammar, stats: EngineStats):
+        self.config, self.runner, self.grammar, self.stats = config, runner, grammar, stats
         self.method = config.method
         self.k = config.num_speculative_tokens
         self.ngram = self.draft = self.heads = None
@@ -220,36 +221,36 @@ class Speculator:
         return max(0, min(self.k, r.max_tokens - len(r.output_ids) - 1, max_model_len - r.num_tokens - 1))
 
     def propose(self, running: list[Request], max_model_len: int) -> list[Request]:
-        """Set r.draft (and r.draft_bitmask) on running requests that speculate this step; returns
+        """Set r.spec.draft (and r.spec.draft_bitmask) on running requests that speculate this step; returns
         the requests proposed to (each needs `settle` after the step)."""
         ks = {r: k for r in running if (k := self._budget(r, max_model_len)) > 0}
         if not ks:
             return []
         if self.draft is not None:
             for r, (tree, bitmask) in self.draft.propose(list(ks), ks, self.grammar).items():
-                r.draft, r.draft_bitmask = tree, bitmask
+                r.spec.draft, r.spec.draft_bitmask = tree, bitmask
             return list(ks)
         for r, k in ks.items():
             if self.ngram is not None:
-                tree = DraftTree.chain(self.ngram.propose(r.prompt_ids + r.output_ids, k))
+                tree = DraftTree.chain(self.ngram.propose(r.token_ids, k))
             else:
-                topk, r.medusa_topk = r.medusa_topk, None
+                topk, r.spec.medusa_topk = r.spec.medusa_topk, None
                 if topk is None:
                     continue
                 tree = tree_from_topk(topk[:k], self.tree_choices)
             if len(tree) == 0:
                 continue
             bitmask = None
-            if r.matcher is not None:
+            if r.grammar is not None:
                 tree, bitmask = self._fit_to_grammar(r, tree)
             if len(tree):
-                r.draft, r.draft_bitmask = tree, bitmask
+                r.spec.draft, r.spec.draft_bitmask = tree, bitmask
         return list(ks)
 
     def _fit_to_grammar(self, r: Request, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
         """Walk the tree depth-first with the request's matcher (accept, recurse, rollback): cut
         every node the grammar rejects (and its subtree); fill the bitmask row of each kept node."""
-        m = r.matcher
+        m = r.grammar.matcher
         n = len(tree)
         bitmask = self.grammar.allocate_bitmask(n + 1)
         m.fill_next_token_bitmask(bitmask, 0)
@@ -277,9 +278,9 @@ class Speculator:
     def verify(self, r: Request, logits: torch.Tensor, greedy_ids: list[int]) -> tuple[list[int], int]:
         """logits [len(draft) + 1, V] fp32 for r's verify rows (penalties and masks applied);
         greedy_ids: their argmax (-1 where all masked). Returns (accepted node indices, bonus)."""
-        tree = r.draft
+        tree = r.spec.draft
         p = r.params
-        if p.temperature < 1e-5:
+        if p.is_greedy:
             return verify_tree(tree, lambda row: greedy_ids[row])
 
         def draw(row: int) -> int:
@@ -298,36 +299,24 @@ class Speculator:
 
     def account(self, tree: DraftTree, accepted: list[int]) -> None:
         """Count one verify pass: draft tokens, accepted tokens, acceptance per depth."""
-        s, m = self.stats, self.metrics
-        s.num_spec_steps += 1
-        s.num_draft_tokens += len(tree)
-        s.num_accepted_tokens += len(accepted)
-        depth = max(tree.depths, default=0)
-        while len(s.accepted_per_position) < depth:
-            s.accepted_per_position.append(0)
-            s.drafted_per_position.append(0)
-        for d in set(tree.depths):
-            s.drafted_per_position[d - 1] += 1
-        for i in range(len(accepted)):
-            s.accepted_per_position[i] += 1
-        m.on_verify(len(tree), len(accepted), depth, s)
+        self.stats.count_verify(len(tree), len(accepted), list(tree.depths))
 
     # ---- Medusa: the next step's candidates -------------------------------------------------------
     @torch.inference_mode()
     def medusa_candidates(self, reqs: list[Request], hidden: torch.Tensor) -> None:
         """hidden [len(reqs), hidden_size]: the state at each request's last sampled token; sets
-        r.medusa_topk = top-k token ids per head ([heads][topk])."""
+        r.spec.medusa_topk = top-k token ids per head ([heads][topk])."""
         logits = self.heads(hidden, self.runner.model.lm_head.weight)  # [K, B, V]
         top = torch.topk(logits, self.topk, dim=-1).indices.permute(1, 0, 2).tolist()  # [B, K, topk]
         for r, ids in zip(reqs, top):
-            r.medusa_topk = ids
+            r.spec.medusa_topk = ids
 
     def settle(self, r: Request, base_len: int) -> None:
-        r.draft, r.draft_bitmask = None, None
+        r.spec.draft, r.spec.draft_bitmask = None, None
         if self.draft is not None:
             self.draft.settle(r, base_len)
 
     def release(self, r: Request) -> None:
-        r.draft, r.draft_bitmask, r.medusa_topk = None, None, None
+        r.spec.draft, r.spec.draft_bitmask, r.spec.medusa_topk = None, None, None
         if self.draft is not None:
             self.draft.release(r)

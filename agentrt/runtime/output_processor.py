@@ -1,0 +1,73 @@
+"""Output processing: after a token is accepted, decide whether the request stops, turn its
+tokens into text, and build the RequestOutput the caller sees (stop checks, detokenization and
+emission in one place)."""
+
+from __future__ import annotations
+
+from agentrt.runtime.detokenizer import IncrementalDetokenizer
+from agentrt.runtime.request import Request, RequestOutput
+
+
+class OutputProcessor:
+    """Stop conditions, detokenization and emission for one engine.
+
+    tokenizer: the model's Hugging Face tokenizer; stop_ids: the model's end-of-sequence ids;
+    max_model_len: the context limit in tokens."""
+
+    def __init__(self, tokenizer, stop_ids: list[int], max_model_len: int):
+        self.tokenizer, self.stop_ids, self.max_model_len = tokenizer, stop_ids, max_model_len
+
+    def update(self, r: Request, reason: str | None) -> str | None:
+        """After r's last output token was appended (and its grammar advanced): check the stop
+        conditions not yet decided, update `r.text`, and return the finish reason ("stop",
+        "length") or None. `reason`: "stop" when the grammar terminated on that token.
+
+        Unconstrained requests stop on the model's EOS ids (unless ignore_eos) and on
+        stop_token_ids; a stop token is not part of the text. Stop strings (OpenAI `stop`) cut the
+        text before the first match; the budget (`r.max_tokens`) and the context limit end with
+        "length". Text is decoded incrementally (runtime/detokenizer.py: O(window) per token);
+        the final text is one full decode, exactly as the tokenizer says."""
+        p = r.params
+        tok = r.last_token_id
+        if r.grammar is None and ((tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            reason = "stop"
+        output_ids = r.output_ids
+        text_ids = output_ids[:-1] if reason == "stop" else output_ids
+        cut = -1
+        if reason is None:  # a window of new tokens, not the whole output
+            if r.detokenizer is None:
+                r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
+            text = r.detokenizer.update(self.tokenizer, text_ids)
+            if p.stop:
+                cut = min((i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    text, reason = text[:cut], "stop"
+            if reason is None and (len(output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
+                reason = "length"
+        if reason is not None and cut < 0:
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+        r.text = text
+        return reason
+
+    @staticmethod
+    def emit(r: Request, final: bool) -> RequestOutput | None:
+        """The output to report for r now: the new text since the last report (None when there is
+        none and r is not final). While running, an incomplete UTF-8 sequence and a possible start
+        of a stop string at the end of the text are held back."""
+        text = r.text
+        upto = len(text)
+        if not final:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                upto = len(text.rstrip("\ufffd"))
+            for s in r.params.stop:  # hold back a possible start of a stop string
+                for k in range(min(len(s) - 1, upto), 0, -1):
+                    if text[:upto].endswith(s[:k]):
+                        upto -= k
+                        break
+        delta = text[r.sent_len : upto] if upto > r.sent_len else ""
+        if not delta and not final:
+            return None
+        r.sent_len = max(r.sent_len, upto)
+        return RequestOutput(r.request_id, text[:upto], delta, r.output_ids, r.num_prompt_tokens,
+                             final, r.finish_reason, r.error, r.num_cached_tokens or 0)
