@@ -41,6 +41,15 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrt.grammars.regex import (
+    as_fullmatch,
+    bound_repetition,
+    has_unsupported_feature,
+    matches_every_key,
+    unconvertible,
+    width_within,
+)
+
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 # formats xgrammar's JSON-schema converter enforces (probed one by one against jsonschema's checkers)
 GRAMMAR_FORMATS = frozenset({
@@ -86,9 +95,6 @@ KW_BY_TYPE = {"string": STRING_KW, "integer": NUMBER_KW, "number": NUMBER_KW, "a
 KNOWN = frozenset(STRING_KW + NUMBER_KW + ARRAY_KW + OBJECT_KW) | {
     "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"}
-# regex features the grammar backend cannot express (ECMA-262 lookaround, backreferences, word
-# boundaries, Unicode properties, named groups)
-_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9bBpPk]")
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
 
 
@@ -655,27 +661,27 @@ class _Normalizer:
                 self.unsupported("pattern", _ptr(pointer, "pattern"), "a literal backslash in a pattern is not "
                                  "supported")
                 pattern = None
-            elif _UNSUPPORTED_REGEX.search(pattern):
+            elif has_unsupported_feature(pattern):
                 self.unsupported("pattern", _ptr(pointer, "pattern"),
                                  "lookaround, backreferences, \\b and \\p{...} are not supported")
                 pattern = None
             else:
-                full = _as_fullmatch(pattern)
+                full = as_fullmatch(pattern)
                 if full is None:
                     self.unsupported("pattern", _ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are "
                                      "not supported")
                     return out
-                why = _unconvertible(full)
+                why = unconvertible(full)
                 if why:
                     self.unsupported("pattern", _ptr(pointer, "pattern"), why)
                     return out
                 if full != pattern:
                     self.rewrite("pattern", _ptr(pointer, "pattern"))
                 if lo or hi is not None:
-                    bounded = _bound_repetition(full, lo or 0, hi)
+                    bounded = bound_repetition(full, lo or 0, hi)
                     if bounded == "":
                         return _UNSAT
-                    if bounded is None and _width_within(full, lo or 0, hi):
+                    if bounded is None and width_within(full, lo or 0, hi):
                         bounded = full  # every match already has an allowed length
                     if bounded is None:
                         kw = "maxLength" if hi is not None else "minLength"
@@ -762,7 +768,7 @@ class _Normalizer:
             props[k] = n
         pattern_props = dict(s.get("patternProperties") or {})
         out_pp = {}
-        for pat in [p for p in pattern_props if _matches_every_key(p, strict=ap is _UNSAT)]:
+        for pat in [p for p in pattern_props if matches_every_key(p, strict=ap is _UNSAT)]:
             # every key matches: the pattern's schema holds for every property, additionalProperties
             # never applies
             sub = pattern_props.pop(pat)
@@ -780,8 +786,8 @@ class _Normalizer:
             ap = n
         if pattern_props:
             first = next(iter(pattern_props))
-            ok = (len(pattern_props) == 1 and ap is _UNSAT and not _UNSUPPORTED_REGEX.search(first)
-                  and _as_fullmatch(first) is not None and not _unconvertible(_as_fullmatch(first)))
+            ok = (len(pattern_props) == 1 and ap is _UNSAT and not has_unsupported_feature(first)
+                  and as_fullmatch(first) is not None and not unconvertible(as_fullmatch(first)))
             if ok:
                 pat, sub = next(iter(pattern_props.items()))
                 try:
@@ -791,7 +797,7 @@ class _Normalizer:
             if ok:
                 n = self.norm(sub, _ptr(pointer, "patternProperties", pat))
                 if n is not _UNSAT:
-                    out_pp = {_as_fullmatch(pat): n}
+                    out_pp = {as_fullmatch(pat): n}
             else:
                 self.unsupported("patternProperties", _ptr(pointer, "patternProperties"),
                                  "supported only as one pattern on a closed object "
@@ -897,38 +903,6 @@ def _type_name(v) -> str:
     return "array" if isinstance(v, list) else "object"
 
 
-def _width_within(full: str, lo: int, hi: int | None) -> bool:
-    """Do all whole-string matches of `full` have lo..hi characters? (Python's regex parser gives
-    the min/max match width; a pattern it cannot parse gives False.)"""
-    try:
-        import re._parser as sre_parse  # Python >= 3.11
-    except ImportError:  # pragma: no cover
-        import sre_parse
-    try:
-        wmin, wmax = sre_parse.parse(full).getwidth()
-    except (re.error, OverflowError, RecursionError):
-        return False
-    return wmin >= lo and (hi is None or wmax <= hi)
-
-
-def _matches_every_key(pattern: str, strict: bool) -> bool:
-    """Does an ECMA-262 search for `pattern` match every property name? True when the pattern can
-    match the empty string at position 0 and has no end anchor. With strict=False a trailing `$`
-    is allowed too (`^.*$` misses only names containing a newline: treating it as matching every
-    name is then narrower than the schema, never wider)."""
-    if _UNSUPPORTED_REGEX.search(pattern):
-        return False
-    core = pattern
-    if not strict and core.endswith("$") and not core.endswith("\\$"):
-        core = core[:-1]
-    if "$" in core.replace("\\$", ""):
-        return False
-    try:
-        return re.match(core, "") is not None
-    except re.error:
-        return False
-
-
 def _json_equal(a, b) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
@@ -956,115 +930,6 @@ def _json_key(v) -> str:
 
 
 _INT64_MIN, _INT64_MAX, _INT32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
-
-
-def _unconvertible(full: str) -> str:
-    """Why a whole-match pattern has no grammar inside a JSON string ("" when it has one)."""
-    from agentrt.grammars.lark_grammar import regex_to_json_string_ebnf
-
-    try:
-        regex_to_json_string_ebnf(full)
-    except ValueError as e:
-        return str(e).split(": ", 1)[-1]
-    return ""
-
-
-def _as_fullmatch(pattern: str) -> str | None:
-    """JSON Schema `pattern` is a search (ECMA-262, unanchored); the backend matches the whole
-    string and ignores anchors inside a pattern. Rewrite to a whole-string pattern: '^p$' -> 'p';
-    'p' -> '.*(?:p).*'; top-level alternatives anchored one by one ('(^a$)|(^b)') each get their
-    own padding. None when an anchor sits anywhere else (refused by the caller)."""
-    body = pattern
-    while _is_one_group(body):
-        body = body[body.index(":") + 1 if body.startswith("(?:") else 1: -1]
-    alts = _split_top(body, "|")
-    out = []
-    for alt in alts:
-        while _is_one_group(alt):
-            alt = alt[alt.index(":") + 1 if alt.startswith("(?:") else 1: -1]
-        head = alt.startswith("^")
-        tail = alt.endswith("$") and not alt.endswith("\\$")
-        core = alt[1 if head else 0: len(alt) - (1 if tail else 0)]
-        if _has_anchor(core):
-            return None
-        out.append(("" if head else ".*") + ("(?:" + core + ")" if "|" in core else core) + ("" if tail else ".*"))
-    if len(out) == 1:
-        return out[0]
-    return "(?:" + "|".join(out) + ")"
-
-
-def _scan(text: str):
-    """Yield (index, char, depth, in_class) for unescaped characters of a regex."""
-    depth, in_class, i = 0, False, 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            if c == "]":
-                in_class = False
-            yield i, c, depth, True
-        else:
-            if c == "[":
-                in_class = True
-                if text[i + 1: i + 2] == "^":
-                    i += 1
-                if text[i + 1: i + 2] == "]":
-                    i += 1
-            elif c == "(":
-                depth += 1
-            elif c == ")":
-                depth -= 1
-            yield i, c, depth, False
-        i += 1
-
-
-def _split_top(text: str, sep: str) -> list[str]:
-    cuts = [i for i, c, depth, in_class in _scan(text) if c == sep and depth == 0 and not in_class]
-    parts, prev = [], 0
-    for i in cuts:
-        parts.append(text[prev:i])
-        prev = i + 1
-    return parts + [text[prev:]]
-
-
-def _is_one_group(text: str) -> bool:
-    if not (text.startswith("(") and text.endswith(")")) or text.startswith("(?") and not text.startswith("(?:"):
-        return False
-    for i, c, depth, in_class in _scan(text):
-        if c == ")" and not in_class and depth == 0:
-            return i == len(text) - 1
-    return False
-
-
-def _has_anchor(text: str) -> bool:
-    return any(c in "^$" and not in_class for _i, c, _d, in_class in _scan(text))
-
-
-_ATOM = r"(?:\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\\.|[^\\\[\](){}|*+?.^$])"
-_REPEAT = re.compile(rf"^(?:\(\?:)?({_ATOM})(\*|\+|\?|\{{(\d+)(?:,(\d*))?\}})?(?:\))?$")
-
-
-def _bound_repetition(full: str, lo: int, hi: int | None) -> str | None:
-    """Intersect a whole-string pattern that is one character class repeated (`[a-z]+`, `\\d{2,5}`,
-    `x*`) with a length range; None when the pattern has another shape, "" when nothing matches."""
-    m = _REPEAT.match(full)
-    if not m or full.startswith("(?:") != full.endswith(")"):
-        return None
-    atom, q, qa, qb = m.groups()
-    if q is None:
-        a, b = 1, 1
-    elif q in ("*", "+", "?"):
-        a, b = {"*": (0, None), "+": (1, None), "?": (0, 1)}[q]
-    else:
-        a = int(qa)
-        b = a if qb is None else (int(qb) if qb else None)
-    a = max(a, lo)
-    b = hi if b is None else (b if hi is None else min(b, hi))
-    if b is not None and a > b:
-        return ""  # no string matches both
-    return f"{atom}{{{a},{'' if b is None else b}}}"
 
 
 def normalize_schema(schema: Any, *, best_effort: bool = False, close_objects: bool = False) -> NormalizedSchema:

@@ -24,6 +24,7 @@ import xgrammar as xgr
 
 from agentrt.grammars.finite import check_finite
 from agentrt.grammars.json_schema import normalize_schema
+from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -74,8 +75,6 @@ def _take_patterns(schema):
 
 
 def _put_patterns(ebnf: str, patterns: list[str]) -> str:
-    from agentrt.grammars.lark_grammar import regex_to_json_string_ebnf
-
     for i, pat in enumerate(patterns):
         placeholder = f'Regex("AGENTRTPAT{i}X", json_string=true)'
         if placeholder not in ebnf:
@@ -246,8 +245,6 @@ class GrammarBackend:
         if spec.kind == "regex":
             # our converter, not xgrammar's regex (which admits 1(?:x[0-9]+)?Z on 10Z and
             # ignores anchors inside a pattern); a whole-match regex, ^ and $ at its ends optional
-            from agentrt.grammars.lark_grammar import regex_to_ebnf
-
             return xgr.Grammar.from_ebnf(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
