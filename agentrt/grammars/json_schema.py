@@ -79,10 +79,6 @@ FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "date": f"^{_DATE}$", "time": f"^{_TIME
                    "date-time": f"^{_DATE}T{_TIME}$", "hostname": HOSTNAME_PATTERN}
 FORMAT_LENGTHS = {"ipv4": (7, 15), "date": (10, 10), "time": (9, 29), "date-time": (20, 40), "hostname": (1, 253)}
 
-ANNOTATIONS = frozenset({
-    "$schema", "$id", "id", "$comment", "$vocabulary", "title", "description", "default", "examples",
-    "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "contentSchema", "$anchor",
-    "$defs", "definitions"})
 STRING_KW = ("minLength", "maxLength", "pattern", "format")
 NUMBER_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 ARRAY_KW = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
@@ -90,8 +86,6 @@ ARRAY_KW = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "
 OBJECT_KW = ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
              "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "dependencies",
              "unevaluatedProperties")
-KW_BY_TYPE = {"string": STRING_KW, "integer": NUMBER_KW, "number": NUMBER_KW, "array": ARRAY_KW,
-              "object": OBJECT_KW, "null": (), "boolean": ()}
 KNOWN = frozenset(STRING_KW + NUMBER_KW + ARRAY_KW + OBJECT_KW) | {
     "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"}

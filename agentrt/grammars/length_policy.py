@@ -181,10 +181,6 @@ class ClosingPlanner:
             return fallback
         return ids
 
-    def best_step(self, path: ClosingPath) -> int:
-        """The first token of the path's tokenization."""
-        return path.token_ids[0]
-
 
 def _periodic(chars: list[str]) -> bool:
     """The characters repeat with a period of 2 or 3."""
