@@ -1,0 +1,153 @@
+"""Strings: `minLength`/`maxLength`, `pattern` and `format`.
+
+- `pattern` is an ECMA-262 search: rewritten to a whole-string pattern (`grammars/regex.py`);
+  with a length range it is intersected when it is one repeated character class (`^[a-z]+$` +
+  maxLength 3 -> `[a-z]{1,3}`) or when every match already has an allowed length.
+- `format`: the formats xgrammar enforces pass through (GRAMMAR_FORMATS); ipv4, date, time,
+  date-time and hostname become exact patterns (FORMAT_PATTERNS: RFC 3339 §5.6, RFC 1123 §2.1,
+  RFC 2673 §3.2 dotted quads); formats jsonschema asserts that no grammar here enforces are
+  refused (CHECKED_FORMATS); any other format is an annotation.
+- a length range beside `format`, or `pattern` beside `format`, is refused (best-effort: the
+  format wins).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentrt.grammars.json_schema.errors import ptr
+from agentrt.grammars.json_schema.keywords import UNSAT
+from agentrt.grammars.regex import (
+    as_fullmatch,
+    bound_repetition,
+    has_unsupported_feature,
+    unconvertible,
+    width_within,
+)
+
+if TYPE_CHECKING:
+    from agentrt.grammars.json_schema.normalizer import Normalizer
+
+# formats xgrammar's JSON-schema converter enforces (probed one by one against jsonschema's checkers)
+GRAMMAR_FORMATS = frozenset({
+    "email", "uri", "uuid", "ipv6", "duration", "uri-reference",
+    "json-pointer", "uri-template", "relative-json-pointer"})
+# formats jsonschema's FormatChecker asserts that the grammar does not: refused (unless best-effort)
+CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IPV4_PATTERN = rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"
+# RFC 3339 dates/times as exact patterns: xgrammar's date-time admits 1990-02-31. February stops at
+# 28 and seconds at 59 (leap days and leap seconds are valid but left out: narrower, never wrong).
+# Year 0000 is left out too: Python's date (and jsonschema's format checker) starts at year 1; seen
+# when the length-safe policy closed a date-time with zeros.
+_DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 1123 hostnames: labels of 1-63 letters, digits and inner hyphens, at most 253 characters in
+# all (jsonschema's checker; xgrammar's hostname admitted 64-character labels). The total is kept by
+# a narrower shape, sound and compact: a first label up to 63 and at most 9 more of up to 20
+# (63 + 9 * 21 = 252), an optional trailing dot.
+def _label(n: int) -> str:
+    return f"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,{n - 2}}}[A-Za-z0-9])?"
+
+
+HOSTNAME_PATTERN = rf"^{_label(63)}(?:\.{_label(20)}){{0,9}}\.?$"
+FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "date": f"^{_DATE}$", "time": f"^{_TIME}$",
+                   "date-time": f"^{_DATE}T{_TIME}$", "hostname": HOSTNAME_PATTERN}
+FORMAT_LENGTHS = {"ipv4": (7, 15), "date": (10, 10), "time": (9, 29), "date-time": (20, 40), "hostname": (1, 253)}
+
+
+def norm_string(n: Normalizer, s: dict, pointer: str):
+    """The string branch of subschema `s`."""
+    lo, hi = n.count_bounds("minLength", s.get("minLength"), s.get("maxLength"), pointer)
+    lo = int(lo) if lo is not None else None
+    hi = int(hi) if hi is not None else None
+    if lo is not None and hi is not None and lo > hi:
+        return UNSAT
+    fmt = s.get("format")
+    pattern = s.get("pattern")
+    if fmt in FORMAT_PATTERNS:
+        return _pattern_format(n, fmt, pattern, lo, hi, pointer)
+    if fmt is not None and fmt not in GRAMMAR_FORMATS:
+        if fmt in CHECKED_FORMATS:
+            n.unsupported("format", ptr(pointer, "format"), f"format '{fmt}' is not supported")
+        fmt = None  # an annotation
+    if fmt is not None:
+        return _grammar_format(n, fmt, pattern, lo, hi, pointer)
+    if pattern is not None and _expressible(n, pattern, pointer):
+        return _norm_pattern(n, pattern, lo, hi, pointer)
+    out = {"type": "string"}
+    if lo:
+        out["minLength"] = lo
+    if hi is not None:
+        out["maxLength"] = hi
+    return out
+
+
+def _pattern_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str):
+    """A format we enforce as an exact pattern (FORMAT_PATTERNS)."""
+    n.rewrite("format", ptr(pointer, "format"))
+    if pattern is not None:
+        n.unsupported("pattern", ptr(pointer, "pattern"), "pattern beside format is not supported")
+    flo, fhi = FORMAT_LENGTHS[fmt]
+    if (lo or 0) > fhi or (hi is not None and hi < flo):
+        return UNSAT
+    if (lo or 0) > flo or (hi is not None and hi < fhi):
+        kw = "minLength" if (lo or 0) > flo else "maxLength"
+        n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside format '{fmt}' is not supported")
+    return {"type": "string", "pattern": FORMAT_PATTERNS[fmt][1:-1]}
+
+
+def _grammar_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str) -> dict:
+    """A format the backend enforces itself (GRAMMAR_FORMATS); nothing may sit beside it."""
+    if pattern is not None or lo or hi is not None:
+        kw = "pattern" if pattern is not None else ("minLength" if lo else "maxLength")
+        n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside format '{fmt}' is not supported")
+    return {"type": "string", "format": fmt}
+
+
+def _expressible(n: Normalizer, pattern: str, pointer: str) -> bool:
+    """False (after reporting it) when the pattern uses what no grammar here can express."""
+    if "\\\\" in pattern:
+        # the backend matches patterns against the raw JSON text, where a backslash starts an
+        # escape: measured, the pattern a-backslash-n-b admitted the JSON string "a\\nb" (a newline)
+        n.unsupported("pattern", ptr(pointer, "pattern"), "a literal backslash in a pattern is not "
+                      "supported")
+        return False
+    if has_unsupported_feature(pattern):
+        n.unsupported("pattern", ptr(pointer, "pattern"),
+                      "lookaround, backreferences, \\b and \\p{...} are not supported")
+        return False
+    return True
+
+
+def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
+    """`pattern` as a whole-string pattern, intersected with the length range lo..hi."""
+    out = {"type": "string"}
+    full = as_fullmatch(pattern)
+    if full is None:
+        n.unsupported("pattern", ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are "
+                      "not supported")
+        return out
+    why = unconvertible(full)
+    if why:
+        n.unsupported("pattern", ptr(pointer, "pattern"), why)
+        return out
+    if full != pattern:
+        n.rewrite("pattern", ptr(pointer, "pattern"))
+    if lo or hi is not None:
+        bounded = bound_repetition(full, lo or 0, hi)
+        if bounded == "":
+            return UNSAT
+        if bounded is None and width_within(full, lo or 0, hi):
+            bounded = full  # every match already has an allowed length
+        if bounded is None:
+            kw = "maxLength" if hi is not None else "minLength"
+            n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside a pattern that is not one "
+                          "repeated character class is not supported")
+            out["pattern"] = full
+            return out
+        n.rewrite("pattern", ptr(pointer, "pattern"))
+        full = bounded
+    out["pattern"] = full
+    return out
