@@ -125,7 +125,7 @@ def merge(a: dict, b: dict, pointer: str):
         b.pop("prefixItems", None)
     if "properties" in a or "properties" in b:
         out["properties"] = _merged_properties(a, b)
-    for k in set(a) | set(b):
+    for k in list(a) + [k for k in b if k not in a]:  # a fixed order: the first conflict is reported
         if k not in KNOWN or k in ("properties", "prefixItems"):
             continue
         if k not in a or k not in b:
