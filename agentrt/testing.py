@@ -47,6 +47,7 @@ __all__ = [
     "ServerStartError",
     "agentrt_server",
     "byte_tokenizer",
+    "fake_engine",
     "free_port",
     "launch_server",
 ]
@@ -325,6 +326,15 @@ class FakeModelRunner:
         for t in ids:
             key = _mix(key, t)
         return key
+
+
+def fake_engine(config=None, **runner_kwargs):
+    """`Engine(config, runner=FakeModelRunner(**runner_kwargs))`: a real engine (scheduler, KV pool,
+    prefix cache, grammars, sampler, speculation) over the fake runner. `config.cache.kv_cache_bytes`
+    and `config.model` are not used: the pool has `num_kv_slots` slots."""
+    from agentrt.runtime.engine import Engine
+
+    return Engine(config, runner=FakeModelRunner(**runner_kwargs))
 
 
 # ---- one server launcher ----------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def client(engine):
     """The OpenAI API in-process (FastAPI TestClient) over the shared engine."""
     from fastapi.testclient import TestClient
 
-    from agentrt.api.server import create_app
+    from agentrt.api.app import create_app
     from agentrt.runtime.async_engine import AsyncEngine
 
     front = AsyncEngine(engine=engine)
@@ -94,3 +94,26 @@ def server(default_model_dir, tmp_path_factory):
     except ServerStartError as e:
         pytest.fail(str(e))
     assert srv.returncode == 0, srv.log_tail()
+
+
+@pytest.fixture
+def time_limit():
+    """Fail a model-free test that runs past 30 s instead of hanging the suite (a request the engine
+    loses makes Engine.generate loop forever). Use with `pytestmark = pytest.mark.usefixtures("time_limit")`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("model-free test ran past 30 s: a request never finished?")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(30)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
