@@ -90,7 +90,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from agentrt.api.server import create_app
+    from agentrt.api.app import create_app
     from agentrt.runtime.async_engine import AsyncEngine
 
     try:

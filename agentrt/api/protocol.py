@@ -1,22 +1,17 @@
-"""OpenAI-compatible request models (pydantic) and their translation to engine inputs."""
+"""OpenAI-compatible request models (pydantic), their translation to engine inputs, and the small
+response shapes shared by streamed and non-streamed responses."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from agentrt.api.errors import APIError
 from agentrt.grammars.spec import ConstraintSpec
-from agentrt.runtime.request import SamplingParams
+from agentrt.runtime.request import RequestOutput, SamplingParams
 
-
-class APIError(Exception):
-    """An error with an HTTP status and OpenAI error fields."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.type, self.code = message, status, param, type_, code
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "RequestConstraint", "usage"]
 
 
 class TextPart(BaseModel):
@@ -136,9 +131,9 @@ class _CommonRequest(BaseModel):
 
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
 
-    def constraint(self, response_format: ResponseFormat | None = None) -> tuple[ConstraintSpec | None, str]:
-        """The request's one constraint (or None) and the request field it came from. Raises APIError (400) naming the field when the
-        constraint is invalid or several are given."""
+    def constraint(self, response_format: ResponseFormat | None = None) -> RequestConstraint:
+        """The request's one constraint (spec None when it has none). Raises APIError (400) naming the
+        field when the constraint is invalid, combined with `stop`, or several are given."""
         given = []
         if response_format is not None and response_format.type != "text":
             given.append("response_format")
@@ -146,7 +141,7 @@ class _CommonRequest(BaseModel):
         if len(given) > 1:
             raise APIError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
         if not given:
-            return None, ""
+            return RequestConstraint(None, "", "")
         field = given[0]
         if self.stop:
             raise APIError(f"stop cannot be combined with {field}: a stop string could cut the constrained "
@@ -155,22 +150,30 @@ class _CommonRequest(BaseModel):
         try:
             if field == "response_format":
                 if response_format.type == "json_object":
-                    return ConstraintSpec.json_object(), field
+                    return RequestConstraint(ConstraintSpec.json_object(), field, field)
                 if response_format.json_schema is None:
                     raise APIError("response_format.json_schema is required for type json_schema",
                                    param="response_format.json_schema")
                 param = "response_format.json_schema.schema"
-                return ConstraintSpec.json_schema(response_format.json_schema.schema_,
-                                                  strict=response_format.json_schema.strict), param
-            if field == "regex":
-                return ConstraintSpec.regex(self.regex), field
-            if field == "grammar":
-                return ConstraintSpec.grammar(self.grammar), field
-            if field == "lark":
-                return ConstraintSpec.lark(self.lark), field
-            return ConstraintSpec.choice(self.choice), field
+                spec = ConstraintSpec.json_schema(response_format.json_schema.schema_,
+                                                  strict=response_format.json_schema.strict)
+            else:
+                make = {"regex": ConstraintSpec.regex, "grammar": ConstraintSpec.grammar,
+                        "lark": ConstraintSpec.lark, "choice": ConstraintSpec.choice}[field]
+                spec = make(getattr(self, field))
         except ValueError as e:
             raise APIError(f"{param}: {e}", param=param) from None
+        return RequestConstraint(spec, field, param)
+
+
+class RequestConstraint(NamedTuple):
+    """A request's constraint: `spec` (None: unconstrained), `field` the request field that gave it
+    ("response_format", "regex", ...; "" when none) and `param` the field to name when the spec fails
+    to compile (e.g. "response_format.json_schema.schema")."""
+
+    spec: ConstraintSpec | None
+    field: str
+    param: str
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -195,3 +198,11 @@ class CompletionRequest(_CommonRequest):
     suffix: str | None = None
     response_format: ResponseFormat | None = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix")
+
+
+def usage(out: RequestOutput) -> dict:
+    """OpenAI's `usage` object of a finished output (tokens), with cached prompt tokens."""
+    n = len(out.token_ids)
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
+            "total_tokens": out.num_prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}

@@ -1,24 +1,9 @@
-"""Tool calling: OpenAI's tools contract over the model's own call syntax.
+"""Tool-call parsing: model text in a tool-call format -> content and OpenAI tool calls, incrementally.
 
-A *tool-call format* is how a model family writes calls in its text:
-
-- ``hermes`` (Hermes, Qwen 2/2.5/3): ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``,
-  one block per call. It is also the *generic* format, for chat templates with no tool support
-  (the default model's): tool definitions go into the system prompt (``TOOLS_PROMPT``), earlier
-  calls and tool results are written back as text in the same syntax.
-- ``llama3_json`` (Llama 3.1/3.2/3.3): the output is ``{"name": "f", "parameters": {...}}``
-  (optionally after ``<|python_tag|>``); several calls are separated by ``; ``.
-- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``.
-
-Calls are constrained with xgrammar structural tags: each tool is a tag whose begin text holds
-its name (the model cannot invent one) and whose content is the tool's parameter schema, compiled
-by the same faithful JSON-Schema pipeline as ``response_format`` (unsupported keywords are a 400
-naming the tool). ``required`` / a named tool: the whole output is one call (or one or more with
-``parallel_tool_calls``); ``auto``: free text until the format's trigger, then a constrained call.
-
-``ToolCallParser`` turns model text into content and calls incrementally; the same machine serves
+``ToolCallParser`` turns model text into content and calls piece by piece; the same machine serves
 streaming and non-streaming responses, so streamed deltas concatenate to the non-streamed result
-whatever the chunking.
+whatever the chunking. (The formats themselves: agentrt/grammars/tool_calls.py; the request side:
+validation.py and rendering.py beside this module.)
 """
 
 from __future__ import annotations
@@ -30,193 +15,20 @@ from typing import Any
 
 import regex
 
-from agentrt.api.protocol import APIError
 from agentrt.grammars.tool_calls import ToolCallFormat
 
-TOOLS_PROMPT = """# Tools
 
-You may call one or more functions to help with the user's request. The functions, as JSON Schema
-signatures, are inside <tools></tools>:
-<tools>
-{tools}
-</tools>
-
-To call a function, write a JSON object with its name and arguments inside <tool_call></tool_call>:
-<tool_call>
-{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
-</tool_call>"""
-
-
-def detect_format(chat_template: str | None) -> tuple[str, bool]:
-    """(format name, native): the model's call format read from its chat template; native is
-    whether the template itself renders tools (else the generic hermes prompt is used)."""
-    t = chat_template or ""
-    if "[TOOL_CALLS]" in t:
-        return "mistral", "tools" in t
-    if "<tool_call>" in t:
-        return "hermes", "tools" in t
-    if "<|python_tag|>" in t or "ipython" in t:
-        return "llama3_json", "tools" in t
-    return "hermes", False
-
-
-# ---- request side ---------------------------------------------------------------------------------
-@dataclass
-class ToolPlan:
-    """What a request asks of tools: mode "none" | "auto" | "required" (a named tool_choice is
-    "required" over that one tool); tools: [{"name", "description", "parameters", "strict"}]
-    offered to the grammar; all_tools: every tool of the request (rendered in the prompt)."""
-
-    mode: str
-    tools: list[dict]
-    all_tools: list[dict]
-    parallel: bool
-    fmt: ToolCallFormat
-    constrained: bool = True
-
-    def constraint_value(self) -> str:
-        """The canonical JSON value of the "tool_calls" ConstraintSpec."""
-        return json.dumps({"format": self.fmt.name, "mode": self.mode, "parallel": self.parallel,
-                           "tools": [{"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]}
-                                     for t in self.tools]}, sort_keys=True, ensure_ascii=False,
-                          separators=(",", ":"))
-
-
-def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, fmt: ToolCallFormat,
-               constrained: bool = True) -> ToolPlan | None:
-    """Validate `tools` / `tool_choice` (OpenAI's shapes). None when the request has no tools and
-    no tool_choice. Raises APIError (400) naming the field."""
-    if not tools:
-        if tool_choice not in (None, "none"):
-            raise APIError("tool_choice needs tools", param="tool_choice")
-        return None
-    specs, seen = [], set()
-    for i, t in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
-        fn = t["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not regex.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", name):
-            raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_', '.', ':' or '-'",
-                           param=f"{where}.function.name")
-        if name in seen:
-            raise APIError(f"{where}.function.name '{name}' is given twice", param=f"{where}.function.name")
-        seen.add(name)
-        params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}, "additionalProperties": False}
-        if not isinstance(params, dict):
-            raise APIError(f"{where}.function.parameters must be a JSON Schema object", param=f"{where}.function.parameters")
-        if params.get("type", "object") != "object":
-            # arguments are a JSON object (OpenAI's contract; frameworks json.loads them into a dict)
-            raise APIError(f"{where}.function.parameters must describe an object (\"type\": \"object\"), got "
-                           f"type {json.dumps(params.get('type'))}", param=f"{where}.function.parameters")
-        params = {**params, "type": "object"}
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise APIError(f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
-        desc = fn.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise APIError(f"{where}.function.description must be a string", param=f"{where}.function.description")
-        specs.append({"name": name, "description": desc or "", "parameters": params, "strict": strict})
-    if parallel is not None and not isinstance(parallel, bool):
-        raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
-    parallel = True if parallel is None else parallel
-    choice = "auto" if tool_choice is None else tool_choice
-    if isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
-            raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                           '"function": {"name": ...}}', param="tool_choice")
-        chosen = [s for s in specs if s["name"] == name]
-        if not chosen:
-            raise APIError(f"tool_choice names '{name}', which is not one of the tools", param="tool_choice")
-        return ToolPlan("required", chosen, specs, parallel, fmt, constrained)
-    if choice not in ("none", "auto", "required"):
-        raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                       '"function": {"name": ...}}', param="tool_choice")
-    return ToolPlan(choice, specs, specs, parallel, fmt, constrained)
-
-
-def check_tool_messages(messages: list[dict]) -> None:
-    """OpenAI's rules for tool turns: `tool_calls` only on assistant messages, every `tool`
-    message answers (`tool_call_id`) a call of an earlier assistant message. Raises APIError."""
-    ids: set[str] = set()
-    for i, m in enumerate(messages):
-        if m.get("tool_calls") and m["role"] != "assistant":
-            raise APIError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-        for c in m.get("tool_calls") or []:
-            if c.get("id"):
-                ids.add(c["id"])
-        if m["role"] == "tool":
-            tid = m.get("tool_call_id")
-            if not tid:
-                raise APIError(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
-            if tid not in ids:
-                raise APIError(f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
-                               "message", param=f"messages[{i}].tool_call_id")
-
-
-def render_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
-                    exclude_tools: bool = False) -> tuple[list[dict], list[dict] | None]:
-    """(messages for the chat template, tools for the template or None). `messages` are OpenAI
-    dicts (role, content text, tool_calls, tool_call_id, name). With a native template, tool calls
-    and tool results pass through in Hugging Face's shape (arguments as objects); otherwise the
-    generic format writes them as text and the tool definitions go into the system prompt."""
-    show = plan is not None and not (plan.mode == "none" and exclude_tools)
-    out = []
-    for m in messages:
-        role, content = m["role"], m.get("content") or ""
-        calls = m.get("tool_calls") or []
-        if native:
-            msg = {"role": role, "content": content}
-            if calls:
-                msg["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-                    "name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}}
-                    for c in calls]
-            if role == "tool":
-                msg["tool_call_id"] = m.get("tool_call_id")
-            out.append(msg)
-            continue
-        if role == "assistant" and calls:
-            blocks = [f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}, ensure_ascii=False)}\n</tool_call>'
-                      for c in calls]
-            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)})
-        elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
-        else:
-            out.append({"role": role, "content": content})
-    if not show:
-        return out, None
-    tool_defs = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                   "parameters": t["parameters"]}} for t in plan.all_tools]
-    if native:
-        return out, tool_defs
-    prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tool_defs))
-    if out and out[0]["role"] in ("system", "developer"):
-        out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{prompt}".strip()}
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
-    return out, None
-
-
-def _as_object(arguments):
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-# ---- response side --------------------------------------------------------------------------------
 @dataclass
 class ToolCall:
+    """One parsed call: `arguments` is the JSON text of its arguments object."""
+
     id: str
     name: str
     arguments: str = ""
+
+    def as_openai(self) -> dict:
+        """The call as an OpenAI `tool_calls` entry of a message."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
@@ -269,6 +81,12 @@ class ToolCallParser:
         return self._run(final=True)
 
     _cut_off: bool = False
+
+    def close(self, finish_reason: str) -> tuple[list[ParseEvent], str]:
+        """`finish` at the end of an output that ended with `finish_reason`: the rest of the events,
+        and the finish_reason to report ("tool_calls" when calls were made and the output stopped)."""
+        events = self.finish(cut_off=finish_reason == "length")
+        return events, "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
 
     @property
     def content(self) -> str:

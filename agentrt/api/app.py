@@ -1,0 +1,52 @@
+"""The FastAPI app: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, plus
+/health and /metrics, around one AsyncEngine.
+
+    routes.py     HTTP handlers: parse -> serving -> response
+    serving.py    request -> engine (sampling params, constraint, tool plan) -> result
+    streaming.py  SSE chunks (content and tool-call deltas)
+    errors.py     typed errors -> HTTP status and OpenAI's error shape; the exception handlers
+    protocol.py   request models (pydantic)
+    tools/        tool definitions and turns: validation, prompt rendering, call parsing
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+
+from agentrt.api.errors import install_error_handlers
+from agentrt.api.routes import build_router
+from agentrt.api.serving import OpenAIServing
+from agentrt.api.tools import ToolPrompt
+from agentrt.runtime.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: AsyncEngine, served_model_name: str,
+               on_ready: Callable[[], None] | None = None, tool_call_format: str = "auto",
+               exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+    """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
+    `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
+    template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
+    the tools out of the prompt when tool_choice is "none". Raises ValueError on an unknown format."""
+    tool_prompt = ToolPrompt.for_template(getattr(engine.tokenizer, "chat_template", None), tool_call_format,
+                                          exclude_tools_when_tool_choice_none)
+    logger.info("tool calls: format %s (%s prompt)", tool_prompt.fmt.name,
+                "template" if tool_prompt.native else "generic")
+    app = FastAPI(title="agentrt", version="0.1.0", lifespan=_lifespan)
+    app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt)
+    app.state.on_ready = on_ready
+    install_error_handlers(app)
+    app.include_router(build_router())
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    if app.state.on_ready is not None:
+        app.state.on_ready()
+    yield

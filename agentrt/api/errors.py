@@ -1,0 +1,151 @@
+"""HTTP errors: the one mapping from agentrt's typed errors (agentrt/errors.py) to an HTTP status and
+OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`, and the FastAPI handlers that
+apply it. No other module chooses a status for an AgentrtError.
+
+    AgentrtError subclass        status  type                   code
+    ContextLengthError           400     invalid_request_error  context_length_exceeded
+    ConstraintError              400     invalid_request_error  None
+    InvalidRequestError          400     invalid_request_error  None
+    ServiceUnavailableError      503     server_error           None
+    AgentrtError (e.g. Internal) 500     server_error           None
+
+`param` is the request field at fault (InvalidRequestError's `param`, or the field the API layer
+attributes it to); server errors carry none.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentrt.errors import AgentrtError, ContextLengthError, InvalidRequestError, ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+"""Request bodies larger than this (bytes, by Content-Length) are refused with 413."""
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
+
+
+class APIError(Exception):
+    """An error the API layer decides itself, with its HTTP status and OpenAI error fields (a
+    malformed request field, an unknown model (404), a client that left (499)). Typed runtime errors
+    become one through `to_api_error`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type_, code
+
+    def body(self) -> dict:
+        """OpenAI's error body for this error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class ErrorKind(NamedTuple):
+    """How one AgentrtError class is shown over HTTP."""
+
+    status: int
+    type: str
+    code: str | None = None
+
+
+# most specific first: the first class an error is an instance of decides
+_KINDS: tuple[tuple[type[AgentrtError], ErrorKind], ...] = (
+    (ContextLengthError, ErrorKind(400, "invalid_request_error", "context_length_exceeded")),
+    (InvalidRequestError, ErrorKind(400, "invalid_request_error")),
+    (ServiceUnavailableError, ErrorKind(503, "server_error")),
+    (AgentrtError, ErrorKind(500, "server_error")),
+)
+
+
+def error_kind(e: AgentrtError) -> ErrorKind:
+    """The HTTP status, OpenAI error type and code of a typed error."""
+    return next(kind for cls, kind in _KINDS if isinstance(e, cls))
+
+
+def to_api_error(e: AgentrtError, param: str | None = None, message: str | None = None) -> APIError:
+    """`e` as an HTTP error. param: the request field at fault as this request names it (default:
+    `e.param` for an InvalidRequestError; server errors never carry one); message: the text shown
+    (default: `e.message`)."""
+    kind = error_kind(e)
+    if isinstance(e, InvalidRequestError):
+        param = param or e.param
+    else:
+        param = None
+    return APIError(e.message if message is None else message, status=kind.status, param=param,
+                    type_=kind.type, code=kind.code)
+
+
+def _utf8(text: str) -> str:
+    """Text safe to encode as UTF-8 (lone surrogates from the client are escaped)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    """OpenAI's error shape; message and param are made safe to encode as UTF-8."""
+    return {"error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every failure of `app` an OpenAI error body: APIError and AgentrtError (by the table
+    above), request bodies over MAX_BODY_BYTES (413), pydantic validation errors (400 naming the
+    field), HTTP errors such as 404/405 routes, and any other exception (500, logged)."""
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(AgentrtError, _on_agentrt_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(Exception, _on_internal_error)
+    app.middleware("http")(_limit_body)
+
+
+async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+async def _on_agentrt_error(_: Request, e: AgentrtError) -> JSONResponse:
+    return to_api_error(e).response()
+
+
+async def _limit_body(request: Request, call_next):
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return APIError(f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}",
+                        status=413).response()
+    return await call_next(request)
+
+
+async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return APIError(str(e.detail), status=e.status_code, type_=type_).response()
+
+
+async def _on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        param = None
+        message = f"request body is not valid JSON: {err.get('ctx', {}).get('error') or err.get('msg')}"
+    else:
+        message = f"{param or 'body'}: {err.get('msg')}"
+    return APIError(message, param=param).response()
+
+
+async def _on_internal_error(_: Request, e: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error").response()
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names union branches in error locations ('str', 'list[...]'); they are not fields."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)

@@ -1,0 +1,241 @@
+"""OpenAI serving: a chat or text completion request -> the engine -> a result (a complete response
+body, or the events of a stream). No HTTP framework here: routes.py makes the result a response, and
+errors.py maps the errors raised.
+
+Per request: validate (tools, tool turns), render the chat template and tokenize (off the event
+loop), build a `Generation` (sampling params, the one constraint, the tool plan), submit it to the
+AsyncEngine (which validates, compiles the constraint once and queues), then stream or collect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest, usage
+from agentrt.api.streaming import ChunkWriter, stream_events
+from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
+from agentrt.errors import AgentrtError, ConstraintError, InternalError, InvalidRequestError
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.async_engine import AsyncEngine, RequestStream
+from agentrt.runtime.request import RequestOutput, SamplingParams
+
+IsDisconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request as the engine runs it, and what its response needs.
+
+    constraint_param: the request field named when the constraint fails to compile ("" when none);
+    tools: the tool plan when the output may hold tool calls (None: plain text); param_names: the
+    engine's field names -> this request's (the chat API's prompt is its "messages", its max_tokens
+    may be "max_completion_tokens")."""
+
+    request_id: str
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    constraint: ConstraintSpec | None
+    constraint_param: str
+    tools: ToolPlan | None
+    param_names: Mapping[str, str]
+    cache_salt: str
+    stream: bool
+    include_usage: bool
+
+    def api_error(self, e: AgentrtError | None, default_param: str | None = None) -> APIError:
+        """The HTTP error of a failed request (None: a failure without a reason), naming the field
+        as this request calls it; default_param: the field when the error names none."""
+        if e is None:
+            e = InternalError("generation failed")
+        param = (e.param or default_param) if isinstance(e, InvalidRequestError) else None
+        return to_api_error(e, self.param_names.get(param, param))
+
+
+@dataclass(frozen=True)
+class ServingResult:
+    """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream; `headers`
+    either way (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
+
+    body: dict | None = None
+    events: AsyncIterator[str] | None = None
+    headers: dict[str, str] | None = None
+
+
+class OpenAIServing:
+    """OpenAI's completions API over one AsyncEngine. `model_name` is the only accepted `model`;
+    `tool_prompt` says how tools are written into prompts and which call format is parsed."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_prompt: ToolPrompt):
+        self.engine, self.model_name, self.tool_prompt = engine, model_name, tool_prompt
+
+    def models(self) -> dict:
+        """The /v1/models listing: the one served model."""
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "agentrt", "max_model_len": self.engine.max_model_len}]}
+
+    def metrics_text(self) -> bytes:
+        return self.engine.metrics_text()
+
+    def check_model(self, model: str) -> None:
+        """Raises APIError (404 model_not_found) unless `model` is the served one."""
+        if model != self.model_name:
+            raise APIError(f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                           status=404, param="model", code="model_not_found")
+
+    async def chat(self, req: ChatCompletionRequest, is_disconnected: IsDisconnected) -> ServingResult:
+        """/v1/chat/completions. Raises APIError (4xx naming the field, 499 when the client left) or
+        an AgentrtError the engine raised (e.g. ServiceUnavailableError while shutting down)."""
+        self.check_model(req.model)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_prompt.fmt,
+                          constrained=req.tool_call_constraint)
+        if plan is not None:
+            check_tool_schemas(plan)
+        messages = [m.as_dict() for m in req.messages]
+        check_tool_messages(messages)
+        rendered, template_tools = self.tool_prompt.render(messages, plan)
+        prompt_ids = await asyncio.to_thread(_render_chat, self.engine.tokenizer, rendered, template_tools)
+        names = {"prompt": "messages"}
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+        gen = self._generation(req, True, prompt_ids, max_tokens, plan, names)
+        return await self._run(gen, is_disconnected)
+
+    async def completion(self, req: CompletionRequest, is_disconnected: IsDisconnected) -> ServingResult:
+        """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
+        `chat`."""
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError("prompt: give one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(_encode, self.engine.tokenizer, prompt, "prompt")
+            if not prompt_ids:
+                raise APIError("prompt is empty", param="prompt")
+        else:
+            prompt_ids = list(prompt)
+        gen = self._generation(req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"})
+        return await self._run(gen, is_disconnected)
+
+    def _generation(self, req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
+                    plan: ToolPlan | None, param_names: dict[str, str]) -> Generation:
+        """The request's sampling params and its one constraint (response_format / regex / ... or
+        the tool-call grammar). Raises APIError naming the field."""
+        params = req.sampling_params(max_tokens)
+        chosen = req.constraint(req.response_format)
+        constraint, constraint_param = chosen.spec, chosen.param
+        calls = plan if plan is not None and plan.calls else None
+        if calls is not None:
+            params.skip_special_tokens = calls.fmt.skip_special_tokens
+        tool_constraint = plan.constraint() if plan is not None else None
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise APIError(f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
+                               param=chosen.field)
+            if req.stop:
+                raise APIError("stop cannot be combined with constrained tool calls: a stop string could cut "
+                               "a call", param="stop")
+            constraint, constraint_param = tool_constraint, "tools"
+        return Generation(
+            request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, chat=chat, prompt_ids=prompt_ids,
+            params=params, constraint=constraint, constraint_param=constraint_param, tools=calls,
+            param_names=param_names, cache_salt=req.cache_salt or "", stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    async def _submit(self, gen: Generation) -> RequestStream:
+        """Hand `gen` to the engine. Raises APIError (400 naming the field: invalid values, a prompt
+        beyond the context, a constraint that does not compile) or the engine's other AgentrtError."""
+        try:
+            return await self.engine.submit(gen.prompt_ids, gen.params, gen.constraint, request_id=gen.request_id,
+                                            cache_salt=gen.cache_salt)
+        except ConstraintError as e:
+            param = gen.constraint_param
+            if e.tool_index is not None and gen.tools is not None:  # name the offending tool's schema
+                param = f"tools[{gen.tools.request_index(e.tool_index)}].function.parameters"
+            raise to_api_error(e, param, message=f"{param}: {e.message}") from None
+        except InvalidRequestError as e:
+            raise gen.api_error(e, default_param=gen.param_names["prompt"]) from None
+
+    async def _run(self, gen: Generation, is_disconnected: IsDisconnected) -> ServingResult:
+        stream = await self._submit(gen)
+        try:
+            first = await anext(stream)
+            if first.finished and first.finish_reason == "error":
+                raise gen.api_error(first.error)
+            created = int(time.time())
+            headers = {"X-Agentrt-Not-Enforced": ", ".join(stream.not_enforced)} if stream.not_enforced else None
+            if gen.stream:
+                writer = ChunkWriter(gen.request_id, created, self.model_name, gen.chat, gen.include_usage)
+                parser = gen.tools.new_parser() if gen.tools is not None else None
+                return ServingResult(events=stream_events(stream, first, writer, parser, gen.api_error),
+                                     headers=headers)
+            last = await _collect(stream, first, is_disconnected)
+        except BaseException:
+            await stream.aclose()  # aborts the request unless it has finished
+            raise
+        if last.finish_reason == "error":
+            raise gen.api_error(last.error)
+        return ServingResult(body=self._body(gen, last, created, stream.not_enforced), headers=headers)
+
+    def _body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
+        """The non-streamed response of a finished request."""
+        choice: dict = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if gen.chat:
+            choice["message"], choice["finish_reason"] = _message(last, gen.tools)
+        else:
+            choice["text"] = last.text
+        body = {"id": gen.request_id, "object": "chat.completion" if gen.chat else "text_completion",
+                "created": created, "model": self.model_name, "choices": [choice], "usage": usage(last)}
+        if not_enforced:
+            body["not_enforced"] = not_enforced
+        return body
+
+
+async def _collect(stream: RequestStream, first: RequestOutput, is_disconnected: IsDisconnected) -> RequestOutput:
+    """The last output of `stream`. Raises APIError (499) when the client left (the caller aborts)."""
+    last = first
+    async for out in stream:
+        last = out
+        if await is_disconnected():  # the client left: stop generating (frees KV and grammar)
+            raise APIError("client disconnected", status=499)
+    return last
+
+
+def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
+    """(the assistant message, the finish_reason to report) of a finished chat output; with a tool
+    plan the text is parsed into content and tool_calls."""
+    if plan is None:
+        return {"role": "assistant", "content": last.text}, last.finish_reason
+    parser = plan.new_parser()
+    parser.feed(last.text)
+    _, finish = parser.close(last.finish_reason)
+    message = {"role": "assistant", "content": parser.content or None}
+    if parser.calls:
+        message["tool_calls"] = [c.as_openai() for c in parser.calls]
+    return message, finish
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of `text`. Raises APIError naming `param` when it is not valid Unicode."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except (TypeError, UnicodeError):
+        raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
+
+
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` through the chat template (generation prompt added). Raises APIError
+    naming "messages" when the template refuses them."""
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+        raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
+    return _encode(tokenizer, prompt, "messages")

@@ -1,0 +1,125 @@
+"""Server-sent events for streamed chat and text completions (OpenAI's chunk shapes).
+
+A chat stream opens with a role chunk, sends content deltas (or tool-call deltas: a call's id and
+name first, then fragments of its arguments JSON), ends with a chunk carrying finish_reason, then
+an optional usage chunk and `data: [DONE]`. An error after the first output is one
+`data: {"error": {...}}` event (the response status is already 200).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from agentrt.api.errors import APIError
+from agentrt.api.protocol import usage
+from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.errors import AgentrtError
+from agentrt.runtime.async_engine import RequestStream
+from agentrt.runtime.request import RequestOutput
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict) -> str:
+    """One server-sent event carrying `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True)
+class ChunkWriter:
+    """Builds the SSE chunks of one response: `chat` (chat.completion.chunk) or a text completion;
+    `include_usage` adds `"usage": null` to every chunk and a final usage chunk (stream_options)."""
+
+    stream_id: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def choice(self, choice: dict) -> str:
+        body = {"id": self.stream_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def role(self) -> str:
+        """The opening chunk of a chat stream."""
+        return self.choice({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                            "logprobs": None})
+
+    def text(self, delta_text: str | None, finish: str | None = None) -> str:
+        """A content delta, or (finish given, no text) the closing chunk."""
+        if not self.chat:
+            return self.choice({"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None})
+        delta = {} if finish is not None and not delta_text else {"content": delta_text}
+        return self.choice({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+
+    def events(self, events: Iterable[ParseEvent]) -> list[str]:
+        """Chunks for tool-call parser events: content deltas, a call's start (id, name), argument
+        fragments."""
+        out = []
+        for e in events:
+            if e.kind == "content":
+                out.append(self.text(e.text))
+                continue
+            if e.kind == "call":
+                tc = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+            else:
+                tc = {"index": e.index, "function": {"arguments": e.text}}
+            out.append(self.choice({"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None,
+                                    "logprobs": None}))
+        return out
+
+    def usage(self, last: RequestOutput) -> str:
+        return sse({"id": self.stream_id, "object": self.object, "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage(last)})
+
+
+async def stream_events(stream: RequestStream, first: RequestOutput, writer: ChunkWriter,
+                        parser: ToolCallParser | None,
+                        to_error: Callable[[AgentrtError | None], APIError]) -> AsyncIterator[str]:
+    """The SSE events of one request, `first` (its first output, already received) included.
+    parser: turns the text into tool-call deltas (None: plain content); to_error: the HTTP error of a
+    failed output (its body is the error event). Closing the iterator early (client gone) aborts
+    the request."""
+    try:
+        if writer.chat:
+            yield writer.role()
+        out = last = first
+        while True:
+            last = out
+            if out.finish_reason == "error":
+                yield sse(to_error(out.error).body())
+                break
+            for chunk in _deltas(writer, parser, out):
+                yield chunk
+            if out.finished:
+                break
+            out = await anext(stream)
+        if writer.include_usage:
+            yield writer.usage(last)
+        yield DONE
+    finally:
+        await stream.aclose()
+
+
+def _deltas(writer: ChunkWriter, parser: ToolCallParser | None, out: RequestOutput) -> list[str]:
+    """The chunks of one output: its new text (as content or tool-call deltas), and when it is the
+    last one, the rest of the parser's events and the closing chunk with finish_reason."""
+    chunks = []
+    if out.delta_text:
+        chunks += writer.events(parser.feed(out.delta_text)) if parser else [writer.text(out.delta_text)]
+    if out.finished:
+        finish = out.finish_reason
+        if parser is not None:
+            events, finish = parser.close(finish)
+            chunks += writer.events(events)
+        chunks.append(writer.text(None, finish))
+    return chunks

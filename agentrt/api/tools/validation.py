@@ -1,0 +1,161 @@
+"""Tool-call requests: validate OpenAI's `tools`, `tool_choice`, `parallel_tool_calls` and the tool
+turns of `messages`, and turn them into a `ToolPlan` (what the grammar offers, what the prompt shows
+and what the parser expects).
+
+Every check raises APIError (400) naming the request field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import regex
+
+from agentrt.api.errors import APIError
+from agentrt.api.tools.parsing import ToolCallParser
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.grammars.tool_calls import ToolCallFormat
+
+_NAME = r"[A-Za-z0-9_.:\-]{1,64}"
+_CHOICE_SHAPES = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+
+
+@dataclass
+class ToolPlan:
+    """What a request asks of tools: mode "none" | "auto" | "required" (a named tool_choice is
+    "required" over that one tool); tools: [{"name", "description", "parameters", "strict"}]
+    offered to the grammar; all_tools: every tool of the request (rendered in the prompt), in the
+    request's order; constrained: calls are constrained by a grammar (else only parsed)."""
+
+    mode: str
+    tools: list[dict]
+    all_tools: list[dict]
+    parallel: bool
+    fmt: ToolCallFormat
+    constrained: bool = True
+
+    @property
+    def calls(self) -> bool:
+        """The output may hold tool calls (tool_choice is not "none")."""
+        return self.mode != "none"
+
+    def constraint_value(self) -> str:
+        """The canonical JSON value of the "tool_calls" ConstraintSpec."""
+        return json.dumps({"format": self.fmt.name, "mode": self.mode, "parallel": self.parallel,
+                           "tools": [{"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]}
+                                     for t in self.tools]}, sort_keys=True, ensure_ascii=False,
+                          separators=(",", ":"))
+
+    def constraint(self) -> ConstraintSpec | None:
+        """The "tool_calls" constraint of the output, or None (tool_choice "none", or unconstrained
+        calls)."""
+        return ConstraintSpec.tool_calls(self.constraint_value()) if self.calls and self.constrained else None
+
+    def request_index(self, offered_index: int) -> int:
+        """The index in the request's `tools` of offered tool `offered_index` (a ConstraintError's
+        `tool_index` counts the offered tools, which a named tool_choice narrows to one)."""
+        name = self.tools[offered_index]["name"]
+        return next(i for i, t in enumerate(self.all_tools) if t["name"] == name)
+
+    def new_parser(self) -> ToolCallParser:
+        """A parser of the output that accepts calls to the offered tools only."""
+        return ToolCallParser(self.fmt, names={t["name"] for t in self.tools})
+
+
+def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, fmt: ToolCallFormat,
+               constrained: bool = True) -> ToolPlan | None:
+    """Validate `tools` / `tool_choice` (OpenAI's shapes). None when the request has no tools and
+    no tool_choice. Raises APIError (400) naming the field."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        return None
+    specs: list[dict] = []
+    for i, t in enumerate(tools):
+        specs.append(_tool_spec(f"tools[{i}]", t, {s["name"] for s in specs}))
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict):
+        return ToolPlan("required", [_named_tool(choice, specs)], specs, parallel, fmt, constrained)
+    if choice not in ("none", "auto", "required"):
+        raise APIError(_CHOICE_SHAPES, param="tool_choice")
+    return ToolPlan(choice, specs, specs, parallel, fmt, constrained)
+
+
+def _tool_spec(where: str, t: Any, seen: set[str]) -> dict:
+    """One entry of `tools` as {"name", "description", "parameters", "strict"}. Raises APIError."""
+    if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
+    fn = t["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not regex.fullmatch(_NAME, name):
+        raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_', '.', ':' or '-'",
+                       param=f"{where}.function.name")
+    if name in seen:
+        raise APIError(f"{where}.function.name '{name}' is given twice", param=f"{where}.function.name")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}, "additionalProperties": False}
+    if not isinstance(params, dict):
+        raise APIError(f"{where}.function.parameters must be a JSON Schema object",
+                       param=f"{where}.function.parameters")
+    if params.get("type", "object") != "object":
+        # arguments are a JSON object (OpenAI's contract; frameworks json.loads them into a dict)
+        raise APIError(f"{where}.function.parameters must describe an object (\"type\": \"object\"), got "
+                       f"type {json.dumps(params.get('type'))}", param=f"{where}.function.parameters")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise APIError(f"{where}.function.description must be a string", param=f"{where}.function.description")
+    return {"name": name, "description": desc or "", "parameters": {**params, "type": "object"}, "strict": strict}
+
+
+def _named_tool(choice: dict, specs: list[dict]) -> dict:
+    """The tool a `{"type": "function", "function": {"name": ...}}` tool_choice names. Raises APIError."""
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise APIError(_CHOICE_SHAPES, param="tool_choice")
+    chosen = [s for s in specs if s["name"] == name]
+    if not chosen:
+        raise APIError(f"tool_choice names '{name}', which is not one of the tools", param="tool_choice")
+    return chosen[0]
+
+
+def check_tool_schemas(plan: ToolPlan) -> None:
+    """Check every tool's parameters against the JSON Schema meta-schema (as for response_format) and
+    replace them by their canonical form (in place). Raises APIError naming
+    `tools[i].function.parameters`."""
+    for i, t in enumerate(plan.all_tools):
+        try:
+            t["parameters"] = json.loads(ConstraintSpec.json_schema(t["parameters"]).value)
+        except ValueError as e:
+            where = f"tools[{i}].function.parameters"
+            raise APIError(f"{where}: {e}", param=where) from None
+
+
+def check_tool_messages(messages: list[dict]) -> None:
+    """OpenAI's rules for tool turns: `tool_calls` only on assistant messages, every `tool`
+    message answers (`tool_call_id`) a call of an earlier assistant message. Raises APIError."""
+    ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.get("tool_calls") and m["role"] != "assistant":
+            raise APIError(f"messages[{i}]: only assistant messages carry tool_calls",
+                           param=f"messages[{i}].tool_calls")
+        for c in m.get("tool_calls") or []:
+            if c.get("id"):
+                ids.add(c["id"])
+        if m["role"] == "tool":
+            tid = m.get("tool_call_id")
+            if not tid:
+                raise APIError(f"messages[{i}]: a tool message needs tool_call_id",
+                               param=f"messages[{i}].tool_call_id")
+            if tid not in ids:
+                raise APIError(f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
+                               "message", param=f"messages[{i}].tool_call_id")
