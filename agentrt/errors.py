@@ -8,7 +8,9 @@ raises them as they are. No layer reads another's error text.
     ├── InvalidRequestError (also a ValueError)   the request is at fault; `param` names the field
     │   ├── ConstraintError                       a constraint cannot be compiled or enforced;
     │   │                                         `keyword`, `pointer` (RFC 6901), `tool_index`
-    │   └── ContextLengthError                    prompt (+ max_tokens) beyond the context limit
+    │   ├── ContextLengthError                    prompt (+ max_tokens) beyond the context limit
+    │   └── IncompleteOutputError                 the output ended (max_tokens) before the structured
+    │                                             result was complete (SDK extract); `finish_reason`
     ├── ServiceUnavailableError                   retryable: shutting down, overloaded, busy compiler
     └── InternalError                             a bug or a fault while serving this request
 
@@ -67,6 +69,15 @@ class ContextLengthError(InvalidRequestError):
     def __init__(self, message: str, param: str | None = None, *, num_prompt_tokens: int, limit: int):
         super().__init__(message, param)
         self.num_prompt_tokens, self.limit = num_prompt_tokens, limit
+
+
+class IncompleteOutputError(InvalidRequestError):
+    """The output ended before the structured result it must hold was complete (e.g. it ran out of
+    max_tokens mid-JSON). `finish_reason`: why it ended ("length", ...); `text`: the partial output."""
+
+    def __init__(self, message: str, param: str | None = "max_tokens", *, finish_reason: str, text: str):
+        super().__init__(message, param)
+        self.finish_reason, self.text = finish_reason, text
 
 
 class ServiceUnavailableError(AgentrtError):

@@ -7,6 +7,7 @@ import pytest
 from pydantic import BaseModel
 
 from agentrt import LLM, SamplingParams
+from agentrt.errors import ConstraintError, IncompleteOutputError
 
 
 class City(BaseModel):
@@ -42,3 +43,15 @@ def test_extract_rejects_a_non_schema(llm):
         llm.extract("x", {"type": 5})
     with pytest.raises(ValueError, match="pydantic model class"):
         llm.extract("x", 42)
+
+
+def test_extract_raises_the_typed_error_the_api_gives(llm):
+    # the schema is valid but `not` cannot be enforced: the error names the keyword and its pointer
+    schema = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "b"}}}}
+    with pytest.raises(ConstraintError, match="'not' at /properties/a/not") as e:
+        llm.extract("x", schema)
+    assert isinstance(e.value, ValueError)
+    assert (e.value.keyword, e.value.pointer) == ("not", "/properties/a/not")
+    with pytest.raises(IncompleteOutputError, match="finish_reason=length") as e:
+        llm.extract("Lyon is a city in France.", City, SamplingParams(temperature=0, max_tokens=3))
+    assert isinstance(e.value, ValueError) and e.value.param == "max_tokens" and e.value.finish_reason == "length"
