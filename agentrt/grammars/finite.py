@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from agentrt.errors import ConstraintError
+
 _TOKEN = re.compile(r"""
     (?P<ws>\s+)
   | (?P<define>::=)
@@ -222,11 +224,11 @@ def _refs(node):
 
 
 def check_finite(ebnf: str, root: str = "root") -> None:
-    """Raise ValueError when some rule reachable from `root` in `ebnf` (xgrammar's printed form)
+    """Raise ConstraintError when some rule reachable from `root` in `ebnf` (xgrammar's printed form)
     can never finish: a recursion with no way out, or an empty character class."""
     bad = unproductive_rules(ebnf, root)
     if bad:
         names = ", ".join(f"'{n}'" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ValueError(f"the constraint admits no finite output: rule {names} can never finish "
+        raise ConstraintError(f"the constraint admits no finite output: rule {names} can never finish "
                          "(a recursion with no way out, such as a required property that contains "
                          "its own object, or an empty character class)")

@@ -10,8 +10,8 @@ templates, `?rule` inlining, EBNF operators -> plain BNF rules), then written ou
   so a model that favours blanks cannot run to max_tokens: at most four ignored tokens per gap, each
   unbounded repetition inside them capped at `max_ignore_repeat` (default 16) characters or groups.
 
-Refused with ValueError naming the construct (the result would not be the same language):
-lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
+Refused with ConstraintError (a ValueError) naming the construct (the result would not be the same
+language): lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
 lazy repetition, `\\W \\S \\D`, Unicode-wide case folding. Lark priorities and the contextual
 lexer only choose among parses; they do not change the language of the text, with one caveat: a
 CFG admits tokenizations lark's greedy lexers would not choose, so rare outputs may not parse with
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 
+from agentrt.errors import ConstraintError
 from agentrt.grammars.regex import RegexToEBNF, esc_char
 
 # lark's common.ESCAPED_STRING and the `"\"" _STRING_INNER "\""` spelling of it: a double-quoted
@@ -44,7 +45,7 @@ def _literal(text: str, ignore_case: bool = False) -> str:
         if c.isascii() and c.isalpha():
             parts.append(f"[{c.lower()}{c.upper()}]")
         elif c.isalpha():
-            raise ValueError(f"case-insensitive non-ASCII text {text!r} is not supported")
+            raise ConstraintError(f"case-insensitive non-ASCII text {text!r} is not supported")
         else:
             parts.append('"' + esc_char(ord(c), False) + '"')
     return "(" + " ".join(parts) + ")"
@@ -60,13 +61,13 @@ def _term_name(name: str) -> str:
 
 def lark_to_ebnf(text: str, start: str = "start", max_ignore_repeat: int = 16) -> str:
     """EBNF (root rule `root`) with the language of the Lark grammar `text` from rule `start`.
-    Raises ValueError naming the problem (a Lark syntax error, or a construct above)."""
+    Raises ConstraintError naming the problem (a Lark syntax error, or a construct above)."""
     import lark
 
     try:
         parser = lark.Lark(text, start=start, parser="earley", lexer="dynamic", keep_all_tokens=True)
     except (lark.exceptions.LarkError, OSError, OverflowError) as e:  # OSError: %import of an unknown module
-        raise ValueError(f"not a valid Lark grammar: {e}") from None
+        raise ConstraintError(f"not a valid Lark grammar: {e}") from None
     ignore = list(parser.ignore_tokens)
     lines = []
     alts: dict[str, list[str]] = {}
@@ -77,7 +78,7 @@ def lark_to_ebnf(text: str, start: str = "start", max_ignore_repeat: int = 16) -
             syms.append(_term_name(sym.name) + ws if sym.is_term else _rule_name(sym.name))
         alts.setdefault(rule.origin.name, []).append(" ".join(syms) if syms else '""')
     if start not in alts:
-        raise ValueError(f"the Lark grammar has no '{start}' rule")
+        raise ConstraintError(f"the Lark grammar has no '{start}' rule")
     lines.append(f"root ::= {'ign ' if ignore else ''}{_rule_name(start)}")
     for name, options in alts.items():
         lines.append(f"{_rule_name(name)} ::= " + " | ".join(f"({o})" for o in options))

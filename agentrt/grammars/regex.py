@@ -13,13 +13,16 @@ the wild. So:
   dialect): for Lark terminals, `regex` constraints (`regex_to_ebnf`) and JSON-string patterns
   (`regex_to_json_string_ebnf`: the raw text inside a JSON string, RFC 8259 §7 escapes).
 
-Errors: constructs that cannot be translated raise ValueError naming the construct.
+Errors: constructs that cannot be translated raise `agentrt.errors.ConstraintError` (a ValueError)
+naming the construct; the caller that knows the keyword (e.g. `pattern`) reports it.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+
+from agentrt.errors import ConstraintError
 
 try:
     import re._constants as sre_c  # Python >= 3.11
@@ -305,7 +308,7 @@ class RegexToEBNF:
     negated classes never produce a raw one), which is how xgrammar applies a JSON Schema pattern.
 
     Translated: literals, classes, `\\d \\w \\s`, `.`, groups, alternation, greedy repetition,
-    inline `(?i:...)`. Refused (ValueError "<terminal>: <construct> cannot be converted to a
+    inline `(?i:...)`. Refused (ConstraintError "<terminal>: <construct> cannot be converted to a
     grammar"): lookaround, backreferences, anchors inside the pattern, lazy repetition (except in
     JSON-string patterns, whose language ignores laziness), `\\W \\S \\D` outside JSON strings."""
 
@@ -317,13 +320,13 @@ class RegexToEBNF:
         self.max_repeat = max_repeat
 
     def fail(self, what: str):
-        raise ValueError(f"{self.terminal}: {what} cannot be converted to a grammar")
+        raise ConstraintError(f"{self.terminal}: {what} cannot be converted to a grammar")
 
     def convert(self, pattern: str, ignore_case: bool) -> str:
         try:
             tree = sre_parse.parse(pattern)
         except OverflowError:
-            raise ValueError(f"{self.terminal}: a repetition count is too large") from None
+            raise ConstraintError(f"{self.terminal}: a repetition count is too large") from None
         except re.error as e:
             self.fail(f"regex {pattern!r} ({e})")
         if tree.state.flags & re.IGNORECASE:
@@ -387,7 +390,7 @@ class RegexToEBNF:
         return f"{inner}{{{lo},{hi}}}"
 
     def refuse(self, op) -> None:
-        """Raise the ValueError naming a construct with no EBNF translation."""
+        """Raise the ConstraintError naming a construct with no EBNF translation."""
         if op is sre_c.MIN_REPEAT:
             self.fail("lazy repetition (*?, +?)")
         if op in (sre_c.ASSERT, sre_c.ASSERT_NOT):
@@ -464,7 +467,8 @@ class RegexToEBNF:
 
 def regex_to_ebnf(pattern: str) -> str:
     """An EBNF expression for the strings that fully match `pattern` (a leading `^` and a
-    trailing `$` are allowed; anchors elsewhere, lookaround and backreferences raise ValueError)."""
+    trailing `$` are allowed; anchors elsewhere, lookaround and backreferences raise
+    ConstraintError)."""
     core = pattern
     core = core.removeprefix("^")
     if core.endswith("$") and not core.endswith("\\$"):
@@ -474,7 +478,7 @@ def regex_to_ebnf(pattern: str) -> str:
 
 def regex_to_json_string_ebnf(pattern: str) -> str:
     """An EBNF expression for the raw JSON-string text of values that fully match `pattern`
-    (Python/ECMA regex without anchors). Raises ValueError on constructs it cannot express."""
+    (Python/ECMA regex without anchors). Raises ConstraintError on constructs it cannot express."""
     return RegexToEBNF("pattern", json_string=True).convert(pattern, False)
 
 
@@ -482,6 +486,6 @@ def unconvertible(full: str) -> str:
     """Why a whole-match pattern has no grammar inside a JSON string ("" when it has one)."""
     try:
         regex_to_json_string_ebnf(full)
-    except ValueError as e:
-        return str(e).split(": ", 1)[-1]
+    except ConstraintError as e:
+        return e.message.split(": ", 1)[-1]
     return ""

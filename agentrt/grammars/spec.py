@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agentrt.errors import ConstraintError
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "lark", "choice", "tool_calls"]
 
 
@@ -41,8 +43,9 @@ class GrammarConfig:
 class ConstraintSpec:
     """A constraint as the user gave it. `value` is a canonical string: JSON text of the schema
     (key order kept: property order decides output order) or of the choice list; the regex; the
-    EBNF text (GBNF-style, root rule `root`); the Lark text (start rule `start`). Build with the classmethods, which raise ValueError
-    naming the problem when the input is not a valid constraint."""
+    EBNF text (GBNF-style, root rule `root`); the Lark text (start rule `start`). Build with the
+    classmethods, which raise ConstraintError (a ValueError; `param` None: the API layer names the
+    request field) naming the problem when the input is not a valid constraint."""
 
     kind: ConstraintKind
     value: str
@@ -56,12 +59,12 @@ class ConstraintSpec:
     @classmethod
     def json_schema(cls, schema: Any, strict: bool | None = None) -> ConstraintSpec:
         """Checks `schema` against its draft's meta-schema (default draft 2020-12), including the
-        `regex` format of `pattern`. Raises ValueError("... is not a valid JSON Schema: ...").
+        `regex` format of `pattern`. Raises ConstraintError("... is not a valid JSON Schema: ...").
 
         strict: None (default) follows the spec (objects open unless `additionalProperties`
         closes them) and refuses keywords that cannot be enforced; True also closes every object
         (OpenAI strict mode); False is best-effort: unenforceable keywords are dropped and reported
-        (see grammars/json_schema.py)."""
+        (see grammars/json_schema/)."""
         import jsonschema
         from jsonschema.validators import validator_for
 
@@ -69,20 +72,20 @@ class ConstraintSpec:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"schema is not valid JSON: {e}") from None
+                raise ConstraintError(f"schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"schema must be a JSON object, got {type(schema).__name__}")  # noqa: TRY004 (a 400)
+            raise ConstraintError(f"schema must be a JSON object, got {type(schema).__name__}")
         validator = validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
             validator.check_schema(schema)
             value = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
         except jsonschema.SchemaError as e:
             where = "/" + "/".join(str(p) for p in e.absolute_path)
-            raise ValueError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
+            raise ConstraintError(f"schema is not a valid JSON Schema: at {where}: {e.message}") from None
         except RecursionError:
-            raise ValueError("schema is nested too deeply to be checked") from None
+            raise ConstraintError("schema is nested too deeply to be checked") from None
         except OverflowError as e:  # re.compile in the `regex` format check: a{1,4294967295}
-            raise ValueError(f"schema is not a valid JSON Schema: a pattern's {e}") from None
+            raise ConstraintError(f"schema is not a valid JSON Schema: a pattern's {e}") from None
         return cls("json_schema", value, strict)
 
     @classmethod
@@ -92,26 +95,26 @@ class ConstraintSpec:
     @classmethod
     def regex(cls, pattern: str) -> ConstraintSpec:
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError("regex must be a non-empty string")
+            raise ConstraintError("regex must be a non-empty string")
         return cls("regex", pattern)
 
     @classmethod
     def grammar(cls, ebnf: str) -> ConstraintSpec:
         if not isinstance(ebnf, str) or not ebnf.strip():
-            raise ValueError("grammar must be a non-empty EBNF string with a `root` rule")
+            raise ConstraintError("grammar must be a non-empty EBNF string with a `root` rule")
         return cls("grammar", ebnf)
 
     @classmethod
     def lark(cls, grammar: str) -> ConstraintSpec:
         """A Lark grammar (start rule `start`), converted to EBNF by grammars/lark_grammar.py."""
         if not isinstance(grammar, str) or not grammar.strip():
-            raise ValueError("lark grammar must be a non-empty string with a `start` rule")
+            raise ConstraintError("lark grammar must be a non-empty string with a `start` rule")
         return cls("lark", grammar)
 
     @classmethod
     def choice(cls, choices: list[str]) -> ConstraintSpec:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("choice must be a non-empty list of non-empty strings")
+            raise ConstraintError("choice must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(choices, ensure_ascii=False))
 
     @classmethod

@@ -4,6 +4,9 @@ and apply token bitmasks.
 Bitmasks are int32 tensors [batch, ceil(vocab_size / 32)]; bit j of a row allows token j.
 Stop ids are set per matcher (`override_stop_tokens`), so no stop/EOS id is allowed before the
 grammar can terminate (xgrammar only admits stop tokens in an accepting state).
+
+Errors: a constraint that cannot be compiled fails its future with `agentrt.errors.ConstraintError`
+(keyword/pointer kept from a schema error; `tool_index` set for a tool's parameters).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
+from agentrt.errors import ConstraintError
 from agentrt.grammars.finite import check_finite
 from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
@@ -78,7 +82,7 @@ def _put_patterns(ebnf: str, patterns: list[str]) -> str:
     for i, pat in enumerate(patterns):
         placeholder = f'Regex("AGENTRTPAT{i}X", json_string=true)'
         if placeholder not in ebnf:
-            raise ValueError(f"pattern {pat!r} could not be placed in the grammar")
+            raise ConstraintError(f"pattern {pat!r} could not be placed in the grammar")
         ebnf = ebnf.replace(placeholder, "(" + regex_to_json_string_ebnf(pat) + ")")
     return ebnf
 
@@ -105,7 +109,9 @@ def _at_least(name: str, lo: int) -> str:
 def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict) -> str:
     """EBNF (root rule `root`) of a JSON Schema through the faithful pipeline: normalize (refuse or,
     with strict False, drop what cannot be enforced, appending "keyword at pointer" to
-    `not_enforced`), xgrammar's converter, then our bounded strings and patterns. Raises ValueError."""
+    `not_enforced`), xgrammar's converter, then our bounded strings and patterns. Raises
+    ConstraintError (UnsupportedSchemaError / UnsatisfiableSchemaError from the normalizer) or
+    xgrammar's RuntimeError."""
     norm = normalize_schema(schema, best_effort=strict is False, close_objects=strict is True)
     not_enforced.extend(norm.not_enforced)
     schema, patterns = _take_patterns(norm.schema)
@@ -115,6 +121,15 @@ def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict)
 
 def _clean_error(e: Exception) -> str:
     return _XGR_PREFIX.sub("", str(e)).strip()
+
+
+def _refusal(message: str, cause: Exception) -> ConstraintError:
+    """A ConstraintError with `message` that keeps the keyword, pointer and tool index of `cause`
+    when it is a ConstraintError (a schema error deep in the constraint)."""
+    if isinstance(cause, ConstraintError):
+        return ConstraintError(message, cause.param, keyword=cause.keyword, pointer=cause.pointer,
+                               tool_index=cause.tool_index)
+    return ConstraintError(message)
 
 
 @dataclass
@@ -153,8 +168,10 @@ class GrammarBackend:
 
     def submit(self, spec: ConstraintSpec) -> Future:
         """Future of the CompiledConstraint (shared by equal specs; LRU-cached). The future's
-        exception is a ValueError naming the problem when the spec cannot be compiled, is larger
-        than `max_constraint_bytes`, or takes longer than `compile_timeout_s`."""
+        exception is a ConstraintError naming the problem when the spec cannot be compiled (with the
+        schema keyword/pointer and tool index when known), is larger than `max_constraint_bytes`,
+        takes longer than `compile_timeout_s`, or finds the compile threads stuck. The exception
+        object is shared by every request with an equal spec: copy it before changing its fields."""
         with self._lock:
             fut = self._cache.get(spec.key)
             if fut is not None:
@@ -162,11 +179,11 @@ class GrammarBackend:
                 return fut
             fut = Future()
             if len(spec.value.encode()) > self.config.max_constraint_bytes:
-                fut.set_exception(ValueError(
+                fut.set_exception(ConstraintError(
                     f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
                     f"{self.config.max_constraint_bytes}-byte limit"))
             elif self._pool.num_stuck >= self._pool.max_stuck:
-                fut.set_exception(ValueError(
+                fut.set_exception(ConstraintError(
                     f"{self._pool.num_stuck} earlier constraints are still compiling past the "
                     f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"))
                 return fut  # not cached: a later request may find capacity
@@ -183,8 +200,8 @@ class GrammarBackend:
 
     def _time_out(self, fut: Future, spec: ConstraintSpec, inner: Future) -> None:
         try:
-            fut.set_exception(ValueError(f"{spec.kind} constraint did not compile within "
-                                         f"{self.config.compile_timeout_s:g} s"))
+            fut.set_exception(ConstraintError(f"{spec.kind} constraint did not compile within "
+                                              f"{self.config.compile_timeout_s:g} s"))
         except InvalidStateError:  # it finished just now
             return
         self._pool.abandon(inner)
@@ -193,7 +210,7 @@ class GrammarBackend:
                 del self._cache[spec.key]
 
     def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
-        """Compile (or fetch from cache), blocking. Raises ValueError on an invalid spec."""
+        """Compile (or fetch from cache), blocking. Raises ConstraintError on an invalid spec."""
         return self.submit(spec).result()
 
     def _compile(self, spec: ConstraintSpec) -> CompiledConstraint:
@@ -210,11 +227,11 @@ class GrammarBackend:
         try:
             grammar = self._grammar(spec, not_enforced, ws)
             if grammar is None:
-                raise ValueError(f"unknown constraint kind '{spec.kind}'")
+                raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
             check_finite(str(grammar), "root")
             return c.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}") from None
+            raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
     @staticmethod
     def _grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
@@ -226,13 +243,13 @@ class GrammarBackend:
 
             plan = json.loads(spec.value)
             args = []
-            for t in plan["tools"]:
+            for i, t in enumerate(plan["tools"]):
                 dropped: list[str] = []
                 try:
                     ebnf = _schema_ebnf(t["parameters"], t["strict"], dropped, ws)
                     check_finite(ebnf, "root")
                 except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"tool '{t['name']}' parameters: {_clean_error(e)}") from None
+                    raise _refusal(_clean_error(e), e).in_tool(i, t["name"]) from None
                 not_enforced.extend(f"{d} (tool '{t['name']}')" for d in dropped)
                 args.append(ebnf)
             return xgr.Grammar.from_structural_tag(json.dumps(structural_tag(plan, args), ensure_ascii=False))
