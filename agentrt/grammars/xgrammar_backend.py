@@ -316,8 +316,10 @@ class GrammarBackend:
 
     @staticmethod
     def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set disallowed logits to -inf in place. logits [B, V] fp32 on any device; bitmask on CPU
-        [B, ceil(V/32)] int32; only `rows` are masked."""
+        """Set disallowed logits to -inf in place with xgrammar's kernel (C++ on CPU, its Triton
+        kernel on CUDA). logits [B, V] fp32/bf16 on any device; bitmask on CPU [B, ceil(V/32)]
+        int32; only `rows` are masked. Engine code calls `agentrt.runtime.sampler.apply_bitmask`,
+        which picks the kernel per device (this one off CUDA; the reasons are written there)."""
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
     def shutdown(self) -> None:

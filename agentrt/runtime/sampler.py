@@ -34,9 +34,29 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], grammar) -> None:
-    """Mask logits [B, V] fp32 in place with a grammar bitmask [B, ceil(V / 32)] int32 (CPU, as the
-    matchers fill it) on `rows`: on CUDA one Triton launch for all rows (runtime/kernels/bitmask.py),
-    elsewhere xgrammar's apply (`grammar.apply_bitmask`)."""
+    """The one place the engine masks logits with a grammar bitmask: logits [B, V] fp32/bf16 in
+    place, bitmask [B, ceil(V / 32)] int32 on the CPU (as the matchers fill it), only `rows`
+    (indices into B) masked; `grammar` is the GrammarBackend (the xgrammar adapter). Raises
+    ValueError when the bitmask does not cover the logits (never leaves logits unmasked).
+
+    Per device:
+    - CUDA (Triton available): our kernel, one launch for all rows (runtime/kernels/bitmask.py);
+    - anything else (CPU): xgrammar's C++ kernel via `grammar.apply_bitmask`.
+
+    Why xgrammar's kernel off CUDA: measured on this repo's 2-core EPYC dev box (OMP_NUM_THREADS=1,
+    logits [16, 49152] fp32, random bitmask, median of 50 calls): xgrammar's CPU kernel 2.4 ms for
+    16 rows / 1.2 ms for 8; a vectorized torch unpack + masked_fill 12.6-18 ms / 4.3-7.8 ms; our
+    torch reference (row loop) 18-38 ms / 8-20 ms; our Triton kernel under TRITON_INTERPRET 1.2 s.
+    Why ours on CUDA rather than xgrammar's Triton kernel (same design: unpack 32 bits per word,
+    store -inf): ours runs on CPU CI under TRITON_INTERPRET and is compared there with its torch
+    reference and with xgrammar's result on every test run (tests/runtime/test_kernels.py), while
+    xgrammar's Triton path cannot run without a GPU (it reads torch.cuda device properties first:
+    "Torch not compiled with CUDA enabled"); ours also refuses a bitmask narrower than the logits,
+    where xgrammar's apply warns and leaves the tail unmasked. GPU timing of the two is not
+    measured yet (no GPU in this session): if bench/gpu.py shows xgrammar's faster, switch the
+    CUDA branch to `grammar.apply_bitmask` (it dispatches to xgrammar's Triton kernel there)."""
+    if bitmask.shape[-1] * 32 < logits.shape[-1]:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
     if logits.is_cuda:
         from agentrt.runtime.kernels import triton_usable
 

@@ -3,6 +3,9 @@
 The bitmask layout is xgrammar's: [B, ceil(V / 32)] int32, bit j % 32 of word j // 32 set when
 token j is allowed. One launch covers every masked row of the batch (rows chosen by `indices`
 on the device, so no per-row Python loop and no host sync).
+
+The engine reaches it only through `agentrt.runtime.sampler.apply_bitmask`, which uses this kernel
+on CUDA and xgrammar's C++ kernel elsewhere (why, with timings: that function's docstring).
 """
 
 from __future__ import annotations
