@@ -4,21 +4,37 @@ The grammar is parsed and expanded by `lark` itself (imports such as `%import co
 templates, `?rule` inlining, EBNF operators -> plain BNF rules), then written out as EBNF:
 - each rule alternative becomes an EBNF alternative of its symbols;
 - each terminal becomes a rule: a string (case-insensitive strings spelled `[sS][eE]...`) or its
-  regular expression translated node by node from Python's regex parser (`re._parser`):
-  literals, classes, `\\d \\w \\s`, `.`, groups, alternation, greedy repetition, inline `(?i:...)`;
+  regular expression translated by `grammars/regex.py` (`RegexToEBNF`, node by node from Python's
+  regex parser): literals, classes, `\\d \\w \\s`, `.`, groups, alternation, greedy repetition,
+  inline `(?i:...)`;
 - `%ignore` terminals may follow every terminal and open the text (`root ::= ign start`), bounded
   so a model that favours blanks cannot run to max_tokens: at most four ignored tokens per gap, each
   unbounded repetition inside them capped at `max_ignore_repeat` (default 16) characters or groups.
 
-Refused with ConstraintError (a ValueError) naming the construct (the result would not be the same
-language): lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning), backreferences,
-lazy repetition, `\\W \\S \\D`, Unicode-wide case folding. Lark priorities and the contextual
-lexer only choose among parses; they do not change the language of the text, with one caveat: a
-CFG admits tokenizations lark's greedy lexers would not choose, so rare outputs may not parse with
-lark: a keyword spelled where a NAME is expected (LALR), or an ignored comment ended early
-(`key #c = 1` with `%ignore SH_COMMENT`: lark's comment runs to the end of the line; no lark
+Refused with ConstraintError (a ValueError) naming the construct (the result would not be the
+same language): lookahead/lookbehind (except lark's own `ESCAPED_STRING`, mapped to its meaning),
+backreferences, lazy repetition, `\\W \\S \\D`, Unicode-wide case folding. Lark priorities and the
+contextual lexer only choose among parses; they do not change the language of the text, with one
+caveat: a CFG admits tokenizations lark's greedy lexers would not choose, so rare outputs may not
+parse with lark: a keyword spelled where a NAME is expected (LALR), or an ignored comment ended
+early (`key #c = 1` with `%ignore SH_COMMENT`: lark's comment runs to the end of the line; no lark
 parser accepts it). xgrammar's lookahead `(= ...)` is not enforced, so maximal munch cannot be
 written into the grammar; a sound fix needs first-character sets of the terminals (open).
+
+Why not xgrammar's own conversion: xgrammar 0.2.9 ships `Grammar.from_lark` (and
+`GrammarCompiler.compile_lark`) and `Grammar.from_regex`. Checked one by one against this module
+(SmolLM2 tokenizer, Spider sample of tests/grammars/test_lark.py):
+- `from_lark` refuses both SQL grammars the tests use (syncode_sql_grammar.lark and outlines'
+  sql_select.lark: "rule and terminal priorities are not supported" at `select_expr.0:`); this
+  module converts them and agrees with lark on all 50 Spider queries (49 and 39 accepted);
+- `from_lark` does not bound `%ignore`: `a=` + 100 spaces + `1` is accepted under `%ignore WS`,
+  where this module allows at most four ignored tokens of at most 16 repetitions per gap;
+- `from_lark` accepts `/a+?b/` and `/\\Wa/` silently; this module refuses both by name (laziness
+  is a lexer choice in lark; `\\W` means different sets in Python's `re` and ECMA-262);
+- xgrammar's regex is not exact: inside JSON-schema strings (`Regex(..., json_string=true)`) the
+  pattern `^1(?:x[0-9]+)?Z$` admits "10Z" and `^a(b[0-9]+)?c$` admits "a0c" (an optional group
+  ending in a repetition); `from_regex` ignores anchors inside the pattern (`ab$c` admits "abc",
+  which Python's `re` rejects). So `regex` constraints and schema `pattern`s use `grammars/regex.py`.
 """
 
 from __future__ import annotations

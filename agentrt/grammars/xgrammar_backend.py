@@ -49,8 +49,9 @@ _JSON_CHAR = f'(({_JSON_RAW_CHAR}) | ("\\\\" [\\"\\\\/bfnrt]))'
 
 def _take_patterns(schema):
     """Swap every `pattern` / `patternProperties` regex for a placeholder xgrammar keeps verbatim.
-    xgrammar's own regex conversion is wrong for an optional group that ends in a repetition:
-    measured, `1(?:x[0-9]+)?Z` admits "10Z". The placeholders get EBNF from our converter."""
+    xgrammar's own regex conversion inside JSON strings is wrong for an optional group that ends in
+    a repetition: measured (0.2.9), `1(?:x[0-9]+)?Z` admits "10Z". The placeholders get EBNF from
+    grammars/regex.py (see lark_grammar.py's docstring for the measurements)."""
     patterns: list[str] = []
 
     def walk(s):
@@ -260,8 +261,8 @@ class GrammarBackend:
 
             return xgr.Grammar.from_ebnf(lark_to_ebnf(spec.value), root_rule_name="root")
         if spec.kind == "regex":
-            # our converter, not xgrammar's regex (which admits 1(?:x[0-9]+)?Z on 10Z and
-            # ignores anchors inside a pattern); a whole-match regex, ^ and $ at its ends optional
+            # our converter, not xgrammar's from_regex (which ignores anchors inside a pattern:
+            # `ab$c` admits "abc"); a whole-match regex, ^ and $ at its ends optional
             return xgr.Grammar.from_ebnf(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
