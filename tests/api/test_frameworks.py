@@ -44,8 +44,10 @@ def test_openai_client_tool_round_trip_streaming(server):
     assert (name, args) == ("get_weather", call.function.arguments)
     messages += [resp.choices[0].message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 31}'}]
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=30)
-    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the model answers the tool result in text (measured: 22 tokens, an echo of the result)
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=60)
+    assert final.choices[0].finish_reason == "stop", final
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
 def test_langchain_bind_tools_and_structured_output(server):
