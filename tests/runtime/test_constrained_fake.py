@@ -85,6 +85,30 @@ def test_eos_cannot_end_a_constrained_output_early():
     assert out.token_ids[-1] == eos and len(out.token_ids) == 5
 
 
+def test_extra_stop_ids_cannot_end_json_early():
+    """EOS and an extra stop id both forced by logit_bias: neither ends the JSON before it is complete;
+    the one that ends it is the only stop id in the output, and it is last."""
+    engine = fake_engine()
+    extra = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stops = {engine.tokenizer.eos_token_id, extra}
+    params = _greedy(120, stop_token_ids=[extra], max_tokens_policy="close", logit_bias={t: 100.0 for t in stops})
+    out = engine.generate([(PROMPTS[0], params, ConstraintSpec.json_schema(SCHEMA))])[0]
+    assert out.finish_reason == "stop", out
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert [t for t in out.token_ids if t in stops] == [out.token_ids[-1]]
+
+
+def test_jump_forward_respects_max_tokens():
+    schema = {"type": "object", "required": ["a_rather_long_property_name_to_force"],
+              "properties": {"a_rather_long_property_name_to_force": {"type": "integer"}}}
+    engine = fake_engine()
+    out = engine.generate([(PROMPTS[0], _greedy(4), ConstraintSpec.json_schema(schema))])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.text == '{"a_'
+    # after the sampled '{' the forced '"a_rather...' is cut to leave the last token to sampling
+    assert engine.stats.num_jump_forward_tokens == 2
+
+
 def test_compile_error_fails_the_request_with_a_constraint_error():
     engine = fake_engine(_no_cache())
     kv = engine.runner.kv

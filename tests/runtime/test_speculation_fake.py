@@ -82,9 +82,15 @@ def test_requests_that_opt_out_or_use_penalties_do_not_speculate():
     prompt = _prompts(1, 16, seed=3)[0]
     engine = fake_engine(_config(True), window=1)
     outs = engine.generate([(prompt, _params(30, speculative=False), None),
-                            (prompt, _params(30, repetition_penalty=1.0, presence_penalty=0.5), None)])
-    assert engine.stats.num_spec_steps == 0
+                            (prompt, _params(30, repetition_penalty=1.2), None),
+                            (prompt, _params(30, presence_penalty=0.5), None),
+                            (prompt, _params(30, frequency_penalty=0.5), None)])
+    assert engine.stats.num_spec_steps == 0  # penalties depend on the verified tokens: no speculation
     assert outs[0].token_ids == engine.runner.greedy_continuation(prompt, 30)
+    engine.generate([(prompt, _params(30), None)])
+    assert engine.stats.num_spec_steps > 0
+    text = engine.metrics.render().decode()
+    assert 'agentrt_spec_position_acceptance_rate{position="1"}' in text
 
 
 def test_max_tokens_is_exact_with_speculation():
@@ -127,3 +133,20 @@ def test_constrained_request_speculates_within_its_grammar():
     assert re.fullmatch(pattern, out_on.text)
     assert on.stats.num_spec_steps > 0
     assert on.runner.kv.num_free == on.runner.kv.num_slots
+
+
+def test_grammar_cuts_drafts_it_rejects_greedy_and_sampled():
+    """Prompt lookup proposes what followed a token in the prompt (an uppercase letter here), which
+    the grammar rejects: those draft nodes are cut before verification, and outputs stay valid."""
+    prompt = [ord(c) for c in "aZbZcZaYbYcY"]
+    pattern = r"[a-c]{24}"
+    engine = fake_engine(_config(True), window=1)
+    reqs = [(prompt, SamplingParams(temperature=0.0 if i < 2 else 0.9, seed=i, max_tokens=40),
+             ConstraintSpec.regex(pattern)) for i in range(6)]
+    outs = engine.generate(reqs)
+    for o in outs:
+        assert o.error is None and o.finish_reason == "stop", (o.error, o.text)
+        assert re.fullmatch(pattern, o.text)
+    assert engine.stats.num_spec_steps > 0
+    assert engine.stats.num_draft_tokens_cut_by_grammar > 0
+    assert engine.runner.kv.num_free == engine.runner.kv.num_slots
