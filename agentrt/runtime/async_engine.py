@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from agentrt.errors import AgentrtError, ConstraintError, InternalError, ServiceUnavailableError
+from agentrt.errors import AgentrtError, InternalError, ServiceUnavailableError
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import CompiledConstraint
 from agentrt.runtime.config import EngineConfig
@@ -101,8 +101,9 @@ class AsyncEngine:
             return await asyncio.wrap_future(self.engine.grammar.submit(spec))
         except AgentrtError:
             raise
-        except ValueError as e:
-            raise ConstraintError(str(e)) from None
+        except Exception as e:  # a bug in a compile path: this request fails, nothing else
+            logger.exception("constraint compile failed")
+            raise InternalError(f"internal error while compiling the constraint: {type(e).__name__}: {e}") from None
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, constraint: ConstraintSpec | None = None,
                      request_id: str | None = None, cache_salt: str = "") -> RequestStream:

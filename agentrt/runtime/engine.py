@@ -326,18 +326,22 @@ class Engine:
                           len(self.scheduler.waiting) + len(self.grammar_wait))
 
     def _collect_grammars(self) -> list[RequestOutput]:
+        """Queue the requests whose constraint has compiled; a compile error (ConstraintError) or
+        any fault while setting up the matcher fails that request alone."""
         outputs = []
         for r in list(self.grammar_wait):
             if not r.compile_future.done():
                 continue
             self.grammar_wait.remove(r)
             try:
-                compiled = r.compile_future.result()
-            except ValueError as e:
-                r.error = e if isinstance(e, AgentrtError) else ConstraintError(str(e))
-                outputs.append(self._finish(r, "error"))
-                continue
-            out = self._start_constrained(r, compiled)
+                out = self._start_constrained(r, r.compile_future.result())
+            except AgentrtError as e:
+                r.error = e
+                out = self._finish(r, "error")
+            except Exception as e:  # a bug in a compile path: this request fails, nothing else
+                logger.exception("constraint set-up for %s failed", r.request_id)
+                r.error = InternalError(f"internal error while compiling the constraint: {type(e).__name__}: {e}")
+                out = self._finish(r, "error")
             if out is not None:
                 outputs.append(out)
         return outputs
