@@ -423,9 +423,15 @@ class Engine:
 
     # ---- offline helper ----------------------------------------------------------------------
     def generate(self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]) -> list[RequestOutput]:
-        """Run requests to completion (blocking); returns final outputs in input order."""
-        reqs = [self.add_request(ids, params, spec) for ids, params, spec in requests]
+        """Run requests to completion (blocking); returns final outputs in input order. Every
+        request is validated before any is queued: an invalid one raises (as `add_request`) and
+        none of the batch runs."""
+        reqs = [self.make_request(ids, params or SamplingParams(), spec) for ids, params, spec in requests]
         final: dict[str, RequestOutput] = {}
+        for r in reqs:
+            out = self.enqueue(r)
+            if out is not None:
+                final[r.request_id] = out
         while len(final) < len(reqs):
             for out in self.step():
                 if out.finished:

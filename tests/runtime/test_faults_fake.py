@@ -68,3 +68,12 @@ def test_per_token_fault_fails_only_that_request_and_frees_its_kv():
     assert not engine.has_work()
     kv, cache = engine.runner.kv, engine.scheduler.cache  # every slot free, or cached and unlocked
     assert kv.num_free + (cache.evictable_tokens if cache is not None else 0) == kv.num_slots
+
+
+def test_generate_refuses_a_batch_with_an_invalid_request_before_queuing_any():
+    engine = fake_engine()
+    ok = (PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), None)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([ok, (PROMPTS[1], SamplingParams(top_p=0.0), None)])
+    assert not engine.has_work()
+    assert [o.finish_reason for o in engine.generate([ok])] == ["length"]
