@@ -1,4 +1,4 @@
-"""Faithful JSON Schema (grammars/json_schema.py): conformance on the JSON-Schema-Test-Suite and
+"""Faithful JSON Schema (grammars/json_schema/): conformance on the JSON-Schema-Test-Suite and
 JSONSchemaBench instances through the matcher, the cases file, and the rewrite/refusal rules."""
 
 from __future__ import annotations
