@@ -40,12 +40,6 @@ class InvalidRequestError(AgentrtError, ValueError):
         super().__init__(message)
         self.param = param
 
-    def with_param(self, param: str | None) -> InvalidRequestError:
-        """This error naming `param` (the layer that knows which request field carried the value
-        sets it; the message is unchanged). Returns self."""
-        self.param = param
-        return self
-
 
 class ConstraintError(InvalidRequestError):
     """A constraint cannot be compiled or enforced. `keyword` / `pointer` name a JSON Schema

@@ -121,6 +121,6 @@ class ConstraintSpec:
     def tool_calls(cls, plan: str) -> ConstraintSpec:
         """Tool calls in a model's format: `plan` is canonical JSON {"format", "mode" ("auto" |
         "required"), "parallel", "tools": [{"name", "parameters" (a checked JSON Schema), "strict"}]}
-        (built by agentrt/api/tools.py; compiled as an xgrammar structural tag, see
+        (built by agentrt/api/tools/validation.py; compiled as an xgrammar structural tag, see
         grammars/tool_calls.py)."""
         return cls("tool_calls", plan)

@@ -1,6 +1,6 @@
 """Tool-call formats (how a model family writes calls) and their constraint: an xgrammar
 structural tag whose tags carry each tool's name in their begin text and the tool's arguments
-grammar as content. See agentrt/api/tools.py for the request and response side."""
+grammar as content. See agentrt/api/tools/ for the request and response side."""
 
 from __future__ import annotations
 

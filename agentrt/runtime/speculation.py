@@ -34,7 +34,7 @@ from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.metrics import EngineStats
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk, run_chunks
 from agentrt.runtime.request import Request
-from agentrt.runtime.sampler import sample, target_probs
+from agentrt.runtime.sampler import apply_bitmask, sample, target_probs
 from agentrt.speculative.medusa import MedusaHeads
 from agentrt.speculative.ngram import NgramProposer
 from agentrt.speculative.tree import DEFAULT_MEDUSA_TREE, DraftTree, tree_from_topk
@@ -102,7 +102,7 @@ class DraftModelProposer:
                 row = logits[i : i + 1]
                 if st["bitmask"] is not None:
                     r.grammar.matcher.fill_next_token_bitmask(st["bitmask"], step)
-                    grammar.apply_bitmask(row, st["bitmask"][step : step + 1], [0])
+                    apply_bitmask(row, st["bitmask"][step : step + 1], [0], grammar)
                 if r.params.is_greedy:
                     tok = sample(row, [r])[0]
                     q = None

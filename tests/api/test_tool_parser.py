@@ -1,4 +1,4 @@
-"""Tool-call parsing (api/tools.py) for every chunking, and the tool-call grammar (structural tags)
+"""Tool-call parsing (api/tools/parsing.py) for every chunking, and the tool-call grammar (structural tags)
 model-free: names, arguments and formats."""
 
 from __future__ import annotations
