@@ -59,27 +59,6 @@ def test_broken_constraints_are_value_errors(backend):
         backend.compile(ConstraintSpec.grammar("root ::= missing_rule"))
 
 
-def test_extra_stop_ids_cannot_end_json_early(engine, tokenizer):
-    case = load_case("extra-stop-ids-inside-json")
-    extra = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    stops = set(engine.stop_ids) | {extra}
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Give a title and a summary of a film."}])
-    params = SamplingParams(temperature=0, max_tokens=120, stop_token_ids=[extra], max_tokens_policy="close",
-                            logit_bias={t: 100.0 for t in stops})
-    out = engine.generate([(ids, params, ConstraintSpec.json_schema(case["schema"]))])[0]
-    assert out.finish_reason == "stop", out
-    jsonschema.validate(json.loads(out.text), case["schema"])
-    # the stop id that ended it is the only stop id in the output, and it is last
-    assert [t for t in out.token_ids if t in stops] == [out.token_ids[-1]]
-
-
-def test_unconstrained_biased_stop_ends_at_once(engine, tokenizer):
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Hi"}])
-    out = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=20,
-                                                logit_bias={t: 100.0 for t in engine.stop_ids}), None)])[0]
-    assert out.finish_reason == "stop" and len(out.token_ids) == 1
-
-
 def _whitespace_run(backend, matcher, ws: str) -> int:
     """How many whitespace characters the matcher accepts in a row here (probing on a fork)."""
     n = 0

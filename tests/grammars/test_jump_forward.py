@@ -66,10 +66,3 @@ def test_jump_forward_keeps_greedy_outputs(engine, engine_no_jf, tokenizer):
           f"{identical}/{len(reqs)} outputs identical to token-by-token decoding")
 
 
-def test_jump_forward_respects_max_tokens(engine, tokenizer):
-    schema = {"type": "object", "required": ["a_rather_long_property_name_to_force"],
-              "properties": {"a_rather_long_property_name_to_force": {"type": "integer"}}}
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Give a number."}])
-    out = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=4), ConstraintSpec.json_schema(schema))])[0]
-    assert len(out.token_ids) <= 4
-    assert out.finish_reason == "length"

@@ -83,14 +83,6 @@ def test_greedy_identity_with_a_separate_draft_model(default_model_dir, referenc
     eng.grammar.shutdown()
 
 
-def test_greedy_identity_without_prefix_cache(default_model_dir, reference):
-    reqs, want = reference
-    eng = spec_engine(default_model_dir, METHODS["ngram"], enable_prefix_cache=False)
-    assert [o.token_ids for o in eng.generate(reqs)] == want
-    assert eng.runner.kv.num_free == eng.runner.kv.num_slots  # rejected drafts' KV all returned
-    eng.grammar.shutdown()
-
-
 @pytest.mark.parametrize("method", list(METHODS))
 def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, tokenizer, method):
     """Schema with an enum and an optional nullable string; 8 requests at once, greedy and
@@ -112,25 +104,6 @@ def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, toke
     assert eng.stats.num_spec_steps > 0
     if method == "ngram":  # prompt lookup proposes document text: the grammar must cut some
         assert eng.stats.num_draft_tokens_cut_by_grammar > 0
-    eng.grammar.shutdown()
-
-
-def test_metrics_and_per_request_opt_out(default_model_dir, tokenizer):
-    eng = spec_engine(default_model_dir, METHODS["ngram"])
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Repeat: one two three one two three one two three"}])
-    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0, speculative=False), None)])
-    assert eng.stats.num_spec_steps == 0
-    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2), None)])
-    assert eng.stats.num_spec_steps == 0  # penalties depend on the verified tokens: no speculation
-    eng.generate([(ids, SamplingParams(max_tokens=24, temperature=0.0), None)])
-    s = eng.stats
-    assert s.num_spec_steps > 0
-    text = eng.metrics.render().decode()
-    assert f"agentrt_spec_draft_tokens_total {float(s.num_draft_tokens)}" in text
-    assert f"agentrt_spec_accepted_tokens_total {float(s.num_accepted_tokens)}" in text
-    assert 'agentrt_spec_position_acceptance_rate{position="1"}' in text
-    rate = s.num_accepted_tokens / s.num_draft_tokens
-    assert f"agentrt_spec_acceptance_rate {rate}" in text
     eng.grammar.shutdown()
 
 
