@@ -21,69 +21,159 @@ from agentrt.runtime.config import (
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL})")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV pool size in bytes, an integer (default: on CUDA from --gpu-memory-utilization; "
-                        "1 GiB on CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
-                   help="share of the GPU's total memory this process may end up using; the KV pool gets that "
-                        "minus all memory in use after loading the weights (other processes' too) minus an "
-                        "activation reserve (default %(default)s)")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="auto: Triton kernels on CUDA, torch SDPA on CPU")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV pool size in bytes, an integer (default: on CUDA from --gpu-memory-utilization; "
+        "1 GiB on CPU)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=CacheConfig.gpu_memory_utilization,
+        help="share of the GPU's total memory this process may end up using; the KV pool gets that "
+        "minus all memory in use after loading the weights (other processes' too) minus an "
+        "activation reserve (default %(default)s)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="auto: Triton kernels on CUDA, torch SDPA on CPU",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="sequences decoded together in one step (default %(default)s: CPU-sized; on a GPU "
-                        "raise it, e.g. 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="tokens computed in one step, decodes + prefill chunks (default %(default)s; on a GPU "
-                        "e.g. 8192)")
-    p.add_argument("--any-whitespace", action="store_true",
-                   help="let JSON output use whitespace between tokens (bounded by --max-whitespace)")
-    p.add_argument("--max-whitespace", type=int, default=GrammarConfig.max_whitespace_cnt,
-                   help="with --any-whitespace: most whitespace characters in one gap (default %(default)s)")
-    p.add_argument("--indent", type=int, default=None,
-                   help="pretty JSON layout with this indent (default: compact one-line layout)")
-    p.add_argument("--no-jump-forward", action="store_true",
-                   help="sample grammar-forced text token by token instead of appending it")
-    p.add_argument("--compile-timeout", type=float, default=GrammarConfig.compile_timeout_s,
-                   help="seconds a constraint may take to compile before it is refused (400; default %(default)s)")
-    p.add_argument("--max-constraint-bytes", type=int, default=GrammarConfig.max_constraint_bytes,
-                   help="largest schema/regex/grammar text accepted, in bytes (default %(default)s)")
-    p.add_argument("--speculative-method", choices=["ngram", "draft", "medusa"], default=None,
-                   help="speculative decoding: n-gram prompt lookup, a draft model, or Medusa heads (default off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=SpecConfig.num_speculative_tokens,
-                   help="draft tokens per verify pass (ngram, draft; default %(default)s)")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model (same vocabulary) for --speculative-method draft")
-    p.add_argument("--draft-layers", type=int, default=None,
-                   help="self-draft: the target's first N layers + its LM head (when no --draft-model)")
-    p.add_argument("--medusa-heads", default=None,
-                   help="Medusa heads directory (default: the heads shipped for the model)")
-    p.add_argument("--speculative-acceptance", choices=["exact", "typical"], default="exact",
-                   help="typical: Medusa's typical acceptance at temperature > 0 (faster, does NOT preserve "
-                        "the model's distribution); exact (default) preserves it")
+    p.add_argument(
+        "--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="sequences decoded together in one step (default %(default)s: CPU-sized; on a GPU "
+        "raise it, e.g. 64)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="tokens computed in one step, decodes + prefill chunks (default %(default)s; on a GPU "
+        "e.g. 8192)",
+    )
+    p.add_argument(
+        "--any-whitespace",
+        action="store_true",
+        help="let JSON output use whitespace between tokens (bounded by --max-whitespace)",
+    )
+    p.add_argument(
+        "--max-whitespace",
+        type=int,
+        default=GrammarConfig.max_whitespace_cnt,
+        help="with --any-whitespace: most whitespace characters in one gap (default %(default)s)",
+    )
+    p.add_argument(
+        "--indent",
+        type=int,
+        default=None,
+        help="pretty JSON layout with this indent (default: compact one-line layout)",
+    )
+    p.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="sample grammar-forced text token by token instead of appending it",
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=GrammarConfig.compile_timeout_s,
+        help="seconds a constraint may take to compile before it is refused (400; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-constraint-bytes",
+        type=int,
+        default=GrammarConfig.max_constraint_bytes,
+        help="largest schema/regex/grammar text accepted, in bytes (default %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft", "medusa"],
+        default=None,
+        help="speculative decoding: n-gram prompt lookup, a draft model, or Medusa heads (default off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SpecConfig.num_speculative_tokens,
+        help="draft tokens per verify pass (ngram, draft; default %(default)s)",
+    )
+    p.add_argument(
+        "--draft-model", default=None, help="draft model (same vocabulary) for --speculative-method draft"
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="self-draft: the target's first N layers + its LM head (when no --draft-model)",
+    )
+    p.add_argument(
+        "--medusa-heads",
+        default=None,
+        help="Medusa heads directory (default: the heads shipped for the model)",
+    )
+    p.add_argument(
+        "--speculative-acceptance",
+        choices=["exact", "typical"],
+        default="exact",
+        help="typical: Medusa's typical acceptance at temperature > 0 (faster, does NOT preserve "
+        "the model's distribution); exact (default) preserves it",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          attention_backend=args.attention_backend, enforce_eager=args.enforce_eager),
-        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_cache=not args.no_prefix_cache,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        grammar=GrammarConfig(any_whitespace=args.any_whitespace, max_whitespace_cnt=args.max_whitespace,
-                              indent=args.indent, jump_forward=not args.no_jump_forward,
-                              compile_timeout_s=args.compile_timeout,
-                              max_constraint_bytes=args.max_constraint_bytes),
-        speculative=SpecConfig(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-                               draft_model=args.draft_model, draft_layers=args.draft_layers,
-                               medusa_heads=args.medusa_heads, acceptance=args.speculative_acceptance),
+        model=ModelConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        ),
+        cache=CacheConfig(
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_cache=not args.no_prefix_cache,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        grammar=GrammarConfig(
+            any_whitespace=args.any_whitespace,
+            max_whitespace_cnt=args.max_whitespace,
+            indent=args.indent,
+            jump_forward=not args.no_jump_forward,
+            compile_timeout_s=args.compile_timeout,
+            max_constraint_bytes=args.max_constraint_bytes,
+        ),
+        speculative=SpecConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
+            medusa_heads=args.medusa_heads,
+            acceptance=args.speculative_acceptance,
+        ),
     )
 
 
@@ -100,27 +190,53 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     runner = engine.runner
     graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
-    print(f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}), attention "
-          f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "
-          f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
-          f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}", flush=True)
+    print(
+        f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}), attention "
+        f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "
+        f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
+        f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}",
+        flush=True,
+    )
     url = f"http://{args.host}:{args.port}"
 
-    example = json.dumps({
-        "model": args.model, "messages": [{"role": "user", "content": "Name a city in France."}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    })
+    example = json.dumps(
+        {
+            "model": args.model,
+            "messages": [{"role": "user", "content": "Name a city in France."}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    },
+                },
+            },
+        }
+    )
 
     def ready() -> None:
-        print(f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
-              f"-H 'Content-Type: application/json' -d '{example}'", flush=True)
+        print(
+            f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' -d '{example}'",
+            flush=True,
+        )
 
-    app = create_app(engine, args.model, on_ready=ready, tool_call_format=args.tool_call_format,
-                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+    app = create_app(
+        engine,
+        args.model,
+        on_ready=ready,
+        tool_call_format=args.tool_call_format,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+    )
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    )
     http = threading.Thread(target=server.run, name="agentrt-http", daemon=True)
     http.start()
     signal.signal(signal.SIGTERM, lambda *_: engine.request_stop())  # full shutdown in `finally`
@@ -138,22 +254,34 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agentrt", description="Serving runtime for agents and structured output")
+    parser = argparse.ArgumentParser(
+        prog="agentrt", description="Serving runtime for agents and structured output"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default %(default)s)")
-    p.add_argument("--tool-call-format", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
-                   help="how the model writes tool calls (default: read from its chat template; templates "
-                        "without tool support get the generic hermes-style format)")
-    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help="leave tool definitions out of the prompt when tool_choice is 'none'")
+    p.add_argument(
+        "--tool-call-format",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls (default: read from its chat template; templates "
+        "without tool support get the generic hermes-style format)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="leave tool definitions out of the prompt when tool_choice is 'none'",
+    )
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
     add_engine_args(t)
-    t.add_argument("--prompts", required=True,
-                   help="JSONL: one object per line with `messages` (chat) or `prompt` (text)")
+    t.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL: one object per line with `messages` (chat) or `prompt` (text)",
+    )
     t.add_argument("--output", required=True, help="directory for config.json + medusa_lm_head.safetensors")
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--max-tokens", type=int, default=192, help="response tokens generated per prompt")

@@ -46,15 +46,27 @@ class ConstraintError(InvalidRequestError):
     keyword and its location (RFC 6901 JSON Pointer) when the schema is at fault; `tool_index`
     the offered tool whose parameters are at fault (tool-call constraints)."""
 
-    def __init__(self, message: str, param: str | None = None, *, keyword: str | None = None,
-                 pointer: str | None = None, tool_index: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        keyword: str | None = None,
+        pointer: str | None = None,
+        tool_index: int | None = None,
+    ):
         super().__init__(message, param)
         self.keyword, self.pointer, self.tool_index = keyword, pointer, tool_index
 
     def in_tool(self, index: int, name: str) -> ConstraintError:
         """The same error attributed to offered tool `index` (message prefixed with its name)."""
-        return ConstraintError(f"tool '{name}' parameters: {self.message}", self.param, keyword=self.keyword,
-                               pointer=self.pointer, tool_index=index)
+        return ConstraintError(
+            f"tool '{name}' parameters: {self.message}",
+            self.param,
+            keyword=self.keyword,
+            pointer=self.pointer,
+            tool_index=index,
+        )
 
 
 class ContextLengthError(InvalidRequestError):

@@ -31,19 +31,34 @@ class LLM:
     >>> llm.extract("Tran Van Bao, 31, lives in Hue.", Person)   # -> Person(...)
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, kv_cache_bytes: int | None = None,
-                 max_num_seqs: int = SchedulerConfig.max_num_seqs, grammar: GrammarConfig | None = None):
-        self.engine = Engine(EngineConfig(
-            model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len),
-            cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-            grammar=grammar or GrammarConfig(),
-        ))
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        grammar: GrammarConfig | None = None,
+    ):
+        self.engine = Engine(
+            EngineConfig(
+                model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len),
+                cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
+                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+                grammar=grammar or GrammarConfig(),
+            )
+        )
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None, *,
-                 constraint: ConstraintSpec | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str],
+        sampling_params: SamplingParams | None = None,
+        *,
+        constraint: ConstraintSpec | None = None,
+    ) -> list[RequestOutput]:
         """Complete raw text prompts (batched together). Raises InvalidRequestError (a ValueError;
         `param` names the field) on invalid sampling values or a prompt beyond the context,
         ConstraintError when the constraint cannot be compiled or enforced (naming the keyword and
@@ -52,16 +67,25 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self._run([(i, sampling_params or SamplingParams(), constraint) for i in ids])
 
-    def chat(self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None, *,
-             constraint: ConstraintSpec | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Messages | list[Messages],
+        sampling_params: SamplingParams | None = None,
+        *,
+        constraint: ConstraintSpec | None = None,
+    ) -> list[RequestOutput]:
         """Chat completion(s) through the model's chat template; one conversation or a list of them.
         Raises as `generate`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self._chat_ids(c) for c in convs]
         return self._run([(i, sampling_params or SamplingParams(), constraint) for i in ids])
 
-    def extract(self, inputs: str | Messages | list[str | Messages], schema: dict | type,
-                sampling_params: SamplingParams | None = None) -> Any:
+    def extract(
+        self,
+        inputs: str | Messages | list[str | Messages],
+        schema: dict | type,
+        sampling_params: SamplingParams | None = None,
+    ) -> Any:
         """Structured output: each input (a user message text or a conversation) -> an object that
         satisfies `schema` (a JSON Schema dict -> dict; a pydantic model class -> an instance).
         One input gives one object, a list gives a list. Objects are closed (OpenAI strict mode: no
@@ -83,12 +107,17 @@ class LLM:
                 raise IncompleteOutputError(
                     f"output did not complete (finish_reason={out.finish_reason}) after {len(out.token_ids)} "
                     f"tokens: {out.text[:200]!r}; give a larger max_tokens, or max_tokens_policy='close' to "
-                    "close the JSON within it", finish_reason=out.finish_reason, text=out.text)
+                    "close the JSON within it",
+                    finish_reason=out.finish_reason,
+                    text=out.text,
+                )
             data = json.loads(out.text)
             results.append(model_cls.model_validate(data) if model_cls else data)
         return results[0] if single else results
 
-    def _run(self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]) -> list[RequestOutput]:
+    def _run(
+        self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]
+    ) -> list[RequestOutput]:
         """Final outputs in input order. Raises the error of the first output that failed, as it is."""
         outs = self.engine.generate(requests)
         for out in outs:

@@ -73,7 +73,11 @@ def _mix(h: int, token: int) -> int:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the alphabet of byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -96,8 +100,9 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token="<|pad|>",
-                                   bos_token=None, unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token="<|pad|>", bos_token=None, unk_token=None
+    )
     fast.chat_template = _CHAT_TEMPLATE
     return fast
 
@@ -112,7 +117,9 @@ class _CheckedKVPool(KVPool):
     slot is allocated. K[0][slot] holds (token id, position, prefix hash) as int64."""
 
     def __init__(self, num_slots: int, device: torch.device):
-        super().__init__(1, 1, 3, torch.int64, device, num_slots * self.bytes_per_token_of(1, 1, 3, torch.int64))
+        super().__init__(
+            1, 1, 3, torch.int64, device, num_slots * self.bytes_per_token_of(1, 1, 3, torch.int64)
+        )
         self._free_set = set(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
@@ -173,8 +180,16 @@ class FakeModelRunner:
     logit_bias leaves nothing better. `execute` records every forward in `forwards`.
     """
 
-    def __init__(self, tokenizer=None, *, vocab_size: int | None = None, max_model_len: int = 512,
-                 num_kv_slots: int = 4096, window: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        tokenizer=None,
+        *,
+        vocab_size: int | None = None,
+        max_model_len: int = 512,
+        num_kv_slots: int = 4096,
+        window: int | None = None,
+        seed: int = 0,
+    ):
         self.tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
         n = len(self.tokenizer)
         vocab_size = vocab_size or n
@@ -242,14 +257,18 @@ class FakeModelRunner:
         tok, pos, h = kv[:, 0], kv[:, 1], kv[:, 2]
         if not torch.equal(pos, torch.arange(len(slots))):
             first = int((pos != torch.arange(len(slots))).nonzero()[0])
-            raise KVCorruptionError(f"KV slot {slots[first]} at context position {first} holds position "
-                                    f"{int(pos[first])}: another sequence's token")
+            raise KVCorruptionError(
+                f"KV slot {slots[first]} at context position {first} holds position "
+                f"{int(pos[first])}: another sequence's token"
+            )
         prev = torch.cat([torch.zeros(1, dtype=torch.int64), h[:-1]])
         expect = (prev * _HASH_M + tok + 1) % _HASH_P
         if not torch.equal(expect, h):
             first = int((expect != h).nonzero()[0])
-            raise KVCorruptionError(f"KV slot {slots[first]} at context position {first} does not continue the "
-                                    "sequence before it: another sequence's token")
+            raise KVCorruptionError(
+                f"KV slot {slots[first]} at context position {first} does not continue the "
+                "sequence before it: another sequence's token"
+            )
 
     def _write(self, c: SeqChunk) -> list[int]:
         """Write the chunk's new tokens into their slots; returns each new token's logits key."""
@@ -260,7 +279,9 @@ class FakeModelRunner:
         new = c.slots[c.context_len :]
         bad = [s for s in new if not 0 <= s < self.kv.num_slots or self.kv.is_free(s)]
         if bad or len(set(new)) != len(new) or set(new) & set(ctx):
-            raise KVCorruptionError(f"chunk writes to KV slots that are free, repeated or in its context: {new}")
+            raise KVCorruptionError(
+                f"chunk writes to KV slots that are free, repeated or in its context: {new}"
+            )
         n = len(c.token_ids)
         mask = c.tree_mask.tolist() if c.tree_mask is not None else None
         positions = c.positions or [c.context_len + i for i in range(n)]
@@ -271,8 +292,10 @@ class FakeModelRunner:
             # the token's ancestors among the new tokens: all earlier ones (causal) or the tree's
             parents = [j for j in range(i) if mask is None or mask[i][j]]
             if positions[i] != c.context_len + len(parents):
-                raise KVCorruptionError(f"new token {i} at position {positions[i]} has {len(parents)} ancestors "
-                                        f"after a context of {c.context_len}")
+                raise KVCorruptionError(
+                    f"new token {i} at position {positions[i]} has {len(parents)} ancestors "
+                    f"after a context of {c.context_len}"
+                )
             h = _mix(hashes[parents[-1]] if parents else base_h, t)
             hashes.append(h)
             values.append((t, positions[i], h))
@@ -291,7 +314,9 @@ class FakeModelRunner:
     def _row(self, key: int) -> np.ndarray:
         row = self._rows.get(key)
         if row is None:
-            noise = np.random.default_rng([self.seed, key]).standard_normal(self.arch.vocab_size, dtype=np.float32)
+            noise = np.random.default_rng([self.seed, key]).standard_normal(
+                self.arch.vocab_size, dtype=np.float32
+            )
             row = self._rows[key] = noise + self._bias
         return row
 
@@ -366,8 +391,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch_server(cmd: Sequence[str], port: int, *, timeout_s: float = 180.0, log_path: Path | None = None,
-                  env: dict[str, str] | None = None, stop_timeout_s: float = 30.0) -> Iterator[ServerProcess]:
+def launch_server(
+    cmd: Sequence[str],
+    port: int,
+    *,
+    timeout_s: float = 180.0,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    stop_timeout_s: float = 30.0,
+) -> Iterator[ServerProcess]:
     """Start `cmd` (which must listen on 127.0.0.1:`port`), wait until GET /health answers 200 and
     yield a ServerProcess; on exit SIGTERM it, wait up to `stop_timeout_s` (then kill) and set
     `returncode`. Output goes to `log_path` (None: discarded). Raises ServerStartError when the
@@ -377,8 +409,9 @@ def launch_server(cmd: Sequence[str], port: int, *, timeout_s: float = 180.0, lo
     log: IO | int = subprocess.DEVNULL
     if log_path is not None:
         log = Path(log_path).open("w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
-                            env=os.environ.copy() if env is None else env)
+    proc = subprocess.Popen(
+        list(cmd), stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy() if env is None else env
+    )
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, Path(log_path) if log_path is not None else None)
     try:
         deadline = time.monotonic() + timeout_s
@@ -391,8 +424,9 @@ def launch_server(cmd: Sequence[str], port: int, *, timeout_s: float = 180.0, lo
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise ServerStartError(f"{' '.join(cmd)} did not become healthy in {timeout_s:g} s: "
-                                       f"{server.log_tail()}")
+                raise ServerStartError(
+                    f"{' '.join(cmd)} did not become healthy in {timeout_s:g} s: {server.log_tail()}"
+                )
             time.sleep(0.5)
         yield server
     finally:
@@ -409,8 +443,9 @@ def launch_server(cmd: Sequence[str], port: int, *, timeout_s: float = 180.0, lo
 
 
 @contextlib.contextmanager
-def agentrt_server(model: str = "smollm2-135m-instruct", *args: str, port: int | None = None,
-                   **kwargs) -> Iterator[ServerProcess]:
+def agentrt_server(
+    model: str = "smollm2-135m-instruct", *args: str, port: int | None = None, **kwargs
+) -> Iterator[ServerProcess]:
     """`agentrt serve MODEL ARGS... --port PORT` (this Python, a free port unless given) via
     `launch_server` (keyword arguments go to it)."""
     port = port or free_port()

@@ -64,8 +64,10 @@ def train_medusa(config: EngineConfig, args: argparse.Namespace, log=print) -> d
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         outs = engine.generate([(ids, params, spec) for ids, spec in prompts])
-        log(f"generated {sum(len(o.token_ids) for o in outs)} response tokens for {len(prompts)} prompts "
-            f"in {time.perf_counter() - t0:.0f} s")
+        log(
+            f"generated {sum(len(o.token_ids) for o in outs)} response tokens for {len(prompts)} prompts "
+            f"in {time.perf_counter() - t0:.0f} s"
+        )
         runner = engine.runner
         hidden_rows, target_rows = [], []
         for (ids, _), out in zip(prompts, outs):
@@ -87,15 +89,33 @@ def train_medusa(config: EngineConfig, args: argparse.Namespace, log=print) -> d
         arch = runner.arch
         torch.manual_seed(args.seed)
         heads = MedusaHeads(arch.hidden_size, arch.vocab_size, args.num_heads)
-        result = train_heads(heads, hidden, targets, runner.model.lm_head.weight.float().cpu(), epochs=args.epochs,
-                             lr=args.lr, batch_size=args.batch_size, seed=args.seed, log=log)
+        result = train_heads(
+            heads,
+            hidden,
+            targets,
+            runner.model.lm_head.weight.float().cpu(),
+            epochs=args.epochs,
+            lr=args.lr,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            log=log,
+        )
     finally:
         engine.grammar.shutdown()
-    record = {"model": config.model.model, "prompts_file": Path(args.prompts).name, "num_prompts": len(prompts),
-              "num_positions": int(hidden.shape[0]), "max_tokens": args.max_tokens, "epochs": args.epochs,
-              "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
-              "holdout_top1": [round(x, 4) for x in result["holdout_top1"]],
-              "train_loss": [round(x, 4) for x in result["train_loss"]], "date": time.strftime("%Y-%m-%d")}
+    record = {
+        "model": config.model.model,
+        "prompts_file": Path(args.prompts).name,
+        "num_prompts": len(prompts),
+        "num_positions": int(hidden.shape[0]),
+        "max_tokens": args.max_tokens,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "holdout_top1": [round(x, 4) for x in result["holdout_top1"]],
+        "train_loss": [round(x, 4) for x in result["train_loss"]],
+        "date": time.strftime("%Y-%m-%d"),
+    }
     heads.save(args.output, {"training": record})
     log(f"saved {args.num_heads} heads to {args.output}; held-out top-1 per head: {record['holdout_top1']}")
     return record

@@ -39,8 +39,15 @@ import jsonschema
 from agentrt.testing import agentrt_server
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "bfcl"
-_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "int": "integer",
-          "str": "string", "bool": "boolean"}
+_TYPES = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "list": "array",
+    "int": "integer",
+    "str": "string",
+    "bool": "boolean",
+}
 
 
 def to_json_schema(p):
@@ -71,13 +78,25 @@ def to_json_schema(p):
 
 def load(category: str, limit: int) -> list[dict]:
     qs = [json.loads(line) for line in (DATA / f"BFCL_v4_{category}.json").read_text().splitlines()][:limit]
-    answers = {a["id"]: a["ground_truth"]
-               for a in map(json.loads, (DATA / "possible_answer" / f"BFCL_v4_{category}.json").read_text().splitlines())}
+    answers = {
+        a["id"]: a["ground_truth"]
+        for a in map(
+            json.loads, (DATA / "possible_answer" / f"BFCL_v4_{category}.json").read_text().splitlines()
+        )
+    }
     for q in qs:
         q["answer"] = answers[q["id"]]
-        q["tools"] = [{"type": "function", "function": {"name": f["name"], "description": f.get("description", ""),
-                                                        "parameters": to_json_schema(f["parameters"])}}
-                      for f in q["function"]]
+        q["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f["name"],
+                    "description": f.get("description", ""),
+                    "parameters": to_json_schema(f["parameters"]),
+                },
+            }
+            for f in q["function"]
+        ]
     return qs
 
 
@@ -102,14 +121,18 @@ def _value_ok(value, allowed: list, schema: dict) -> bool:
             a = float(a)
         if _norm(value) == _norm(a) and type(value) is type(a):
             return True
-        if isinstance(value, (list, tuple)) and isinstance(a, (list, tuple)) and _norm(list(value)) == _norm(list(a)):
+        if (
+            isinstance(value, (list, tuple))
+            and isinstance(a, (list, tuple))
+            and _norm(list(value)) == _norm(list(a))
+        ):
             return True
     return False
 
 
 def ast_match_one(name: str, args: dict, answer: dict, tools: dict) -> bool:
     """One call against one possible answer {function name: {param: [allowed values]}}."""
-    (want_name, params), = answer.items()
+    ((want_name, params),) = answer.items()
     if name != want_name or not isinstance(args, dict):
         return False
     props = tools[name]["parameters"].get("properties", {})
@@ -133,12 +156,27 @@ def ast_match(calls: list[tuple[str, dict]], answers: list[dict], tools: dict) -
     return True
 
 
-def run_one(client: httpx.Client, url: str, model: str, q: dict, choice: str, constrained: bool,
-            max_tokens: int, close: bool = False) -> dict:
-    body = {"model": model, "messages": q["question"][0], "tools": q["tools"], "tool_choice": choice,
-            "temperature": 0, "max_tokens": max_tokens, "tool_call_constraint": constrained,
-            # simple questions want exactly one call, parallel ones several
-            "parallel_tool_calls": len(q["answer"]) > 1 or q["id"].startswith("parallel")}
+def run_one(
+    client: httpx.Client,
+    url: str,
+    model: str,
+    q: dict,
+    choice: str,
+    constrained: bool,
+    max_tokens: int,
+    close: bool = False,
+) -> dict:
+    body = {
+        "model": model,
+        "messages": q["question"][0],
+        "tools": q["tools"],
+        "tool_choice": choice,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "tool_call_constraint": constrained,
+        # simple questions want exactly one call, parallel ones several
+        "parallel_tool_calls": len(q["answer"]) > 1 or q["id"].startswith("parallel"),
+    }
     if constrained and close:  # the length-safe policy: a call cut by max_tokens is closed validly
         body["max_tokens_policy"] = "close"
     resp = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
@@ -170,14 +208,21 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=50, help="parallel questions (of 200)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--close", action="store_true",
-                    help='constrained runs use max_tokens_policy "close" (calls cut by max_tokens are closed)')
+    ap.add_argument(
+        "--close",
+        action="store_true",
+        help='constrained runs use max_tokens_policy "close" (calls cut by max_tokens are closed)',
+    )
     ap.add_argument("--choices", nargs="+", default=["auto", "required"], choices=["auto", "required"])
     args = ap.parse_args()
     sets = {"simple_python": load("simple_python", args.simple), "parallel": load("parallel", args.parallel)}
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, greedy, close policy {args.close}")
-    print("| category | n | tool_choice | constrained | call rate | valid-call rate | AST accuracy | requests/s |")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
+        f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, greedy, close policy {args.close}"
+    )
+    print(
+        "| category | n | tool_choice | constrained | call rate | valid-call rate | AST accuracy | requests/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(agentrt_server(args.model, timeout_s=300)).url
@@ -188,15 +233,36 @@ def main() -> None:
                 for choice in args.choices:
                     for constrained in (True, False):  # side by side, same server, same run
                         t0 = time.perf_counter()
-                        res = list(pool.map(run_one, *zip(*[(client, url, args.model, q, choice, constrained,
-                                                               args.max_tokens, args.close) for q in qs])))
+                        res = list(
+                            pool.map(
+                                run_one,
+                                *zip(
+                                    *[
+                                        (
+                                            client,
+                                            url,
+                                            args.model,
+                                            q,
+                                            choice,
+                                            constrained,
+                                            args.max_tokens,
+                                            args.close,
+                                        )
+                                        for q in qs
+                                    ]
+                                ),
+                            )
+                        )
                         dt = time.perf_counter() - t0
                         n = len(res)
                         errors = [r["error"] for r in res if "error" in r]
-                        print(f"| {cat} | {n} | {choice} | {'on' if constrained else 'off'} "
-                              f"| {sum(bool(r['calls']) for r in res) / n:.1%} | {sum(r['valid'] for r in res) / n:.1%} "
-                              f"| {sum(r['ast'] for r in res) / n:.1%} | {n / dt:.2f} |"
-                              + (f" errors: {len(errors)} e.g. {errors[0]}" if errors else ""), flush=True)
+                        print(
+                            f"| {cat} | {n} | {choice} | {'on' if constrained else 'off'} "
+                            f"| {sum(bool(r['calls']) for r in res) / n:.1%} | {sum(r['valid'] for r in res) / n:.1%} "
+                            f"| {sum(r['ast'] for r in res) / n:.1%} | {n / dt:.2f} |"
+                            + (f" errors: {len(errors)} e.g. {errors[0]}" if errors else ""),
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ def part1(tokenizer):
     for f in sorted((SHARED / "jsonschemabench" / "with_tests").glob("*.json")):
         doc = json.loads(f.read_text())
         split = f.name.split("__")[0]
-        row = rows.setdefault(split, {"n": 0, "ours_ok": 0, "raw_ok": 0, "llg_ok": 0, "ours_ms": [], "raw_ms": [],
-                                      "llg_ms": []})
+        row = rows.setdefault(
+            split, {"n": 0, "ours_ok": 0, "raw_ok": 0, "llg_ok": 0, "ours_ms": [], "raw_ms": [], "llg_ms": []}
+        )
         row["n"] += 1
         t0 = time.perf_counter()
         try:
@@ -91,7 +92,9 @@ def part1(tokenizer):
             ours = None
         t0 = time.perf_counter()
         try:
-            raw_g = raw.compile_json_schema(json.dumps(doc["schema"]), any_whitespace=False, strict_mode=False)
+            raw_g = raw.compile_json_schema(
+                json.dumps(doc["schema"]), any_whitespace=False, strict_mode=False
+            )
             row["raw_ok"] += 1
             row["raw_ms"].append((time.perf_counter() - t0) * 1e3)
         except Exception:  # noqa: BLE001 (xgrammar raises several types)
@@ -121,24 +124,28 @@ def part1(tokenizer):
                     break
         if llg_g is not None:
             llg[1](llg_g, ids, masks["llguidance"])
-    print("| split | schemas | agentrt compiled | raw xgrammar compiled | llguidance compiled | "
-          "agentrt compile p50 / p99 ms | raw xgrammar p50 / p99 ms | llguidance p50 / p99 ms |")
+    print(
+        "| split | schemas | agentrt compiled | raw xgrammar compiled | llguidance compiled | "
+        "agentrt compile p50 / p99 ms | raw xgrammar p50 / p99 ms | llguidance p50 / p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     tot = {k: ([] if k.endswith("_ms") else 0) for k in next(iter(rows.values()))}
     for split, r in sorted(rows.items()) + [("all", tot)]:
         if split != "all":
             for k in tot:
                 tot[k] += r[k]
-        print(f"| {split} | {r['n']} | {r['ours_ok']} ({r['ours_ok'] / r['n']:.0%}) | "
-              f"{r['raw_ok']} ({r['raw_ok'] / r['n']:.0%}) | {r['llg_ok']} ({r['llg_ok'] / r['n']:.0%}) | "
-              f"{pct(r['ours_ms'], .5):.1f} / {pct(r['ours_ms'], .99):.1f} | "
-              f"{pct(r['raw_ms'], .5):.1f} / {pct(r['raw_ms'], .99):.1f} | "
-              f"{pct(r['llg_ms'], .5):.1f} / {pct(r['llg_ms'], .99):.1f} |")
+        print(
+            f"| {split} | {r['n']} | {r['ours_ok']} ({r['ours_ok'] / r['n']:.0%}) | "
+            f"{r['raw_ok']} ({r['raw_ok'] / r['n']:.0%}) | {r['llg_ok']} ({r['llg_ok'] / r['n']:.0%}) | "
+            f"{pct(r['ours_ms'], 0.5):.1f} / {pct(r['ours_ms'], 0.99):.1f} | "
+            f"{pct(r['raw_ms'], 0.5):.1f} / {pct(r['raw_ms'], 0.99):.1f} | "
+            f"{pct(r['llg_ms'], 0.5):.1f} / {pct(r['llg_ms'], 0.99):.1f} |"
+        )
     print("\nmask cost per token (us), walking the first valid instance of every schema all compile:")
     print("| engine | tokens | p50 | p99 | max |\n|---|---|---|---|---|")
     for name, xs in masks.items():
         if xs:
-            print(f"| {name} | {len(xs)} | {pct(xs, .5):.1f} | {pct(xs, .99):.1f} | {max(xs):.0f} |")
+            print(f"| {name} | {len(xs)} | {pct(xs, 0.5):.1f} | {pct(xs, 0.99):.1f} | {max(xs):.0f} |")
     backend.shutdown()
 
 
@@ -153,29 +160,43 @@ def part2(model_dir: str, n_docs: int):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     docs = [json.loads(x) for x in (SHARED / "extraction" / "docs.jsonl").read_text().splitlines()][:n_docs]
-    schemas = {d["schema_name"]: json.loads((SHARED / "extraction" / "schemas" / f"{d['schema_name']}.json")
-                                            .read_text()) for d in docs}
+    schemas = {
+        d["schema_name"]: json.loads(
+            (SHARED / "extraction" / "schemas" / f"{d['schema_name']}.json").read_text()
+        )
+        for d in docs
+    }
 
     def prompt(d):
         msgs = extraction_messages(d["text"], schemas[d["schema_name"]])
-        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)
+        return tok.encode(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
 
     prompts = [prompt(d) for d in docs]
-    eng = Engine(EngineConfig(model=ModelConfig(model=model_dir, device="cpu", dtype="float32"),
-                              cache=CacheConfig(kv_cache_bytes=512 << 20, enable_prefix_cache=True)))
+    eng = Engine(
+        EngineConfig(
+            model=ModelConfig(model=model_dir, device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=512 << 20, enable_prefix_cache=True),
+        )
+    )
     specs = [ConstraintSpec.json_schema(schemas[d["schema_name"]]) for d in docs]
     for spec in specs:
         eng.grammar.compile(spec)
     eng.generate([(p, SamplingParams(temperature=0, max_tokens=1), None) for p in prompts])  # warm prefixes
 
     def set_jump_forward(on: bool) -> None:
-        eng.config = dataclasses.replace(eng.config, grammar=dataclasses.replace(eng.config.grammar, jump_forward=on))
+        eng.config = dataclasses.replace(
+            eng.config, grammar=dataclasses.replace(eng.config.grammar, jump_forward=on)
+        )
 
-    print("Each document group is decoded three ways in turn (constrained without jump-forward, then "
-          "unconstrained with exactly as many tokens per request (ignore_eos), then constrained with "
-          "jump-forward), so the three rows do the same steps with the same batch shapes and share "
-          "the machine's drift.\n")
+    print(
+        "Each document group is decoded three ways in turn (constrained without jump-forward, then "
+        "unconstrained with exactly as many tokens per request (ignore_eos), then constrained with "
+        "jump-forward), so the three rows do the same steps with the same batch shapes and share "
+        "the machine's drift.\n"
+    )
     print("| batch | mode | output tokens | s | tokens/s | vs unconstrained | forced by jump-forward |")
     print("|---|---|---|---|---|---|---|")
     modes = ("json_schema, jump-forward off", "unconstrained", "json_schema, jump-forward on")
@@ -187,10 +208,18 @@ def part2(model_dir: str, n_docs: int):
             for mode in modes:
                 set_jump_forward(mode.endswith("on"))
                 if mode == "unconstrained":
-                    reqs = [(prompts[j], SamplingParams(temperature=0, max_tokens=lengths[j], ignore_eos=True), None)
-                            for j in group]
+                    reqs = [
+                        (
+                            prompts[j],
+                            SamplingParams(temperature=0, max_tokens=lengths[j], ignore_eos=True),
+                            None,
+                        )
+                        for j in group
+                    ]
                 else:
-                    reqs = [(prompts[j], SamplingParams(temperature=0, max_tokens=120), specs[j]) for j in group]
+                    reqs = [
+                        (prompts[j], SamplingParams(temperature=0, max_tokens=120), specs[j]) for j in group
+                    ]
                 before = eng.stats.num_jump_forward_tokens
                 t0 = time.perf_counter()
                 outs = eng.generate(reqs)
@@ -202,11 +231,11 @@ def part2(model_dir: str, n_docs: int):
         base = acc["unconstrained"][0] / acc["unconstrained"][1]
         for mode in ("unconstrained", *modes[::2]):
             n, secs, f = acc[mode]
-            print(f"| {batch} | {mode} | {n} | {secs:.1f} | {n / secs:.1f} | {n / secs / base:.3f}x | "
-                  f"{f} ({f / max(n, 1):.0%}) |")
+            print(
+                f"| {batch} | {mode} | {n} | {secs:.1f} | {n / secs:.1f} | {n / secs / base:.3f}x | "
+                f"{f} ({f / max(n, 1):.0%}) |"
+            )
     eng.grammar.shutdown()
-
-
 
 
 def part3():
@@ -216,7 +245,9 @@ def part3():
     times, sizes, refused = [], [], 0
     for path in sorted((SHARED / "jsonschemabench" / "schemas").glob("*.json")):
         try:
-            ebnf = _schema_ebnf(json.loads(path.read_text()), None, [], {"any_whitespace": False, "indent": None})
+            ebnf = _schema_ebnf(
+                json.loads(path.read_text()), None, [], {"any_whitespace": False, "indent": None}
+            )
         except ValueError:
             refused += 1
             continue
@@ -229,8 +260,10 @@ def part3():
     print(f"\n### Finite-output check, {len(times)} JSONSchemaBench schemas ({refused} refused before)\n")
     print("| p50 ms | p99 ms | max ms | largest EBNF (chars) | its check ms |")
     print("|---|---|---|---|---|")
-    print(f"| {pct(times, .5) * 1e3:.2f} | {pct(times, .99) * 1e3:.1f} | {max(times) * 1e3:.0f} | {sizes[big]} "
-          f"| {times[big] * 1e3:.0f} |")
+    print(
+        f"| {pct(times, 0.5) * 1e3:.2f} | {pct(times, 0.99) * 1e3:.1f} | {max(times) * 1e3:.0f} | {sizes[big]} "
+        f"| {times[big] * 1e3:.0f} |"
+    )
 
 
 def main():

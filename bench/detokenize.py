@@ -42,7 +42,9 @@ def main() -> None:
     for i in range(1, n + 1):
         det.update(tok, ids[:i])
     inc = time.perf_counter() - t
-    print(f"| tokens | full decode ms/token (mean) | full decode ms at token {n} | incremental ms/token (mean) |")
+    print(
+        f"| tokens | full decode ms/token (mean) | full decode ms at token {n} | incremental ms/token (mean) |"
+    )
     print("| --- | --- | --- | --- |")
     print(f"| {n} | {full / n * 1e3:.3f} | {tail * 1e3:.3f} | {inc / n * 1e3:.4f} |")
 

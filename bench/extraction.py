@@ -36,9 +36,16 @@ def run_doc(client: OpenAI, model: str, doc: dict, schema: dict, max_tokens: int
     t0 = time.perf_counter()
     ttft, text, finish, usage = None, "", None, None
     stream = client.chat.completions.create(
-        model=model, messages=extraction_messages(doc["text"], schema), temperature=0, max_tokens=max_tokens,
-        stream=True, stream_options={"include_usage": True},
-        response_format={"type": "json_schema", "json_schema": {"name": doc["schema_name"], "schema": schema}},
+        model=model,
+        messages=extraction_messages(doc["text"], schema),
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": doc["schema_name"], "schema": schema},
+        },
     )
     for chunk in stream:
         if chunk.usage is not None:
@@ -58,23 +65,36 @@ def run_doc(client: OpenAI, model: str, doc: dict, schema: dict, max_tokens: int
             fields_ok = sum(obj.get(k) == v for k, v in doc["gold"].items())
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
-    return {"ttft": ttft or 0.0, "latency": time.perf_counter() - t0, "valid": valid, "finish": finish,
-            "completion_tokens": usage.completion_tokens if usage else 0,
-            "fields_ok": fields_ok, "fields": len(doc["gold"])}
+    return {
+        "ttft": ttft or 0.0,
+        "latency": time.perf_counter() - t0,
+        "valid": valid,
+        "finish": finish,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "fields_ok": fields_ok,
+        "fields": len(doc["gold"]),
+    }
 
 
 def bench(client, model, docs, schemas, concurrency: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda d: run_doc(client, model, d, schemas[d["schema_name"]], max_tokens), docs))
+        results = list(
+            pool.map(lambda d: run_doc(client, model, d, schemas[d["schema_name"]], max_tokens), docs)
+        )
     wall = time.perf_counter() - t0
     ttfts = sorted(r["ttft"] for r in results)
     return {
-        "concurrency": concurrency, "docs": len(docs), "wall_s": wall, "docs_per_s": len(docs) / wall,
-        "valid": sum(r["valid"] for r in results), "hit_length": sum(r["finish"] == "length" for r in results),
+        "concurrency": concurrency,
+        "docs": len(docs),
+        "wall_s": wall,
+        "docs_per_s": len(docs) / wall,
+        "valid": sum(r["valid"] for r in results),
+        "hit_length": sum(r["finish"] == "length" for r in results),
         "field_acc": sum(r["fields_ok"] for r in results) / max(1, sum(r["fields"] for r in results)),
         "completion_tok_per_s": sum(r["completion_tokens"] for r in results) / wall,
-        "ttft_p50": statistics.median(ttfts), "ttft_p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
     }
 
 
@@ -86,7 +106,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `agentrt serve` argument")
-    ap.add_argument("--llama-server", help="also benchmark this llama.cpp llama-server binary on the same GGUF")
+    ap.add_argument(
+        "--llama-server", help="also benchmark this llama.cpp llama-server binary on the same GGUF"
+    )
     ap.add_argument("--gguf", help="GGUF for llama-server (default: the registered model's file)")
     args = ap.parse_args()
     docs = [json.loads(line) for line in (DATA / "docs.jsonl").read_text().splitlines()][: args.docs]
@@ -95,18 +117,41 @@ def main() -> None:
     if args.url:
         servers.append(("server", None, args.url))
     else:
-        servers.append(("agentrt", [sys.executable, "-m", "agentrt.cli", "serve", args.model, *args.server_arg], None))
+        servers.append(
+            ("agentrt", [sys.executable, "-m", "agentrt.cli", "serve", args.model, *args.server_arg], None)
+        )
     if args.llama_server:
         from agentrt.runtime.models.loader import find_registered_gguf
 
         gguf = args.gguf or str(find_registered_gguf(args.model))
         slots = max(args.concurrency)
-        servers.append(("llama-server", [args.llama_server, "-m", gguf, "-t", str(os.cpu_count()), "-np", str(slots),
-                                         "-c", str(4096 * slots), "--host", "127.0.0.1"], None))
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
-          f"{len(docs)} docs, max_tokens {args.max_tokens}")
-    print("| server | concurrency | docs/s | valid | valid docs/s | hit max_tokens | field acc | completion tok/s "
-          "| TTFT p50 s | TTFT p95 s |")
+        servers.append(
+            (
+                "llama-server",
+                [
+                    args.llama_server,
+                    "-m",
+                    gguf,
+                    "-t",
+                    str(os.cpu_count()),
+                    "-np",
+                    str(slots),
+                    "-c",
+                    str(4096 * slots),
+                    "--host",
+                    "127.0.0.1",
+                ],
+                None,
+            )
+        )
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, model {args.model}, "
+        f"{len(docs)} docs, max_tokens {args.max_tokens}"
+    )
+    print(
+        "| server | concurrency | docs/s | valid | valid docs/s | hit max_tokens | field acc | completion tok/s "
+        "| TTFT p50 s | TTFT p95 s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, cmd, url in servers:
         with contextlib.ExitStack() as stack:
@@ -114,12 +159,17 @@ def main() -> None:
                 port = free_port()
                 url = stack.enter_context(launch_server([*cmd, "--port", str(port)], port, timeout_s=300)).url
             client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
-            run_doc(client, args.model, docs[0], schemas[docs[0]["schema_name"]], 16)  # warm-up (grammar cache)
+            run_doc(
+                client, args.model, docs[0], schemas[docs[0]["schema_name"]], 16
+            )  # warm-up (grammar cache)
             for c in args.concurrency:
                 r = bench(client, args.model, docs, schemas, c, args.max_tokens)
-                print(f"| {label} | {c} | {r['docs_per_s']:.2f} | {r['valid']}/{r['docs']} | "
-                      f"{r['valid'] / r['wall_s']:.2f} | {r['hit_length']} | {r['field_acc']:.2f} | "
-                      f"{r['completion_tok_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |", flush=True)
+                print(
+                    f"| {label} | {c} | {r['docs_per_s']:.2f} | {r['valid']}/{r['docs']} | "
+                    f"{r['valid'] / r['wall_s']:.2f} | {r['hit_length']} | {r['field_acc']:.2f} | "
+                    f"{r['completion_tok_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

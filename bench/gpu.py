@@ -55,23 +55,69 @@ from agentrt.runtime.triton_attention import SlotTable
 
 SHAPES = {
     "llama-3.1-8b": LlamaArch(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                      ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
-        max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=False, mlp_bias=False),
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=(
+            ("factor", 8.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 8192),
+            ("rope_type", "llama3"),
+        ),
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        mlp_bias=False,
+    ),
     "qwen2.5-0.5b": LlamaArch(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-        num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=(("rope_type", "default"),),
-        max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True, mlp_bias=False),
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=(("rope_type", "default"),),
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        mlp_bias=False,
+    ),
     "tiny": LlamaArch(  # CPU smoke run only
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
-        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=(("rope_type", "default"),),
-        max_position_embeddings=4096, tie_word_embeddings=False, qkv_bias=True, mlp_bias=False),
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=(("rope_type", "default"),),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        mlp_bias=False,
+    ),
 }
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}, "required": ["name", "age", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+    },
+    "required": ["name", "age", "tags"],
+}
 
 
 def sync(device: torch.device) -> None:
@@ -95,7 +141,9 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def build_model(arch: LlamaArch, max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_model(
+    arch: LlamaArch, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
     """Random weights N(0, 0.02) (norm weights 1 + N(0, 0.02)) allocated on the device in dtype."""
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
@@ -136,7 +184,9 @@ class Bench:
         self.max_len = ctx + 2 * args.steps + 256
         self.bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         tokens = max(args.batches) * self.max_len + 4 * (ctx + 128)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        )
         self.table = SlotTable(2 * max(args.batches) + 8, self.max_len, device)
         self.capture_s = 0.0
         if args.host_only:  # slot bookkeeping only: a KV pool of 1-element tokens, no model
@@ -144,14 +194,23 @@ class Bench:
             self.kv = KVPool(1, 1, 1, torch.float32, device, tokens * 8)
         else:
             self.model = build_model(a, self.max_len + 8, device, self.dtype)
-            self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, device,
-                             tokens * self.bytes_per_token)
+            self.kv = KVPool(
+                a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, device, tokens * self.bytes_per_token
+            )
             for k, v in zip(self.kv.k, self.kv.v):
                 k.normal_()
                 v.normal_()
             t = time.perf_counter()
-            self.graphs = DecodeGraphRunner(self.model, self.kv.k, self.kv.v, self.table, args.batches, device,
-                                            device.type == "cuda" and not args.eager, self.num_sms)
+            self.graphs = DecodeGraphRunner(
+                self.model,
+                self.kv.k,
+                self.kv.v,
+                self.table,
+                args.batches,
+                device,
+                device.type == "cuda" and not args.eager,
+                self.num_sms,
+            )
             self.capture_s = time.perf_counter() - t
         self.gen = torch.Generator().manual_seed(1)
         self.rows: list[dict] = []
@@ -164,14 +223,22 @@ class Bench:
         seqs = []
         for b in range(batch):
             slots = self.kv.allocate(self.args.context + 2 * self.args.steps + 8)
-            seqs.append({"key": (self.name, batch, b), "slots": slots, "len": self.args.context,
-                         "tok": self.ids(1)[0]})
+            seqs.append(
+                {
+                    "key": (self.name, batch, b),
+                    "slots": slots,
+                    "len": self.args.context,
+                    "tok": self.ids(1)[0],
+                }
+            )
         return seqs
 
     def _chunks(self, seqs) -> list[SeqChunk]:
         return [SeqChunk([s["tok"]], s["len"], s["slots"][: s["len"] + 1], seq_key=s["key"]) for s in seqs]
 
-    def decode(self, batch: int, mask_mode: str | None = None, eager: bool = False) -> tuple[float, float | None]:
+    def decode(
+        self, batch: int, mask_mode: str | None = None, eager: bool = False
+    ) -> tuple[float, float | None]:
         """(tokens/s end to end, tokens/s of graph replay alone or None)."""
         seqs = self._sequences(batch)
         steps, warm = self.args.steps, 3
@@ -183,8 +250,15 @@ class Bench:
             fill = masker.start() if masker else None
             chunks = self._chunks(seqs)
             if eager:
-                logits = run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device,
-                                    slot_table=self.table, num_sms=self.num_sms)
+                logits = run_chunks(
+                    self.model,
+                    self.kv.k,
+                    self.kv.v,
+                    chunks,
+                    self.device,
+                    slot_table=self.table,
+                    num_sms=self.num_sms,
+                )
             else:
                 logits = self.graphs.run(chunks)
             if masker:
@@ -230,7 +304,9 @@ class Bench:
                 if name == "torch":
                     build_torch_metadata(chunks, self.device)
                 else:
-                    build_triton_metadata(chunks, self.table, self.arch.num_kv_heads, self.device, self.num_sms)
+                    build_triton_metadata(
+                        chunks, self.table, self.arch.num_kv_heads, self.device, self.num_sms
+                    )
                 sync(self.device)
                 if rep:
                     spent.append(time.perf_counter() - t)
@@ -248,12 +324,21 @@ class Bench:
     def prefill(self, num_seqs: int, length: int) -> float:
         times = []
         for i in range(3):
-            chunks = [SeqChunk(self.ids(length), 0, self.kv.allocate(length), seq_key=("p", i, j))
-                      for j in range(num_seqs)]
+            chunks = [
+                SeqChunk(self.ids(length), 0, self.kv.allocate(length), seq_key=("p", i, j))
+                for j in range(num_seqs)
+            ]
             sync(self.device)
             t = time.perf_counter()
-            logits = run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device, slot_table=self.table,
-                                num_sms=self.num_sms)
+            logits = run_chunks(
+                self.model,
+                self.kv.k,
+                self.kv.v,
+                chunks,
+                self.device,
+                slot_table=self.table,
+                num_sms=self.num_sms,
+            )
             torch.argmax(logits, dim=-1).tolist()
             times.append(time.perf_counter() - t)
             for c in chunks:
@@ -267,9 +352,16 @@ class Bench:
         t = time.perf_counter()
         cached = cache.match_prefix(ids).slots if cache is not None else []
         slots = cached + self.kv.allocate(len(ids) - len(cached))
-        chunk = SeqChunk(ids[len(cached):], len(cached), slots, seq_key=key)
-        logits = run_chunks(self.model, self.kv.k, self.kv.v, [chunk], self.device, slot_table=self.table,
-                            num_sms=self.num_sms)
+        chunk = SeqChunk(ids[len(cached) :], len(cached), slots, seq_key=key)
+        logits = run_chunks(
+            self.model,
+            self.kv.k,
+            self.kv.v,
+            [chunk],
+            self.device,
+            slot_table=self.table,
+            num_sms=self.num_sms,
+        )
         torch.argmax(logits, dim=-1).tolist()
         return time.perf_counter() - t, slots
 
@@ -361,14 +453,30 @@ def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) 
     t0 = time.perf_counter()
     b = Bench(name, args, device, bw)
     weights = sum(p.numel() * p.element_size() for p in b.model.parameters()) if b.model is not None else 0
-    out = {"model": name, "weights_gb": weights / 1e9,
-           "kv_bytes_per_token": b.bytes_per_token, "graph_capture_s": b.capture_s, "decode": []}
+    out = {
+        "model": name,
+        "weights_gb": weights / 1e9,
+        "kv_bytes_per_token": b.bytes_per_token,
+        "graph_capture_s": b.capture_s,
+        "decode": [],
+    }
     for batch in [] if args.host_only else args.batches:
         tps, replay = b.decode(batch)
         bound = b.roofline(batch)
-        out["decode"].append({"batch": batch, "tokens_s": tps, "replay_tokens_s": replay, "bound_tokens_s": bound,
-                              "fraction": tps / bound, "replay_fraction": (replay / bound) if replay else None})
-        print(f"  [{name}] decode batch {batch}: {tps:.1f} tok/s ({tps / bound:.0%} of {bound:.1f} bound)", flush=True)
+        out["decode"].append(
+            {
+                "batch": batch,
+                "tokens_s": tps,
+                "replay_tokens_s": replay,
+                "bound_tokens_s": bound,
+                "fraction": tps / bound,
+                "replay_fraction": (replay / bound) if replay else None,
+            }
+        )
+        print(
+            f"  [{name}] decode batch {batch}: {tps:.1f} tok/s ({tps / bound:.0%} of {bound:.1f} bound)",
+            flush=True,
+        )
     out["host_ms"] = []
     for batch in args.batches:
         t_torch, t_triton = b.host_overhead(batch)
@@ -385,8 +493,15 @@ def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) 
             continue
         plain = b.decode(batch)[0]
         masked = b.decode(batch, mask_mode=mask_mode)[0]
-        out["constrained"].append({"batch": batch, "plain_tokens_s": plain, "masked_tokens_s": masked,
-                                   "overhead": plain / masked - 1, "mask": mask_mode})
+        out["constrained"].append(
+            {
+                "batch": batch,
+                "plain_tokens_s": plain,
+                "masked_tokens_s": masked,
+                "overhead": plain / masked - 1,
+                "mask": mask_mode,
+            }
+        )
     out["ttft_cold_s"], out["ttft_warm_s"] = b.ttft(args.context)
     out["seconds"] = time.perf_counter() - t0
     del b
@@ -396,38 +511,56 @@ def run_model(name: str, args, device: torch.device, bw: float, mask_mode: str) 
 
 
 def print_tables(meta: dict, results: list[dict]) -> None:
-    print(f"\n{meta['date']} | {meta['device']} | torch {meta['torch']}, triton {meta['triton']} | copy bandwidth "
-          f"{meta['copy_bw_gbs']:.0f} GB/s (read + write) | context {meta['context']} tokens, {meta['steps']} steps"
-          + (" | Triton interpreter: speeds are meaningless" if meta["interpret"] and not meta["host_only"] else ""))
-    print("\n| model | batch | host ms per decode step: torch path (padded slot lists) | Triton path (slot table) |")
+    print(
+        f"\n{meta['date']} | {meta['device']} | torch {meta['torch']}, triton {meta['triton']} | copy bandwidth "
+        f"{meta['copy_bw_gbs']:.0f} GB/s (read + write) | context {meta['context']} tokens, {meta['steps']} steps"
+        + (
+            " | Triton interpreter: speeds are meaningless"
+            if meta["interpret"] and not meta["host_only"]
+            else ""
+        )
+    )
+    print(
+        "\n| model | batch | host ms per decode step: torch path (padded slot lists) | Triton path (slot table) |"
+    )
     print("| --- | --- | --- | --- |")
     for r in results:
         for h in r["host_ms"]:
             print(f"| {r['model']} | {h['batch']} | {h['torch_ms']:.2f} | {h['triton_ms']:.2f} |")
     if meta["host_only"]:
         return
-    print("\n| model | batch | decode tok/s (end to end) | graph replay tok/s | roofline tok/s | achieved | replay share |")
+    print(
+        "\n| model | batch | decode tok/s (end to end) | graph replay tok/s | roofline tok/s | achieved | replay share |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         for d in r["decode"]:
             rep = f"{d['replay_tokens_s']:.1f}" if d["replay_tokens_s"] else "-"
             rf = f"{d['replay_fraction']:.0%}" if d["replay_fraction"] else "-"
-            print(f"| {r['model']} | {d['batch']} | {d['tokens_s']:.1f} | {rep} | {d['bound_tokens_s']:.1f} | "
-                  f"{d['fraction']:.0%} | {rf} |")
+            print(
+                f"| {r['model']} | {d['batch']} | {d['tokens_s']:.1f} | {rep} | {d['bound_tokens_s']:.1f} | "
+                f"{d['fraction']:.0%} | {rf} |"
+            )
     ctx = meta["context"]
-    print(f"\n| model | weights GB | eager b1 tok/s | prefill 1x{ctx} tok/s | prefill 8x{min(512, ctx)} tok/s | "
-          f"TTFT cold ms | TTFT warm ms ({ctx} cached) | graph capture s |")
+    print(
+        f"\n| model | weights GB | eager b1 tok/s | prefill 1x{ctx} tok/s | prefill 8x{min(512, ctx)} tok/s | "
+        f"TTFT cold ms | TTFT warm ms ({ctx} cached) | graph capture s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['model']} | {r['weights_gb']:.2f} | {r['eager_batch1_tokens_s']:.1f} | "
-              f"{r['prefill_long_tokens_s']:.0f} | {r['prefill_batched_tokens_s']:.0f} | {r['ttft_cold_s'] * 1e3:.1f} | "
-              f"{r['ttft_warm_s'] * 1e3:.1f} | {r['graph_capture_s']:.1f} |")
+        print(
+            f"| {r['model']} | {r['weights_gb']:.2f} | {r['eager_batch1_tokens_s']:.1f} | "
+            f"{r['prefill_long_tokens_s']:.0f} | {r['prefill_batched_tokens_s']:.0f} | {r['ttft_cold_s'] * 1e3:.1f} | "
+            f"{r['ttft_warm_s'] * 1e3:.1f} | {r['graph_capture_s']:.1f} |"
+        )
     print("\n| model | batch | unconstrained tok/s | constrained tok/s | overhead | bitmask |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         for c in r["constrained"]:
-            print(f"| {r['model']} | {c['batch']} | {c['plain_tokens_s']:.1f} | {c['masked_tokens_s']:.1f} | "
-                  f"{c['overhead']:+.1%} | {c['mask']} |")
+            print(
+                f"| {r['model']} | {c['batch']} | {c['plain_tokens_s']:.1f} | {c['masked_tokens_s']:.1f} | "
+                f"{c['overhead']:+.1%} | {c['mask']} |"
+            )
 
 
 def main() -> None:
@@ -439,8 +572,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
-    p.add_argument("--host-only", action="store_true",
-                   help="only the host work per decode step (input building), e.g. on CPU for the real shapes")
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="only the host work per decode step (input building), e.g. on CPU for the real shapes",
+    )
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
@@ -455,13 +591,23 @@ def main() -> None:
     import triton
 
     bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (
-                "cpu (Triton interpreter)" if interpreting() else "cpu"),
-            "copy_bw_gbs": bw / 1e9, "context": args.context, "steps": args.steps,
-            "interpret": interpreting(), "host_only": args.host_only}
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s" + ("" if args.host_only else f"; bitmask source: {mask_mode}"),
-          flush=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else ("cpu (Triton interpreter)" if interpreting() else "cpu"),
+        "copy_bw_gbs": bw / 1e9,
+        "context": args.context,
+        "steps": args.steps,
+        "interpret": interpreting(),
+        "host_only": args.host_only,
+    }
+    print(
+        f"copy bandwidth {bw / 1e9:.0f} GB/s" + ("" if args.host_only else f"; bitmask source: {mask_mode}"),
+        flush=True,
+    )
     results = []
     for name in args.models.split(","):
         results.append(run_model(name, args, device, bw, mask_mode))

@@ -96,8 +96,9 @@ def extraction_requests(odd: bool, limit: int, tokenizer):
     out = []
     for d in docs:
         schema = schemas[d["schema_name"]]
-        text = tokenizer.apply_chat_template(extraction_messages(d["text"], schema), add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            extraction_messages(d["text"], schema), add_generation_prompt=True, tokenize=False
+        )
         out.append((tokenizer.encode(text, add_special_tokens=False), schema))
     return out
 
@@ -123,8 +124,9 @@ def run(engine, requests, batch: int, max_tokens: int):
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch):
         group = requests[i : i + batch]
-        outs += engine.generate([(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
-                                 for ids, spec in group])
+        outs += engine.generate(
+            [(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec) for ids, spec in group]
+        )
     return outs, time.perf_counter() - t0
 
 
@@ -150,25 +152,50 @@ def main() -> None:
     from agentrt.runtime.engine import Engine
 
     def engine_for(method: str) -> Engine:
-        spec = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k),
-                "draft": SpecConfig(method="draft", num_speculative_tokens=args.k, draft_layers=args.draft_layers),
-                "medusa": SpecConfig(method="medusa")}[method]
-        return Engine(EngineConfig(model=ModelConfig(device="cpu", dtype=args.dtype),
-                                   cache=CacheConfig(kv_cache_bytes=256 << 20), speculative=spec))
+        spec = {
+            "none": SpecConfig(),
+            "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k),
+            "draft": SpecConfig(
+                method="draft", num_speculative_tokens=args.k, draft_layers=args.draft_layers
+            ),
+            "medusa": SpecConfig(method="medusa"),
+        }[method]
+        return Engine(
+            EngineConfig(
+                model=ModelConfig(device="cpu", dtype=args.dtype),
+                cache=CacheConfig(kv_cache_bytes=256 << 20),
+                speculative=spec,
+            )
+        )
 
     first = engine_for(args.methods[0])
     tok = first.tokenizer
     workloads = {
-        "extraction": [(ids, ConstraintSpec.json_schema(s)) for ids, s in extraction_requests(True, args.docs, tok)],
-        "free text": [(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                          tokenize=False), add_special_tokens=False), None)
-                      for p in FREE_TEXT[1::2][: args.free]],
+        "extraction": [
+            (ids, ConstraintSpec.json_schema(s)) for ids, s in extraction_requests(True, args.docs, tok)
+        ],
+        "free text": [
+            (
+                tok.encode(
+                    tok.apply_chat_template(
+                        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                    ),
+                    add_special_tokens=False,
+                ),
+                None,
+            )
+            for p in FREE_TEXT[1::2][: args.free]
+        ],
     }
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), default model {args.dtype}, greedy, max_tokens {args.max_tokens}, "
-          f"k {args.k}, self-draft layers {args.draft_layers}")
-    print("| workload | batch | method | tokens | tokens/s | speed-up | mean accepted length | acceptance rate "
-          "| outputs != plain |")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), default model {args.dtype}, greedy, max_tokens {args.max_tokens}, "
+        f"k {args.k}, self-draft layers {args.draft_layers}"
+    )
+    print(
+        "| workload | batch | method | tokens | tokens/s | speed-up | mean accepted length | acceptance rate "
+        "| outputs != plain |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     base: dict = {}
     for method in args.methods:
@@ -178,8 +205,10 @@ def main() -> None:
                 s = engine.stats
                 before = (s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens)
                 outs, wall = run(engine, reqs, batch, args.max_tokens)
-                steps, drafted, accepted = (a - b for a, b in zip((s.num_spec_steps, s.num_draft_tokens,
-                                                                   s.num_accepted_tokens), before))
+                steps, drafted, accepted = (
+                    a - b
+                    for a, b in zip((s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens), before)
+                )
                 ntok = sum(len(o.token_ids) for o in outs)
                 key = (name, batch)
                 if method == "none":
@@ -189,8 +218,11 @@ def main() -> None:
                 speed = f"{ntok / wall / ref[1]:.2f}x" if ref else "-"
                 mal = f"{(accepted + steps) / steps:.2f}" if steps else "-"
                 rate = f"{accepted / drafted:.1%}" if drafted else "-"
-                print(f"| {name} | {batch} | {method} | {ntok} | {ntok / wall:.1f} | {speed} | {mal} | {rate} "
-                      f"| {diff} |", flush=True)
+                print(
+                    f"| {name} | {batch} | {method} | {ntok} | {ntok / wall:.1f} | {speed} | {mal} | {rate} "
+                    f"| {diff} |",
+                    flush=True,
+                )
         engine.grammar.shutdown()
 
 

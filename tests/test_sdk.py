@@ -30,8 +30,11 @@ def test_generate_and_chat(llm):
 def test_extract_into_pydantic_and_dict(llm):
     obj = llm.extract("Lyon is a city in France.", City)
     assert isinstance(obj, City) and obj.city
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+    }
     objs = llm.extract(["Pick a digit.", [{"role": "user", "content": "Another digit?"}]], schema)
     assert len(objs) == 2
     for o in objs:
@@ -54,4 +57,8 @@ def test_extract_raises_the_typed_error_the_api_gives(llm):
     assert (e.value.keyword, e.value.pointer) == ("not", "/properties/a/not")
     with pytest.raises(IncompleteOutputError, match="finish_reason=length") as e:
         llm.extract("Lyon is a city in France.", City, SamplingParams(temperature=0, max_tokens=3))
-    assert isinstance(e.value, ValueError) and e.value.param == "max_tokens" and e.value.finish_reason == "length"
+    assert (
+        isinstance(e.value, ValueError)
+        and e.value.param == "max_tokens"
+        and e.value.finish_reason == "length"
+    )

@@ -22,13 +22,15 @@ pytestmark = pytest.mark.usefixtures("time_limit")
 
 def test_byte_tokenizer_round_trips_bytes_and_has_an_eos():
     tok = byte_tokenizer()
-    text = "héllo {\"a\": 1}\n\t~"
+    text = 'héllo {"a": 1}\n\t~'
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == list(text.encode())
     assert tok.decode(ids) == text
     assert tok.eos_token_id == 256 and tok.convert_ids_to_tokens(256) == "<|endoftext|>"
     assert len(tok) == 260
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -69,8 +71,13 @@ def test_batch_rows_in_order_and_only_where_asked():
     runner = FakeModelRunner()
     a, b = list(b"first"), list(b"second one")
     sa, sb = runner.kv.allocate(len(a)), runner.kv.allocate(len(b))
-    out = runner.execute([SeqChunk(a, 0, sa, True), SeqChunk(b[:4], 0, sb[:4], False),
-                          SeqChunk(b[4:], 4, sb, True, num_logits=3)])
+    out = runner.execute(
+        [
+            SeqChunk(a, 0, sa, True),
+            SeqChunk(b[:4], 0, sb[:4], False),
+            SeqChunk(b[4:], 4, sb, True, num_logits=3),
+        ]
+    )
     assert out.shape == (4, 260)
     assert int(out[0].argmax()) == runner.greedy_next(a)
     assert [int(r.argmax()) for r in out[1:]] == [runner.greedy_next(b[:k]) for k in (8, 9, 10)]
@@ -87,7 +94,9 @@ def test_tree_chunk_positions_and_ancestors():
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     tokens = [ord("c"), ord("x"), ord("y"), ord("z")]
     out = runner.execute([SeqChunk(tokens, 2, root_slots + new, True, 4, [2, 3, 4, 4], mask)])
-    assert [int(r.argmax()) for r in out] == [runner.greedy_next(list(b"abc" + s)) for s in (b"", b"x", b"xy", b"xz")]
+    assert [int(r.argmax()) for r in out] == [
+        runner.greedy_next(list(b"abc" + s)) for s in (b"", b"x", b"xy", b"xz")
+    ]
     with pytest.raises(KVCorruptionError, match="ancestors"):
         runner.execute([SeqChunk(tokens, 2, root_slots + new, True, 4, [2, 3, 4, 5], mask)])
 
@@ -136,8 +145,9 @@ def test_launch_server_waits_for_health_and_stops_it(tmp_path):
     import httpx
 
     port = free_port()
-    with launch_server([sys.executable, "-c", _HEALTH_SERVER, str(port)], port, timeout_s=30,
-                       log_path=tmp_path / "log") as srv:
+    with launch_server(
+        [sys.executable, "-c", _HEALTH_SERVER, str(port)], port, timeout_s=30, log_path=tmp_path / "log"
+    ) as srv:
         assert srv.url == f"http://127.0.0.1:{port}"
         assert httpx.get(f"{srv.url}/health").status_code == 200
         assert srv.proc.poll() is None
@@ -148,5 +158,8 @@ def test_launch_server_waits_for_health_and_stops_it(tmp_path):
 def test_launch_server_reports_a_process_that_exits(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]
-    with pytest.raises(ServerStartError, match="exited with 3: boom"), launch_server(cmd, port, log_path=tmp_path / "log"):
+    with (
+        pytest.raises(ServerStartError, match="exited with 3: boom"),
+        launch_server(cmd, port, log_path=tmp_path / "log"),
+    ):
         pass

@@ -26,17 +26,27 @@ from agentrt.runtime.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: AsyncEngine, served_model_name: str,
-               on_ready: Callable[[], None] | None = None, tool_call_format: str = "auto",
-               exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    on_ready: Callable[[], None] | None = None,
+    tool_call_format: str = "auto",
+    exclude_tools_when_tool_choice_none: bool = False,
+) -> FastAPI:
     """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
     `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
     template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
     the tools out of the prompt when tool_choice is "none". Raises ValueError on an unknown format."""
-    tool_prompt = ToolPrompt.for_template(getattr(engine.tokenizer, "chat_template", None), tool_call_format,
-                                          exclude_tools_when_tool_choice_none)
-    logger.info("tool calls: format %s (%s prompt)", tool_prompt.fmt.name,
-                "template" if tool_prompt.native else "generic")
+    tool_prompt = ToolPrompt.for_template(
+        getattr(engine.tokenizer, "chat_template", None),
+        tool_call_format,
+        exclude_tools_when_tool_choice_none,
+    )
+    logger.info(
+        "tool calls: format %s (%s prompt)",
+        tool_prompt.fmt.name,
+        "template" if tool_prompt.native else "generic",
+    )
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=_lifespan)
     app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt)
     app.state.on_ready = on_ready

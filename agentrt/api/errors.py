@@ -38,8 +38,14 @@ class APIError(Exception):
     malformed request field, an unknown model (404), a client that left (499)). Typed runtime errors
     become one through `to_api_error`."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type_, code
 
@@ -82,8 +88,13 @@ def to_api_error(e: AgentrtError, param: str | None = None, message: str | None 
         param = param or e.param
     else:
         param = None
-    return APIError(e.message if message is None else message, status=kind.status, param=param,
-                    type_=kind.type, code=kind.code)
+    return APIError(
+        e.message if message is None else message,
+        status=kind.status,
+        param=param,
+        type_=kind.type,
+        code=kind.code,
+    )
 
 
 def _utf8(text: str) -> str:
@@ -93,7 +104,9 @@ def _utf8(text: str) -> str:
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     """OpenAI's error shape; message and param are made safe to encode as UTF-8."""
-    return {"error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}}
+    return {
+        "error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}
+    }
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -119,8 +132,9 @@ async def _on_agentrt_error(_: Request, e: AgentrtError) -> JSONResponse:
 async def _limit_body(request: Request, call_next):
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return APIError(f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}",
-                        status=413).response()
+        return APIError(
+            f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}", status=413
+        ).response()
     return await call_next(request)
 
 

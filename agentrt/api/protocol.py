@@ -117,16 +117,25 @@ class _CommonRequest(BaseModel):
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         except ValueError:
-            raise APIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+            raise APIError(
+                "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+            ) from None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logit_bias=bias,
-            max_tokens_policy=self.max_tokens_policy, speculative=self.speculative,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logit_bias=bias,
+            max_tokens_policy=self.max_tokens_policy,
+            speculative=self.speculative,
         )
 
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
@@ -144,22 +153,32 @@ class _CommonRequest(BaseModel):
             return RequestConstraint(None, "", "")
         field = given[0]
         if self.stop:
-            raise APIError(f"stop cannot be combined with {field}: a stop string could cut the constrained "
-                           "output; the constraint decides where the output ends", param="stop")
+            raise APIError(
+                f"stop cannot be combined with {field}: a stop string could cut the constrained "
+                "output; the constraint decides where the output ends",
+                param="stop",
+            )
         param = field
         try:
             if field == "response_format":
                 if response_format.type == "json_object":
                     return RequestConstraint(ConstraintSpec.json_object(), field, field)
                 if response_format.json_schema is None:
-                    raise APIError("response_format.json_schema is required for type json_schema",
-                                   param="response_format.json_schema")
+                    raise APIError(
+                        "response_format.json_schema is required for type json_schema",
+                        param="response_format.json_schema",
+                    )
                 param = "response_format.json_schema.schema"
-                spec = ConstraintSpec.json_schema(response_format.json_schema.schema_,
-                                                  strict=response_format.json_schema.strict)
+                spec = ConstraintSpec.json_schema(
+                    response_format.json_schema.schema_, strict=response_format.json_schema.strict
+                )
             else:
-                make = {"regex": ConstraintSpec.regex, "grammar": ConstraintSpec.grammar,
-                        "lark": ConstraintSpec.lark, "choice": ConstraintSpec.choice}[field]
+                make = {
+                    "regex": ConstraintSpec.regex,
+                    "grammar": ConstraintSpec.grammar,
+                    "lark": ConstraintSpec.lark,
+                    "choice": ConstraintSpec.choice,
+                }[field]
                 spec = make(getattr(self, field))
         except ValueError as e:
             raise APIError(f"{param}: {e}", param=param) from None
@@ -203,6 +222,9 @@ class CompletionRequest(_CommonRequest):
 def usage(out: RequestOutput) -> dict:
     """OpenAI's `usage` object of a finished output (tokens), with cached prompt tokens."""
     n = len(out.token_ids)
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
-            "total_tokens": out.num_prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": out.num_prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }

@@ -76,8 +76,18 @@ class OpenAIServing:
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "agentrt", "max_model_len": self.engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "agentrt",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
 
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
@@ -85,15 +95,24 @@ class OpenAIServing:
     def check_model(self, model: str) -> None:
         """Raises APIError (404 model_not_found) unless `model` is the served one."""
         if model != self.model_name:
-            raise APIError(f"model '{model}' does not exist; this server serves '{self.model_name}'",
-                           status=404, param="model", code="model_not_found")
+            raise APIError(
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
 
     async def chat(self, req: ChatCompletionRequest, is_disconnected: IsDisconnected) -> ServingResult:
         """/v1/chat/completions. Raises APIError (4xx naming the field, 499 when the client left) or
         an AgentrtError the engine raised (e.g. ServiceUnavailableError while shutting down)."""
         self.check_model(req.model)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_prompt.fmt,
-                          constrained=req.tool_call_constraint)
+        plan = plan_tools(
+            req.tools,
+            req.tool_choice,
+            req.parallel_tool_calls,
+            self.tool_prompt.fmt,
+            constrained=req.tool_call_constraint,
+        )
         if plan is not None:
             check_tool_schemas(plan)
         messages = [m.as_dict() for m in req.messages]
@@ -125,8 +144,15 @@ class OpenAIServing:
         gen = self._generation(req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"})
         return await self._run(gen, is_disconnected)
 
-    def _generation(self, req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
-                    plan: ToolPlan | None, param_names: dict[str, str]) -> Generation:
+    def _generation(
+        self,
+        req: _CommonRequest,
+        chat: bool,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        plan: ToolPlan | None,
+        param_names: dict[str, str],
+    ) -> Generation:
         """The request's sampling params and its one constraint (response_format / regex / ... or
         the tool-call grammar). Raises APIError naming the field."""
         params = req.sampling_params(max_tokens)
@@ -138,24 +164,41 @@ class OpenAIServing:
         tool_constraint = plan.constraint() if plan is not None else None
         if tool_constraint is not None:
             if constraint is not None:
-                raise APIError(f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
-                               param=chosen.field)
+                raise APIError(
+                    f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
+                    param=chosen.field,
+                )
             if req.stop:
-                raise APIError("stop cannot be combined with constrained tool calls: a stop string could cut "
-                               "a call", param="stop")
+                raise APIError(
+                    "stop cannot be combined with constrained tool calls: a stop string could cut a call",
+                    param="stop",
+                )
             constraint, constraint_param = tool_constraint, "tools"
         return Generation(
-            request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, chat=chat, prompt_ids=prompt_ids,
-            params=params, constraint=constraint, constraint_param=constraint_param, tools=calls,
-            param_names=param_names, cache_salt=req.cache_salt or "", stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+            request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            chat=chat,
+            prompt_ids=prompt_ids,
+            params=params,
+            constraint=constraint,
+            constraint_param=constraint_param,
+            tools=calls,
+            param_names=param_names,
+            cache_salt=req.cache_salt or "",
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
 
     async def _submit(self, gen: Generation) -> RequestStream:
         """Hand `gen` to the engine. Raises APIError (400 naming the field: invalid values, a prompt
         beyond the context, a constraint that does not compile) or the engine's other AgentrtError."""
         try:
-            return await self.engine.submit(gen.prompt_ids, gen.params, gen.constraint, request_id=gen.request_id,
-                                            cache_salt=gen.cache_salt)
+            return await self.engine.submit(
+                gen.prompt_ids,
+                gen.params,
+                gen.constraint,
+                request_id=gen.request_id,
+                cache_salt=gen.cache_salt,
+            )
         except ConstraintError as e:
             param = gen.constraint_param
             if e.tool_index is not None and gen.tools is not None:  # name the offending tool's schema
@@ -171,12 +214,15 @@ class OpenAIServing:
             if first.finished and first.finish_reason == "error":
                 raise gen.api_error(first.error)
             created = int(time.time())
-            headers = {"X-Agentrt-Not-Enforced": ", ".join(stream.not_enforced)} if stream.not_enforced else None
+            headers = (
+                {"X-Agentrt-Not-Enforced": ", ".join(stream.not_enforced)} if stream.not_enforced else None
+            )
             if gen.stream:
                 writer = ChunkWriter(gen.request_id, created, self.model_name, gen.chat, gen.include_usage)
                 parser = gen.tools.new_parser() if gen.tools is not None else None
-                return ServingResult(events=stream_events(stream, first, writer, parser, gen.api_error),
-                                     headers=headers)
+                return ServingResult(
+                    events=stream_events(stream, first, writer, parser, gen.api_error), headers=headers
+                )
             last = await _collect(stream, first, is_disconnected)
         except BaseException:
             await stream.aclose()  # aborts the request unless it has finished
@@ -192,14 +238,22 @@ class OpenAIServing:
             choice["message"], choice["finish_reason"] = _message(last, gen.tools)
         else:
             choice["text"] = last.text
-        body = {"id": gen.request_id, "object": "chat.completion" if gen.chat else "text_completion",
-                "created": created, "model": self.model_name, "choices": [choice], "usage": usage(last)}
+        body = {
+            "id": gen.request_id,
+            "object": "chat.completion" if gen.chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage(last),
+        }
         if not_enforced:
             body["not_enforced"] = not_enforced
         return body
 
 
-async def _collect(stream: RequestStream, first: RequestOutput, is_disconnected: IsDisconnected) -> RequestOutput:
+async def _collect(
+    stream: RequestStream, first: RequestOutput, is_disconnected: IsDisconnected
+) -> RequestOutput:
     """The last output of `stream`. Raises APIError (499) when the client left (the caller aborts)."""
     last = first
     async for out in stream:
@@ -235,7 +289,9 @@ def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = Non
     """Token ids of `messages` through the chat template (generation prompt added). Raises APIError
     naming "messages" when the template refuses them."""
     try:
-        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
     return _encode(tokenizer, prompt, "messages")

@@ -43,21 +43,34 @@ class ChunkWriter:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def choice(self, choice: dict) -> str:
-        body = {"id": self.stream_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice]}
+        body = {
+            "id": self.stream_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             body["usage"] = None
         return sse(body)
 
     def role(self) -> str:
         """The opening chunk of a chat stream."""
-        return self.choice({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                            "logprobs": None})
+        return self.choice(
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+                "logprobs": None,
+            }
+        )
 
     def text(self, delta_text: str | None, finish: str | None = None) -> str:
         """A content delta, or (finish given, no text) the closing chunk."""
         if not self.chat:
-            return self.choice({"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None})
+            return self.choice(
+                {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            )
         delta = {} if finish is not None and not delta_text else {"content": delta_text}
         return self.choice({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
 
@@ -70,21 +83,41 @@ class ChunkWriter:
                 out.append(self.text(e.text))
                 continue
             if e.kind == "call":
-                tc = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+                tc = {
+                    "index": e.index,
+                    "id": e.id,
+                    "type": "function",
+                    "function": {"name": e.name, "arguments": ""},
+                }
             else:
                 tc = {"index": e.index, "function": {"arguments": e.text}}
-            out.append(self.choice({"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None,
-                                    "logprobs": None}))
+            out.append(
+                self.choice(
+                    {"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None, "logprobs": None}
+                )
+            )
         return out
 
     def usage(self, last: RequestOutput) -> str:
-        return sse({"id": self.stream_id, "object": self.object, "created": self.created, "model": self.model,
-                    "choices": [], "usage": usage(last)})
+        return sse(
+            {
+                "id": self.stream_id,
+                "object": self.object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(last),
+            }
+        )
 
 
-async def stream_events(stream: RequestStream, first: RequestOutput, writer: ChunkWriter,
-                        parser: ToolCallParser | None,
-                        to_error: Callable[[AgentrtError | None], APIError]) -> AsyncIterator[str]:
+async def stream_events(
+    stream: RequestStream,
+    first: RequestOutput,
+    writer: ChunkWriter,
+    parser: ToolCallParser | None,
+    to_error: Callable[[AgentrtError | None], APIError],
+) -> AsyncIterator[str]:
     """The SSE events of one request, `first` (its first output, already received) included.
     parser: turns the text into tool-call deltas (None: plain content); to_error: the HTTP error of a
     failed output (its body is the error event). Closing the iterator early (client gone) aborts

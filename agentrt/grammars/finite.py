@@ -18,7 +18,8 @@ import re
 
 from agentrt.errors import ConstraintError
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<ws>\s+)
   | (?P<define>::=)
   | (?P<string>"(?:[^"\\]|\\.)*")
@@ -27,7 +28,9 @@ _TOKEN = re.compile(r"""
   | (?P<count>\{\s*\d+\s*,\s*-?\d+\s*\})
   | (?P<name>[A-Za-z_][\w.\-]*)
   | (?P<punct>[()|*+?])
-""", re.VERBOSE | re.DOTALL)
+""",
+    re.VERBOSE | re.DOTALL,
+)
 
 _SIMPLE_ESCAPES = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "b": 8, "a": 7, "e": 27, "0": 0}
 _MAX_CODEPOINT = 0x10FFFF
@@ -49,8 +52,8 @@ def _class_is_empty(text: str) -> bool:
         if c == "\\" and i + 1 < len(body):
             e = body[i + 1]
             width = {"x": 2, "u": 4, "U": 8}.get(e)
-            if width and re.fullmatch(r"[0-9a-fA-F]+", body[i + 2:i + 2 + width] or "-"):
-                chars.append(int(body[i + 2:i + 2 + width], 16))
+            if width and re.fullmatch(r"[0-9a-fA-F]+", body[i + 2 : i + 2 + width] or "-"):
+                chars.append(int(body[i + 2 : i + 2 + width], 16))
                 i += 2 + width
                 continue
             chars.append(_SIMPLE_ESCAPES.get(e, ord(e)))
@@ -229,6 +232,8 @@ def check_finite(ebnf: str, root: str = "root") -> None:
     bad = unproductive_rules(ebnf, root)
     if bad:
         names = ", ".join(f"'{n}'" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ConstraintError(f"the constraint admits no finite output: rule {names} can never finish "
-                         "(a recursion with no way out, such as a required property that contains "
-                         "its own object, or an empty character class)")
+        raise ConstraintError(
+            f"the constraint admits no finite output: rule {names} can never finish "
+            "(a recursion with no way out, such as a required property that contains "
+            "its own object, or an empty character class)"
+        )

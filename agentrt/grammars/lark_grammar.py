@@ -111,8 +111,11 @@ def lark_to_ebnf(text: str, start: str = "start", max_ignore_repeat: int = 16) -
         by_name = {t.name: t.pattern for t in parser.terminals}
         for n in ignore:
             pat = by_name[n]
-            body = (_literal(pat.value, "i" in pat.flags) if pat.type == "str" else
-                    RegexToEBNF(n, max_repeat=max_ignore_repeat).convert(pat.value, "i" in pat.flags))
+            body = (
+                _literal(pat.value, "i" in pat.flags)
+                if pat.type == "str"
+                else RegexToEBNF(n, max_repeat=max_ignore_repeat).convert(pat.value, "i" in pat.flags)
+            )
             lines.append(f"i_{_term_name(n)} ::= {body}")
         one = "(" + " | ".join(f"i_{_term_name(n)}" for n in ignore) + ")"
         lines.append(f"ign ::= ({one} ({one} ({one} {one}?)?)?)?")

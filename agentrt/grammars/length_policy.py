@@ -27,8 +27,16 @@ import string
 import time
 from dataclasses import dataclass, field
 
-_PREFERENCE = '"}])' + ",:; " + string.digits + string.ascii_lowercase + string.ascii_uppercase + "\n-.+_/" + "".join(
-    c for c in string.punctuation if c not in '"}]),:;-.+_/') + "\t"
+_PREFERENCE = (
+    '"}])'
+    + ",:; "
+    + string.digits
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + "\n-.+_/"
+    + "".join(c for c in string.punctuation if c not in '"}]),:;-.+_/')
+    + "\t"
+)
 
 
 @dataclass
@@ -48,8 +56,14 @@ class ClosingPlanner:
     """Builds closing paths for one tokenizer. `token_texts[i]` is token i's decoded text (None
     for special tokens)."""
 
-    def __init__(self, token_texts: list[str | None], encode=None, max_chars: int = 512, max_escapes: int = 48,
-                 max_fills: int = 256):
+    def __init__(
+        self,
+        token_texts: list[str | None],
+        encode=None,
+        max_chars: int = 512,
+        max_escapes: int = 48,
+        max_fills: int = 256,
+    ):
         """encode: text -> token ids without special tokens (the tokenizer's canonical split).
         max_chars / max_escapes / max_fills (bitmask fills, ~2 ms each on large grammars) bound
         the work of one search (no path: None)."""
@@ -94,12 +108,17 @@ class ClosingPlanner:
                     if escapes > self.max_escapes:
                         self.failure = f"it gave up after {len(text)} characters in a repeating part"
                         return None
-                pick = self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
+                pick = (
+                    self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
+                )
                 if stuck:
                     last_escape = len(text) + 1
                 if pick is None:
-                    self.failure = self.failure or (f"no text it can build is allowed after {''.join(text)[-40:]!r}"
-                                                    if text else "no text it can build is allowed at the start")
+                    self.failure = self.failure or (
+                        f"no text it can build is allowed after {''.join(text)[-40:]!r}"
+                        if text
+                        else "no text it can build is allowed at the start"
+                    )
                     return None
                 c, tid = pick
                 text.append(c)
@@ -117,7 +136,9 @@ class ClosingPlanner:
         attempts for the first 8, then one bitmask fill to find the first allowed of the rest."""
         order = self.candidates
         if last_resort:
-            order = [ct for ct in order if ct[0] != last_resort] + [ct for ct in order if ct[0] == last_resort]
+            order = [ct for ct in order if ct[0] != last_resort] + [
+                ct for ct in order if ct[0] == last_resort
+            ]
         for c, tid in order[:8]:  # most steps end here: accept attempts cost microseconds
             if matcher.accept_token(tid):
                 return c, tid
@@ -138,7 +159,9 @@ class ClosingPlanner:
         # no single ASCII character fits (a pattern of Greek letters, CJK): the shortest allowed token
         import numpy as np
 
-        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.token_texts)])
+        allowed = np.flatnonzero(
+            np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.token_texts)]
+        )
         texts = [(len(self.token_texts[i]), int(i)) for i in allowed if self.token_texts[i]]
         for _n, tid in sorted(texts)[:8]:
             if matcher.accept_token(tid):

@@ -58,9 +58,9 @@ def _scan(text: str):
         else:
             if c == "[":
                 in_class = True
-                if text[i + 1: i + 2] == "^":
+                if text[i + 1 : i + 2] == "^":
                     i += 1
-                if text[i + 1: i + 2] == "]":
+                if text[i + 1 : i + 2] == "]":
                     i += 1
             elif c == "(":
                 depth += 1
@@ -80,7 +80,11 @@ def _split_top(text: str, sep: str) -> list[str]:
 
 
 def _is_one_group(text: str) -> bool:
-    if not (text.startswith("(") and text.endswith(")")) or text.startswith("(?") and not text.startswith("(?:"):
+    if (
+        not (text.startswith("(") and text.endswith(")"))
+        or text.startswith("(?")
+        and not text.startswith("(?:")
+    ):
         return False
     for i, c, depth, in_class in _scan(text):
         if c == ")" and not in_class and depth == 0:
@@ -99,18 +103,20 @@ def as_fullmatch(pattern: str) -> str | None:
     own padding. None when an anchor sits anywhere else (refused by the caller)."""
     body = pattern
     while _is_one_group(body):
-        body = body[body.index(":") + 1 if body.startswith("(?:") else 1: -1]
+        body = body[body.index(":") + 1 if body.startswith("(?:") else 1 : -1]
     alts = _split_top(body, "|")
     out = []
     for alt in alts:
         while _is_one_group(alt):
-            alt = alt[alt.index(":") + 1 if alt.startswith("(?:") else 1: -1]
+            alt = alt[alt.index(":") + 1 if alt.startswith("(?:") else 1 : -1]
         head = alt.startswith("^")
         tail = alt.endswith("$") and not alt.endswith("\\$")
-        core = alt[1 if head else 0: len(alt) - (1 if tail else 0)]
+        core = alt[1 if head else 0 : len(alt) - (1 if tail else 0)]
         if _has_anchor(core):
             return None
-        out.append(("" if head else ".*") + ("(?:" + core + ")" if "|" in core else core) + ("" if tail else ".*"))
+        out.append(
+            ("" if head else ".*") + ("(?:" + core + ")" if "|" in core else core) + ("" if tail else ".*")
+        )
     if len(out) == 1:
         return out[0]
     return "(?:" + "|".join(out) + ")"
@@ -206,8 +212,18 @@ _CATEGORY_RANGES = {
 # JSON Schema patterns are ECMA-262 (\d, \w ASCII; \s Unicode spaces); instances are checked by
 # Python's `re` in the wild (\d, \w, \s Unicode). Classes above are in both; a negated class is
 # the complement of the union of both meanings, so it is sound under either.
-_ECMA_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
-               (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_ECMA_SPACE = [
+    (0x09, 0x0D),
+    (0x20, 0x20),
+    (0xA0, 0xA0),
+    (0x1680, 0x1680),
+    (0x2000, 0x200A),
+    (0x2028, 0x2029),
+    (0x202F, 0x202F),
+    (0x205F, 0x205F),
+    (0x3000, 0x3000),
+    (0xFEFF, 0xFEFF),
+]
 
 
 @functools.cache
@@ -230,8 +246,11 @@ def _intersect(a, b):
 
 
 _POSITIVE = {sre_c.CATEGORY_DIGIT: "\\d", sre_c.CATEGORY_WORD: "\\w", sre_c.CATEGORY_SPACE: "\\s"}
-_NEGATION_OF = {sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT, sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD,
-                sre_c.CATEGORY_NOT_SPACE: sre_c.CATEGORY_SPACE}
+_NEGATION_OF = {
+    sre_c.CATEGORY_NOT_DIGIT: sre_c.CATEGORY_DIGIT,
+    sre_c.CATEGORY_NOT_WORD: sre_c.CATEGORY_WORD,
+    sre_c.CATEGORY_NOT_SPACE: sre_c.CATEGORY_SPACE,
+}
 
 
 def _category_ranges(category, widest: bool) -> list[tuple[int, int]]:
@@ -378,8 +397,9 @@ class RegexToEBNF:
 
     def repeat(self, lo: int, hi: int, sub, ic: bool) -> str:
         inner = self.seq(list(sub), ic)
-        if not re.fullmatch(r'\[(?:\\.|[^\]\\])*\]|"(?:\\.|[^"\\])*"|\(.*\)', inner) or \
-                (inner.startswith("(") and not _balanced_group(inner)):
+        if not re.fullmatch(r'\[(?:\\.|[^\]\\])*\]|"(?:\\.|[^"\\])*"|\(.*\)', inner) or (
+            inner.startswith("(") and not _balanced_group(inner)
+        ):
             inner = f"({inner})"
         if hi is sre_c.MAXREPEAT and self.max_repeat is not None:
             hi = max(lo, self.max_repeat)
@@ -404,8 +424,10 @@ class RegexToEBNF:
         self.fail(f"regex construct {op}")
 
     def ranges(self, ranges, negate: bool) -> str:
-        body = "".join(esc_char(lo, True) if lo == hi else f"{esc_char(lo, True)}-{esc_char(hi, True)}"
-                       for lo, hi in sorted(ranges))
+        body = "".join(
+            esc_char(lo, True) if lo == hi else f"{esc_char(lo, True)}-{esc_char(hi, True)}"
+            for lo, hi in sorted(ranges)
+        )
         if not body:
             return "[^\\0-\\U0010ffff]" if not negate else '""'
         return "[" + ("^" if negate else "") + body + "]"

@@ -44,26 +44,51 @@ class ToolCallFormat:
 
 FORMATS = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "arguments", separator="\n"),
-    "llama3_json": ToolCallFormat("llama3_json", '{"name"', "", "parameters", separator="; ",
-                                  marker_in_body=True, skip_special_tokens=True),
-    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "", "arguments", list_style=True, separator="",
-                              skip_special_tokens=False),
+    "llama3_json": ToolCallFormat(
+        "llama3_json",
+        '{"name"',
+        "",
+        "parameters",
+        separator="; ",
+        marker_in_body=True,
+        skip_special_tokens=True,
+    ),
+    "mistral": ToolCallFormat(
+        "mistral", "[TOOL_CALLS]", "", "arguments", list_style=True, separator="", skip_special_tokens=False
+    ),
 }
+
 
 def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
     """The xgrammar structural tag for a "tool_calls" constraint: `plan_value` is the decoded
     ToolPlan.constraint_value(), `args_grammars[i]` the EBNF (root rule `root`) of tool i's
     arguments."""
     fmt = FORMATS[plan_value["format"]]
-    tags = [{"type": "tag", "begin": fmt.tag_begin(t["name"]),
-             "content": {"type": "grammar", "grammar": g}, "end": fmt.tag_end()}
-            for t, g in zip(plan_value["tools"], args_grammars)]
+    tags = [
+        {
+            "type": "tag",
+            "begin": fmt.tag_begin(t["name"]),
+            "content": {"type": "grammar", "grammar": g},
+            "end": fmt.tag_end(),
+        }
+        for t, g in zip(plan_value["tools"], args_grammars)
+    ]
     parallel = plan_value["parallel"]
     if plan_value["mode"] == "required":
         sep = "" if fmt.list_style else fmt.separator
-        body = {"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True,
-                "stop_after_first": not parallel}
+        body = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": sep,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
     else:
-        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags, "at_least_one": False,
-                "stop_after_first": not parallel}
+        body = {
+            "type": "triggered_tags",
+            "triggers": [fmt.trigger],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        }
     return {"type": "structural_tag", "format": body}

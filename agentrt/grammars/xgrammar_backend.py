@@ -95,7 +95,9 @@ def _fix_bounded_strings(ebnf: str) -> str:
     ebnf = _BOUNDED_RULE.sub(lambda m: f"{m.group(1)} ::= {_JSON_RAW_CHAR}", ebnf)
     for name in names:
         # minLength only
-        ebnf, n = re.subn(rf"\b{name}\{{(\d+), -1\}}", lambda m, name=name: _at_least(name, int(m.group(1))), ebnf)
+        ebnf, n = re.subn(
+            rf"\b{name}\{{(\d+), -1\}}", lambda m, name=name: _at_least(name, int(m.group(1))), ebnf
+        )
         if n:
             ebnf += f"\n{name}_any ::= {_JSON_CHAR}\n"
     return ebnf
@@ -128,8 +130,9 @@ def _refusal(message: str, cause: Exception) -> ConstraintError:
     """A ConstraintError with `message` that keeps the keyword, pointer and tool index of `cause`
     when it is a ConstraintError (a schema error deep in the constraint)."""
     if isinstance(cause, ConstraintError):
-        return ConstraintError(message, cause.param, keyword=cause.keyword, pointer=cause.pointer,
-                               tool_index=cause.tool_index)
+        return ConstraintError(
+            message, cause.param, keyword=cause.keyword, pointer=cause.pointer, tool_index=cause.tool_index
+        )
     return ConstraintError(message)
 
 
@@ -154,7 +157,9 @@ class GrammarBackend:
         self.config = config
         self.vocab_size = vocab_size
         self.stop_ids = tuple(stop_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+        )
         self.info = info
         self._tokenizer = tokenizer
         self._planner = None
@@ -180,13 +185,19 @@ class GrammarBackend:
                 return fut
             fut = Future()
             if len(spec.value.encode()) > self.config.max_constraint_bytes:
-                fut.set_exception(ConstraintError(
-                    f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
-                    f"{self.config.max_constraint_bytes}-byte limit"))
+                fut.set_exception(
+                    ConstraintError(
+                        f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
+                        f"{self.config.max_constraint_bytes}-byte limit"
+                    )
+                )
             elif self._pool.num_stuck >= self._pool.max_stuck:
-                fut.set_exception(ConstraintError(
-                    f"{self._pool.num_stuck} earlier constraints are still compiling past the "
-                    f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"))
+                fut.set_exception(
+                    ConstraintError(
+                        f"{self._pool.num_stuck} earlier constraints are still compiling past the "
+                        f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"
+                    )
+                )
                 return fut  # not cached: a later request may find capacity
             else:
                 inner = self._pool.submit(self._compile, spec)
@@ -201,8 +212,11 @@ class GrammarBackend:
 
     def _time_out(self, fut: Future, spec: ConstraintSpec, inner: Future) -> None:
         try:
-            fut.set_exception(ConstraintError(f"{spec.kind} constraint did not compile within "
-                                              f"{self.config.compile_timeout_s:g} s"))
+            fut.set_exception(
+                ConstraintError(
+                    f"{spec.kind} constraint did not compile within {self.config.compile_timeout_s:g} s"
+                )
+            )
         except InvalidStateError:  # it finished just now
             return
         self._pool.abandon(inner)
@@ -271,13 +285,15 @@ class GrammarBackend:
             return xgr.Grammar.from_ebnf(f"root ::= {alts}")
         return None
 
-    def new_matcher(self, compiled: CompiledConstraint, extra_stop_ids: list[int] = (),
-                    max_rollback_tokens: int = -1) -> xgr.GrammarMatcher:
+    def new_matcher(
+        self, compiled: CompiledConstraint, extra_stop_ids: list[int] = (), max_rollback_tokens: int = -1
+    ) -> xgr.GrammarMatcher:
         """A fresh per-request matcher; every model stop id and `extra_stop_ids` is allowed only
         where the grammar may end."""
         stops = sorted(set(self.stop_ids) | set(extra_stop_ids))
-        return xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=stops,
-                                  max_rollback_tokens=max_rollback_tokens)
+        return xgr.GrammarMatcher(
+            compiled.grammar, override_stop_tokens=stops, max_rollback_tokens=max_rollback_tokens
+        )
 
     @property
     def planner(self):

@@ -147,8 +147,13 @@ class RadixCache:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split child's edge after n tokens; returns the new upper node (keeps child's locks)."""
-        upper = TreeNode(child.key[:n], child.value[:n], parent=child.parent, lock_ref=child.lock_ref,
-                         last_access=child.last_access)
+        upper = TreeNode(
+            child.key[:n],
+            child.value[:n],
+            parent=child.parent,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
         upper.children[child.key[n]] = child
         child.parent.children[child.key[0]] = upper
         child.parent = upper

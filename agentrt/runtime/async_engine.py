@@ -55,8 +55,9 @@ class AsyncEngine:
     parallelism (OpenMP) is measured ~30% slower when driven from a non-main thread
     (SmolLM2 decode: 19 vs 14 tokens/s on 2 cores)."""
 
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None,
-                 start_thread: bool = True):
+    def __init__(
+        self, config: EngineConfig | None = None, engine: Engine | None = None, start_thread: bool = True
+    ):
         self._owns_engine = engine is None
         self.engine = engine or Engine(config)
         self._inbox: queue.Queue = queue.Queue()
@@ -103,26 +104,42 @@ class AsyncEngine:
             raise
         except Exception as e:  # a bug in a compile path: this request fails, nothing else
             logger.exception("constraint compile failed")
-            raise InternalError(f"internal error while compiling the constraint: {type(e).__name__}: {e}") from None
+            raise InternalError(
+                f"internal error while compiling the constraint: {type(e).__name__}: {e}"
+            ) from None
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, constraint: ConstraintSpec | None = None,
-                     request_id: str | None = None, cache_salt: str = "") -> RequestStream:
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: ConstraintSpec | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> RequestStream:
         """Validate, compile the constraint (once), enqueue; returns the request's output stream.
         Raises InvalidRequestError / ContextLengthError (validation), ConstraintError (compile),
         ServiceUnavailableError (shutting down), all before anything is queued."""
-        request = self.engine.make_request(prompt_ids, params, constraint, request_id or uuid.uuid4().hex,
-                                           cache_salt)
+        request = self.engine.make_request(
+            prompt_ids, params, constraint, request_id or uuid.uuid4().hex, cache_salt
+        )
         compiled = await self.compile(constraint) if constraint is not None else None
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._inbox.put(AddRequest(request, compiled, loop, stream, added))
         await added
-        return RequestStream(self, request.request_id, stream, list(compiled.not_enforced) if compiled else [])
+        return RequestStream(
+            self, request.request_id, stream, list(compiled.not_enforced) if compiled else []
+        )
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       constraint: ConstraintSpec | None = None,
-                       request_id: str | None = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: ConstraintSpec | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> AsyncIterator[RequestOutput]:
         """`submit`, then yield the request's outputs until the final one. Closing the iterator early
         (client disconnect) aborts the request and frees its KV and grammar state."""
         stream = await self.submit(prompt_ids, params, constraint, request_id, cache_salt)
@@ -193,7 +210,11 @@ class AsyncEngine:
             except Exception as e:  # a fault while queueing fails this request only
                 logger.exception("enqueue of %s failed", msg.request.request_id)
                 del self._streams[msg.request.request_id]
-                err = e if isinstance(e, AgentrtError) else InternalError(f"internal error: {type(e).__name__}: {e}")
+                err = (
+                    e
+                    if isinstance(e, AgentrtError)
+                    else InternalError(f"internal error: {type(e).__name__}: {e}")
+                )
                 msg.loop.call_soon_threadsafe(_set_exception, msg.added, err)
                 return
             msg.loop.call_soon_threadsafe(_set_result, msg.added)
@@ -233,7 +254,12 @@ class RequestStream:
     under best-effort (strict: false). `aclose()` aborts the request if it has not finished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, queue_: asyncio.Queue, not_enforced: list[str]):
-        self._engine, self.request_id, self._queue, self.not_enforced = engine, request_id, queue_, not_enforced
+        self._engine, self.request_id, self._queue, self.not_enforced = (
+            engine,
+            request_id,
+            queue_,
+            not_enforced,
+        )
         self.finished = False
 
     def __aiter__(self) -> RequestStream:

@@ -61,8 +61,9 @@ class AttentionMetadata:
     cos: torch.Tensor | None = None  # [T, head_dim // 2] in the activations' dtype, set by prepare_rope
     sin: torch.Tensor | None = None
 
-    def prepare_rope(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                     dtype: torch.dtype) -> None:
+    def prepare_rope(
+        self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
+    ) -> None:
         """Gather the cos/sin rows [T, head_dim // 2] of this batch's positions [T] once per forward."""
         self.cos, self.sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
 
@@ -127,8 +128,11 @@ def flatten_chunks(chunks) -> tuple[list[int], list[int], list[int], list[int]]:
         n = len(chunk.token_ids)
         start = len(ids)
         ids.extend(chunk.token_ids)
-        positions.extend(chunk.positions if chunk.positions is not None
-                         else range(chunk.context_len, chunk.context_len + n))
+        positions.extend(
+            chunk.positions
+            if chunk.positions is not None
+            else range(chunk.context_len, chunk.context_len + n)
+        )
         new_slots.extend(chunk.slots[chunk.context_len :])
         if chunk.need_logits:
             logit_idx.extend(range(start + n - chunk.num_logits, start + n))
@@ -161,7 +165,12 @@ def build_torch_metadata(chunks, dev: torch.device) -> BatchInputs:
         decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
-        decode_idx=decode_idx, decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+        decode_idx=decode_idx,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
     )
     i64 = {"dtype": torch.int64, "device": dev}
-    return BatchInputs(meta, torch.tensor(ids, **i64), torch.tensor(positions, **i64), torch.tensor(logit_idx, **i64))
+    return BatchInputs(
+        meta, torch.tensor(ids, **i64), torch.tensor(positions, **i64), torch.tensor(logit_idx, **i64)
+    )

@@ -43,7 +43,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
         if not self.cuda_graph_batch_sizes or any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
 

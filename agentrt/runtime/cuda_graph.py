@@ -21,8 +21,15 @@ logger = logging.getLogger(__name__)
 
 def is_plain_decode(chunks) -> bool:
     """Every chunk decodes one token after a cached context and wants its logits (no tree)."""
-    return all(len(c.token_ids) == 1 and c.context_len > 0 and c.need_logits and c.num_logits == 1
-               and c.tree_mask is None and c.positions is None for c in chunks)
+    return all(
+        len(c.token_ids) == 1
+        and c.context_len > 0
+        and c.need_logits
+        and c.num_logits == 1
+        and c.tree_mask is None
+        and c.positions is None
+        for c in chunks
+    )
 
 
 class DecodeGraphRunner:
@@ -33,8 +40,17 @@ class DecodeGraphRunner:
     otherwise run the static-buffer forward eagerly.
     """
 
-    def __init__(self, model, k_caches, v_caches, table: SlotTable, batch_sizes, device: torch.device,
-                 capture: bool, num_sms: int = 132):
+    def __init__(
+        self,
+        model,
+        k_caches,
+        v_caches,
+        table: SlotTable,
+        batch_sizes,
+        device: torch.device,
+        capture: bool,
+        num_sms: int = 132,
+    ):
         self.model, self.k_caches, self.v_caches, self.table = model, k_caches, v_caches, table
         self.batch_sizes = sorted(set(batch_sizes))
         self.device = device
@@ -47,9 +63,14 @@ class DecodeGraphRunner:
         num_kv_heads = model.arch.num_kv_heads
         self.metas = {
             bs: TritonAttentionMetadata(
-                slot_mapping=self.slot_mapping[:bs], positions=self.positions[:bs], page_table=table.table,
-                page_rows=self.page_rows[:bs], is_decode=True, seq_lens=self.seq_lens[:bs],
-                num_splits=default_num_splits(bs, num_kv_heads, table.max_len, num_sms))
+                slot_mapping=self.slot_mapping[:bs],
+                positions=self.positions[:bs],
+                page_table=table.table,
+                page_rows=self.page_rows[:bs],
+                is_decode=True,
+                seq_lens=self.seq_lens[:bs],
+                num_splits=default_num_splits(bs, num_kv_heads, table.max_len, num_sms),
+            )
             for bs in self.batch_sizes
         }
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -69,7 +90,9 @@ class DecodeGraphRunner:
         return next((bs for bs in self.batch_sizes if bs >= batch), None)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.k_caches, self.v_caches, self.metas[bs])
+        hidden = self.model(
+            self.input_ids[:bs], self.positions[:bs], self.k_caches, self.v_caches, self.metas[bs]
+        )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -97,13 +120,20 @@ class DecodeGraphRunner:
         batch = len(chunks)
         bs = self.padded_size(batch)
         self.num_runs += 1
-        rows = self.table.sync([(c.seq_key if c.seq_key is not None else ("anon", i), c.slots)
-                                for i, c in enumerate(chunks)])
+        rows = self.table.sync(
+            [(c.seq_key if c.seq_key is not None else ("anon", i), c.slots) for i, c in enumerate(chunks)]
+        )
         host = torch.zeros(5, bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host[2].fill_(-1)
-        host[:, :batch] = torch.tensor([
-            [c.token_ids[0] for c in chunks], [c.context_len for c in chunks],
-            [c.slots[c.context_len] for c in chunks], rows, [c.context_len + 1 for c in chunks]])
+        host[:, :batch] = torch.tensor(
+            [
+                [c.token_ids[0] for c in chunks],
+                [c.context_len for c in chunks],
+                [c.slots[c.context_len] for c in chunks],
+                rows,
+                [c.context_len + 1 for c in chunks],
+            ]
+        )
         dev = host.to(self.device, non_blocking=True)
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])

@@ -53,8 +53,9 @@ class Engine:
         """`runner`: a model runner to use instead of loading `config.model` (tests pass a fake one
         with deterministic logits and no weights, see agentrt/testing.py)."""
         self.config = config or EngineConfig()
-        self.runner = runner or ModelRunner(self.config.model, self.config.cache,
-                                            self.config.scheduler.max_num_seqs, self.config.speculative)
+        self.runner = runner or ModelRunner(
+            self.config.model, self.config.cache, self.config.scheduler.max_num_seqs, self.config.speculative
+        )
         self.tokenizer = self.runner.tokenizer
         self.stop_ids = self.runner.stop_ids
         self.max_model_len = self.runner.max_model_len
@@ -71,8 +72,9 @@ class Engine:
         if self.config.speculative.method is not None:
             from agentrt.runtime.speculation import Speculator
 
-            self.speculator = Speculator(self.config.speculative, self.runner, self.config.model.model,
-                                         self.grammar, self.stats)
+            self.speculator = Speculator(
+                self.config.speculative, self.runner, self.config.model.model, self.grammar, self.stats
+            )
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
@@ -83,22 +85,36 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size})", param="prompt"
+            )
         limit = min(self.max_model_len, self.runner.kv.num_slots)
         n = len(prompt_ids)
         if n >= limit:
-            raise ContextLengthError(f"prompt has {n} tokens, which leaves no room in the context limit of "
-                                     f"{limit} tokens", param="prompt", num_prompt_tokens=n, limit=limit)
+            raise ContextLengthError(
+                f"prompt has {n} tokens, which leaves no room in the context limit of {limit} tokens",
+                param="prompt",
+                num_prompt_tokens=n,
+                limit=limit,
+            )
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ContextLengthError(
                 f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds the context limit "
-                f"of {limit} tokens", param="max_tokens", num_prompt_tokens=n, limit=limit)
+                f"of {limit} tokens",
+                param="max_tokens",
+                num_prompt_tokens=n,
+                limit=limit,
+            )
         return limit, n
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    constraint: ConstraintSpec | None = None, request_id: str | None = None,
-                    cache_salt: str = "") -> Request:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        constraint: ConstraintSpec | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> Request:
         """Validate and enqueue (`make_request` + `enqueue`). Raises InvalidRequestError naming the
         field for an empty prompt or invalid sampling values, ContextLengthError for a prompt
         (+ max_tokens) beyond the context limit or the KV pool. A constraint compiles in the
@@ -109,12 +125,20 @@ class Engine:
         self.enqueue(req)
         return req
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams, constraint: ConstraintSpec | None = None,
-                     request_id: str | None = None, cache_salt: str = "") -> Request:
+    def make_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: ConstraintSpec | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> Request:
         """A validated Request (not enqueued; touches no engine state, so any thread may call it).
         Raises as `check_request`."""
         limit, n = self.check_request(prompt_ids, params)
-        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint, cache_salt)
+        req = Request(
+            request_id or f"req-{next(self._ids)}", list(prompt_ids), params, constraint, cache_salt
+        )
         req.max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -226,8 +250,13 @@ class Engine:
         filled while drafting."""
         sampled = [s for s in plan.sampled if s.request.grammar is not None]
         constrained = [s.row for s in sampled]
-        masks = self.grammar.fill_bitmasks_async([s.request.grammar.matcher for s in sampled], constrained,
-                                                 plan.num_rows) if sampled else None
+        masks = (
+            self.grammar.fill_bitmasks_async(
+                [s.request.grammar.matcher for s in sampled], constrained, plan.num_rows
+            )
+            if sampled
+            else None
+        )
         want_hidden = self.speculator is not None and self.speculator.heads is not None
         try:
             result = self.runner.execute(plan.chunks, return_hidden=want_hidden)
@@ -294,7 +323,9 @@ class Engine:
         (outputs, the logits row of the last token when every token went in unchanged, else None)."""
         spec = self.speculator
         tree = r.spec.draft
-        argmax, masked = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]).tolist()
+        argmax, masked = torch.stack(
+            [torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]
+        ).tolist()
         greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
         accepted, bonus = spec.verify(r, logits, greedy)
         spec.account(tree, accepted)
@@ -322,8 +353,11 @@ class Engine:
     def _load(self) -> LoadGauges:
         """Live load for /metrics (read on the HTTP thread at scrape time: plain reads)."""
         kv = self.runner.kv
-        return LoadGauges(1.0 - kv.num_free / kv.num_slots, len(self.scheduler.running),
-                          len(self.scheduler.waiting) + len(self.grammar_wait))
+        return LoadGauges(
+            1.0 - kv.num_free / kv.num_slots,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting) + len(self.grammar_wait),
+        )
 
     def _collect_grammars(self) -> list[RequestOutput]:
         """Queue the requests whose constraint has compiled; a compile error (ConstraintError) or
@@ -340,7 +374,9 @@ class Engine:
                 out = self._finish(r, "error")
             except Exception as e:  # a bug in a compile path: this request fails, nothing else
                 logger.exception("constraint set-up for %s failed", r.request_id)
-                r.error = InternalError(f"internal error while compiling the constraint: {type(e).__name__}: {e}")
+                r.error = InternalError(
+                    f"internal error while compiling the constraint: {type(e).__name__}: {e}"
+                )
                 out = self._finish(r, "error")
             if out is not None:
                 outputs.append(out)
@@ -357,12 +393,15 @@ class Engine:
                 r.error = ConstraintError(
                     "max_tokens_policy 'close' is not available for this constraint: the closing-path "
                     f"planner found no way to complete it from its start: {self.grammar.planner.failure}",
-                    param="max_tokens_policy")
+                    param="max_tokens_policy",
+                )
                 return self._finish(r, "error")
             if need > r.max_tokens:
-                r.error = InvalidRequestError(f"max_tokens {r.max_tokens} is below the {need} tokens the "
-                                              "constraint needs to close (max_tokens_policy 'close')",
-                                              param="max_tokens")
+                r.error = InvalidRequestError(
+                    f"max_tokens {r.max_tokens} is below the {need} tokens the "
+                    "constraint needs to close (max_tokens_policy 'close')",
+                    param="max_tokens",
+                )
                 return self._finish(r, "error")
         self.scheduler.add(r)
         return None
@@ -394,8 +433,9 @@ class Engine:
         r.append_output([tok])
         self.stats.num_generated_tokens += 1
         if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
-            ids = r.grammar.jump_forward(self.tokenizer, self.grammar.planner.token_texts, tok,
-                                         r.max_tokens - r.num_output_tokens)
+            ids = r.grammar.jump_forward(
+                self.tokenizer, self.grammar.planner.token_texts, tok, r.max_tokens - r.num_output_tokens
+            )
             if ids:  # their KV is computed with the next step's chunk
                 r.append_output(ids)
                 r.num_jump_forward_tokens += len(ids)
@@ -422,7 +462,9 @@ class Engine:
         return self.output.emit(r, final=True)
 
     # ---- offline helper ----------------------------------------------------------------------
-    def generate(self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]) -> list[RequestOutput]:
+    def generate(
+        self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]
+    ) -> list[RequestOutput]:
         """Run requests to completion (blocking); returns final outputs in input order. Every
         request is validated before any is queued: an invalid one raises (as `add_request`) and
         none of the batch runs."""

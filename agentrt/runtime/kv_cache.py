@@ -15,20 +15,31 @@ class KVPool:
     allocated on the device.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, budget_bytes: int):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget_bytes: int,
+    ):
         self.bytes_per_token = self.bytes_per_token_of(num_layers, num_kv_heads, head_dim, dtype)
         self.num_slots = int(budget_bytes // self.bytes_per_token)
         if self.num_slots < 1:
-            raise ValueError(f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)")
+            raise ValueError(
+                f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)"
+            )
         shape = (self.num_slots, num_kv_heads, head_dim)
         try:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except RuntimeError as e:  # includes torch.OutOfMemoryError
             self.k = self.v = []
-            raise ValueError(f"cannot allocate a KV pool of {budget_bytes / 1e9:.2f} GB on {device} "
-                             f"({type(e).__name__}): lower kv_cache_bytes") from None
+            raise ValueError(
+                f"cannot allocate a KV pool of {budget_bytes / 1e9:.2f} GB on {device} "
+                f"({type(e).__name__}): lower kv_cache_bytes"
+            ) from None
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     @staticmethod

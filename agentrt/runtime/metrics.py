@@ -72,13 +72,23 @@ class LoadGauges(NamedTuple):
 # Prometheus counter name -> (help, EngineStats field)
 _COUNTERS = {
     "agentrt_prompt_tokens": ("Prompt tokens admitted", "num_prompt_tokens"),
-    "agentrt_cached_prompt_tokens": ("Prompt tokens served from the prefix cache", "num_cached_prompt_tokens"),
-    "agentrt_computed_prefill_tokens": ("Prefill tokens computed (incl. recompute)", "num_computed_prefill_tokens"),
+    "agentrt_cached_prompt_tokens": (
+        "Prompt tokens served from the prefix cache",
+        "num_cached_prompt_tokens",
+    ),
+    "agentrt_computed_prefill_tokens": (
+        "Prefill tokens computed (incl. recompute)",
+        "num_computed_prefill_tokens",
+    ),
     "agentrt_generation_tokens": ("Tokens generated", "num_generated_tokens"),
-    "agentrt_length_policy_forced_tokens": ("Tokens replaced by the length-safe policy to close a constraint",
-                                            "num_length_forced_tokens"),
-    "agentrt_jump_forward_tokens": ("Output tokens appended by jump-forward over forced grammar text",
-                                    "num_jump_forward_tokens"),
+    "agentrt_length_policy_forced_tokens": (
+        "Tokens replaced by the length-safe policy to close a constraint",
+        "num_length_forced_tokens",
+    ),
+    "agentrt_jump_forward_tokens": (
+        "Output tokens appended by jump-forward over forced grammar text",
+        "num_jump_forward_tokens",
+    ),
     "agentrt_preemptions": ("Requests preempted for lack of KV", "num_preemptions"),
     "agentrt_spec_drafts": ("Speculative verify passes (one per request with a draft)", "num_spec_steps"),
     "agentrt_spec_draft_tokens": ("Draft tokens verified", "num_draft_tokens"),
@@ -101,22 +111,33 @@ class _StatsCollector:
             finished.add_metric([reason], n)
         yield finished
         load = self.load()
-        yield GaugeMetricFamily("agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)",
-                                value=load.kv_usage)
+        yield GaugeMetricFamily(
+            "agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)", value=load.kv_usage
+        )
         yield GaugeMetricFamily("agentrt_num_requests_running", "Requests running", value=load.num_running)
-        yield GaugeMetricFamily("agentrt_num_requests_waiting", "Requests waiting (incl. for grammar)",
-                                value=load.num_waiting)
-        yield GaugeMetricFamily("agentrt_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens since start",
-                                value=s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0)
-        yield GaugeMetricFamily("agentrt_spec_acceptance_rate", "Accepted / drafted tokens since start",
-                                value=s.num_accepted_tokens / max(1, s.num_draft_tokens))
+        yield GaugeMetricFamily(
+            "agentrt_num_requests_waiting", "Requests waiting (incl. for grammar)", value=load.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "agentrt_prefix_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens since start",
+            value=s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "agentrt_spec_acceptance_rate",
+            "Accepted / drafted tokens since start",
+            value=s.num_accepted_tokens / max(1, s.num_draft_tokens),
+        )
         yield GaugeMetricFamily(
             "agentrt_spec_mean_accepted_length",
             "Tokens emitted per verify pass since start (accepted draft tokens + the target's own)",
-            value=(s.num_accepted_tokens + s.num_spec_steps) / max(1, s.num_spec_steps))
-        pos = GaugeMetricFamily("agentrt_spec_position_acceptance_rate",
-                                "Verify passes accepting a token at draft depth / passes drafting it",
-                                labels=["position"])
+            value=(s.num_accepted_tokens + s.num_spec_steps) / max(1, s.num_spec_steps),
+        )
+        pos = GaugeMetricFamily(
+            "agentrt_spec_position_acceptance_rate",
+            "Verify passes accepting a token at draft depth / passes drafting it",
+            labels=["position"],
+        )
         for d, (acc, drafted) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
             pos.add_metric([str(d + 1)], acc / max(1, drafted))
         yield pos
@@ -129,11 +150,18 @@ class EngineMetrics:
     def __init__(self, stats: EngineStats, load: Callable[[], LoadGauges]) -> None:
         self.registry = r = CollectorRegistry()
         r.register(_StatsCollector(stats, load))
-        self.ttft = Histogram("agentrt_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("agentrt_inter_token_latency_seconds", "Time between output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("agentrt_e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "agentrt_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "agentrt_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "agentrt_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
+        )
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""

@@ -72,14 +72,23 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gb = 1e9
-        return (f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB, KV pool "
-                f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
-                f"bytes/token, reserved {self.reserved_bytes / gb:.2f} GB"
-                + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else ""))
+        return (
+            f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB, KV pool "
+            f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
+            f"bytes/token, reserved {self.reserved_bytes / gb:.2f} GB"
+            + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else "")
+        )
 
 
-def plan_kv_budget(cache_config: CacheConfig, device: torch.device, bytes_per_token: int,
-                   max_model_len: int, max_num_seqs: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
+def plan_kv_budget(
+    cache_config: CacheConfig,
+    device: torch.device,
+    bytes_per_token: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    vocab_size: int,
+    hidden_size: int,
+) -> tuple[int, int, int]:
     """(KV budget bytes, reserved bytes, device total bytes). An explicit kv_cache_bytes wins. On
     CUDA the budget is gpu_memory_utilization x total - memory in use now (weights) - a reserve
     for activations and logits (max_num_seqs x (vocab + 8 x hidden) x 4 bytes x 4, at least 1 GiB);
@@ -97,7 +106,8 @@ def plan_kv_budget(cache_config: CacheConfig, device: torch.device, bytes_per_to
             f"not enough device memory for the KV cache: {budget / 1e9:.2f} GB left after the weights "
             f"({used / 1e9:.2f} GB in use) and a {reserve / 1e9:.2f} GB activation reserve, below one "
             f"{max_model_len}-token sequence ({bytes_per_token * max_model_len / 1e9:.2f} GB): lower "
-            "max_model_len, raise gpu_memory_utilization or set kv_cache_bytes")
+            "max_model_len, raise gpu_memory_utilization or set kv_cache_bytes"
+        )
     return budget, reserve, total
 
 
@@ -114,8 +124,13 @@ class ModelRunner:
     draft model leaves it 80% (for the draft's weights and pool).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 16,
-                 spec_config: SpecConfig | None = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_num_seqs: int = 16,
+        spec_config: SpecConfig | None = None,
+    ):
         from transformers import AutoConfig
 
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
@@ -128,13 +143,17 @@ class ModelRunner:
             limit = min(limit, window)  # full attention is exact only inside the window
         self.max_model_len = model_config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens"
+            )
         backend = model_config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and triton_usable(self.device) else "torch"
         if backend == "triton" and not triton_usable(self.device):
-            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
-                             "and the triton package")
+            raise ValueError(
+                "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
+                "and the triton package"
+            )
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         with torch.device("meta"):
@@ -146,8 +165,15 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         a = self.arch
         bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
-        budget, reserved, total = plan_kv_budget(cache_config, self.device, bytes_per_token, self.max_model_len,
-                                                 max_num_seqs, a.vocab_size, a.hidden_size)
+        budget, reserved, total = plan_kv_budget(
+            cache_config,
+            self.device,
+            bytes_per_token,
+            self.max_model_len,
+            max_num_seqs,
+            a.vocab_size,
+            a.hidden_size,
+        )
         if cache_config.kv_cache_bytes is None and spec_config is not None and spec_config.method == "draft":
             n = spec_config.draft_layers or 0
             if spec_config.draft_model is not None:
@@ -155,12 +181,22 @@ class ModelRunner:
             elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
                 budget = int(budget * a.num_layers / (a.num_layers + n))
         self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, budget)
-        self.memory_plan = MemoryPlan(str(self.device), self.weights_bytes, bytes_per_token,
-                                      self.kv.num_slots * bytes_per_token, self.kv.num_slots, reserved, total)
+        self.memory_plan = MemoryPlan(
+            str(self.device),
+            self.weights_bytes,
+            bytes_per_token,
+            self.kv.num_slots * bytes_per_token,
+            self.kv.num_slots,
+            reserved,
+            total,
+        )
         self.attention_backend = backend
         self.slot_table = self.graphs = None
-        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 132)
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 132
+        )
         if backend == "triton":
             from agentrt.runtime.cuda_graph import DecodeGraphRunner
             from agentrt.runtime.triton_attention import SlotTable
@@ -169,10 +205,18 @@ class ModelRunner:
             self.slot_table = SlotTable(2 * max_num_seqs + 8, self.max_model_len + 128, self.device)
             sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
             capture = self.device.type == "cuda" and not model_config.enforce_eager
-            self.graphs = DecodeGraphRunner(model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device,
-                                            capture, self.num_sms)
-        logger.info("model %s on %s/%s, attention %s, context %d; %s", self.model_dir, self.device, self.dtype,
-                    backend, self.max_model_len, self.memory_plan.describe())
+            self.graphs = DecodeGraphRunner(
+                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.num_sms
+            )
+        logger.info(
+            "model %s on %s/%s, attention %s, context %d; %s",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            backend,
+            self.max_model_len,
+            self.memory_plan.describe(),
+        )
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):
@@ -180,13 +224,29 @@ class ModelRunner:
         with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
         if self.graphs is not None and not return_hidden and self.graphs.accepts(chunks):
             return self.graphs.run(chunks)
-        return run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device, return_hidden,
-                          self.slot_table, self.num_sms)
+        return run_chunks(
+            self.model,
+            self.kv.k,
+            self.kv.v,
+            chunks,
+            self.device,
+            return_hidden,
+            self.slot_table,
+            self.num_sms,
+        )
 
 
 @torch.inference_mode()
-def run_chunks(model, k_caches, v_caches, chunks: list[SeqChunk], dev: torch.device, return_hidden: bool = False,
-               slot_table: SlotTable | None = None, num_sms: int = 132):
+def run_chunks(
+    model,
+    k_caches,
+    v_caches,
+    chunks: list[SeqChunk],
+    dev: torch.device,
+    return_hidden: bool = False,
+    slot_table: SlotTable | None = None,
+    num_sms: int = 132,
+):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
     compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
     With a slot_table the Triton kernels run, else the torch reference path. An empty batch

@@ -39,8 +39,10 @@ class OutputProcessor:
                 r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
             text = r.detokenizer.update(self.tokenizer, text_ids)
             if p.stop:
-                cut = min((i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
-                          default=-1)
+                cut = min(
+                    (i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
+                    default=-1,
+                )
                 if cut >= 0:
                     text, reason = text[:cut], "stop"
             if reason is None and (len(output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
@@ -69,5 +71,14 @@ class OutputProcessor:
         if not delta and not final:
             return None
         r.sent_len = max(r.sent_len, upto)
-        return RequestOutput(r.request_id, text[:upto], delta, r.output_ids, r.num_prompt_tokens,
-                             final, r.finish_reason, r.error, r.num_cached_tokens or 0)
+        return RequestOutput(
+            r.request_id,
+            text[:upto],
+            delta,
+            r.output_ids,
+            r.num_prompt_tokens,
+            final,
+            r.finish_reason,
+            r.error,
+            r.num_cached_tokens or 0,
+        )

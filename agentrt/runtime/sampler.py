@@ -24,7 +24,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
             logits[i].index_add_(0, ids, vals)
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=device)
+            ids = torch.tensor(
+                sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=device
+            )
             seen = logits[i, ids]
             logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
@@ -64,8 +66,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
             from agentrt.runtime.kernels.bitmask import apply_token_bitmask
 
             host = torch.tensor(rows, dtype=torch.int32)
-            apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True),
-                                host.to(logits.device, non_blocking=True))
+            apply_token_bitmask(
+                logits,
+                bitmask.to(logits.device, non_blocking=True),
+                host.to(logits.device, non_blocking=True),
+            )
             return
     grammar.apply_bitmask(logits, bitmask, rows)
 

@@ -75,7 +75,9 @@ class DraftModelProposer:
     def __init__(self, model, kv: KVPool, device: torch.device):
         self.model, self.kv, self.device = model, kv, device
 
-    def propose(self, reqs: list[Request], ks: dict[Request, int], grammar) -> dict[Request, tuple[DraftTree, object]]:
+    def propose(
+        self, reqs: list[Request], ks: dict[Request, int], grammar
+    ) -> dict[Request, tuple[DraftTree, object]]:
         """Drafts (chains, with q_probs when sampling) and, for constrained requests, the bitmask
         rows [len + 1, words] filled along the way. Requests whose KV does not fit get none."""
         active, chunks = [], []
@@ -108,14 +110,22 @@ class DraftModelProposer:
                     q = None
                 else:
                     q = target_probs(row, r.params)[0]
-                    tok = int(torch.multinomial(q, 1, generator=r.generator).item()) if float(q.sum()) > 0 else -1
+                    tok = (
+                        int(torch.multinomial(q, 1, generator=r.generator).item())
+                        if float(q.sum()) > 0
+                        else -1
+                    )
                 ok = tok >= 0 and (r.grammar is None or r.grammar.matcher.accept_token(tok))
                 if ok:
                     st["tokens"].append(tok)
                     if q is not None:
                         st["q"].append(q)
-                done = (not ok or len(st["tokens"]) >= ks[r] or tok in (r.params.stop_token_ids or ())
-                        or (r.grammar is not None and r.grammar.matcher.is_terminated()))
+                done = (
+                    not ok
+                    or len(st["tokens"]) >= ks[r]
+                    or tok in (r.params.stop_token_ids or ())
+                    or (r.grammar is not None and r.grammar.matcher.is_terminated())
+                )
                 if not done:
                     slot = st["spare"].pop(0)
                     r.spec.draft_slots.append(slot)
@@ -149,7 +159,9 @@ class DraftModelProposer:
         seq_len = r.num_tokens
         seq = r.token_ids
         m = 0
-        while m < len(r.spec.draft_fed) and base_len + m < seq_len and seq[base_len + m] == r.spec.draft_fed[m]:
+        while (
+            m < len(r.spec.draft_fed) and base_len + m < seq_len and seq[base_len + m] == r.spec.draft_fed[m]
+        ):
             m += 1
         valid = min(base_len + m, seq_len - 1, len(r.spec.draft_slots))
         self.kv.free(r.spec.draft_slots[valid:])
@@ -177,13 +189,24 @@ class Speculator:
         elif self.method == "medusa":
             path = config.medusa_heads or default_medusa_heads(model_name)
             if path is None:
-                raise ValueError(f"no Medusa heads are shipped for model '{model_name}': pass --medusa-heads DIR "
-                                 "(train them with `agentrt train-medusa`)")
+                raise ValueError(
+                    f"no Medusa heads are shipped for model '{model_name}': pass --medusa-heads DIR "
+                    "(train them with `agentrt train-medusa`)"
+                )
             arch = runner.arch
-            self.heads = MedusaHeads.load(path, arch.hidden_size, arch.vocab_size).to(runner.device, runner.dtype).eval()
+            self.heads = (
+                MedusaHeads.load(path, arch.hidden_size, arch.vocab_size)
+                .to(runner.device, runner.dtype)
+                .eval()
+            )
             self.tree_choices = tuple(config.medusa_tree or DEFAULT_MEDUSA_TREE)
             self.topk = 1 + max(max(c) for c in self.tree_choices)
-            logger.info("Medusa: %d heads from %s, tree of %d nodes", self.heads.num_heads, path, len(self.tree_choices))
+            logger.info(
+                "Medusa: %d heads from %s, tree of %d nodes",
+                self.heads.num_heads,
+                path,
+                len(self.tree_choices),
+            )
 
     @staticmethod
     def _load_draft(config: SpecConfig, runner: ModelRunner) -> DraftModelProposer:
@@ -191,32 +214,68 @@ class Speculator:
         if config.draft_model is None:
             n = config.draft_layers
             if not 1 <= n < target.num_layers:
-                raise ValueError(f"draft_layers must be in [1, {target.num_layers - 1}] for this model, got {n}")
-            kv = KVPool(n, target.num_kv_heads, target.head_dim, runner.dtype, runner.device,
-                        runner.kv.num_slots * runner.kv.bytes_per_token * n // target.num_layers)
+                raise ValueError(
+                    f"draft_layers must be in [1, {target.num_layers - 1}] for this model, got {n}"
+                )
+            kv = KVPool(
+                n,
+                target.num_kv_heads,
+                target.head_dim,
+                runner.dtype,
+                runner.device,
+                runner.kv.num_slots * runner.kv.bytes_per_token * n // target.num_layers,
+            )
             logger.info("self-draft: the first %d of %d layers", n, target.num_layers)
             return DraftModelProposer(_SelfDraft(runner.model, n), kv, runner.device)
-        draft = ModelRunner(ModelConfig(model=config.draft_model, device=str(runner.device),
-                                        dtype=str(runner.dtype).removeprefix("torch."),
-                                        attention_backend="torch", enforce_eager=True),
-                            CacheConfig(kv_cache_bytes=1 << 20), max_num_seqs=1)  # a small pool, replaced below
+        draft = ModelRunner(
+            ModelConfig(
+                model=config.draft_model,
+                device=str(runner.device),
+                dtype=str(runner.dtype).removeprefix("torch."),
+                attention_backend="torch",
+                enforce_eager=True,
+            ),
+            CacheConfig(kv_cache_bytes=1 << 20),
+            max_num_seqs=1,
+        )  # a small pool, replaced below
         if draft.arch.vocab_size != target.vocab_size:
-            raise ValueError(f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "
-                             f"({target.vocab_size})")
-        probe = "Draft models must share the tokenizer: {\"a\": 1}"
-        if draft.tokenizer.encode(probe, add_special_tokens=False) != runner.tokenizer.encode(probe, add_special_tokens=False):
+            raise ValueError(
+                f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "
+                f"({target.vocab_size})"
+            )
+        probe = 'Draft models must share the tokenizer: {"a": 1}'
+        if draft.tokenizer.encode(probe, add_special_tokens=False) != runner.tokenizer.encode(
+            probe, add_special_tokens=False
+        ):
             raise ValueError("draft model tokenizer differs from the target's")
         a = draft.arch
-        kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, draft.dtype, draft.device,
-                    runner.kv.num_slots * 2 * a.num_layers * a.num_kv_heads * a.head_dim * draft.kv.k[0].element_size())
+        kv = KVPool(
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            draft.dtype,
+            draft.device,
+            runner.kv.num_slots
+            * 2
+            * a.num_layers
+            * a.num_kv_heads
+            * a.head_dim
+            * draft.kv.k[0].element_size(),
+        )
         return DraftModelProposer(draft.model, kv, draft.device)
 
     # ---- 1-2: drafts ---------------------------------------------------------------------------
     def _budget(self, r: Request, max_model_len: int) -> int:
         """Draft tokens worth proposing for r now (0: none)."""
         p = r.params
-        if (not p.speculative or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or r.num_tokens - len(r.slots) != 1 or not r.output_ids):
+        if (
+            not p.speculative
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+            or r.num_tokens - len(r.slots) != 1
+            or not r.output_ids
+        ):
             return 0
         return max(0, min(self.k, r.max_tokens - len(r.output_ids) - 1, max_model_len - r.num_tokens - 1))
 
@@ -293,8 +352,13 @@ class Speculator:
             n, bonus = rejection_sample(probs, tree, r.generator)
             return list(range(n)), bonus
         if self.config.acceptance == "typical":
-            return typical_accept(tree, lambda row: target_probs(logits[row : row + 1], p)[0], draw,
-                                  self.config.typical_epsilon, self.config.typical_delta)
+            return typical_accept(
+                tree,
+                lambda row: target_probs(logits[row : row + 1], p)[0],
+                draw,
+                self.config.typical_epsilon,
+                self.config.typical_delta,
+            )
         return verify_tree(tree, draw)
 
     def account(self, tree: DraftTree, accepted: list[int]) -> None:

@@ -69,7 +69,8 @@ class SlotTable:
         if vals:
             dev = self.table.device
             self.table[torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)] = torch.tensor(
-                vals, dtype=torch.int32, device=dev)
+                vals, dtype=torch.int32, device=dev
+            )
         return rows
 
     def _take_row(self, in_use: set) -> int:
@@ -111,23 +112,43 @@ class TritonAttentionMetadata:
 
     def rope_and_store(self, q, k, v, k_cache, v_cache):
         """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, k unrotated: the kernels read K from the pool)."""
-        q = rope_and_store(q, k, v, self.cos_table, self.sin_table, self.positions, self.slot_mapping,
-                           k_cache, v_cache)
+        q = rope_and_store(
+            q, k, v, self.cos_table, self.sin_table, self.positions, self.slot_mapping, k_cache, v_cache
+        )
         return q, k
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored)."""
         if self.is_decode:
-            return decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
-                                    num_splits=self.num_splits, page_rows=self.page_rows)
+            return decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.page_table,
+                self.seq_lens,
+                num_splits=self.num_splits,
+                page_rows=self.page_rows,
+            )
         out = torch.zeros_like(q)
-        return extend_attention(q, k_cache, v_cache, self.q_starts, self.q_lens, self.prefix_lens,
-                                self.page_table, self.max_q_len, tree_mask=self.tree_mask,
-                                tree_offsets=self.tree_offsets, out=out, page_rows=self.page_rows)
+        return extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.q_starts,
+            self.q_lens,
+            self.prefix_lens,
+            self.page_table,
+            self.max_q_len,
+            tree_mask=self.tree_mask,
+            tree_offsets=self.tree_offsets,
+            out=out,
+            page_rows=self.page_rows,
+        )
 
 
-def build_triton_metadata(chunks, table: SlotTable, num_kv_heads: int, dev: torch.device,
-                          num_sms: int = 132) -> BatchInputs:
+def build_triton_metadata(
+    chunks, table: SlotTable, num_kv_heads: int, dev: torch.device, num_sms: int = 132
+) -> BatchInputs:
     """Inputs of the Triton path for a flat batch of SeqChunks (model_runner.SeqChunk); uploads
     the chunks' new slots to `table`."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
@@ -137,12 +158,17 @@ def build_triton_metadata(chunks, table: SlotTable, num_kv_heads: int, dev: torc
     for n in q_lens[:-1]:
         q_starts.append(q_starts[-1] + n)
     trees = [c.tree_mask for c in chunks]
-    rows = table.sync([(c.seq_key if c.seq_key is not None else ("anon", i), c.slots) for i, c in enumerate(chunks)])
+    rows = table.sync(
+        [(c.seq_key if c.seq_key is not None else ("anon", i), c.slots) for i, c in enumerate(chunks)]
+    )
     i32, i64 = {"dtype": torch.int32, "device": dev}, {"dtype": torch.int64, "device": dev}
     is_decode = all(n == 1 and p > 0 for n, p in zip(q_lens, prefix_lens)) and all(t is None for t in trees)
     meta = TritonAttentionMetadata(
-        slot_mapping=torch.tensor(new_slots, **i64), positions=torch.tensor(positions, **i64),
-        page_table=table.table, page_rows=torch.tensor(rows, **i32), is_decode=is_decode,
+        slot_mapping=torch.tensor(new_slots, **i64),
+        positions=torch.tensor(positions, **i64),
+        page_table=table.table,
+        page_rows=torch.tensor(rows, **i32),
+        is_decode=is_decode,
     )
     if is_decode:
         meta.seq_lens = torch.tensor([p + 1 for p in prefix_lens], **i32)

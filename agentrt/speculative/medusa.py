@@ -46,17 +46,27 @@ class MedusaHeads(nn.Module):
     [num_heads, B, vocab] fp32. `lm_head_weight` is used by heads without their own LM head
     (shared_lm_head)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 shared_lm_head: bool = True):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int,
+        num_layers: int = 1,
+        shared_lm_head: bool = True,
+    ):
         super().__init__()
         if num_heads < 1 or num_layers < 1:
             raise ValueError(f"Medusa needs >= 1 head and layer, got {num_heads} heads, {num_layers} layers")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.shared_lm_head = num_heads, num_layers, shared_lm_head
-        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
-                                    for _ in range(num_heads))
-        self.lm_heads = None if shared_lm_head else nn.ModuleList(
-            nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads)
+        )
+        self.lm_heads = (
+            None
+            if shared_lm_head
+            else nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        )
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
         outs = []
@@ -81,11 +91,18 @@ class MedusaHeads(nn.Module):
                 tensors[f"{k}.{j}.linear.weight"] = res.linear.weight.detach().to(dtype).contiguous()
                 tensors[f"{k}.{j}.linear.bias"] = res.linear.bias.detach().to(dtype).contiguous()
             if self.lm_heads is not None:
-                tensors[f"{k}.{self.num_layers}.weight"] = self.lm_heads[k].weight.detach().to(dtype).contiguous()
+                tensors[f"{k}.{self.num_layers}.weight"] = (
+                    self.lm_heads[k].weight.detach().to(dtype).contiguous()
+                )
         save_file(tensors, str(d / WEIGHTS_FILE))
-        config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
-                  "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
-                  "shared_lm_head": self.shared_lm_head, **(extra_config or {})}
+        config = {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "shared_lm_head": self.shared_lm_head,
+            **(extra_config or {}),
+        }
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
@@ -122,8 +139,10 @@ class MedusaHeads(nn.Module):
         with torch.no_grad():
             for name, param in own.items():
                 if tuple(tensors[name].shape) != tuple(param.shape):
-                    raise ValueError(f"Medusa weight {name} has shape {tuple(tensors[name].shape)}, the model "
-                                     f"needs {tuple(param.shape)} (hidden {hidden_size}, vocab {vocab_size})")
+                    raise ValueError(
+                        f"Medusa weight {name} has shape {tuple(tensors[name].shape)}, the model "
+                        f"needs {tuple(param.shape)} (hidden {hidden_size}, vocab {vocab_size})"
+                    )
                 param.copy_(tensors[name].float())
         return heads
 
@@ -143,9 +162,18 @@ def head_targets(token_ids: list[int], num_heads: int, start: int) -> torch.Tens
     return out
 
 
-def train_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor,
-                epochs: int = 3, lr: float = 1e-3, batch_size: int = 256, seed: int = 0,
-                holdout: float = 0.1, log=print) -> dict:
+def train_heads(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    epochs: int = 3,
+    lr: float = 1e-3,
+    batch_size: int = 256,
+    seed: int = 0,
+    holdout: float = 0.1,
+    log=print,
+) -> dict:
     """Medusa-1 training on cached hidden states: hidden [T, hidden_size] fp32 (the frozen target's
     final-norm output), targets [num_heads, T] int64 (`head_targets`, -100 ignored). AdamW with a
     cosine schedule; the last `holdout` fraction of positions is held out. Returns
@@ -156,7 +184,9 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
     train_idx = torch.arange(split)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     steps = max(1, epochs * math.ceil(split / batch_size))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     w = lm_head_weight.detach().float()
     losses = [0.0] * heads.num_heads
     heads.train()
@@ -167,7 +197,9 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
         for b in range(0, split, batch_size):
             idx = order[b : b + batch_size]
             logits = heads(hidden[idx], w)  # [K, B, V]
-            loss_k = [F.cross_entropy(logits[k], targets[k, idx], ignore_index=-100) for k in range(heads.num_heads)]
+            loss_k = [
+                F.cross_entropy(logits[k], targets[k, idx], ignore_index=-100) for k in range(heads.num_heads)
+            ]
             loss_k = [x if torch.isfinite(x) else x.new_zeros(()) for x in loss_k]  # a batch all ignored
             # Medusa weighs far heads less (lambda_k = 0.8^k)
             loss = sum(0.8**k * x for k, x in enumerate(loss_k))
@@ -190,6 +222,10 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
                 continue
             t = targets[k, hold]
             valid = t >= 0
-            acc = (logits[k].argmax(-1)[valid] == t[valid]).float().mean() if valid.any() else torch.tensor(float("nan"))
+            acc = (
+                (logits[k].argmax(-1)[valid] == t[valid]).float().mean()
+                if valid.any()
+                else torch.tensor(float("nan"))
+            )
             top1.append(float(acc))
     return {"train_loss": losses, "holdout_top1": top1}

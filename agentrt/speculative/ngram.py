@@ -15,7 +15,9 @@ class NgramProposer:
 
     def __init__(self, k: int, min_n: int = 1, max_n: int = 4):
         if not (1 <= min_n <= max_n) or k < 1:
-            raise ValueError(f"n-gram proposer needs 1 <= min_n <= max_n and k >= 1, got {min_n}, {max_n}, {k}")
+            raise ValueError(
+                f"n-gram proposer needs 1 <= min_n <= max_n and k >= 1, got {min_n}, {max_n}, {k}"
+            )
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:

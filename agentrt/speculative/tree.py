@@ -20,10 +20,22 @@ import torch
 # Paths of top-k ranks, one node each: (0,) = head 0's best token, (0, 1) = head 1's second best
 # after it, ... 16 nodes over 4 heads, widest near the root where acceptance is likeliest.
 DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1),
+    (0,),
+    (1,),
+    (2,),
+    (3,),
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 1, 0),
+    (1, 0, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 1),
 )
 
 
@@ -81,7 +93,11 @@ class DraftTree:
                 parents.append(-1 if p < 0 else new_index[p])
         q = None
         if self.q_probs is not None:
-            q = self.q_probs[torch.tensor(sorted(new_index), dtype=torch.int64)] if new_index else self.q_probs[:0]
+            q = (
+                self.q_probs[torch.tensor(sorted(new_index), dtype=torch.int64)]
+                if new_index
+                else self.q_probs[:0]
+            )
         return DraftTree(tokens, parents, q)
 
     def attention_mask(self) -> torch.Tensor:

@@ -64,8 +64,13 @@ def rejection_sample(p_probs: torch.Tensor, tree: DraftTree, generator: torch.Ge
     return len(tree), int(torch.multinomial(last, 1, generator=generator).item())
 
 
-def typical_accept(tree: DraftTree, probs: Callable[[int], torch.Tensor], draw: Callable[[int], int],
-                   epsilon: float = 0.09, delta: float = 0.3) -> tuple[list[int], int]:
+def typical_accept(
+    tree: DraftTree,
+    probs: Callable[[int], torch.Tensor],
+    draw: Callable[[int], int],
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> tuple[list[int], int]:
     """probs(row) -> [V] fp32 target probabilities at that row; draw(row) -> a token sampled from
     it. At each node the child with the highest p(x) among those passing
     p(x) > min(epsilon, delta * exp(-H(p))) is accepted; when none passes the drawn token is the

@@ -27,14 +27,35 @@ from agentrt.runtime.request import SamplingParams
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 CASES = [
-    (InvalidRequestError("top_p must be in (0, 1]", param="top_p"), 400, "invalid_request_error", "top_p", None),
+    (
+        InvalidRequestError("top_p must be in (0, 1]", param="top_p"),
+        400,
+        "invalid_request_error",
+        "top_p",
+        None,
+    ),
     (InvalidRequestError("no field"), 400, "invalid_request_error", None, None),
-    (ConstraintError("keyword 'not' at /not", param="response_format", keyword="not", pointer="/not"),
-     400, "invalid_request_error", "response_format", None),
-    (ContextLengthError("prompt has 9000 tokens", param="prompt", num_prompt_tokens=9000, limit=8192),
-     400, "invalid_request_error", "prompt", "context_length_exceeded"),
-    (IncompleteOutputError("ran out", finish_reason="length", text="{"), 400, "invalid_request_error",
-     "max_tokens", None),
+    (
+        ConstraintError("keyword 'not' at /not", param="response_format", keyword="not", pointer="/not"),
+        400,
+        "invalid_request_error",
+        "response_format",
+        None,
+    ),
+    (
+        ContextLengthError("prompt has 9000 tokens", param="prompt", num_prompt_tokens=9000, limit=8192),
+        400,
+        "invalid_request_error",
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        IncompleteOutputError("ran out", finish_reason="length", text="{"),
+        400,
+        "invalid_request_error",
+        "max_tokens",
+        None,
+    ),
     (ServiceUnavailableError("the server is shutting down"), 503, "server_error", None, None),
     (InternalError("internal engine error: boom"), 500, "server_error", None, None),
     (AgentrtError("something else"), 500, "server_error", None, None),
@@ -49,9 +70,16 @@ def test_each_error_type_maps_to_status_type_param_code(error, status, type_, pa
 
 
 def test_param_and_message_given_by_the_api_layer():
-    e = to_api_error(ConstraintError("bad", param="x", tool_index=1), "tools[1].function.parameters",
-                     message="tools[1].function.parameters: bad")
-    assert (e.status, e.param, e.message) == (400, "tools[1].function.parameters", "tools[1].function.parameters: bad")
+    e = to_api_error(
+        ConstraintError("bad", param="x", tool_index=1),
+        "tools[1].function.parameters",
+        message="tools[1].function.parameters: bad",
+    )
+    assert (e.status, e.param, e.message) == (
+        400,
+        "tools[1].function.parameters",
+        "tools[1].function.parameters: bad",
+    )
     # a server error never names a request field
     assert to_api_error(ServiceUnavailableError("busy"), "messages").param is None
 
@@ -63,11 +91,23 @@ def test_error_body_is_utf8_safe():
 
 
 def test_generation_names_fields_as_the_request_does():
-    gen = Generation(request_id="chatcmpl-1", chat=True, prompt_ids=[1], params=SamplingParams(), constraint=None,
-                     constraint_param="", tools=None,
-                     param_names={"prompt": "messages", "max_tokens": "max_completion_tokens"},
-                     cache_salt="", stream=False, include_usage=False)
-    assert gen.api_error(ContextLengthError("long", param="prompt", num_prompt_tokens=9, limit=8)).param == "messages"
+    gen = Generation(
+        request_id="chatcmpl-1",
+        chat=True,
+        prompt_ids=[1],
+        params=SamplingParams(),
+        constraint=None,
+        constraint_param="",
+        tools=None,
+        param_names={"prompt": "messages", "max_tokens": "max_completion_tokens"},
+        cache_salt="",
+        stream=False,
+        include_usage=False,
+    )
+    assert (
+        gen.api_error(ContextLengthError("long", param="prompt", num_prompt_tokens=9, limit=8)).param
+        == "messages"
+    )
     assert gen.api_error(InvalidRequestError("small", param="max_tokens")).param == "max_completion_tokens"
     assert gen.api_error(InvalidRequestError("x", param="seed")).param == "seed"
     assert gen.api_error(InvalidRequestError("x"), default_param="messages").param == "messages"
@@ -95,10 +135,12 @@ def client():
 
     @app.post("/raise/{kind}")
     async def raise_(kind: str):
-        errors = {"api": APIError("gone", status=404, param="model", code="model_not_found"),
-                  "constraint": ConstraintError("cannot", param="regex"),
-                  "unavailable": ServiceUnavailableError("shutting down"),
-                  "bug": KeyError("x")}
+        errors = {
+            "api": APIError("gone", status=404, param="model", code="model_not_found"),
+            "constraint": ConstraintError("cannot", param="regex"),
+            "unavailable": ServiceUnavailableError("shutting down"),
+            "bug": KeyError("x"),
+        }
         raise errors[kind]
 
     @app.post("/body")
@@ -116,17 +158,28 @@ def _error(resp, status: int) -> dict:
 
 
 def test_handlers_answer_every_failure_in_openai_shape(client):
-    assert _error(client.post("/raise/api"), 404) == {"message": "gone", "type": "invalid_request_error",
-                                                      "param": "model", "code": "model_not_found"}
+    assert _error(client.post("/raise/api"), 404) == {
+        "message": "gone",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     assert _error(client.post("/raise/constraint"), 400)["param"] == "regex"
     assert _error(client.post("/raise/unavailable"), 503)["type"] == "server_error"
-    assert _error(client.post("/raise/bug"), 500) == {"message": "internal error: KeyError", "type": "server_error",
-                                                      "param": None, "code": None}
+    assert _error(client.post("/raise/bug"), 500) == {
+        "message": "internal error: KeyError",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
     assert _error(client.get("/nowhere"), 404)["type"] == "invalid_request_error"
     err = _error(client.post("/body", json={"n": "x"}), 400)
     assert err["param"] == "n" and err["message"].startswith("n: ")
     err = _error(client.post("/body", content=b"{no", headers={"content-type": "application/json"}), 400)
     assert err["param"] is None and "not valid JSON" in err["message"]
-    big = client.post("/body", content=b"{}", headers={"content-type": "application/json",
-                                                        "content-length": str(MAX_BODY_BYTES + 1)})
+    big = client.post(
+        "/body",
+        content=b"{}",
+        headers={"content-type": "application/json", "content-length": str(MAX_BODY_BYTES + 1)},
+    )
     assert "exceeds the limit" in _error(big, 413)["message"]

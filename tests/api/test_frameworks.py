@@ -12,8 +12,12 @@ from pydantic import BaseModel, Field
 
 MODEL = "smollm2-135m-instruct"
 
-WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-                  "required": ["city"], "additionalProperties": False}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 class City(BaseModel):
@@ -25,33 +29,62 @@ def test_openai_client_tool_round_trip_streaming(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key="none")
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-                                               "parameters": WEATHER_PARAMS}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city.",
+                "parameters": WEATHER_PARAMS,
+            },
+        }
+    ]
     messages = [{"role": "user", "content": "What's the weather in Hanoi?"}]
     # parallel_tool_calls false: a 135M model given the choice keeps calling until max_tokens
-    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                          parallel_tool_calls=False, temperature=0, max_tokens=60)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+    )
     call = resp.choices[0].message.tool_calls[0]
     assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
     # the same request streamed: the client's own accumulation gives the same call
     args, name = "", None
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                                parallel_tool_calls=False, temperature=0, max_tokens=60, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+    ):
         for tc in chunk.choices[0].delta.tool_calls or []:
             name = name or tc.function.name
             args += tc.function.arguments or ""
     assert (name, args) == ("get_weather", call.function.arguments)
-    messages += [resp.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 31}'}]
+    messages += [
+        resp.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 31}'},
+    ]
     # the model answers the tool result in text (measured: 22 tokens, an echo of the result)
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=60)
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=60
+    )
     assert final.choices[0].finish_reason == "stop", final
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
 def test_langchain_bind_tools_and_structured_output(server):
-    pytest.importorskip("langchain_openai", reason="langchain-openai is not installed (it is in the test extra)")
+    pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (it is in the test extra)"
+    )
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
@@ -62,7 +95,8 @@ def test_langchain_bind_tools_and_structured_output(server):
 
     llm = ChatOpenAI(base_url=f"{server}/v1", api_key="none", model=MODEL, temperature=0, max_tokens=60)
     msg = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke(
-        "What's the weather in Hanoi?")
+        "What's the weather in Hanoi?"
+    )
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
     city = llm.with_structured_output(City).invoke("Name a city in France.")  # default method: json_schema
@@ -84,7 +118,9 @@ def test_pydantic_ai_tool_output_and_native_output(server):
     calls = [p for m in result.all_messages() for p in m.parts if isinstance(p, ToolCallPart)]
     assert calls and calls[0].tool_name.startswith("final_result")
     # native structured output: response_format json_schema
-    result = Agent(model, output_type=NativeOutput(City), model_settings=settings).run_sync("Name a city in Japan.")
+    result = Agent(model, output_type=NativeOutput(City), model_settings=settings).run_sync(
+        "Name a city in Japan."
+    )
     assert isinstance(result.output, City)
 
 
@@ -111,11 +147,19 @@ def test_openai_agents_sdk_tool_round_trip(server):
         seen.append(city)
         return "14:05"
 
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=f"{server}/v1", api_key="none"))
+    model = OpenAIChatCompletionsModel(
+        model=MODEL, openai_client=AsyncOpenAI(base_url=f"{server}/v1", api_key="none")
+    )
     # tool_choice required for the first turn; the SDK resets it to auto after the call
-    agent = Agent(name="clock", instructions="Answer with the time.", tools=[get_time], model=model,
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
-                                               max_tokens=60))
+    agent = Agent(
+        name="clock",
+        instructions="Answer with the time.",
+        tools=[get_time],
+        model=model,
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60
+        ),
+    )
     result = Runner.run_sync(agent, "What time is it in Hanoi?", max_turns=4)
     kinds = [type(i) for i in result.new_items]
     assert ToolCallItem in kinds and ToolCallOutputItem in kinds and seen

@@ -40,9 +40,16 @@ def _extraction_with_openai_client(server, one_per_schema: bool):
 
     def run(doc, stream: bool) -> tuple[str, str]:
         schema = schemas[doc["schema_name"]]
-        kwargs = {"model": MODEL, "messages": extraction_messages(doc["text"], schema), "temperature": 0,
-                  "max_tokens": 300, "response_format": {"type": "json_schema", "json_schema": {
-                      "name": doc["schema_name"], "schema": schema, "strict": True}}}
+        kwargs = {
+            "model": MODEL,
+            "messages": extraction_messages(doc["text"], schema),
+            "temperature": 0,
+            "max_tokens": 300,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": doc["schema_name"], "schema": schema, "strict": True},
+            },
+        }
         if not stream:
             resp = client.chat.completions.create(**kwargs)
             return resp.choices[0].message.content, resp.choices[0].finish_reason
@@ -64,8 +71,10 @@ def _extraction_with_openai_client(server, one_per_schema: bool):
         else:
             assert finish == "length"
             hit_length.append(doc["id"])
-    print(f"\n{len(docs) - len(hit_length)}/{len(docs)} finished with stop and validated; "
-          f"hit max_tokens: {hit_length}")
+    print(
+        f"\n{len(docs) - len(hit_length)}/{len(docs)} finished with stop and validated; "
+        f"hit max_tokens: {hit_length}"
+    )
     assert len(hit_length) < len(docs)
 
 
@@ -80,8 +89,13 @@ def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
     from agentrt.testing import agentrt_server
 
     with agentrt_server(MODEL, log_path=tmp_path / "server.log") as srv:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         lines = []
         with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as resp:
             for line in resp.iter_lines():

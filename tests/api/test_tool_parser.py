@@ -16,7 +16,9 @@ from agentrt.grammars.xgrammar_backend import GrammarBackend
 from tests.helpers import load_case
 
 
-def _parse(fmt: str, chunks: list[str], names=None, cut_off: bool = False) -> tuple[str, list[tuple[str, str]], list]:
+def _parse(
+    fmt: str, chunks: list[str], names=None, cut_off: bool = False
+) -> tuple[str, list[tuple[str, str]], list]:
     """(content, [(name, arguments)], OpenAI-style deltas merged per call index)."""
     p = ToolCallParser(FORMATS[fmt], names=names)
     events = []
@@ -42,7 +44,7 @@ def _chunkings(text: str):
     for i in range(len(text) + 1):
         yield [text[:i], text[i:]]
     for size in (2, 3, 5, 7, 11):
-        yield [text[i:i + size] for i in range(0, len(text), size)]
+        yield [text[i : i + size] for i in range(0, len(text), size)]
 
 
 def test_case_stream_tool_call_boundaries():
@@ -54,33 +56,72 @@ def test_case_stream_tool_call_boundaries():
         assert [(n, json.loads(a)) for n, a in calls] == want, chunks
 
 
-@pytest.mark.parametrize("fmt,text,want_content,want", [
-    ("hermes", 'Let me check.<tool_call>\n{"name": "f", "arguments": {"a": "x}<\\"y"}}\n</tool_call> Done.',
-     "Let me check.Done.", [("f", '{"a": "x}<\\"y"}')]),
-    ("hermes", 'no call here, just <tool text and <tool_call', 'no call here, just <tool text and <tool_call', []),
-    ("hermes", '<tool_call>\n{"arguments": {"n": 1}, "name": "g"}\n</tool_call>', "", [("g", '{"n": 1}')]),
-    ("hermes", '<tool_call>\nnot json\n</tool_call>', "<tool_call>\nnot json\n</tool_call>", []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": 2}]}}', "", [("f", '{"a": [1, {"b": 2}]}')]),
-    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "",
-     [("f", '{"a": 1}'), ("g", "{}")]),
-    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "]"}}]', "ok ",
-     [("f", '{"a": 1}'), ("g", '{"b": "]"}')]),
-])
+@pytest.mark.parametrize(
+    "fmt,text,want_content,want",
+    [
+        (
+            "hermes",
+            'Let me check.<tool_call>\n{"name": "f", "arguments": {"a": "x}<\\"y"}}\n</tool_call> Done.',
+            "Let me check.Done.",
+            [("f", '{"a": "x}<\\"y"}')],
+        ),
+        (
+            "hermes",
+            "no call here, just <tool text and <tool_call",
+            "no call here, just <tool text and <tool_call",
+            [],
+        ),
+        (
+            "hermes",
+            '<tool_call>\n{"arguments": {"n": 1}, "name": "g"}\n</tool_call>',
+            "",
+            [("g", '{"n": 1}')],
+        ),
+        ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+        (
+            "hermes",
+            '<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": 2}]}}',
+            "",
+            [("f", '{"a": [1, {"b": 2}]}')],
+        ),
+        (
+            "llama3_json",
+            '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+            "",
+            [("f", '{"a": 1}'), ("g", "{}")],
+        ),
+        (
+            "mistral",
+            'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "]"}}]',
+            "ok ",
+            [("f", '{"a": 1}'), ("g", '{"b": "]"}')],
+        ),
+    ],
+)
 def test_formats_parse_the_same_under_any_chunking(fmt, text, want_content, want):
     for chunks in _chunkings(text):
         content, calls, _ = _parse(fmt, chunks)
         assert (content, calls) == (want_content, want), chunks
 
 
-@pytest.mark.parametrize("text,want", [
-    ('<tool_call>\n{"name": "get_weather",', ("", [])),  # cut before the arguments: no call, no markup
-    ('ok<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name":', ("ok", [("f", '{"a": 1}')])),
-    ('<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call', ("", [("f", '{"a": "x"}')])),
-    ('<tool_call>\n{"name": "f", "arguments": {"a": ', ("", [("f", '{"a": ')])),  # started: partial arguments
-    # a second call cut inside its marker (found by the adversarial pass: '<tool_' was content)
-    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_', ("", [("f", "{}")])),
-    ('done <tool_ca', ("done ", [])),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ('<tool_call>\n{"name": "get_weather",', ("", [])),  # cut before the arguments: no call, no markup
+        (
+            'ok<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name":',
+            ("ok", [("f", '{"a": 1}')]),
+        ),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call', ("", [("f", '{"a": "x"}')])),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"a": ',
+            ("", [("f", '{"a": ')]),
+        ),  # started: partial arguments
+        # a second call cut inside its marker (found by the adversarial pass: '<tool_' was content)
+        ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_', ("", [("f", "{}")])),
+        ("done <tool_ca", ("done ", [])),
+    ],
+)
 def test_text_cut_by_max_tokens_never_puts_call_markup_in_content(text, want):
     for chunks in _chunkings(text):
         content, calls, _ = _parse("hermes", chunks, cut_off=True)
@@ -98,7 +139,9 @@ def test_unknown_tool_names_stay_content():
 
 
 def test_first_delta_of_a_call_carries_the_name_then_only_arguments():
-    _, _, events = _parse("hermes", list('<tool_call>\n{"name": "f", "arguments": {"a": 12345}}\n</tool_call>'))
+    _, _, events = _parse(
+        "hermes", list('<tool_call>\n{"name": "f", "arguments": {"a": 12345}}\n</tool_call>')
+    )
     kinds = [e.kind for e in events]
     assert kinds[0] == "call" and set(kinds[1:]) == {"args"} and len(kinds) > 3  # streamed piece by piece
 
@@ -117,24 +160,50 @@ def test_plan_validation_errors_name_the_field():
         with pytest.raises(APIError) as e:
             plan_tools(tools, choice, None, fmt)
         assert e.value.param == param, (tools, choice, e.value.message)
-    plan = plan_tools([tool, {"type": "function", "function": {"name": "g"}}],
-                      {"type": "function", "function": {"name": "g"}}, False, fmt)
+    plan = plan_tools(
+        [tool, {"type": "function", "function": {"name": "g"}}],
+        {"type": "function", "function": {"name": "g"}},
+        False,
+        fmt,
+    )
     assert plan.mode == "required" and [t["name"] for t in plan.tools] == ["g"] and len(plan.all_tools) == 2
 
 
 def test_generic_rendering_puts_tools_in_the_system_prompt_and_calls_in_text():
-    plan = plan_tools([{"type": "function", "function": {"name": "get_time", "description": "Now.",
-                                                         "parameters": {"type": "object"}}}], "auto", None,
-                      FORMATS["hermes"])
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "time?"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    plan = plan_tools(
+        [
+            {
+                "type": "function",
+                "function": {"name": "get_time", "description": "Now.", "parameters": {"type": "object"}},
+            }
+        ],
+        "auto",
+        None,
+        FORMATS["hermes"],
+    )
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "time?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
     out, tools = render_messages(msgs, plan, native=False)
     assert tools is None
     assert out[0]["content"].startswith("Be brief.") and '"name": "get_time"' in out[0]["content"]
-    assert out[2] == {"role": "assistant",
-                      "content": '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'}
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
+    }
     assert out[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
 
 
@@ -148,10 +217,23 @@ def _spec(tools, mode="required", parallel=True, fmt="hermes"):
     return ConstraintSpec.tool_calls(plan.constraint_value())
 
 
-TZ = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
-                                         "required": ["tz"], "additionalProperties": False}}
-NOTE = {"name": "save_note", "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 8}},
-                                            "required": ["text"]}}
+TZ = {
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+}
+NOTE = {
+    "name": "save_note",
+    "parameters": {
+        "type": "object",
+        "properties": {"text": {"type": "string", "maxLength": 8}},
+        "required": ["text"],
+    },
+}
 
 
 def _call(name, args, fmt="hermes"):
@@ -168,7 +250,9 @@ def test_required_grammar_admits_only_offered_tools_with_valid_arguments(backend
     assert not accepts(backend, c, _call("get_time", {"tz": "PST"}))
     assert not accepts(backend, c, _call("save_note", {"text": "far too long"}))
     single = backend.compile(_spec([TZ, NOTE], parallel=False))
-    assert not accepts(backend, single, _call("get_time", {"tz": "UTC"}) + "\n" + _call("get_time", {"tz": "CET"}))
+    assert not accepts(
+        backend, single, _call("get_time", {"tz": "UTC"}) + "\n" + _call("get_time", {"tz": "CET"})
+    )
 
 
 def test_auto_grammar_admits_text_then_constrained_calls(backend):
@@ -195,25 +279,30 @@ def test_case_tool_without_parameters(backend):
     assert accepts(backend, c, _call("get_server_time", {}))
     assert accepts(backend, c, _call("save_note", {"text": "x" * 1000}))
     # a tool with no parameters at all takes exactly {}
-    bare = plan_tools([{"type": "function", "function": {"name": "ping"}}], "required", True, FORMATS["hermes"])
+    bare = plan_tools(
+        [{"type": "function", "function": {"name": "ping"}}], "required", True, FORMATS["hermes"]
+    )
     c = backend.compile(ConstraintSpec.tool_calls(bare.constraint_value()))
     assert accepts(backend, c, _call("ping", {})) and not accepts(backend, c, _call("ping", {"x": 1}))
 
 
 def test_unenforceable_tool_schema_names_the_tool(backend):
-    bad = {"name": "uniq", "parameters": {"type": "object", "properties": {
-        "xs": {"type": "array", "uniqueItems": True}}}}
+    bad = {
+        "name": "uniq",
+        "parameters": {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}},
+    }
     with pytest.raises(ValueError, match="tool 'uniq' parameters: .*uniqueItems"):
         backend.compile(_spec([TZ, bad]))
 
 
 QWEN_LIKE = (  # a Hermes/Qwen-style template that renders tools itself (shortened)
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
-    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_format_detection_and_native_template_rendering(tokenizer):
@@ -223,16 +312,35 @@ def test_format_detection_and_native_template_rendering(tokenizer):
     assert detect_format("{{ '[TOOL_CALLS]' }} {% if tools %}{% endif %}") == ("mistral", True)
     assert detect_format("<|python_tag|>{% for t in tools %}{% endfor %}") == ("llama3_json", True)
     assert detect_format(tokenizer.chat_template) == ("hermes", False)  # the default model: generic
-    plan = plan_tools([{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
-                      "auto", None, FORMATS["hermes"])
-    msgs = [{"role": "user", "content": "time?"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    plan = plan_tools(
+        [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+        "auto",
+        None,
+        FORMATS["hermes"],
+    )
+    msgs = [
+        {"role": "user", "content": "time?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
     out, tools = render_messages(msgs, plan, native=True)
     assert tools and tools[0]["function"]["name"] == "get_time"
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}  # objects for HF templates
     assert out[2] == {"role": "tool", "content": "12:00", "tool_call_id": "c1"}
-    text = tokenizer.apply_chat_template(out, tools=tools, chat_template=QWEN_LIKE, tokenize=False,
-                                         add_generation_prompt=True)
-    assert '"name": "get_time"' in text and '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text
+    text = tokenizer.apply_chat_template(
+        out, tools=tools, chat_template=QWEN_LIKE, tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        '"name": "get_time"' in text
+        and '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text
+    )

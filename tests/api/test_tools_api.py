@@ -12,29 +12,68 @@ from tests.helpers import sse_chunks
 
 MODEL = "smollm2-135m-instruct"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 24}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"], "additionalProperties": False}}}
-SEARCH = {"type": "function", "function": {
-    "name": "search", "description": "Search the web.", "strict": True,
-    "parameters": {"type": "object", "properties": {
-        "query": {"type": "string", "minLength": 1, "maxLength": 40},
-        "limit": {"type": "integer", "minimum": 1, "maximum": 10}}, "required": ["query"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web.",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "minLength": 1, "maxLength": 40},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 10},
+            },
+            "required": ["query"],
+        },
+    },
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD, SEARCH)}
 
 
 def _body(tools, choice, parallel, stream):
     # free text (auto, none) gets a short budget: the 135M model rarely calls under auto
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 96 if choice not in ("auto", "none") else 48,
-            "max_tokens_policy": "close",
-            "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius? Also add 2 and 3."}],
-            "tools": tools, "parallel_tool_calls": parallel, "stream": stream}
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 96 if choice not in ("auto", "none") else 48,
+        "max_tokens_policy": "close",
+        "messages": [
+            {"role": "user", "content": "What is the weather in Paris, in celsius? Also add 2 and 3."}
+        ],
+        "tools": tools,
+        "parallel_tool_calls": parallel,
+        "stream": stream,
+    }
     if choice is not None:
         body["tool_choice"] = choice
     return body
@@ -48,7 +87,11 @@ def _non_stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
     calls = msg.get("tool_calls") or []
     for c in calls:
         assert c["type"] == "function" and c["id"].startswith("call_")
-    return msg["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in calls], choice["finish_reason"]
+    return (
+        msg["content"],
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+        choice["finish_reason"],
+    )
 
 
 def _stream(client, body) -> tuple[str | None, list[tuple[str, str]], str]:
@@ -101,19 +144,35 @@ def test_tool_choice_modes(client, choice, parallel, n_tools):
 
 def test_tool_round_trip_and_errors(client):
     first = _non_stream(client, _body([WEATHER], "required", False, False))
-    (name, args), = first[1]
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": name, "arguments": args}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
-    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER],
-                                                      "temperature": 0, "max_tokens": 20})
+    ((name, args),) = first[1]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": name, "arguments": args}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    ]
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "tools": [WEATHER], "temperature": 0, "max_tokens": 20},
+    )
     assert resp.status_code == 200, resp.text
-    bad = client.post("/v1/chat/completions", json={**_body([WEATHER], "required", True, False),
-                                                     "response_format": {"type": "json_object"}})
+    bad = client.post(
+        "/v1/chat/completions",
+        json={**_body([WEATHER], "required", True, False), "response_format": {"type": "json_object"}},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
-    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "xs": {"type": "array", "uniqueItems": True}}}}}
+    bad_schema = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}},
+        },
+    }
     bad = client.post("/v1/chat/completions", json=_body([WEATHER, bad_schema], "required", True, False))
     assert bad.status_code == 400 and "tool 'f' parameters" in bad.json()["error"]["message"], bad.text
     assert bad.json()["error"]["param"] == "tools[1].function.parameters"
@@ -122,16 +181,30 @@ def test_tool_round_trip_and_errors(client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.parameters", bad.text
     for msgs, param in [
         ([{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}], "messages[1].tool_call_id"),
-        ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}],
-         "messages[1].tool_call_id"),
-        ([{"role": "user", "content": "x", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "nope", "content": "1"}],
+            "messages[1].tool_call_id",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                }
+            ],
+            "messages[0].tool_calls",
+        ),
     ]:
         bad = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": [WEATHER]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     # a prompt over the context is refused before the tools' grammar is compiled
-    huge = {"type": "function", "function": {"name": "big", "description": "word " * 9000,
-                                             "parameters": {"type": "object"}}}
+    huge = {
+        "type": "function",
+        "function": {"name": "big", "description": "word " * 9000, "parameters": {"type": "object"}},
+    }
     bad = client.post("/v1/chat/completions", json=_body([huge], "required", True, False))
     assert bad.status_code == 400 and "context limit" in bad.json()["error"]["message"], bad.text
     not_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}

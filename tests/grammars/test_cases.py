@@ -40,8 +40,9 @@ def test_schema_cases_on_matcher(backend, case_id):
 def test_exact_item_count_on_model(engine, tokenizer):
     case = load_case("exact-item-count")
     ids = chat_ids(tokenizer, [{"role": "user", "content": case["prompt"]}])
-    out = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=60),
-                            ConstraintSpec.json_schema(case["schema"]))])[0]
+    out = engine.generate(
+        [(ids, SamplingParams(temperature=0, max_tokens=60), ConstraintSpec.json_schema(case["schema"]))]
+    )[0]
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), case["schema"])
     assert len(json.loads(out.text)["cities"]) == 2
@@ -68,7 +69,9 @@ def _whitespace_run(backend, matcher, ws: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("config", [GrammarConfig(), GrammarConfig(any_whitespace=True, max_whitespace_cnt=2)])
+@pytest.mark.parametrize(
+    "config", [GrammarConfig(), GrammarConfig(any_whitespace=True, max_whitespace_cnt=2)]
+)
 def test_bounded_whitespace(tokenizer, config):
     case = load_case("bounded-whitespace")
     backend = GrammarBackend(tokenizer, 49152, (2,), config)
@@ -83,8 +86,12 @@ def test_bounded_whitespace(tokenizer, config):
     # a policy that always prefers whitespace, then '}' , must still close the object promptly
     m = backend.new_matcher(compiled)
     vocab = tokenizer.get_vocab()
-    ws_ids = [i for t, i in vocab.items() if tokenizer.convert_tokens_to_string([t]).strip() == ""
-              and tokenizer.convert_tokens_to_string([t]) != ""]
+    ws_ids = [
+        i
+        for t, i in vocab.items()
+        if tokenizer.convert_tokens_to_string([t]).strip() == ""
+        and tokenizer.convert_tokens_to_string([t]) != ""
+    ]
     logits_base = torch.zeros(1, 49152)
     logits_base[0, ws_ids] = 10.0
     logits_base[0, tokenizer.convert_tokens_to_ids("}")] = 5.0

@@ -25,8 +25,10 @@ def backend(tokenizer):
 def _table(rows: dict[str, Counts]) -> str:
     lines = [f"{'file':28s} compiled refused acc-valid rej-invalid rej-valid acc-invalid"]
     for name, c in rows.items():
-        lines.append(f"{name:28s} {c.compiled:8d} {c.refused:7d} {c.accepted_valid:9d} {c.rejected_invalid:11d} "
-                     f"{c.rejected_valid:9d} {c.accepted_invalid:11d}")
+        lines.append(
+            f"{name:28s} {c.compiled:8d} {c.refused:7d} {c.accepted_valid:9d} {c.rejected_invalid:11d} "
+            f"{c.rejected_valid:9d} {c.accepted_invalid:11d}"
+        )
     return "\n".join(lines)
 
 
@@ -38,7 +40,11 @@ def test_json_schema_test_suite(backend):
     for f in sorted(suite.glob("*.json")):
         c = Counts()
         for i, group in enumerate(json.loads(f.read_text())):
-            c.add(check_schema(backend, group["schema"], group["tests"], f"{f.stem}[{i}] {group['description']}"))
+            c.add(
+                check_schema(
+                    backend, group["schema"], group["tests"], f"{f.stem}[{i}] {group['description']}"
+                )
+            )
         rows[f.stem] = c
         total.add(c)
     rows["TOTAL"] = total
@@ -56,7 +62,9 @@ def test_jsonschemabench_instances(backend):
     rows: dict[str, Counts] = {}
     for f in sorted(root.glob("*.json")):
         doc = json.loads(f.read_text())
-        rows.setdefault(f.name.split("__")[0], Counts()).add(check_schema(backend, doc["schema"], doc["tests"], f.name))
+        rows.setdefault(f.name.split("__")[0], Counts()).add(
+            check_schema(backend, doc["schema"], doc["tests"], f.name)
+        )
     total = Counts()
     for c in rows.values():
         total.add(c)
@@ -67,8 +75,9 @@ def test_jsonschemabench_instances(backend):
     # maxLength string (and the first minLength - 1 characters), see xgrammar_backend
     assert total.rejected_valid == total.rejected_valid_escaped, total.wrong
     assert total.compiled >= 110  # 120 of 150 at writing
-    assert all(re.search(r"keyword '[^']+' at \S+", r) or "admits no value" in r for r in total.refusals), \
+    assert all(re.search(r"keyword '[^']+' at \S+", r) or "admits no value" in r for r in total.refusals), (
         total.refusals
+    )
 
 
 def _json_schema_cases():
@@ -101,16 +110,27 @@ def test_json_schema_cases(backend, case):
 
 
 def test_oneof_by_required_is_refused_on_open_objects_and_enforced_on_closed(backend):
-    schema = {"type": "object", "properties": {"radius": {"type": "number"}, "width": {"type": "number"},
-                                               "height": {"type": "number"}},
-              "oneOf": [{"required": ["radius"]}, {"required": ["width", "height"]}]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "radius": {"type": "number"},
+            "width": {"type": "number"},
+            "height": {"type": "number"},
+        },
+        "oneOf": [{"required": ["radius"]}, {"required": ["width", "height"]}],
+    }
     with pytest.raises(UnsupportedSchemaError, match="'oneOf' at /oneOf"):
         normalize_schema(schema)
     closed = {**schema, "additionalProperties": False}
     with pytest.raises(UnsupportedSchemaError, match="oneOf"):
         normalize_schema(closed)  # both keys may still appear together: not exclusive
-    closed_one = {**closed, "oneOf": [{"required": ["radius"], "properties": {"width": False, "height": False}},
-                                      {"required": ["width", "height"], "properties": {"radius": False}}]}
+    closed_one = {
+        **closed,
+        "oneOf": [
+            {"required": ["radius"], "properties": {"width": False, "height": False}},
+            {"required": ["width", "height"], "properties": {"radius": False}},
+        ],
+    }
     compiled = backend.compile(ConstraintSpec.json_schema(closed_one))
     assert accepts(backend, compiled, '{"radius": 1.5}')
     assert accepts(backend, compiled, '{"width": 2, "height": 3}')
@@ -118,22 +138,31 @@ def test_oneof_by_required_is_refused_on_open_objects_and_enforced_on_closed(bac
     assert not accepts(backend, compiled, "{}")
 
 
-@pytest.mark.parametrize("schema,keyword,pointer", [
-    ({"type": "array", "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
-    ({"properties": {"a": {"not": {"type": "string"}}}}, "not", "/properties/a/not"),
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "/multipleOf"),
-    ({"$defs": {"x": {"type": "string", "format": "email", "maxLength": 5}}, "$ref": "#/$defs/x"},
-     "maxLength", "#/$defs/x/maxLength"),
-    ({"type": "string", "pattern": "^(?=a)b$"}, "pattern", "/pattern"),
-    ({"type": "string", "pattern": "^a\\\\b$"}, "pattern", "/pattern"),
-    ({"$ref": "https://example.com/schema.json"}, "$ref", "/$ref"),
-    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if", "/if"),
-    ({"type": "array", "contains": {"type": "integer"}}, "contains", "/contains"),
-    ({"properties": {"n": {"type": "integer", "minimum": 1e20}}}, "minimum", "/properties/n/minimum"),
-    ({"type": "array", "minItems": 10**12}, "minItems", "/minItems"),
-    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a*+b$"}}}, "pattern",
-     "/properties/p/pattern"),
-])
+@pytest.mark.parametrize(
+    "schema,keyword,pointer",
+    [
+        ({"type": "array", "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
+        ({"properties": {"a": {"not": {"type": "string"}}}}, "not", "/properties/a/not"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf", "/multipleOf"),
+        (
+            {"$defs": {"x": {"type": "string", "format": "email", "maxLength": 5}}, "$ref": "#/$defs/x"},
+            "maxLength",
+            "#/$defs/x/maxLength",
+        ),
+        ({"type": "string", "pattern": "^(?=a)b$"}, "pattern", "/pattern"),
+        ({"type": "string", "pattern": "^a\\\\b$"}, "pattern", "/pattern"),
+        ({"$ref": "https://example.com/schema.json"}, "$ref", "/$ref"),
+        ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if", "/if"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains", "/contains"),
+        ({"properties": {"n": {"type": "integer", "minimum": 1e20}}}, "minimum", "/properties/n/minimum"),
+        ({"type": "array", "minItems": 10**12}, "minItems", "/minItems"),
+        (
+            {"type": "object", "properties": {"p": {"type": "string", "pattern": "^a*+b$"}}},
+            "pattern",
+            "/properties/p/pattern",
+        ),
+    ],
+)
 def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, keyword, pointer):
     with pytest.raises(UnsupportedSchemaError) as e:
         normalize_schema(schema)
@@ -142,14 +171,20 @@ def test_unsupported_keywords_are_refused_with_keyword_and_pointer(schema, keywo
 
 
 def test_best_effort_reports_what_was_dropped(backend):
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
-                                                        "uniqueItems": True},
-                                               "n": {"type": "integer", "multipleOf": 3}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "n": {"type": "integer", "multipleOf": 3},
+        },
+    }
     with pytest.raises(ValueError, match="uniqueItems"):
         backend.compile(ConstraintSpec.json_schema(schema))
     compiled = backend.compile(ConstraintSpec.json_schema(schema, strict=False))
-    assert compiled.not_enforced == ["uniqueItems at /properties/tags/uniqueItems",
-                                     "multipleOf at /properties/n/multipleOf"]
+    assert compiled.not_enforced == [
+        "uniqueItems at /properties/tags/uniqueItems",
+        "multipleOf at /properties/n/multipleOf",
+    ]
     assert accepts(backend, compiled, '{"tags": ["a", "a"], "n": 4}')  # dropped, and said so
 
 
@@ -168,7 +203,9 @@ def test_rewrites_enforce_both_facets(backend):
 
     # pattern + maxLength intersected
     c = compiled({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})
-    assert accepts(backend, c, '"abc"') and not accepts(backend, c, '"abcd"') and not accepts(backend, c, '""')
+    assert (
+        accepts(backend, c, '"abc"') and not accepts(backend, c, '"abcd"') and not accepts(backend, c, '""')
+    )
     # untyped keyword applies to its type only
     c = compiled({"maxLength": 2})
     assert accepts(backend, c, '"ab"') and accepts(backend, c, "12345") and not accepts(backend, c, '"abc"')
@@ -191,16 +228,26 @@ def test_rewrites_enforce_both_facets(backend):
     for bad in ("x" * 64, "-a.com", "a-.com", "a..b", "a_b", ".".join(["y" * 20] * 13)):
         assert not accepts(backend, c, json.dumps(bad)), bad
     # dependentRequired on a closed object
-    c = compiled({"type": "object", "additionalProperties": False,
-                  "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                  "dependentRequired": {"a": ["b"]}})
-    assert accepts(backend, c, '{"a": 1, "b": 2}') and accepts(backend, c, '{"b": 2}') and accepts(backend, c, "{}")
+    c = compiled(
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        }
+    )
+    assert (
+        accepts(backend, c, '{"a": 1, "b": 2}')
+        and accepts(backend, c, '{"b": 2}')
+        and accepts(backend, c, "{}")
+    )
     assert not accepts(backend, c, '{"a": 1}')
 
 
 def test_negated_class_escapes_are_sound_under_ecma_and_python(backend):
     """\\S, \\D, \\W exclude what either ECMA-262 or Python's re counts in the class: Unicode
     spaces (no-break, em space), Unicode digits (Arabic-Indic), Unicode letters for \\W."""
+
     def compiled(pattern):
         return backend.compile(ConstraintSpec.json_schema({"type": "string", "pattern": pattern}))
 
@@ -209,10 +256,16 @@ def test_negated_class_escapes_are_sound_under_ecma_and_python(backend):
     assert not any(accepts(backend, c, f'"a{sp}b"') for sp in (" ", "\u00a0", "\u2003", "\\t"))
     c = compiled(r"^\D\W$")
     assert accepts(backend, c, '"x-"') and not accepts(backend, c, '"5-"')
-    assert not accepts(backend, c, '"\u0663-"') and not accepts(backend, c, '"xé"') and not accepts(backend, c, '"x_"')
+    assert (
+        not accepts(backend, c, '"\u0663-"')
+        and not accepts(backend, c, '"xé"')
+        and not accepts(backend, c, '"x_"')
+    )
     # inside a negated class a category counts with its widest meaning: nothing escapes [^\s\S]
     c = compiled(r"^[^\s]$")
-    assert accepts(backend, c, '"x"') and not any(accepts(backend, c, f'"{sp}"') for sp in ("\u205f", "\u00a0", " "))
+    assert accepts(backend, c, '"x"') and not any(
+        accepts(backend, c, f'"{sp}"') for sp in ("\u205f", "\u00a0", " ")
+    )
     with pytest.raises(ValueError):
         c = compiled(r"^[^\s\S]$")
         assert not any(accepts(backend, c, f'"{ch}"') for ch in ("x", "\u205f", " "))
@@ -221,24 +274,51 @@ def test_negated_class_escapes_are_sound_under_ecma_and_python(backend):
 
 def test_unsatisfiable_schema_is_an_error(backend):
     with pytest.raises(ValueError, match="admits no value"):
-        backend.compile(ConstraintSpec.json_schema({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 3}))
+        backend.compile(
+            ConstraintSpec.json_schema({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 3})
+        )
     with pytest.raises(ValueError, match="admits no value"):
         backend.compile(ConstraintSpec.json_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}))
     with pytest.raises(ValueError, match=r"at /properties/a admits no value: .*\(maxItems, minItems, type\)"):
-        backend.compile(ConstraintSpec.json_schema({"type": "object", "required": ["a"], "properties": {
-            "a": {"type": "array", "minItems": 3, "maxItems": 1}}}))
+        backend.compile(
+            ConstraintSpec.json_schema(
+                {
+                    "type": "object",
+                    "required": ["a"],
+                    "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}},
+                }
+            )
+        )
 
 
-@pytest.mark.parametrize("spec", [
-    ConstraintSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
-                                                "required": ["c"]}}, "$ref": "#/$defs/n"}),
-    ConstraintSpec.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
-    ConstraintSpec("grammar", 'root ::= "a" root'),
-    ConstraintSpec("grammar", 'root ::= "b" | "a" s\ns ::= "x" s'),  # after "a" no way out
-    ConstraintSpec("grammar", 'root ::= x*\nx ::= "a" x'),  # "" is an output, but "a" leads nowhere
-    ConstraintSpec("grammar", 'root ::= "a" [^\\x00-\\U0010FFFF]'),
-    ConstraintSpec("lark", 'start: "a" start'),
-], ids=["required-self-ref", "nonempty-array-of-itself", "ebnf-self", "ebnf-branch", "ebnf-star", "empty-class", "lark-self"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ConstraintSpec.json_schema(
+            {
+                "$defs": {
+                    "n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+                },
+                "$ref": "#/$defs/n",
+            }
+        ),
+        ConstraintSpec.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+        ConstraintSpec("grammar", 'root ::= "a" root'),
+        ConstraintSpec("grammar", 'root ::= "b" | "a" s\ns ::= "x" s'),  # after "a" no way out
+        ConstraintSpec("grammar", 'root ::= x*\nx ::= "a" x'),  # "" is an output, but "a" leads nowhere
+        ConstraintSpec("grammar", 'root ::= "a" [^\\x00-\\U0010FFFF]'),
+        ConstraintSpec("lark", 'start: "a" start'),
+    ],
+    ids=[
+        "required-self-ref",
+        "nonempty-array-of-itself",
+        "ebnf-self",
+        "ebnf-branch",
+        "ebnf-star",
+        "empty-class",
+        "lark-self",
+    ],
+)
 def test_grammar_with_no_finite_output_is_refused(backend, spec):
     # such a grammar compiles in xgrammar; generation would run to max_tokens and jump-forward's
     # forced-text search would grow without end (an OOM in the adversarial run)
@@ -247,15 +327,20 @@ def test_grammar_with_no_finite_output_is_refused(backend, spec):
 
 
 def test_finite_check_keeps_grammars_with_a_way_out(backend):
-    for spec in (ConstraintSpec("grammar", 'root ::= "a" root | "b"'),
-                 ConstraintSpec("grammar", 'root ::= [^\\x00-\\x40\\x42-\\U0010FFFF] "\\"x"'),
-                 ConstraintSpec.json_schema({"type": "object", "properties": {"c": {"$ref": "#"}}})):
+    for spec in (
+        ConstraintSpec("grammar", 'root ::= "a" root | "b"'),
+        ConstraintSpec("grammar", 'root ::= [^\\x00-\\x40\\x42-\\U0010FFFF] "\\"x"'),
+        ConstraintSpec.json_schema({"type": "object", "properties": {"c": {"$ref": "#"}}}),
+    ):
         backend.compile(spec)
 
 
 def test_recursive_ref_compiles_and_bounds(backend):
-    schema = {"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}},
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}},
+        "additionalProperties": False,
+    }
     c = backend.compile(ConstraintSpec.json_schema(schema))
     assert accepts(backend, c, '{"child": {"child": {"v": 1}}}')
     assert not accepts(backend, c, '{"child": {"w": 1}}')
@@ -267,13 +352,16 @@ def test_compile_limits(tokenizer):
     with pytest.raises(ValueError, match="over the 100-byte limit"):
         small.compile(ConstraintSpec.json_schema(big))
     slow = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_timeout_s=0.001))
-    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},40}}$"}
-                                             for i in range(300)}}
+    huge = {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},40}}$"} for i in range(300)
+        },
+    }
     with pytest.raises(ValueError, match="did not compile within 0.001 s"):
         slow.compile(ConstraintSpec.json_schema(huge))
     small.shutdown()
     slow.shutdown()
-
 
 
 def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
@@ -311,6 +399,7 @@ def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
         release.set()
         b.shutdown()
 
+
 _EXIT_SCRIPT = """
 import sys, time
 from transformers import AutoTokenizer
@@ -332,8 +421,13 @@ def test_exit_does_not_wait_for_a_timed_out_compile(default_model_dir):
     import time
 
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(default_model_dir)], capture_output=True,
-                         text=True, timeout=100, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(default_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ValueError"
     assert time.monotonic() - t0 < 60
@@ -341,8 +435,11 @@ def test_exit_does_not_wait_for_a_timed_out_compile(default_model_dir):
 
 def test_pretty_indent_layout(tokenizer):
     pretty = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(indent=2))
-    c = pretty.compile(ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
-                                                   "required": ["a"]}))
+    c = pretty.compile(
+        ConstraintSpec.json_schema(
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        )
+    )
     assert accepts(pretty, c, '{\n  "a": 1\n}')
     assert not accepts(pretty, c, '{"a": 1}')
     pretty.shutdown()

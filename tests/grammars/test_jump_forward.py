@@ -18,9 +18,13 @@ def engine_no_jf(default_model_dir):
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
     from agentrt.runtime.engine import Engine
 
-    return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
-                               cache=CacheConfig(kv_cache_bytes=128 << 20),
-                               grammar=GrammarConfig(jump_forward=False)))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=128 << 20),
+            grammar=GrammarConfig(jump_forward=False),
+        )
+    )
 
 
 def _requests(tokenizer, n_per_schema: int):
@@ -32,8 +36,13 @@ def _requests(tokenizer, n_per_schema: int):
             continue
         seen[d["schema_name"]] = seen.get(d["schema_name"], 0) + 1
         schema = json.loads(shared_path("extraction", "schemas", f"{d['schema_name']}.json").read_text())
-        reqs.append((chat_ids(tokenizer, extraction_messages(d["text"], schema)),
-                     SamplingParams(temperature=0, max_tokens=160), ConstraintSpec.json_schema(schema)))
+        reqs.append(
+            (
+                chat_ids(tokenizer, extraction_messages(d["text"], schema)),
+                SamplingParams(temperature=0, max_tokens=160),
+                ConstraintSpec.json_schema(schema),
+            )
+        )
     return reqs
 
 
@@ -58,11 +67,11 @@ def test_jump_forward_keeps_greedy_outputs(engine, engine_no_jf, tokenizer):
             continue
         p = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
         assert tokenizer.decode(a.token_ids[:p]) == tokenizer.decode(b.token_ids[:p])
-        ta, tb = tokenizer.decode(a.token_ids[p:p + 1]), tokenizer.decode(b.token_ids[p:p + 1])
+        ta, tb = tokenizer.decode(a.token_ids[p : p + 1]), tokenizer.decode(b.token_ids[p : p + 1])
         assert ta != tb and (ta.startswith(tb) or tb.startswith(ta)), (ta, tb)
     assert identical >= 1
     total = sum(len(o.token_ids) for o in with_jf)
-    print(f"\njump-forward: {forced} of {total} output tokens forced ({forced / total:.1%}); "
-          f"{identical}/{len(reqs)} outputs identical to token-by-token decoding")
-
-
+    print(
+        f"\njump-forward: {forced} of {total} output tokens forced ({forced / total:.1%}); "
+        f"{identical}/{len(reqs)} outputs identical to token-by-token decoding"
+    )

@@ -36,10 +36,14 @@ def test_sql_grammar_agrees_with_lark_on_spider(backend, grammar):
     text = shared_path("sql", grammar).read_text()
     parser = lark.Lark(text, parser="earley", lexer="dynamic")
     compiled = backend.compile(ConstraintSpec.lark(text))
-    queries = [json.loads(line)["query"] for line in shared_path("sql", "spider_dev_sample50.jsonl").read_text()
-               .splitlines()]
+    queries = [
+        json.loads(line)["query"]
+        for line in shared_path("sql", "spider_dev_sample50.jsonl").read_text().splitlines()
+    ]
     verdicts = [(accepts(backend, compiled, q), _lark_accepts(parser, q)) for q in queries]
-    assert all(ours == theirs for ours, theirs in verdicts), [q for q, v in zip(queries, verdicts) if v[0] != v[1]]
+    assert all(ours == theirs for ours, theirs in verdicts), [
+        q for q, v in zip(queries, verdicts) if v[0] != v[1]
+    ]
     assert sum(ours for ours, _ in verdicts) >= 39  # most Spider queries are in these grammars
 
 
@@ -55,12 +59,19 @@ def test_generated_sql_parses_with_lark(engine, tokenizer):
     text = shared_path("sql", "syncode_sql_grammar.lark").read_text()
     parser = lark.Lark(text, parser="earley", lexer="dynamic")
     ddl = json.loads(shared_path("sql", "spider_dev_schemas_ddl.json").read_text())
-    rows = [json.loads(line) for line in shared_path("sql", "spider_dev_sample50.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in shared_path("sql", "spider_dev_sample50.jsonl").read_text().splitlines()
+    ]
     reqs = []
     for row in rows[:4]:
         prompt = f"{ddl[row['db_id']]}\n\nWrite one SQLite query for: {row['question']}"
-        reqs.append((chat_ids(tokenizer, [{"role": "user", "content": prompt}]),
-                     SamplingParams(temperature=0, max_tokens=60), ConstraintSpec.lark(text)))
+        reqs.append(
+            (
+                chat_ids(tokenizer, [{"role": "user", "content": prompt}]),
+                SamplingParams(temperature=0, max_tokens=60),
+                ConstraintSpec.lark(text),
+            )
+        )
     outs = engine.generate(reqs)
     finished = [o for o in outs if o.finish_reason == "stop"]
     assert finished, [o.text for o in outs]
@@ -68,14 +79,17 @@ def test_generated_sql_parses_with_lark(engine, tokenizer):
         assert _lark_accepts(parser, o.text), o.text
 
 
-@pytest.mark.parametrize("grammar,match", [
-    ('start: A\nA: /(?<=x)a/', "lookahead/lookbehind"),
-    ('start: A\nA: /(a)\\1/', "backreference"),
-    ('start: A\nA: /a+?b/', "lazy repetition"),
-    ('start: A\nA: /\\Wa/', "\\\\W"),
-    ('start: a\na: "x" b', "not a valid Lark grammar"),
-    ('begin: "x"', "not a valid Lark grammar"),
-])
+@pytest.mark.parametrize(
+    "grammar,match",
+    [
+        ("start: A\nA: /(?<=x)a/", "lookahead/lookbehind"),
+        ("start: A\nA: /(a)\\1/", "backreference"),
+        ("start: A\nA: /a+?b/", "lazy repetition"),
+        ("start: A\nA: /\\Wa/", "\\\\W"),
+        ('start: a\na: "x" b', "not a valid Lark grammar"),
+        ('begin: "x"', "not a valid Lark grammar"),
+    ],
+)
 def test_unconvertible_lark_is_a_clear_error(backend, grammar, match):
     with pytest.raises(ValueError, match=match):
         backend.compile(ConstraintSpec.lark(grammar))

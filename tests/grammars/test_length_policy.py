@@ -35,9 +35,14 @@ def _stream_text(client, body) -> tuple[str, str | None]:
     return text, finish
 
 
-@pytest.mark.parametrize("max_tokens,policy", [  # the 300-token runs take ~80 s each: slow
-    pytest.param(300, "length", marks=pytest.mark.slow), pytest.param(300, "close", marks=pytest.mark.slow),
-    (80, "close")])
+@pytest.mark.parametrize(
+    "max_tokens,policy",
+    [  # the 300-token runs take ~80 s each: slow
+        pytest.param(300, "length", marks=pytest.mark.slow),
+        pytest.param(300, "close", marks=pytest.mark.slow),
+        (80, "close"),
+    ],
+)
 def test_extraction_stream_is_valid(client, max_tokens, policy):
     """Streamed extraction outputs validate against their schema. With the default policy an
     output cut by max_tokens is reported as `length` (and only then may be incomplete); with
@@ -50,9 +55,14 @@ def test_extraction_stream_is_valid(client, max_tokens, policy):
     checked = 0
     for d in picked:
         schema = json.loads(shared_path("extraction", "schemas", f"{d['schema_name']}.json").read_text())
-        body = {"model": MODEL, "messages": extraction_messages(d["text"], schema), "temperature": 0,
-                "max_tokens": max_tokens, "max_tokens_policy": policy,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        body = {
+            "model": MODEL,
+            "messages": extraction_messages(d["text"], schema),
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "max_tokens_policy": policy,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }
         text, finish = _stream_text(client, body)
         if policy == "length" and finish == "length":
             continue
@@ -67,9 +77,14 @@ def test_extraction_stream_is_valid(client, max_tokens, policy):
 
 
 def test_regex_stream_is_valid_with_small_budget(client):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Give a phone number and an order id."}],
-            "temperature": 0, "max_tokens": 32, "max_tokens_policy": "close",
-            "regex": r"PHONE \+1-[0-9]{3}-[0-9]{3}-[0-9]{4}; ORDER [A-Z]{2}[0-9]{6}"}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Give a phone number and an order id."}],
+        "temperature": 0,
+        "max_tokens": 32,
+        "max_tokens_policy": "close",
+        "regex": r"PHONE \+1-[0-9]{3}-[0-9]{3}-[0-9]{4}; ORDER [A-Z]{2}[0-9]{6}",
+    }
     text, finish = _stream_text(client, body)
     assert finish == "stop"
     import re
@@ -78,30 +93,56 @@ def test_regex_stream_is_valid_with_small_budget(client):
 
 
 def test_budget_below_the_minimum_is_a_400(client):
-    schema = {"type": "object", "required": ["a_long_property_name", "another_long_property_name"],
-              "properties": {"a_long_property_name": {"type": "string"},
-                             "another_long_property_name": {"type": "string"}}}
-    resp = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-        "max_tokens_policy": "close",
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "required": ["a_long_property_name", "another_long_property_name"],
+        "properties": {
+            "a_long_property_name": {"type": "string"},
+            "another_long_property_name": {"type": "string"},
+        },
+    }
+    resp = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "max_tokens_policy": "close",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        },
+    )
     assert resp.status_code == 400, resp.text
     assert "needs to close" in resp.json()["error"]["message"]
     # a constraint the planner cannot close says why
-    resp = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000,
-        "max_tokens_policy": "close", "regex": "x{600}"})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1000,
+            "max_tokens_policy": "close",
+            "regex": "x{600}",
+        },
+    )
     assert resp.status_code == 400, resp.text
     assert re.search("gave up after|passed 512 characters", resp.json()["error"]["message"])
 
 
 def test_best_effort_names_dropped_keywords_in_header_and_body(client):
-    schema = {"type": "object", "required": ["tags"],
-              "properties": {"tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3,
-                                      "uniqueItems": True}}}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Give tags."}], "temperature": 0,
-            "max_tokens": 40,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    schema = {
+        "type": "object",
+        "required": ["tags"],
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3, "uniqueItems": True}
+        },
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Give tags."}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
     refused = client.post("/v1/chat/completions", json=body)
     assert refused.status_code == 400
     assert "'uniqueItems' at /properties/tags/uniqueItems" in refused.json()["error"]["message"]
@@ -114,13 +155,22 @@ def test_best_effort_names_dropped_keywords_in_header_and_body(client):
 
 def test_lark_field(client):
     grammar = 'start: "yes" | "no"'
-    resp = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Is water wet?"}], "temperature": 0,
-        "max_tokens": 5, "lark": grammar})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Is water wet?"}],
+            "temperature": 0,
+            "max_tokens": 5,
+            "lark": grammar,
+        },
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] in ("yes", "no")
-    bad = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "lark": "start: /(?=a)a/"})
+    bad = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "lark": "start: /(?=a)a/"},
+    )
     assert bad.status_code == 400 and "lookahead" in bad.json()["error"]["message"]
 
 
@@ -137,10 +187,18 @@ def _random_walks(tmp_path_factory, default_model_dir, schemas, samples: int, ma
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
     from agentrt.runtime.engine import Engine
 
-    path = make_tiny_model(tmp_path_factory.mktemp("walk") / "tiny", Path(default_model_dir), "llama",
-                           max_position_embeddings=4096)
-    eng = Engine(EngineConfig(model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
-                              cache=CacheConfig(kv_cache_bytes=64 << 20)))
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("walk") / "tiny",
+        Path(default_model_dir),
+        "llama",
+        max_position_embeddings=4096,
+    )
+    eng = Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20),
+        )
+    )
     reqs, names = [], []
     for name, schema in schemas:
         spec = ConstraintSpec.json_schema(schema)
@@ -149,8 +207,13 @@ def _random_walks(tmp_path_factory, default_model_dir, schemas, samples: int, ma
         except ValueError:
             continue
         for k in range(samples):
-            reqs.append(([1, 2, 3], SamplingParams(temperature=1.0, seed=k, max_tokens=max_tokens,
-                                                   max_tokens_policy="close"), spec))
+            reqs.append(
+                (
+                    [1, 2, 3],
+                    SamplingParams(temperature=1.0, seed=k, max_tokens=max_tokens, max_tokens_policy="close"),
+                    spec,
+                )
+            )
             names.append((name, schema))
     invalid, no_path, checked = [], set(), 0
     for (name, schema), out in zip(names, eng.generate(reqs)):
@@ -193,7 +256,9 @@ def _matcher_walks(tokenizer, schemas, samples: int, max_tokens: int):
     from agentrt.grammars.spec import GrammarConfig
     from agentrt.grammars.xgrammar_backend import GrammarBackend
 
-    backend = GrammarBackend(tokenizer, 49152, (tokenizer.eos_token_id,), GrammarConfig(compile_timeout_s=900))
+    backend = GrammarBackend(
+        tokenizer, 49152, (tokenizer.eos_token_id,), GrammarConfig(compile_timeout_s=900)
+    )
     stop = tokenizer.eos_token_id
     bitmask = backend.allocate_bitmask(1)
     n, invalid, no_path, too_long = 0, [], set(), set()
@@ -238,8 +303,10 @@ def test_random_walk_soundness_all(tokenizer):
     random-weight model, the 610 walks took hours on 2 cores: the sample test above keeps that
     path.)"""
     n, invalid, no_path, too_long = _matcher_walks(tokenizer, _bench_schemas(1), 5, 600)
-    print(f"\nrandom walks: {n} outputs, {len(invalid)} invalid, no closing path for {sorted(no_path)}, "
-          f"shortest output over 600 tokens for {sorted(too_long)}")
+    print(
+        f"\nrandom walks: {n} outputs, {len(invalid)} invalid, no closing path for {sorted(no_path)}, "
+        f"shortest output over 600 tokens for {sorted(too_long)}"
+    )
     assert invalid == []
     # measured 2026-11-29: 8 of 122 compiled schemas are refused for the close policy (a clear 400:
     # the planner's search passes its 256-fill limit or gives up in a repeating part); no schema's

@@ -19,10 +19,16 @@ from agentrt.grammars.xgrammar_backend import GrammarBackend
 from tests.helpers import shared_path
 
 RARE = "\U0001fae8"  # not in Gemma's vocabulary: four <0x..> byte-fallback tokens
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "tags": {"type": "array", "items": {"enum": ["new", "old"]}, "maxItems": 2},
-                         "n": {"type": "integer", "minimum": 0}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "tags", "n"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["new", "old"]}, "maxItems": 2},
+        "n": {"type": "integer", "minimum": 0},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +71,7 @@ def test_byte_fallback_tokens_spell_json_strings(sp_backend, sentencepiece_token
     cut = next(i for i, p in enumerate(pieces) if p.startswith("<0x")) + 3  # the 4th byte dropped
     m = sp_backend.new_matcher(compiled)
     assert all(m.accept_token(i) for i in ids[:cut])
-    assert not all(m.accept_token(i) for i in ids[cut + 1:])
+    assert not all(m.accept_token(i) for i in ids[cut + 1 :])
 
     too_long = json.dumps({"name": f"Zoë {RARE} 日本 and more", "tags": [], "n": 3}, ensure_ascii=False)
     m = sp_backend.new_matcher(compiled)
@@ -77,8 +83,20 @@ def test_json_schema_test_suite_sample_on_sentencepiece(sp_backend):
     the full suite runs on the default tokenizer in test_json_schema.py)."""
     suite = shared_path("json-schema-test-suite")
     total = Counts()
-    for name in ("properties", "required", "enum", "const", "maxLength", "minLength", "pattern",
-                 "anyOf", "items", "type", "minimum", "maxItems"):
+    for name in (
+        "properties",
+        "required",
+        "enum",
+        "const",
+        "maxLength",
+        "minLength",
+        "pattern",
+        "anyOf",
+        "items",
+        "type",
+        "minimum",
+        "maxItems",
+    ):
         for i, group in enumerate(json.loads((suite / f"{name}.json").read_text())):
             total.add(check_schema(sp_backend, group["schema"], group["tests"], f"{name}[{i}]"))
     assert total.compiled >= 40
@@ -120,24 +138,36 @@ def test_random_walks_close_and_validate(family):
     """Random tokens (byte pieces, '▁' words, multi-character JSON punctuation) under the length-safe
     policy always end in JSON that validates, on both tokenizer families."""
     tok, backend = family
-    schemas = [SCHEMA, {"type": "string", "format": "date-time"},
-               {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
-                                                         "ok": {"type": "boolean"}}, "required": ["when"]},
-               {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,4}$"}, "minItems": 1}]
+    schemas = [
+        SCHEMA,
+        {"type": "string", "format": "date-time"},
+        {
+            "type": "object",
+            "properties": {"when": {"type": "string", "format": "date"}, "ok": {"type": "boolean"}},
+            "required": ["when"],
+        },
+        {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,4}$"}, "minItems": 1},
+    ]
     rng = random.Random(0)
     for schema in schemas:
         compiled = backend.compile(ConstraintSpec.json_schema(schema))
         for budget in (30, 45, 60):
             text = tok.decode(_random_walk(backend, tok, compiled, rng, budget))
-            jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            jsonschema.validate(
+                json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+            )
 
 
 def test_jump_forward_tokens_are_canonical(family):
     """Walking a canonical instance, every jump-forward insertion is the tokenizer's own encoding:
     prefix + forced tokens re-encode to the same ids, and at least one jump happens."""
     tok, backend = family
-    schema = {"type": "object", "additionalProperties": False, "required": ["customer_name", "status"],
-              "properties": {"customer_name": {"type": "string"}, "status": {"enum": ["shipped_to_customer"]}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["customer_name", "status"],
+        "properties": {"customer_name": {"type": "string"}, "status": {"enum": ["shipped_to_customer"]}},
+    }
     compiled = backend.compile(ConstraintSpec.json_schema(schema))
     ids = tok.encode('{"customer_name": "Ada", "status": "shipped_to_customer"}', add_special_tokens=False)
     m, jumps = backend.new_matcher(compiled), 0
@@ -146,7 +176,7 @@ def test_jump_forward_tokens_are_canonical(family):
         forced = forced_token_ids(tok, backend.planner.token_texts, t, m.find_jump_forward_string())
         if forced:
             jumps += 1
-            seq = ids[:k + 1] + forced
+            seq = ids[: k + 1] + forced
             assert tok.encode(tok.decode(seq), add_special_tokens=False) == seq
     assert jumps >= 1
 
@@ -190,9 +220,15 @@ def test_async_batched_fill_matches_single_fills(family):
     assert not torch.equal(bitmask[0], bitmask[2])
 
 
-@pytest.mark.parametrize("spec", [ConstraintSpec.regex("[α-ω]{2,5}"), ConstraintSpec.regex("(ab|cd)+x"),
-                                  ConstraintSpec.json_schema({"type": "string", "pattern": "^[а-я]+$"})],
-                         ids=["greek", "cycle", "cyrillic-pattern"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ConstraintSpec.regex("[α-ω]{2,5}"),
+        ConstraintSpec.regex("(ab|cd)+x"),
+        ConstraintSpec.json_schema({"type": "string", "pattern": "^[а-я]+$"}),
+    ],
+    ids=["greek", "cycle", "cyrillic-pattern"],
+)
 def test_closing_paths_beyond_ascii_and_cycles(family, spec):
     """The length-safe planner closes constraints that need non-ASCII characters (no single ASCII
     character fits) and loops of more than one character (`abab...` until `x`)."""

@@ -80,7 +80,9 @@ def test_eos_cannot_end_a_constrained_output_early():
     engine = fake_engine()
     eos = engine.tokenizer.eos_token_id
     bias = {eos: 100.0}
-    out = engine.generate([(PROMPTS[0], _greedy(logit_bias=bias), ConstraintSpec.regex(r"[a-z]{4}(-[0-9])?"))])[0]
+    out = engine.generate(
+        [(PROMPTS[0], _greedy(logit_bias=bias), ConstraintSpec.regex(r"[a-z]{4}(-[0-9])?"))]
+    )[0]
     assert out.finish_reason == "stop" and re.fullmatch(r"[a-z]{4}", out.text)
     assert out.token_ids[-1] == eos and len(out.token_ids) == 5
 
@@ -91,7 +93,9 @@ def test_extra_stop_ids_cannot_end_json_early():
     engine = fake_engine()
     extra = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     stops = {engine.tokenizer.eos_token_id, extra}
-    params = _greedy(120, stop_token_ids=[extra], max_tokens_policy="close", logit_bias={t: 100.0 for t in stops})
+    params = _greedy(
+        120, stop_token_ids=[extra], max_tokens_policy="close", logit_bias={t: 100.0 for t in stops}
+    )
     out = engine.generate([(PROMPTS[0], params, ConstraintSpec.json_schema(SCHEMA))])[0]
     assert out.finish_reason == "stop", out
     jsonschema.validate(json.loads(out.text), SCHEMA)
@@ -99,8 +103,11 @@ def test_extra_stop_ids_cannot_end_json_early():
 
 
 def test_jump_forward_respects_max_tokens():
-    schema = {"type": "object", "required": ["a_rather_long_property_name_to_force"],
-              "properties": {"a_rather_long_property_name_to_force": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "required": ["a_rather_long_property_name_to_force"],
+        "properties": {"a_rather_long_property_name_to_force": {"type": "integer"}},
+    }
     engine = fake_engine()
     out = engine.generate([(PROMPTS[0], _greedy(4), ConstraintSpec.json_schema(schema))])[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
@@ -112,8 +119,12 @@ def test_jump_forward_respects_max_tokens():
 def test_compile_error_fails_the_request_with_a_constraint_error():
     engine = fake_engine(_no_cache())
     kv = engine.runner.kv
-    ok, bad = engine.generate([(PROMPTS[0], _greedy(), ConstraintSpec.regex("[a-c]{2}")),
-                               (PROMPTS[1], _greedy(), ConstraintSpec.grammar("root ::= undefined_rule"))])
+    ok, bad = engine.generate(
+        [
+            (PROMPTS[0], _greedy(), ConstraintSpec.regex("[a-c]{2}")),
+            (PROMPTS[1], _greedy(), ConstraintSpec.grammar("root ::= undefined_rule")),
+        ]
+    )
     assert ok.finish_reason == "stop" and re.fullmatch("[a-c]{2}", ok.text)
     assert bad.finished and bad.finish_reason == "error" and bad.token_ids == [] and bad.text == ""
     assert isinstance(bad.error, ConstraintError), bad.error
@@ -161,7 +172,9 @@ def test_jump_forward_appends_forced_text_in_fewer_forwards_with_the_same_output
 def test_close_policy_keeps_a_short_budget_valid():
     engine = fake_engine()
     schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
-    out = engine.generate([(PROMPTS[0], _greedy(24, max_tokens_policy="close"), ConstraintSpec.json_schema(schema))])[0]
+    out = engine.generate(
+        [(PROMPTS[0], _greedy(24, max_tokens_policy="close"), ConstraintSpec.json_schema(schema))]
+    )[0]
     assert out.finish_reason == "stop" and len(out.token_ids) <= 24
     jsonschema.validate(json.loads(out.text), schema)
     cut = engine.generate([(PROMPTS[0], _greedy(24), ConstraintSpec.json_schema(schema))])[0]

@@ -18,8 +18,12 @@ from agentrt.runtime.request import SamplingParams
 from tests.helpers import ROOT, chat_ids
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GPU machine)")
-QUESTIONS = ["Name a city in France.", "What is 12 times 7?", "Write a haiku about rain.",
-             'Return JSON with keys "name" and "age" for Ana, 31.']
+QUESTIONS = [
+    "Name a city in France.",
+    "What is 12 times 7?",
+    "Write a haiku about rain.",
+    'Return JSON with keys "name" and "age" for Ana, 31.',
+]
 
 
 @needs_cuda
@@ -29,10 +33,15 @@ def test_cuda_bf16_greedy_matches_cpu_fp32(default_model_dir, tokenizer):
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     engines = {
-        "cpu": Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
-                                   cache=CacheConfig(kv_cache_bytes=256 << 20))),
-        "cuda": Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cuda",
-                                                      dtype="bfloat16"))),
+        "cpu": Engine(
+            EngineConfig(
+                model=ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32"),
+                cache=CacheConfig(kv_cache_bytes=256 << 20),
+            )
+        ),
+        "cuda": Engine(
+            EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cuda", dtype="bfloat16"))
+        ),
     }
     outs, logits = {}, {}
     for name, eng in engines.items():
@@ -62,9 +71,28 @@ def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
 
     out = tmp_path / "gpu.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--models", "tiny",
-                    "--context", "40", "--steps", "2", "--batches", "1,8", "--out", str(out)],
-                   check=True, env=env, timeout=900, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu.py"),
+            "--device",
+            "cpu",
+            "--models",
+            "tiny",
+            "--context",
+            "40",
+            "--steps",
+            "2",
+            "--batches",
+            "1,8",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        timeout=900,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())["results"][0]
     assert [d["batch"] for d in result["decode"]] == [1, 8]
     assert all(d["tokens_s"] > 0 and d["bound_tokens_s"] > 0 for d in result["decode"])

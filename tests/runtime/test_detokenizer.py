@@ -9,9 +9,11 @@ import pytest
 
 from agentrt.runtime.detokenizer import IncrementalDetokenizer
 
-TEXTS = ["Hello, world! Ça va? Tiếng Việt có dấu. 日本語のテキスト 🙂👍🏽 end.",
-         '{"name": "Zoë", "city": "Hà Nội", "tags": ["a", "b"]}\n  indented  text\t tab',
-         "  leading spaces, then ... punctuation ; and \"quotes\" 's 're n't"]
+TEXTS = [
+    "Hello, world! Ça va? Tiếng Việt có dấu. 日本語のテキスト 🙂👍🏽 end.",
+    '{"name": "Zoë", "city": "Hà Nội", "tags": ["a", "b"]}\n  indented  text\t tab',
+    "  leading spaces, then ... punctuation ; and \"quotes\" 's 're n't",
+]
 
 
 @pytest.mark.parametrize("which", ["bpe", "sentencepiece"])
@@ -31,4 +33,6 @@ def test_incremental_equals_full_decode(which, skip_special_tokens, request):
         step = 1 + rng.randrange(4)  # several tokens at once (jump-forward)
         det2 = IncrementalDetokenizer(skip_special_tokens)
         for n in range(step, len(ids) + 1, step):
-            assert det2.update(tok, ids[:n]) == tok.decode(ids[:n], skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
+            assert det2.update(tok, ids[:n]) == tok.decode(
+                ids[:n], skip_special_tokens=skip_special_tokens
+            ).rstrip("\ufffd")

@@ -11,9 +11,20 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import SamplingParams
 from tests.helpers import chat_ids
 
-QUESTIONS = ["Name a red fruit.", "What is 2+2?", "Say hello in French.", "Name a planet.",
-             "What color is the sky?", "Name a big cat.", "What do bees make?", "Name an ocean.",
-             "Name a river in Asia.", "What is ice?", "Name a bird.", "What is 3*3?"]
+QUESTIONS = [
+    "Name a red fruit.",
+    "What is 2+2?",
+    "Say hello in French.",
+    "Name a planet.",
+    "What color is the sky?",
+    "Name a big cat.",
+    "What do bees make?",
+    "Name an ocean.",
+    "Name a river in Asia.",
+    "What is ice?",
+    "Name a bird.",
+    "What is 3*3?",
+]
 
 
 def assert_kv_accounted(engine) -> None:
@@ -36,8 +47,12 @@ def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, to
     alone = [engine.generate([(p, params, None)])[0].token_ids for p in prompts]
     per_token = engine.runner.kv.bytes_per_token
     room = 2 * (max(len(p) for p in prompts) + 30)  # about two sequences at once
-    small = Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu"),
-                                cache=CacheConfig(kv_cache_bytes=room * per_token)))
+    small = Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(default_model_dir), device="cpu"),
+            cache=CacheConfig(kv_cache_bytes=room * per_token),
+        )
+    )
     outs = small.generate([(p, params, None) for p in prompts])
     assert [o.token_ids for o in outs] == alone
     assert small.scheduler.num_preemptions > 0
@@ -46,8 +61,10 @@ def test_small_kv_pool_preempts_and_outputs_stay_identical(default_model_dir, to
 
 def _random_prompts(tokenizer, rng, n, chars):
     alphabet = "abcdefghijklmnopqrstuvwxyz      .,"
-    return [tokenizer.encode("".join(rng.choice(alphabet) for _ in range(chars)), add_special_tokens=False)
-            for _ in range(n)]
+    return [
+        tokenizer.encode("".join(rng.choice(alphabet) for _ in range(chars)), add_special_tokens=False)
+        for _ in range(n)
+    ]
 
 
 def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer):
@@ -62,8 +79,12 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def engine_with(cache: bool) -> Engine:
-        return Engine(EngineConfig(model=ModelConfig(model=str(default_model_dir), device="cpu"),
-                                   cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache)))
+        return Engine(
+            EngineConfig(
+                model=ModelConfig(model=str(default_model_dir), device="cpu"),
+                cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache),
+            )
+        )
 
     off = engine_with(False)
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache

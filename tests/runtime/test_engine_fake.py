@@ -145,8 +145,9 @@ def test_eos_stops_unless_ignore_eos():
     assert out.finish_reason == "stop" and out.token_ids == [eos] and out.text == ""
     out = engine.generate([(prompt, _greedy(5, logit_bias=bias, ignore_eos=True), None)])[0]
     assert out.finish_reason == "length" and out.token_ids == [eos] * 5 and out.text == ""
-    out = engine.generate([(prompt, _greedy(5, logit_bias=bias, ignore_eos=True, skip_special_tokens=False),
-                            None)])[0]
+    out = engine.generate(
+        [(prompt, _greedy(5, logit_bias=bias, ignore_eos=True, skip_special_tokens=False), None)]
+    )[0]
     assert out.text == "<|endoftext|>" * 5
 
 

@@ -27,8 +27,10 @@ def _run(engine, reqs):
 
 def test_matcher_setup_fault_fails_only_that_request():
     engine = fake_engine()
-    want = [o.token_ids for o in engine.generate([(p, SamplingParams(temperature=0, max_tokens=8), None)
-                                                  for p in PROMPTS])]
+    want = [
+        o.token_ids
+        for o in engine.generate([(p, SamplingParams(temperature=0, max_tokens=8), None) for p in PROMPTS])
+    ]
     real = engine.grammar.new_matcher
 
     def broken(compiled, *args):
@@ -36,8 +38,9 @@ def test_matcher_setup_fault_fails_only_that_request():
 
     engine.grammar.new_matcher = broken
     try:
-        bad = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
-                                 ConstraintSpec.regex("[a-z]+"))
+        bad = engine.add_request(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), ConstraintSpec.regex("[a-z]+")
+        )
         good = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8)) for p in PROMPTS]
         outs = _run(engine, [bad, *good])
     finally:
@@ -50,8 +53,12 @@ def test_matcher_setup_fault_fails_only_that_request():
 
 def test_per_token_fault_fails_only_that_request_and_frees_its_kv():
     engine = fake_engine()
-    want = [o.token_ids for o in engine.generate([(p, SamplingParams(temperature=0, max_tokens=8), None)
-                                                  for p in PROMPTS[1:]])]
+    want = [
+        o.token_ids
+        for o in engine.generate(
+            [(p, SamplingParams(temperature=0, max_tokens=8), None) for p in PROMPTS[1:]]
+        )
+    ]
     reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8)) for p in PROMPTS]
     victim = reqs[0].request_id
     real = engine.output.update

@@ -13,14 +13,22 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_usable(DEVICE), reason="triton is not installed")
 
 
-def paged_pool(lens: list[int], num_kv_heads: int, head_dim: int, page_size: int, gen: torch.Generator,
-               dtype=torch.float32):
+def paged_pool(
+    lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    gen: torch.Generator,
+    dtype=torch.float32,
+):
     """A KV pool with random contents (no zeros) and a shuffled page table covering `lens`."""
     pages = max(1, max((n + page_size - 1) // page_size for n in lens))
     num_pages = len(lens) * pages + 3
     k = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    table = torch.randperm(num_pages, generator=gen)[: len(lens) * pages].view(len(lens), pages).to(torch.int32)
+    table = (
+        torch.randperm(num_pages, generator=gen)[: len(lens) * pages].view(len(lens), pages).to(torch.int32)
+    )
     return k.to(DEVICE), v.to(DEVICE), table.to(DEVICE)
 
 
@@ -50,7 +58,9 @@ def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, pa
         rows = torch.randperm(batch, generator=gen).to(torch.int32).to(DEVICE)
         table = table[torch.argsort(rows.long())].contiguous()
         table = torch.cat([table, table[:1]])  # one row more than the batch
-    out = decode_attention(q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits, page_rows=rows)
+    out = decode_attention(
+        q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits, page_rows=rows
+    )
     ref = decode_attention_ref(q, k, v, table, seq_lens, page_size=page_size, page_rows=rows)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -80,7 +90,9 @@ EXTEND_CASES = [  # (batch, kv_heads, group, head_dim, page_size, max_new, max_p
 
 @pytest.mark.parametrize("batch,kv_heads,group,head_dim,page_size,max_new,max_prefix", EXTEND_CASES)
 @pytest.mark.parametrize("tree", [False, True])
-def test_extend_attention_matches_reference(batch, kv_heads, group, head_dim, page_size, max_new, max_prefix, tree):
+def test_extend_attention_matches_reference(
+    batch, kv_heads, group, head_dim, page_size, max_new, max_prefix, tree
+):
     from agentrt.runtime.kernels.extend_attention import extend_attention, extend_attention_ref
 
     gen = torch.Generator().manual_seed(batch * 10 + group + tree)
@@ -113,8 +125,15 @@ def test_extend_attention_matches_reference(batch, kv_heads, group, head_dim, pa
         table = table[torch.argsort(rows.long())].contiguous()
     args = (q, k, v, starts.to(**i32), q_lens.to(**i32), prefix.to(**i32), table)
     out = torch.full_like(q, 7.0)
-    extend_attention(*args, int(q_lens.max()), page_size=page_size, tree_mask=flat, tree_offsets=offsets, out=out,
-                     page_rows=rows)
+    extend_attention(
+        *args,
+        int(q_lens.max()),
+        page_size=page_size,
+        tree_mask=flat,
+        tree_offsets=offsets,
+        out=out,
+        page_rows=rows,
+    )
     ref = extend_attention_ref(*args, page_size=page_size, tree_masks=masks, page_rows=rows)
     torch.testing.assert_close(out[1:-1], ref[1:-1], atol=2e-5, rtol=1e-4)
     assert (out[0] == 7.0).all() and (out[-1] == 7.0).all()  # rows of no sequence stay untouched
@@ -128,7 +147,11 @@ def test_rope_and_store_matches_reference(num_heads, num_kv_heads, head_dim):
     t = 11
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+    q, k, v = (
+        q.view(t, num_heads, head_dim),
+        k.view(t, num_kv_heads, head_dim),
+        v.view(t, num_kv_heads, head_dim),
+    )
     freqs = torch.outer(torch.arange(64.0), torch.rand(head_dim // 2, generator=gen)).to(DEVICE)
     positions = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
     slots = torch.randperm(30, generator=gen)[:t].to(DEVICE)
@@ -169,8 +192,13 @@ def test_kernels_reject_mismatched_shapes():
     from agentrt.runtime.kernels.decode_attention import decode_attention
 
     with pytest.raises(ValueError, match="does not fit"):
-        decode_attention(torch.zeros(1, 6, 64), torch.zeros(4, 4, 64), torch.zeros(4, 4, 64),
-                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        decode_attention(
+            torch.zeros(1, 6, 64),
+            torch.zeros(4, 4, 64),
+            torch.zeros(4, 4, 64),
+            torch.zeros(1, 4, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="does not cover"):
         apply_token_bitmask(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
 
@@ -185,7 +213,15 @@ def test_extend_attention_bf16_and_fused_rope_bf16():
     k, v, table = paged_pool(lens, 2, 64, 1, gen, dtype=torch.bfloat16)
     q = torch.randn(49, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     i32 = {"dtype": torch.int32, "device": DEVICE}
-    args = (q, k, v, torch.tensor([0, 9], **i32), torch.tensor([9, 40], **i32), torch.tensor([23, 1], **i32), table)
+    args = (
+        q,
+        k,
+        v,
+        torch.tensor([0, 9], **i32),
+        torch.tensor([9, 40], **i32),
+        torch.tensor([23, 1], **i32),
+        table,
+    )
     out = extend_attention(*args, 40)
     ref = extend_attention_ref(*(a.float() if a.dtype == torch.bfloat16 else a for a in args))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -196,7 +232,11 @@ def test_extend_attention_bf16_and_fused_rope_bf16():
     pos = torch.tensor([0, 3, 7, 8, 15], device=DEVICE)
     slots = torch.tensor([4, 0, 2, 9, 6], device=DEVICE)
     caches = [torch.zeros(10, 2, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
-    qo = rope_and_store(x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[0], caches[1])
-    qr = rope_and_store_ref(x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[2], caches[3])
+    qo = rope_and_store(
+        x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[0], caches[1]
+    )
+    qr = rope_and_store_ref(
+        x[:, :8], x[:, 8:10], x[:, 10:], freqs.cos(), freqs.sin(), pos, slots, caches[2], caches[3]
+    )
     torch.testing.assert_close(qo.float(), qr.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=1e-2, rtol=1e-2)

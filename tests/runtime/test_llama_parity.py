@@ -32,20 +32,30 @@ def test_default_model_greedy_tokens_and_logits_match_transformers(engine, token
     # all five decoded together: batched decode over sequences of different lengths; EOS is biased
     # away as transformers' min_new_tokens does, so every sequence runs the full 48 tokens
     no_eos = {t: -100.0 for t in engine.stop_ids}
-    outs = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=48, logit_bias=no_eos), None)
-                            for ids in prompts])
+    outs = engine.generate(
+        [(ids, SamplingParams(temperature=0, max_tokens=48, logit_bias=no_eos), None) for ids in prompts]
+    )
     runner = engine.runner
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                              pad_token_id=tokenizer.eos_token_id)
-        assert out.token_ids == ref[0, len(ids):].tolist()
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=48,
+                min_new_tokens=48,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        assert out.token_ids == ref[0, len(ids) :].tolist()
         # logits of every position of prompt + generated text, one prefill through our runner
         full = ids + out.token_ids
         slots = runner.kv.allocate(len(full))
         try:
-            ours = torch.cat([runner.execute([SeqChunk(full[: i + 1], 0, slots[: i + 1])])
-                              for i in (len(ids) - 1, len(full) - 1)])
+            ours = torch.cat(
+                [
+                    runner.execute([SeqChunk(full[: i + 1], 0, slots[: i + 1])])
+                    for i in (len(ids) - 1, len(full) - 1)
+                ]
+            )
         finally:
             runner.kv.free(slots)
         with torch.no_grad():
@@ -57,8 +67,18 @@ def test_default_model_greedy_tokens_and_logits_match_transformers(engine, token
 @pytest.mark.parametrize(
     "arch,overrides",
     [
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 4}),
         ("qwen2", {"num_key_value_heads": 1}),
         ("mistral", {"sliding_window": None}),
@@ -67,8 +87,9 @@ def test_default_model_greedy_tokens_and_logits_match_transformers(engine, token
 def test_tiny_architectures_match_transformers(tmp_path, default_model_dir, arch, overrides):
     path = make_tiny_model(tmp_path / arch, default_model_dir, arch, **overrides)
     hf = _hf_model(path)
-    runner = ModelRunner(ModelConfig(model=str(path), device="cpu", dtype="float32"),
-                         CacheConfig(kv_cache_bytes=8 << 20))
+    runner = ModelRunner(
+        ModelConfig(model=str(path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+    )
     torch.manual_seed(1)
     ids = torch.randint(0, 49152, (150,)).tolist()
     # prefill 100 tokens, then a 40-token chunk on top of the cache, then single-token decodes
@@ -80,7 +101,9 @@ def test_tiny_architectures_match_transformers(tmp_path, default_model_dir, arch
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     expected = ref[[99, 139, *range(140, 150)]]
-    assert torch.allclose(torch.cat(got), expected, atol=1e-4, rtol=0), (torch.cat(got) - expected).abs().max()
+    assert torch.allclose(torch.cat(got), expected, atol=1e-4, rtol=0), (
+        (torch.cat(got) - expected).abs().max()
+    )
 
 
 def test_unsupported_architecture_is_named(tmp_path, default_model_dir):
@@ -105,8 +128,11 @@ def test_stop_ids_include_generation_config_and_template_end(tmp_path, default_m
 
     path = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    engine = Engine(EngineConfig(model=ModelConfig(model=str(path), device="cpu"),
-                                 cache=CacheConfig(kv_cache_bytes=1 << 20)))
+    engine = Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), device="cpu"), cache=CacheConfig(kv_cache_bytes=1 << 20)
+        )
+    )
     assert {2, 7} <= set(engine.stop_ids)
 
 

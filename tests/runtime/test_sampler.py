@@ -23,18 +23,32 @@ def test_greedy_takes_argmax():
 
 def test_logit_bias_and_penalties():
     logits = torch.tensor([[1.0, 2.0, -2.0, 0.5]])
-    apply_penalties(logits, [_req(prompt=[2], output=[1, 1], logit_bias={3: 5.0}, repetition_penalty=2.0,
-                                  frequency_penalty=0.5, presence_penalty=0.25)])
+    apply_penalties(
+        logits,
+        [
+            _req(
+                prompt=[2],
+                output=[1, 1],
+                logit_bias={3: 5.0},
+                repetition_penalty=2.0,
+                frequency_penalty=0.5,
+                presence_penalty=0.25,
+            )
+        ],
+    )
     # token 1: rep penalty 2.0 / 2 = 1.0, then - 0.5 * 2 - 0.25 = -0.25; token 2 (prompt): -2 * 2 = -4
     assert torch.allclose(logits, torch.tensor([[1.0, -0.25, -4.0, 5.5]]))
 
 
-@pytest.mark.parametrize("kw,allowed", [
-    ({"top_k": 2}, {0, 1}),
-    ({"top_p": 0.5}, {0}),
-    ({"top_p": 0.8}, {0, 1}),
-    ({"min_p": 0.3}, {0, 1}),
-])
+@pytest.mark.parametrize(
+    "kw,allowed",
+    [
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.5}, {0}),
+        ({"top_p": 0.8}, {0, 1}),
+        ({"min_p": 0.3}, {0, 1}),
+    ],
+)
 def test_filters_restrict_support(kw, allowed):
     probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
     logits = probs.log()[None]
@@ -59,19 +73,38 @@ def test_sampling_matches_distribution():
     assert torch.allclose(counts / 4000, probs, atol=0.03)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2.0),
-    ("presence_penalty", 3.0), ("frequency_penalty", -9.0), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("seed", -1), ("logit_bias", {99999999: 1.0}), ("logit_bias", {1: 500.0}),
-    ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -5),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -9.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("seed", -1),
+        ("logit_bias", {99999999: 1.0}),
+        ("logit_bias", {1: 500.0}),
+        ("stop", [""]),
+    ],
+)
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**{field: value}).validate(vocab_size=1000)
 
 
-@pytest.mark.parametrize("kw", [{"temperature": 1e-45}, {"temperature": 1e-6}, {"top_p": 1e-50},
-                                {"temperature": 1.0, "top_p": 1e-300, "min_p": 1.0}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 1e-45},
+        {"temperature": 1e-6},
+        {"top_p": 1e-50},
+        {"temperature": 1.0, "top_p": 1e-300, "min_p": 1.0},
+    ],
+)
 def test_extreme_values_never_yield_nan_or_crash(kw):
     logits = torch.tensor([[1.0, 5.0, 2.0, float("-inf")]])
     SamplingParams(**kw).validate(vocab_size=4)

@@ -24,10 +24,13 @@ def _params(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _config(max_num_seqs: int = 16, max_num_batched_tokens: int = 512, prefix_cache: bool = True) -> EngineConfig:
-    return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                  max_num_batched_tokens=max_num_batched_tokens),
-                        cache=CacheConfig(enable_prefix_cache=prefix_cache))
+def _config(
+    max_num_seqs: int = 16, max_num_batched_tokens: int = 512, prefix_cache: bool = True
+) -> EngineConfig:
+    return EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        cache=CacheConfig(enable_prefix_cache=prefix_cache),
+    )
 
 
 def _metric(engine, name: str, **labels) -> float:

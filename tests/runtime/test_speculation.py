@@ -22,26 +22,45 @@ METHODS = {
     "draft": SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=8),
     "medusa": SpecConfig(method="medusa", medusa_heads=str(HEADS)),
 }
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
-TICKET = {"type": "object", "properties": {"status": {"enum": ["open", "closed", "pending"]},
-                                           "note": {"type": ["string", "null"]}},
-          "required": ["status"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TICKET = {
+    "type": "object",
+    "properties": {"status": {"enum": ["open", "closed", "pending"]}, "note": {"type": ["string", "null"]}},
+    "required": ["status"],
+    "additionalProperties": False,
+}
 
 
 def spec_engine(model_dir, spec: SpecConfig, **cache) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(model=str(model_dir), device="cpu", dtype="float32"),
-                               cache=CacheConfig(kv_cache_bytes=64 << 20, **cache), speculative=spec))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(model_dir), device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20, **cache),
+            speculative=spec,
+        )
+    )
 
 
 def greedy_requests(tokenizer):
-    prompts = ["Repeat exactly: red, green, blue, red, green, blue, red, green, blue.",
-               "Write a JSON object for a person named Ada aged 36.",
-               "Explain what a hash table is."]
+    prompts = [
+        "Repeat exactly: red, green, blue, red, green, blue, red, green, blue.",
+        "Write a JSON object for a person named Ada aged 36.",
+        "Explain what a hash table is.",
+    ]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     reqs = [(chat_ids(tokenizer, [{"role": "user", "content": p}]), params, None) for p in prompts]
-    reqs.append((chat_ids(tokenizer, [{"role": "user", "content": prompts[1]}]), params,
-                 ConstraintSpec.json_schema(PERSON)))
+    reqs.append(
+        (
+            chat_ids(tokenizer, [{"role": "user", "content": prompts[1]}]),
+            params,
+            ConstraintSpec.json_schema(PERSON),
+        )
+    )
     return reqs
 
 
@@ -75,7 +94,9 @@ def test_greedy_identity_with_a_separate_draft_model(default_model_dir, referenc
     step still drafts, verifies and rolls its own KV back)."""
     reqs, want = reference
     tiny = make_tiny_model(tmp_path / "draft", default_model_dir, "llama")
-    eng = spec_engine(default_model_dir, SpecConfig(method="draft", draft_model=str(tiny), num_speculative_tokens=2))
+    eng = spec_engine(
+        default_model_dir, SpecConfig(method="draft", draft_model=str(tiny), num_speculative_tokens=2)
+    )
     assert [o.token_ids for o in eng.generate(reqs)] == want
     assert eng.stats.num_spec_steps > 0
     draft_kv = eng.speculator.draft.kv
@@ -89,13 +110,19 @@ def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, toke
     sampled, length-safe policy. Drafts the grammar rejects are cut before verification (the real
     matcher never sees them: a rejected token would end the request with an error)."""
     eng = spec_engine(default_model_dir, METHODS[method])
-    doc = ("Ticket 4411: printer on floor 3 jams. Status: open. Ticket 4412: VPN drops. Status: closed. "
-           "Ticket 4413: new laptop. Status: pending. ") * 2
+    doc = (
+        "Ticket 4411: printer on floor 3 jams. Status: open. Ticket 4412: VPN drops. Status: closed. "
+        "Ticket 4413: new laptop. Status: pending. "
+    ) * 2
     reqs = []
     for i in range(8):
-        msgs = [{"role": "system", "content": "Reply with JSON: " + json.dumps(TICKET)},
-                {"role": "user", "content": f"{doc}\nWhat is the status of ticket 441{i % 3 + 1}? Add a note."}]
-        params = SamplingParams(max_tokens=48, temperature=0.0 if i < 4 else 0.9, seed=i, max_tokens_policy="close")
+        msgs = [
+            {"role": "system", "content": "Reply with JSON: " + json.dumps(TICKET)},
+            {"role": "user", "content": f"{doc}\nWhat is the status of ticket 441{i % 3 + 1}? Add a note."},
+        ]
+        params = SamplingParams(
+            max_tokens=48, temperature=0.0 if i < 4 else 0.9, seed=i, max_tokens_policy="close"
+        )
         reqs.append((chat_ids(tokenizer, msgs), params, ConstraintSpec.json_schema(TICKET)))
     outs = eng.generate(reqs)
     for o in outs:
@@ -108,6 +135,7 @@ def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, toke
 
 
 # ---- distribution (temperature 1) --------------------------------------------------------------
+
 
 def two_sample_p(a: list[int], b: list[int]) -> float:
     """Chi-square homogeneity p-value of two equal-size samples of token ids (cells with fewer
@@ -139,8 +167,9 @@ def peaked_tiny_model(tmp_path_factory, default_model_dir):
 
     from agentrt.speculative.medusa import MedusaHeads
 
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir, "llama",
-                           tie_word_embeddings=True)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", default_model_dir, "llama", tie_word_embeddings=True
+    )
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
         torch.manual_seed(5)
@@ -160,19 +189,28 @@ def test_sampling_distribution_matches_non_speculative(peaked_tiny_model, method
     (chi-square per position at alpha = 1e-3; seeded, so deterministic). "plain" checks that the
     test detects a different distribution (temperature 1.4)."""
     path, heads = peaked_tiny_model
-    spec = {"plain": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, ngram_max=2),
-            "draft": SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=1),
-            "medusa": SpecConfig(method="medusa", medusa_heads=str(heads))}[method]
+    spec = {
+        "plain": SpecConfig(),
+        "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, ngram_max=2),
+        "draft": SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=1),
+        "medusa": SpecConfig(method="medusa", medusa_heads=str(heads)),
+    }[method]
     n = 1500
     prompt = [1000, 2000, 3000, 1000, 2000, 3000, 1000, 2000]
 
     def run(cfg: SpecConfig, temperature: float = 1.0):
-        eng = Engine(EngineConfig(model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
-                                  cache=CacheConfig(kv_cache_bytes=16 << 20),
-                                  scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096),
-                                  speculative=cfg))
-        params = [SamplingParams(max_tokens=6, temperature=temperature, top_k=8, seed=s, ignore_eos=True)
-                  for s in range(n)]
+        eng = Engine(
+            EngineConfig(
+                model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
+                cache=CacheConfig(kv_cache_bytes=16 << 20),
+                scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096),
+                speculative=cfg,
+            )
+        )
+        params = [
+            SamplingParams(max_tokens=6, temperature=temperature, top_k=8, seed=s, ignore_eos=True)
+            for s in range(n)
+        ]
         outs = eng.generate([(prompt, p, None) for p in params])
         eng.grammar.shutdown()
         return [o.token_ids[:3] for o in outs], eng.stats
@@ -192,6 +230,7 @@ def test_sampling_distribution_matches_non_speculative(peaked_tiny_model, method
 
 # ---- configuration, CLI, API field, training ------------------------------------------------------
 
+
 def test_cli_flags_and_request_field():
     import argparse
 
@@ -200,11 +239,17 @@ def test_cli_flags_and_request_field():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    cfg = engine_config(p.parse_args(["--speculative-method", "draft", "--draft-layers", "12",
-                                      "--num-speculative-tokens", "6"]))
+    cfg = engine_config(
+        p.parse_args(
+            ["--speculative-method", "draft", "--draft-layers", "12", "--num-speculative-tokens", "6"]
+        )
+    )
     assert cfg.speculative == SpecConfig(method="draft", draft_layers=12, num_speculative_tokens=6)
-    cfg = engine_config(p.parse_args(["--speculative-method", "medusa", "--medusa-heads", "h",
-                                      "--speculative-acceptance", "typical"]))
+    cfg = engine_config(
+        p.parse_args(
+            ["--speculative-method", "medusa", "--medusa-heads", "h", "--speculative-acceptance", "typical"]
+        )
+    )
     assert cfg.speculative == SpecConfig(method="medusa", medusa_heads="h", acceptance="typical")
     assert engine_config(p.parse_args([])).speculative.method is None
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], speculative=False)
@@ -245,9 +290,19 @@ def test_train_medusa_writes_loadable_heads(tmp_path, default_model_dir):
     lines.append({"prompt": "Ticket 7: open.", "schema": TICKET})
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "heads"
-    args = argparse.Namespace(prompts=str(prompts), output=str(out), num_heads=2, max_tokens=12, epochs=1, lr=1e-3,
-                              batch_size=16, seed=0)
-    cfg = EngineConfig(model=ModelConfig(model=str(tiny), device="cpu"), cache=CacheConfig(kv_cache_bytes=8 << 20))
+    args = argparse.Namespace(
+        prompts=str(prompts),
+        output=str(out),
+        num_heads=2,
+        max_tokens=12,
+        epochs=1,
+        lr=1e-3,
+        batch_size=16,
+        seed=0,
+    )
+    cfg = EngineConfig(
+        model=ModelConfig(model=str(tiny), device="cpu"), cache=CacheConfig(kv_cache_bytes=8 << 20)
+    )
     record = train_medusa(cfg, args, log=lambda *_: None)
     assert record["num_prompts"] == 4 and record["num_positions"] > 0 and len(record["holdout_top1"]) == 2
     heads = MedusaHeads.load(out, 64, 49152)
@@ -277,10 +332,16 @@ def test_shipped_medusa_heads_accept_over_1_5_tokens_per_pass_on_extraction(defa
     reqs = []
     for d in docs:
         schema = schemas[d["schema_name"]]
-        text = tok.apply_chat_template(extraction_messages(d["text"], schema), add_generation_prompt=True,
-                                       tokenize=False)
-        reqs.append((tok.encode(text, add_special_tokens=False), SamplingParams(max_tokens=128, temperature=0.0),
-                     ConstraintSpec.json_schema(schema)))
+        text = tok.apply_chat_template(
+            extraction_messages(d["text"], schema), add_generation_prompt=True, tokenize=False
+        )
+        reqs.append(
+            (
+                tok.encode(text, add_special_tokens=False),
+                SamplingParams(max_tokens=128, temperature=0.0),
+                ConstraintSpec.json_schema(schema),
+            )
+        )
     outs = eng.generate(reqs)
     assert all(o.error is None for o in outs)
     s = eng.stats

@@ -25,8 +25,10 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _config(spec: bool, prefix_cache: bool = False, k: int = 4) -> EngineConfig:
-    return EngineConfig(cache=CacheConfig(enable_prefix_cache=prefix_cache),
-                        speculative=SpecConfig(method="ngram", num_speculative_tokens=k) if spec else SpecConfig())
+    return EngineConfig(
+        cache=CacheConfig(enable_prefix_cache=prefix_cache),
+        speculative=SpecConfig(method="ngram", num_speculative_tokens=k) if spec else SpecConfig(),
+    )
 
 
 def _params(n: int, **kw) -> SamplingParams:
@@ -75,16 +77,22 @@ def test_ngram_counters_add_up_in_a_batch():
     assert _metric(on, "agentrt_spec_drafts_total") == s.num_spec_steps
     assert _metric(on, "agentrt_spec_draft_tokens_total") == s.num_draft_tokens
     assert _metric(on, "agentrt_spec_accepted_tokens_total") == s.num_accepted_tokens
-    assert abs(_metric(on, "agentrt_spec_acceptance_rate") - s.num_accepted_tokens / s.num_draft_tokens) < 1e-9
+    assert (
+        abs(_metric(on, "agentrt_spec_acceptance_rate") - s.num_accepted_tokens / s.num_draft_tokens) < 1e-9
+    )
 
 
 def test_requests_that_opt_out_or_use_penalties_do_not_speculate():
     prompt = _prompts(1, 16, seed=3)[0]
     engine = fake_engine(_config(True), window=1)
-    outs = engine.generate([(prompt, _params(30, speculative=False), None),
-                            (prompt, _params(30, repetition_penalty=1.2), None),
-                            (prompt, _params(30, presence_penalty=0.5), None),
-                            (prompt, _params(30, frequency_penalty=0.5), None)])
+    outs = engine.generate(
+        [
+            (prompt, _params(30, speculative=False), None),
+            (prompt, _params(30, repetition_penalty=1.2), None),
+            (prompt, _params(30, presence_penalty=0.5), None),
+            (prompt, _params(30, frequency_penalty=0.5), None),
+        ]
+    )
     assert engine.stats.num_spec_steps == 0  # penalties depend on the verified tokens: no speculation
     assert outs[0].token_ids == engine.runner.greedy_continuation(prompt, 30)
     engine.generate([(prompt, _params(30), None)])
@@ -126,8 +134,12 @@ def test_constrained_request_speculates_within_its_grammar():
     outs = {}
     for spec in (True, False):
         engine = fake_engine(_config(spec), window=1)
-        outs[spec] = (engine, engine.generate([(prompt, SamplingParams(temperature=0, max_tokens=40),
-                                                ConstraintSpec.regex(pattern))])[0])
+        outs[spec] = (
+            engine,
+            engine.generate(
+                [(prompt, SamplingParams(temperature=0, max_tokens=40), ConstraintSpec.regex(pattern))]
+            )[0],
+        )
     (on, out_on), (_, out_off) = outs[True], outs[False]
     assert out_on.token_ids == out_off.token_ids and out_on.finish_reason == "stop"
     assert re.fullmatch(pattern, out_on.text)
@@ -141,8 +153,14 @@ def test_grammar_cuts_drafts_it_rejects_greedy_and_sampled():
     prompt = [ord(c) for c in "aZbZcZaYbYcY"]
     pattern = r"[a-c]{24}"
     engine = fake_engine(_config(True), window=1)
-    reqs = [(prompt, SamplingParams(temperature=0.0 if i < 2 else 0.9, seed=i, max_tokens=40),
-             ConstraintSpec.regex(pattern)) for i in range(6)]
+    reqs = [
+        (
+            prompt,
+            SamplingParams(temperature=0.0 if i < 2 else 0.9, seed=i, max_tokens=40),
+            ConstraintSpec.regex(pattern),
+        )
+        for i in range(6)
+    ]
     outs = engine.generate(reqs)
     for o in outs:
         assert o.error is None and o.finish_reason == "stop", (o.error, o.text)

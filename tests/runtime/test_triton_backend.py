@@ -17,34 +17,62 @@ from agentrt.runtime.model_runner import SeqChunk, plan_kv_budget, run_chunks
 from agentrt.runtime.request import SamplingParams
 from tests.helpers import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
-                                reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
-          "required": ["ok", "n"], "additionalProperties": False}
+pytestmark = pytest.mark.skipif(
+    not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
+    reason="needs triton (TRITON_INTERPRET=1 on CPU)",
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir, "llama",
-                           num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=256)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m",
+        default_model_dir,
+        "llama",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=128,
+        intermediate_size=256,
+    )
 
 
 def tiny_engine(path, backend: str, max_num_seqs: int = 4, graph_sizes=(1, 2, 4)) -> Engine:
-    return Engine(EngineConfig(
-        model=ModelConfig(model=str(path), device="cpu", dtype="float32", attention_backend=backend,
-                          cuda_graph_batch_sizes=graph_sizes),
-        cache=CacheConfig(kv_cache_bytes=8 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=48)))
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(path),
+                device="cpu",
+                dtype="float32",
+                attention_backend=backend,
+                cuda_graph_batch_sizes=graph_sizes,
+            ),
+            cache=CacheConfig(kv_cache_bytes=8 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=48),
+        )
+    )
 
 
 def workload(tokenizer):
-    shared = tokenizer.encode("A shared system prompt that several requests start with, long enough to be cached. " * 2)
+    shared = tokenizer.encode(
+        "A shared system prompt that several requests start with, long enough to be cached. " * 2
+    )
     prompts = [shared + tokenizer.encode(f"Question {i}: what is {i} plus {i}?") for i in range(3)]
     prompts.append(tokenizer.encode("An unrelated short prompt."))
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     reqs = [(p, greedy, None) for p in prompts]
-    reqs.append((prompts[0], SamplingParams(max_tokens=12, temperature=0.0),
-                 ConstraintSpec(kind="json_schema", value=json.dumps(SCHEMA))))
+    reqs.append(
+        (
+            prompts[0],
+            SamplingParams(max_tokens=12, temperature=0.0),
+            ConstraintSpec(kind="json_schema", value=json.dumps(SCHEMA)),
+        )
+    )
     return reqs
 
 
@@ -84,8 +112,9 @@ def test_graph_path_logits_match_reference_with_padding(tiny_dir):
     ref = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks_decode, runner.device)
     assert runner.graphs.accepts(chunks_decode) and runner.graphs.padded_size(3) == 4
     via_graph = runner.execute(chunks_decode)
-    eager = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks_decode, runner.device,
-                       slot_table=runner.slot_table)
+    eager = run_chunks(
+        runner.model, runner.kv.k, runner.kv.v, chunks_decode, runner.device, slot_table=runner.slot_table
+    )
     torch.testing.assert_close(via_graph, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(eager, ref, atol=1e-4, rtol=1e-4)
     used = {s for c in chunks_decode for s in c.slots}
@@ -95,14 +124,25 @@ def test_graph_path_logits_match_reference_with_padding(tiny_dir):
     assert ref_prefill.shape[0] == 3
     # a batch larger than the largest captured size runs the eager Triton path, same logits
     extra = runner.kv.allocate(2 * 8)
-    more = chunks_decode + [SeqChunk([7], 7, extra[:8], seq_key="x"), SeqChunk([8], 7, extra[8:], seq_key="y")]
-    run_chunks(runner.model, runner.kv.k, runner.kv.v, [SeqChunk([1] * 7, 0, extra[:7]), SeqChunk([2] * 7, 0, extra[8:15])],
-               runner.device)
+    more = chunks_decode + [
+        SeqChunk([7], 7, extra[:8], seq_key="x"),
+        SeqChunk([8], 7, extra[8:], seq_key="y"),
+    ]
+    run_chunks(
+        runner.model,
+        runner.kv.k,
+        runner.kv.v,
+        [SeqChunk([1] * 7, 0, extra[:7]), SeqChunk([2] * 7, 0, extra[8:15])],
+        runner.device,
+    )
     assert not runner.graphs.accepts(more)
     runs = runner.graphs.num_runs
-    torch.testing.assert_close(runner.execute(more),
-                               run_chunks(runner.model, runner.kv.k, runner.kv.v, more, runner.device),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        runner.execute(more),
+        run_chunks(runner.model, runner.kv.k, runner.kv.v, more, runner.device),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert runner.graphs.num_runs == runs
     eng.grammar.shutdown()
 
@@ -133,11 +173,15 @@ def test_memory_plan(monkeypatch):
     assert plan_kv_budget(CacheConfig(kv_cache_bytes=12345), cpu, 1000, 100, 8, 1000, 64)[0] == 12345
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
-    budget, reserve, total = plan_kv_budget(CacheConfig(), torch.device("cuda"), 131072, 8192, 16, 128256, 4096)
+    budget, reserve, total = plan_kv_budget(
+        CacheConfig(), torch.device("cuda"), 131072, 8192, 16, 128256, 4096
+    )
     assert total == 80 * gib and reserve >= gib
     assert budget == int(0.9 * 80 * gib) - 20 * gib - reserve
     with pytest.raises(ValueError, match="not enough device memory"):
-        plan_kv_budget(CacheConfig(gpu_memory_utilization=0.26), torch.device("cuda"), 131072, 8192, 16, 128256, 4096)
+        plan_kv_budget(
+            CacheConfig(gpu_memory_utilization=0.26), torch.device("cuda"), 131072, 8192, 16, 128256, 4096
+        )
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(attention_backend="flash")
 
@@ -157,15 +201,37 @@ def test_verify_chunks_with_draft_trees_match_reference(tiny_dir):
         ids = torch.randint(0, 1000, (ctx,), generator=gen).tolist()
         run_chunks(runner.model, runner.kv.k, runner.kv.v, [SeqChunk(ids, 0, slots[:ctx])], runner.device)
         if i == 0:  # a tree
-            chunks.append(SeqChunk([ids[-1], *tree.token_ids], ctx, slots, True, 1 + len(tree),
-                                   [ctx, *(ctx + d for d in tree.depths)], tree.attention_mask(), seq_key=i))
+            chunks.append(
+                SeqChunk(
+                    [ids[-1], *tree.token_ids],
+                    ctx,
+                    slots,
+                    True,
+                    1 + len(tree),
+                    [ctx, *(ctx + d for d in tree.depths)],
+                    tree.attention_mask(),
+                    seq_key=i,
+                )
+            )
         elif i == 1:  # a chain: consecutive positions, causal
-            chunks.append(SeqChunk([ids[-1], 5, 6, 7], ctx, slots[: ctx + 4], True, 4, list(range(ctx, ctx + 4)),
-                                   None, seq_key=i))
+            chunks.append(
+                SeqChunk(
+                    [ids[-1], 5, 6, 7],
+                    ctx,
+                    slots[: ctx + 4],
+                    True,
+                    4,
+                    list(range(ctx, ctx + 4)),
+                    None,
+                    seq_key=i,
+                )
+            )
         else:
             chunks.append(SeqChunk([ids[-1]], ctx, slots[: ctx + 1], seq_key=i))
     ref = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks, runner.device)
-    got = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks, runner.device, slot_table=runner.slot_table)
+    got = run_chunks(
+        runner.model, runner.kv.k, runner.kv.v, chunks, runner.device, slot_table=runner.slot_table
+    )
     assert ref.shape[0] == 1 + len(tree) + 4 + 1
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     eng.grammar.shutdown()
@@ -190,8 +256,13 @@ def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
 
     q = torch.zeros(1, 4, 128)[:, :, ::2]  # head vectors with stride 2
     with pytest.raises(ValueError, match="q needs a contiguous last dimension"):
-        decode_attention(q, torch.zeros(4, 4, 64), torch.zeros(4, 4, 64), torch.zeros(1, 4, dtype=torch.int32),
-                         torch.ones(1, dtype=torch.int32))
+        decode_attention(
+            q,
+            torch.zeros(4, 4, 64),
+            torch.zeros(4, 4, 64),
+            torch.zeros(1, 4, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+        )
     table = SlotTable(num_rows=2, max_len=4, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="more sequences"):
         table.sync([("a", [7, 8]), ("b", [9]), ("c", [1])])
@@ -214,10 +285,14 @@ def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny
     from agentrt.runtime.config import SpecConfig
     from agentrt.runtime.kv_cache import KVPool
 
-    eng = Engine(EngineConfig(model=ModelConfig(model=str(tiny_dir), device="cpu"),
-                              speculative=SpecConfig(method="draft", draft_layers=1)))
+    eng = Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_dir), device="cpu"),
+            speculative=SpecConfig(method="draft", draft_layers=1),
+        )
+    )
     target, draft = eng.runner.kv, eng.speculator.draft.kv
-    total = (target.num_slots * target.bytes_per_token + draft.num_slots * draft.bytes_per_token)
+    total = target.num_slots * target.bytes_per_token + draft.num_slots * draft.bytes_per_token
     assert abs(target.num_slots * target.bytes_per_token - (1 << 30) * 2 / 3) < target.bytes_per_token
     assert total <= 1 << 30  # the automatic budget now covers the draft pool too
     eng.grammar.shutdown()

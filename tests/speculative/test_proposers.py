@@ -91,8 +91,10 @@ def test_medusa_loads_an_original_pt_checkpoint(tmp_path):
     heads = MedusaHeads.load(tmp_path, hidden, vocab)
     x = torch.randn(3, hidden)
     lin = torch.nn.functional.linear
-    want = lin(x + torch.nn.functional.silu(lin(x, state["1.0.linear.weight"], state["1.0.linear.bias"])),
-               state["1.1.weight"])
+    want = lin(
+        x + torch.nn.functional.silu(lin(x, state["1.0.linear.weight"], state["1.0.linear.bias"])),
+        state["1.1.weight"],
+    )
     assert torch.allclose(heads(x)[1], want, atol=1e-5)
     (tmp_path / "medusa_lm_head.pt").unlink()
     with pytest.raises(ValueError, match="has no medusa_lm_head"):

@@ -48,7 +48,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
         d = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
         tree = DraftTree.chain(d, q)
         n, nxt = rejection_sample(p, tree, g)
-        emitted = (d[:n] + [nxt])
+        emitted = d[:n] + [nxt]
         if len(emitted) < 2:  # rejected at 0: the second token comes from p1 in the next pass
             emitted.append(int(torch.multinomial(p[1], 1, generator=g)))
         counts[emitted[0] * vocab + emitted[1]] += 1

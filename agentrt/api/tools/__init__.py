@@ -30,6 +30,16 @@ from agentrt.api.tools.rendering import TOOLS_PROMPT, ToolPrompt, detect_format,
 from agentrt.api.tools.validation import ToolPlan, check_tool_messages, check_tool_schemas, plan_tools
 
 __all__ = [
-    "TOOLS_PROMPT", "ParseEvent", "ToolCall", "ToolCallParser", "ToolPlan", "ToolPrompt", "check_tool_messages",
-    "check_tool_schemas", "detect_format", "new_call_id", "plan_tools", "render_messages",
+    "TOOLS_PROMPT",
+    "ParseEvent",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolPlan",
+    "ToolPrompt",
+    "check_tool_messages",
+    "check_tool_schemas",
+    "detect_format",
+    "new_call_id",
+    "plan_tools",
+    "render_messages",
 ]

@@ -28,7 +28,11 @@ class ToolCall:
 
     def as_openai(self) -> dict:
         """The call as an OpenAI `tool_calls` entry of a message."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -123,14 +127,14 @@ class ToolCallParser:
         i = self._buf.find(marker)
         if i < 0:
             keep = _held_back(self._buf, marker) if (not final or self._cut_off) else 0
-            self._emit_text(ev, self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._emit_text(ev, self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
             return
         self._emit_text(ev, self._buf[:i])
         if self.fmt.marker_in_body:
             self._block, self._buf = "", self._buf[i:]
         else:
-            self._block, self._buf = marker, self._buf[i + len(marker):]
+            self._block, self._buf = marker, self._buf[i + len(marker) :]
         self._state = "list" if self.fmt.list_style else "obj"
 
     def _on_list(self, ev, final):
@@ -140,7 +144,7 @@ class ToolCallParser:
         if s[0] != "[":
             self._state = "obj"
             return
-        self._block += self._buf[:len(self._buf) - len(s) + 1]
+        self._block += self._buf[: len(self._buf) - len(s) + 1]
         self._buf = s[1:]
         self._state = "obj"
 
@@ -163,7 +167,7 @@ class ToolCallParser:
         call = ToolCall(new_call_id(), name)
         self.calls.append(call)
         ev.append(ParseEvent("call", index=len(self.calls) - 1, id=call.id, name=name))
-        self._buf = self._buf[m.end():]
+        self._buf = self._buf[m.end() :]
         self._block = ""
         self._scan = _JsonScan()
         self._state = "args"
@@ -200,7 +204,7 @@ class ToolCallParser:
                 self._emit_text(ev, self._block)
                 self._block, self._state = "", "text"
                 return
-            self._block += self._buf[:len(self._buf) - len(s)]
+            self._block += self._buf[: len(self._buf) - len(s)]
             self._buf = s
             self._scan = _JsonScan()
         n = self._scan.feed(self._buf, final)
@@ -214,7 +218,11 @@ class ToolCallParser:
         except json.JSONDecodeError:
             obj = None
         name = obj.get("name") if isinstance(obj, dict) else None
-        args = obj.get(self.fmt.args_key, obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
+        args = (
+            obj.get(self.fmt.args_key, obj.get("arguments", obj.get("parameters")))
+            if isinstance(obj, dict)
+            else None
+        )
         if not isinstance(name, str) or (self.names is not None and name not in self.names):
             self._emit_text(ev, self._block)
             self._block, self._state = "", "text"
@@ -244,14 +252,13 @@ class ToolCallParser:
             return
         close = fmt.close
         if s.startswith(close):
-            self._buf, self._state = s[len(close):], "gap"
+            self._buf, self._state = s[len(close) :], "gap"
         elif close.startswith(s):
             if final:  # a close tag cut short
                 self._buf, self._state = "", "text"
             return  # "</tool_" so far
         else:
             self._state = "text"
-
 
     def _on_gap(self, ev, final):
         """Whitespace after a call block (the separator between calls) is not content."""
@@ -295,7 +302,7 @@ class _JsonScan:
                 if c.isspace():
                     continue
                 self.started = True
-                if c not in "{[\"":
+                if c not in '{["':
                     self.scalar = True
             if self.scalar:
                 if c in ",}] \n\t\r;":

@@ -42,7 +42,6 @@ def detect_format(chat_template: str | None) -> tuple[str, bool]:
     return "hermes", False
 
 
-
 @dataclass(frozen=True)
 class ToolPrompt:
     """How a server writes tools into prompts: `fmt` the call format the model writes; `native` the
@@ -54,8 +53,9 @@ class ToolPrompt:
     exclude_when_none: bool = False
 
     @classmethod
-    def for_template(cls, chat_template: str | list | None, tool_call_format: str = "auto",
-                     exclude_when_none: bool = False) -> ToolPrompt:
+    def for_template(
+        cls, chat_template: str | list | None, tool_call_format: str = "auto", exclude_when_none: bool = False
+    ) -> ToolPrompt:
         """The set-up for a model's chat template (a tokenizer's `chat_template`: text, or a list of
         named templates). tool_call_format: "auto" (read from the template) or a name in
         grammars/tool_calls.FORMATS. Raises ValueError on an unknown format."""
@@ -71,8 +71,10 @@ class ToolPrompt:
         """`render_messages` with this set-up."""
         return render_messages(messages, plan, self.native, self.exclude_when_none)
 
-def render_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
-                    exclude_tools: bool = False) -> tuple[list[dict], list[dict] | None]:
+
+def render_messages(
+    messages: list[dict], plan: ToolPlan | None, native: bool, exclude_tools: bool = False
+) -> tuple[list[dict], list[dict] | None]:
     """(messages for the chat template, tools for the template or None). `messages` are OpenAI
     dicts (role, content text, tool_calls, tool_call_id, name). With a native template, tool calls
     and tool results pass through in Hugging Face's shape (arguments as objects); otherwise the
@@ -80,8 +82,13 @@ def render_messages(messages: list[dict], plan: ToolPlan | None, native: bool,
     out = [(_native_message if native else _generic_message)(m) for m in messages]
     if plan is None or (plan.mode == "none" and exclude_tools):
         return out, None
-    tool_defs = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                   "parameters": t["parameters"]}} for t in plan.all_tools]
+    tool_defs = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["parameters"]},
+        }
+        for t in plan.all_tools
+    ]
     if native:
         return out, tool_defs
     prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tool_defs))
@@ -96,9 +103,17 @@ def _native_message(m: dict) -> dict:
     """An OpenAI message in Hugging Face's chat-template shape (call arguments as objects)."""
     msg = {"role": m["role"], "content": m.get("content") or ""}
     if m.get("tool_calls"):
-        msg["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-            "name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}}
-            for c in m["tool_calls"]]
+        msg["tool_calls"] = [
+            {
+                "type": "function",
+                "id": c.get("id"),
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": _as_object(c["function"]["arguments"]),
+                },
+            }
+            for c in m["tool_calls"]
+        ]
     if m["role"] == "tool":
         msg["tool_call_id"] = m.get("tool_call_id")
     return msg

@@ -19,7 +19,9 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import ToolCallFormat
 
 _NAME = r"[A-Za-z0-9_.:\-]{1,64}"
-_CHOICE_SHAPES = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+_CHOICE_SHAPES = (
+    'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+)
 
 
 @dataclass
@@ -43,10 +45,20 @@ class ToolPlan:
 
     def constraint_value(self) -> str:
         """The canonical JSON value of the "tool_calls" ConstraintSpec."""
-        return json.dumps({"format": self.fmt.name, "mode": self.mode, "parallel": self.parallel,
-                           "tools": [{"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]}
-                                     for t in self.tools]}, sort_keys=True, ensure_ascii=False,
-                          separators=(",", ":"))
+        return json.dumps(
+            {
+                "format": self.fmt.name,
+                "mode": self.mode,
+                "parallel": self.parallel,
+                "tools": [
+                    {"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]}
+                    for t in self.tools
+                ],
+            },
+            sort_keys=True,
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
 
     def constraint(self) -> ConstraintSpec | None:
         """The "tool_calls" constraint of the output, or None (tool_choice "none", or unconstrained
@@ -64,8 +76,13 @@ class ToolPlan:
         return ToolCallParser(self.fmt, names={t["name"] for t in self.tools})
 
 
-def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, fmt: ToolCallFormat,
-               constrained: bool = True) -> ToolPlan | None:
+def plan_tools(
+    tools: list[dict] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    fmt: ToolCallFormat,
+    constrained: bool = True,
+) -> ToolPlan | None:
     """Validate `tools` / `tool_choice` (OpenAI's shapes). None when the request has no tools and
     no tool_choice. Raises APIError (400) naming the field."""
     if not tools:
@@ -88,32 +105,49 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
 
 def _tool_spec(where: str, t: Any, seen: set[str]) -> dict:
     """One entry of `tools` as {"name", "description", "parameters", "strict"}. Raises APIError."""
-    if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-        raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
+    if (
+        not isinstance(t, dict)
+        or t.get("type", "function") != "function"
+        or not isinstance(t.get("function"), dict)
+    ):
+        raise APIError(f'{where} must be {{"type": "function", "function": {{...}}}}', param=where)
     fn = t["function"]
     name = fn.get("name")
     if not isinstance(name, str) or not regex.fullmatch(_NAME, name):
-        raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_', '.', ':' or '-'",
-                       param=f"{where}.function.name")
+        raise APIError(
+            f"{where}.function.name must be 1-64 letters, digits, '_', '.', ':' or '-'",
+            param=f"{where}.function.name",
+        )
     if name in seen:
         raise APIError(f"{where}.function.name '{name}' is given twice", param=f"{where}.function.name")
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(params, dict):
-        raise APIError(f"{where}.function.parameters must be a JSON Schema object",
-                       param=f"{where}.function.parameters")
+        raise APIError(
+            f"{where}.function.parameters must be a JSON Schema object", param=f"{where}.function.parameters"
+        )
     if params.get("type", "object") != "object":
         # arguments are a JSON object (OpenAI's contract; frameworks json.loads them into a dict)
-        raise APIError(f"{where}.function.parameters must describe an object (\"type\": \"object\"), got "
-                       f"type {json.dumps(params.get('type'))}", param=f"{where}.function.parameters")
+        raise APIError(
+            f'{where}.function.parameters must describe an object ("type": "object"), got '
+            f"type {json.dumps(params.get('type'))}",
+            param=f"{where}.function.parameters",
+        )
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise APIError(f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
-        raise APIError(f"{where}.function.description must be a string", param=f"{where}.function.description")
-    return {"name": name, "description": desc or "", "parameters": {**params, "type": "object"}, "strict": strict}
+        raise APIError(
+            f"{where}.function.description must be a string", param=f"{where}.function.description"
+        )
+    return {
+        "name": name,
+        "description": desc or "",
+        "parameters": {**params, "type": "object"},
+        "strict": strict,
+    }
 
 
 def _named_tool(choice: dict, specs: list[dict]) -> dict:
@@ -146,16 +180,21 @@ def check_tool_messages(messages: list[dict]) -> None:
     ids: set[str] = set()
     for i, m in enumerate(messages):
         if m.get("tool_calls") and m["role"] != "assistant":
-            raise APIError(f"messages[{i}]: only assistant messages carry tool_calls",
-                           param=f"messages[{i}].tool_calls")
+            raise APIError(
+                f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
+            )
         for c in m.get("tool_calls") or []:
             if c.get("id"):
                 ids.add(c["id"])
         if m["role"] == "tool":
             tid = m.get("tool_call_id")
             if not tid:
-                raise APIError(f"messages[{i}]: a tool message needs tool_call_id",
-                               param=f"messages[{i}].tool_call_id")
+                raise APIError(
+                    f"messages[{i}]: a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id"
+                )
             if tid not in ids:
-                raise APIError(f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
-                               "message", param=f"messages[{i}].tool_call_id")
+                raise APIError(
+                    f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
+                    "message",
+                    param=f"messages[{i}].tool_call_id",
+                )

@@ -43,5 +43,13 @@ from agentrt.grammars.json_schema.normalizer import NormalizedSchema, normalize_
 from agentrt.grammars.json_schema.strings import FORMAT_PATTERNS, GRAMMAR_FORMATS
 from agentrt.grammars.json_schema.values import value_to_schema
 
-__all__ = ["FORMAT_PATTERNS", "GRAMMAR_FORMATS", "NormalizedSchema", "UnsatisfiableSchemaError",
-           "UnsupportedSchemaError", "canonical_json", "normalize_schema", "value_to_schema"]
+__all__ = [
+    "FORMAT_PATTERNS",
+    "GRAMMAR_FORMATS",
+    "NormalizedSchema",
+    "UnsatisfiableSchemaError",
+    "UnsupportedSchemaError",
+    "canonical_json",
+    "normalize_schema",
+    "value_to_schema",
+]

@@ -43,7 +43,11 @@ def canonical_json(value: Any, schema: dict) -> str:
         if isinstance(v, list):
             prefix = s.get("prefixItems", [])
             items = s.get("items", {})
-            return "[" + ", ".join(dump(x, prefix[i] if i < len(prefix) else items) for i, x in enumerate(v)) + "]"
+            return (
+                "["
+                + ", ".join(dump(x, prefix[i] if i < len(prefix) else items) for i, x in enumerate(v))
+                + "]"
+            )
         if isinstance(v, float) and v.is_integer() and abs(v) < 1e16:
             return str(int(v))
         return json.dumps(v, ensure_ascii=False)

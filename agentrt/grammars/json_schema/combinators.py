@@ -40,10 +40,14 @@ def norm_enum(n: Normalizer, s: dict, pointer: str):
         n.rewrite("enum" if "enum" in s else "const", pointer)
     if not kept:
         return UNSAT
-    scalars = [int(v) if isinstance(v, float) and v.is_integer() else v for v in kept
-               if not isinstance(v, (dict, list))]
-    alts = ([{"enum": scalars}] if scalars else []) + [value_to_schema(v) for v in kept
-                                                        if isinstance(v, (dict, list))]
+    scalars = [
+        int(v) if isinstance(v, float) and v.is_integer() else v
+        for v in kept
+        if not isinstance(v, (dict, list))
+    ]
+    alts = ([{"enum": scalars}] if scalars else []) + [
+        value_to_schema(v) for v in kept if isinstance(v, (dict, list))
+    ]
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
@@ -71,17 +75,21 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
         if _pairwise_disjoint(n, live):
             n.rewrite("oneOf", ptr(pointer, "oneOf"))
         else:
-            n.unsupported("oneOf", ptr(pointer, "oneOf"),
-                          "its branches are not provably exclusive (exactly-one cannot be "
-                          "enforced); use anyOf if any branch may match")
+            n.unsupported(
+                "oneOf",
+                ptr(pointer, "oneOf"),
+                "its branches are not provably exclusive (exactly-one cannot be "
+                "enforced); use anyOf if any branch may match",
+            )
     if not live:
         return UNSAT
     return live[0] if len(live) == 1 else {"anyOf": live}
 
 
 def _pairwise_disjoint(n: Normalizer, schemas: list) -> bool:
-    return all(disjoint(n, schemas[i], schemas[j]) for i in range(len(schemas))
-               for j in range(i + 1, len(schemas)))
+    return all(
+        disjoint(n, schemas[i], schemas[j]) for i in range(len(schemas)) for j in range(i + 1, len(schemas))
+    )
 
 
 def types_of(n: Normalizer, s) -> set | None:
@@ -108,8 +116,12 @@ def types_of(n: Normalizer, s) -> set | None:
 def disjoint(n: Normalizer, a, b) -> bool:
     """Provably no instance matches both normalized schemas (False: maybe some does)."""
     ta, tb = types_of(n, a), types_of(n, b)
-    if ta is not None and tb is not None and not (ta & tb) and not ({"integer", "number"} & ta and
-                                                                    {"integer", "number"} & tb):
+    if (
+        ta is not None
+        and tb is not None
+        and not (ta & tb)
+        and not ({"integer", "number"} & ta and {"integer", "number"} & tb)
+    ):
         return True
     if "enum" in a and "enum" in b:
         return not any(json_equal(x, y) for x in a["enum"] for y in b["enum"])

@@ -15,8 +15,11 @@ class UnsupportedSchemaError(ConstraintError):
     name it; `reason` says why."""
 
     def __init__(self, keyword: str, pointer: str, reason: str):
-        super().__init__(f"JSON Schema keyword '{keyword}' at {pointer or '/'} cannot be enforced: {reason}",
-                         keyword=keyword, pointer=pointer or "/")
+        super().__init__(
+            f"JSON Schema keyword '{keyword}' at {pointer or '/'} cannot be enforced: {reason}",
+            keyword=keyword,
+            pointer=pointer or "/",
+        )
         self.reason = reason
 
     def __reduce__(self):  # picklable despite the three-argument constructor

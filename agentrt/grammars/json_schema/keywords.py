@@ -6,16 +6,50 @@ from __future__ import annotations
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 STRING_KW = ("minLength", "maxLength", "pattern", "format")
 NUMBER_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-ARRAY_KW = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
-            "minContains", "maxContains", "unevaluatedItems")
-OBJECT_KW = ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-             "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "dependencies",
-             "unevaluatedProperties")
+ARRAY_KW = (
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "unevaluatedItems",
+)
+OBJECT_KW = (
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+)
 COUNT_KW = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # assertion keywords: anything else in a schema object is an annotation (ignored, as the spec says)
 KNOWN = frozenset(STRING_KW + NUMBER_KW + ARRAY_KW + OBJECT_KW) | {
-    "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
-    "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"}
+    "type",
+    "enum",
+    "const",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "$ref",
+    "$dynamicRef",
+    "$dynamicAnchor",
+    "$recursiveRef",
+    "$recursiveAnchor",
+}
 
 UNSAT = None  # a normalized subschema no value satisfies
 

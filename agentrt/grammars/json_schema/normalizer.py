@@ -36,7 +36,9 @@ class NormalizedSchema:
     rewritten: list[str] = field(default_factory=list)
 
 
-def normalize_schema(schema: Any, *, best_effort: bool = False, close_objects: bool = False) -> NormalizedSchema:
+def normalize_schema(
+    schema: Any, *, best_effort: bool = False, close_objects: bool = False
+) -> NormalizedSchema:
     """Rewrite `schema` (a dict or bool, already meta-validated) into the enforced subset.
 
     best_effort: drop unsupported keywords and list them in `not_enforced` instead of raising.
@@ -63,8 +65,11 @@ class Normalizer:
         self.root = root
         self.best_effort = best_effort
         self.close_objects = close_objects
-        cls = validator_for(root, default=jsonschema.Draft202012Validator) if isinstance(root, dict) else \
-            jsonschema.Draft202012Validator
+        cls = (
+            validator_for(root, default=jsonschema.Draft202012Validator)
+            if isinstance(root, dict)
+            else jsonschema.Draft202012Validator
+        )
         # formats are assertions here, whatever the draft (draft-04's checker lacks `date`, ...)
         self.validator = cls(root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
         self.defs: dict[str, Any] = {}  # output $defs by name ("d0", ...)
@@ -220,6 +225,11 @@ class Normalizer:
             return {"type": "null"}
         if ty == "boolean":
             return {"type": "boolean"}
-        family = {"integer": norm_integer, "number": norm_number, "string": norm_string, "array": norm_array,
-                  "object": norm_object}[ty]
+        family = {
+            "integer": norm_integer,
+            "number": norm_number,
+            "string": norm_string,
+            "array": norm_array,
+            "object": norm_object,
+        }[ty]
         return family(self, s, pointer)

@@ -81,8 +81,7 @@ def _number_bounds(n: Normalizer, s: dict, pointer: str):
             if not is_int(v) and abs(v - round(v, 6)) > 1e-12:
                 # the backend's decimal range grammar loses such bounds (measured: a range
                 # of width 1e-9 admitted an empty value)
-                n.unsupported(k, ptr(pointer, k), "number bounds with more than 6 decimals are "
-                              "not supported")
+                n.unsupported(k, ptr(pointer, k), "number bounds with more than 6 decimals are not supported")
                 continue
             out[k] = int(v) if is_int(v) else v
     lo_b = max((out[k] for k in ("minimum", "exclusiveMinimum") if k in out), default=None)

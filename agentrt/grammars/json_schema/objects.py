@@ -81,9 +81,11 @@ def norm_object(n: Normalizer, s: dict, pointer: str):
 def _check_names(s: dict, required: list[str], pointer: str) -> None:
     for k in list(s.get("properties", {})) + required:
         if _NEEDS_ESCAPE.search(k):
-            raise UnsupportedSchemaError("properties", ptr(pointer, "properties", k),
-                                         "property names with quotes, backslashes or control characters are "
-                                         "not supported")
+            raise UnsupportedSchemaError(
+                "properties",
+                ptr(pointer, "properties", k),
+                "property names with quotes, backslashes or control characters are not supported",
+            )
 
 
 def _named_properties(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> bool:
@@ -94,8 +96,11 @@ def _named_properties(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> bo
             if k in shape.required:
                 return False
             if shape.ap is not UNSAT:
-                n.unsupported("properties", ptr(pointer, "properties", k),
-                              "a forbidden property on an open object is not supported")
+                n.unsupported(
+                    "properties",
+                    ptr(pointer, "properties", k),
+                    "a forbidden property on an open object is not supported",
+                )
             continue
         shape.props[k] = prop
     return True
@@ -127,15 +132,22 @@ def _one_pattern(n: Normalizer, shape: _Shape, pointer: str) -> None:
     if not shape.patterns:
         return
     pat, sub = next(iter(shape.patterns.items()))
-    if len(shape.patterns) == 1 and shape.ap is UNSAT and _matches_no_name(pat, list(shape.props) + shape.required):
+    if (
+        len(shape.patterns) == 1
+        and shape.ap is UNSAT
+        and _matches_no_name(pat, list(shape.props) + shape.required)
+    ):
         schema = n.norm(sub, ptr(pointer, "patternProperties", pat))
         if schema is not UNSAT:
             shape.out_pp = {as_fullmatch(pat): schema}
     else:
-        n.unsupported("patternProperties", ptr(pointer, "patternProperties"),
-                      "supported only as one pattern on a closed object "
-                      "(additionalProperties: false) that matches no named property, or as a "
-                      "pattern every name matches")
+        n.unsupported(
+            "patternProperties",
+            ptr(pointer, "patternProperties"),
+            "supported only as one pattern on a closed object "
+            "(additionalProperties: false) that matches no named property, or as a "
+            "pattern every name matches",
+        )
 
 
 def _matches_no_name(pat: str, names: list[str]) -> bool:
@@ -158,7 +170,9 @@ def _fill_required(n: Normalizer, shape: _Shape, pointer: str) -> bool:
         if k not in shape.props:
             if shape.ap is UNSAT:
                 if shape.out_pp:
-                    n.unsupported("required", ptr(pointer, "required"), f"required '{k}' must be a named property")
+                    n.unsupported(
+                        "required", ptr(pointer, "required"), f"required '{k}' must be a named property"
+                    )
                     continue
                 return False
             shape.props[k] = shape.ap
@@ -169,14 +183,19 @@ def _fill_required(n: Normalizer, shape: _Shape, pointer: str) -> bool:
 def _dependencies(n: Normalizer, s: dict, shape: _Shape, closed: bool, pointer: str) -> dict:
     """The `dependentRequired` entries that can apply (enforced later by branching); refuses
     `dependentSchemas` and what branching cannot express."""
-    dep_required = {k: list(v) for k, v in (s.get("dependentRequired") or {}).items()
-                    if k in shape.props or not closed}
+    dep_required = {
+        k: list(v) for k, v in (s.get("dependentRequired") or {}).items() if k in shape.props or not closed
+    }
     if s.get("dependentSchemas") and any(k in shape.props or not closed for k in s["dependentSchemas"]):
-        n.unsupported("dependentSchemas", ptr(pointer, "dependentSchemas"),
-                      "schema dependencies are not supported")
+        n.unsupported(
+            "dependentSchemas", ptr(pointer, "dependentSchemas"), "schema dependencies are not supported"
+        )
     if dep_required and (not closed or len(dep_required) > _MAX_DEPENDENT_REQUIRED):
-        n.unsupported("dependentRequired", ptr(pointer, "dependentRequired"),
-                      "supported on closed objects (additionalProperties: false), at most 4 entries")
+        n.unsupported(
+            "dependentRequired",
+            ptr(pointer, "dependentRequired"),
+            "supported on closed objects (additionalProperties: false), at most 4 entries",
+        )
         return {}
     return dep_required
 
@@ -199,11 +218,17 @@ def _property_names(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> None
     if shape.ap is UNSAT and all(sub.is_valid(k) for k in shape.props):
         n.rewrite("propertyNames", ptr(pointer, "propertyNames"))
         if shape.out_pp:
-            n.unsupported("propertyNames", ptr(pointer, "propertyNames"),
-                          "propertyNames beside patternProperties is not supported")
+            n.unsupported(
+                "propertyNames",
+                ptr(pointer, "propertyNames"),
+                "propertyNames beside patternProperties is not supported",
+            )
     else:
-        n.unsupported("propertyNames", ptr(pointer, "propertyNames"),
-                      "supported only on closed objects whose named properties all satisfy it")
+        n.unsupported(
+            "propertyNames",
+            ptr(pointer, "propertyNames"),
+            "supported only on closed objects whose named properties all satisfy it",
+        )
 
 
 def _property_counts(n: Normalizer, s: dict, shape: _Shape, closed: bool, out: dict, pointer: str) -> bool:
@@ -214,8 +239,11 @@ def _property_counts(n: Normalizer, s: dict, shape: _Shape, closed: bool, out: d
         if closed and int(lo) > len(shape.props):
             return False
         if not closed:  # the grammar may repeat an additional key, which counts once when parsed
-            n.unsupported("minProperties", ptr(pointer, "minProperties"),
-                          "minProperties beyond the required properties is supported on closed objects only")
+            n.unsupported(
+                "minProperties",
+                ptr(pointer, "minProperties"),
+                "minProperties beyond the required properties is supported on closed objects only",
+            )
         else:
             out["minProperties"] = int(lo)
     if hi is not None:

@@ -23,15 +23,18 @@ if TYPE_CHECKING:
 
 _MAX_MERGE_DEPTH = 32
 _DISJOINT = object()  # two values of one keyword that no instance satisfies together
-_TIGHTER = {**dict.fromkeys(("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"), max),
-            **dict.fromkeys(("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"), min)}
+_TIGHTER = {
+    **dict.fromkeys(("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"), max),
+    **dict.fromkeys(("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"), min),
+}
 
 
 def resolve(n: Normalizer, ref: str, pointer: str) -> tuple[str, Any]:
     """Local `$ref` ('#', '#/json/pointer') -> (fragment, target). Anything else is unsupported."""
     if not isinstance(ref, str) or not ref.startswith("#"):
-        raise UnsupportedSchemaError("$ref", pointer, f"only local references ('#/...') are resolved, "
-                                     f"not {ref!r}")
+        raise UnsupportedSchemaError(
+            "$ref", pointer, f"only local references ('#/...') are resolved, not {ref!r}"
+        )
     frag = urllib.parse.unquote(ref[1:])
     if frag and not frag.startswith("/"):
         raise UnsupportedSchemaError("$ref", pointer, f"anchor references ({ref!r}) are not supported")
@@ -43,7 +46,9 @@ def resolve(n: Normalizer, ref: str, pointer: str) -> tuple[str, Any]:
         elif isinstance(target, dict) and part in target:
             target = target[part]
         else:
-            raise UnsupportedSchemaError("$ref", pointer, f"reference {ref!r} does not resolve in this schema")
+            raise UnsupportedSchemaError(
+                "$ref", pointer, f"reference {ref!r} does not resolve in this schema"
+            )
     return frag, target
 
 
@@ -89,8 +94,9 @@ def inline(n: Normalizer, s, pointer: str, depth: int = 0):
     if "$ref" in s:
         frag, target = resolve(n, s.pop("$ref"), ptr(pointer, "$ref"))
         if frag in n.in_progress:
-            raise UnsupportedSchemaError("allOf", pointer, "merging a recursive $ref with sibling keywords "
-                                         "is not supported")
+            raise UnsupportedSchemaError(
+                "allOf", pointer, "merging a recursive $ref with sibling keywords is not supported"
+            )
         n.in_progress.add(frag)
         try:
             target = inline(n, target, "#" + frag, depth + 1)
@@ -142,12 +148,14 @@ def _refuse_unmergeable(a: dict, b: dict, pointer: str) -> None:
     # object keywords interact: a property of one side is "additional" to the other
     for x, y in ((a, b), (b, a)):
         if "patternProperties" in x and ("properties" in y or "additionalProperties" in y):
-            raise UnsupportedSchemaError("allOf", pointer, "merging patternProperties across allOf branches "
-                                         "is not supported")
+            raise UnsupportedSchemaError(
+                "allOf", pointer, "merging patternProperties across allOf branches is not supported"
+            )
     for k in ("unevaluatedProperties", "unevaluatedItems"):
         if any(k in x and x[k] is not True and x[k] != {} for x in (a, b)):
-            raise UnsupportedSchemaError(k, pointer, f"'{k}' combined with allOf/$ref/anyOf siblings is not "
-                                         "supported")
+            raise UnsupportedSchemaError(
+                k, pointer, f"'{k}' combined with allOf/$ref/anyOf siblings is not supported"
+            )
 
 
 def _merged_prefix_items(a: dict, b: dict) -> list:
@@ -205,4 +213,6 @@ def _merged_value(k: str, va, vb, pointer: str):
         return [{"allOf": [x, {k: vb}]} for x in va]
     if k == "oneOf":
         raise UnsupportedSchemaError("allOf", pointer, "two oneOf lists in one allOf are not supported")
-    raise UnsupportedSchemaError("allOf", ptr(pointer, k), f"two different '{k}' values in one allOf cannot be merged")
+    raise UnsupportedSchemaError(
+        "allOf", ptr(pointer, k), f"two different '{k}' values in one allOf cannot be merged"
+    )

@@ -29,9 +29,19 @@ if TYPE_CHECKING:
     from agentrt.grammars.json_schema.normalizer import Normalizer
 
 # formats xgrammar's JSON-schema converter enforces (probed one by one against jsonschema's checkers)
-GRAMMAR_FORMATS = frozenset({
-    "email", "uri", "uuid", "ipv6", "duration", "uri-reference",
-    "json-pointer", "uri-template", "relative-json-pointer"})
+GRAMMAR_FORMATS = frozenset(
+    {
+        "email",
+        "uri",
+        "uuid",
+        "ipv6",
+        "duration",
+        "uri-reference",
+        "json-pointer",
+        "uri-template",
+        "relative-json-pointer",
+    }
+)
 # formats jsonschema's FormatChecker asserts that the grammar does not: refused (unless best-effort)
 CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -40,9 +50,15 @@ IPV4_PATTERN = rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"
 # 28 and seconds at 59 (leap days and leap seconds are valid but left out: narrower, never wrong).
 # Year 0000 is left out too: Python's date (and jsonschema's format checker) starts at year 1; seen
 # when the length-safe policy closed a date-time with zeros.
-_DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_DATE = (
+    r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_TIME = (
+    r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+)
+
+
 # RFC 1123 hostnames: labels of 1-63 letters, digits and inner hyphens, at most 253 characters in
 # all (jsonschema's checker; xgrammar's hostname admitted 64-character labels). The total is kept by
 # a narrower shape, sound and compact: a first label up to 63 and at most 9 more of up to 20
@@ -52,9 +68,20 @@ def _label(n: int) -> str:
 
 
 HOSTNAME_PATTERN = rf"^{_label(63)}(?:\.{_label(20)}){{0,9}}\.?$"
-FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "date": f"^{_DATE}$", "time": f"^{_TIME}$",
-                   "date-time": f"^{_DATE}T{_TIME}$", "hostname": HOSTNAME_PATTERN}
-FORMAT_LENGTHS = {"ipv4": (7, 15), "date": (10, 10), "time": (9, 29), "date-time": (20, 40), "hostname": (1, 253)}
+FORMAT_PATTERNS = {
+    "ipv4": IPV4_PATTERN,
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "hostname": HOSTNAME_PATTERN,
+}
+FORMAT_LENGTHS = {
+    "ipv4": (7, 15),
+    "date": (10, 10),
+    "time": (9, 29),
+    "date-time": (20, 40),
+    "hostname": (1, 253),
+}
 
 
 def norm_string(n: Normalizer, s: dict, pointer: str):
@@ -111,12 +138,14 @@ def _expressible(n: Normalizer, pattern: str, pointer: str) -> bool:
     if "\\\\" in pattern:
         # the backend matches patterns against the raw JSON text, where a backslash starts an
         # escape: measured, the pattern a-backslash-n-b admitted the JSON string "a\\nb" (a newline)
-        n.unsupported("pattern", ptr(pointer, "pattern"), "a literal backslash in a pattern is not "
-                      "supported")
+        n.unsupported("pattern", ptr(pointer, "pattern"), "a literal backslash in a pattern is not supported")
         return False
     if has_unsupported_feature(pattern):
-        n.unsupported("pattern", ptr(pointer, "pattern"),
-                      "lookaround, backreferences, \\b and \\p{...} are not supported")
+        n.unsupported(
+            "pattern",
+            ptr(pointer, "pattern"),
+            "lookaround, backreferences, \\b and \\p{...} are not supported",
+        )
         return False
     return True
 
@@ -126,8 +155,9 @@ def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
     out = {"type": "string"}
     full = as_fullmatch(pattern)
     if full is None:
-        n.unsupported("pattern", ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are "
-                      "not supported")
+        n.unsupported(
+            "pattern", ptr(pointer, "pattern"), "anchors (^, $) inside the pattern are not supported"
+        )
         return out
     why = unconvertible(full)
     if why:
@@ -143,8 +173,11 @@ def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
             bounded = full  # every match already has an allowed length
         if bounded is None:
             kw = "maxLength" if hi is not None else "minLength"
-            n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside a pattern that is not one "
-                          "repeated character class is not supported")
+            n.unsupported(
+                kw,
+                ptr(pointer, kw),
+                f"'{kw}' beside a pattern that is not one repeated character class is not supported",
+            )
             out["pattern"] = full
             return out
         n.rewrite("pattern", ptr(pointer, "pattern"))

@@ -40,6 +40,7 @@ def json_equal(a, b) -> bool:
 
 def json_key(v) -> str:
     """A key equal for JSON-equal values (1 == 1.0, true != 1, object key order ignored)."""
+
     def norm(x):
         if isinstance(x, float) and x.is_integer():
             return int(x)
@@ -56,8 +57,12 @@ def value_to_schema(value: Any) -> dict:
     """A schema whose only instance is `value` (objects and arrays spelled out, so the backend
     renders them with its usual separators)."""
     if isinstance(value, dict):
-        return {"type": "object", "properties": {k: value_to_schema(v) for k, v in value.items()},
-                "required": list(value), "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {k: value_to_schema(v) for k, v in value.items()},
+            "required": list(value),
+            "additionalProperties": False,
+        }
     if isinstance(value, list):
         return {"type": "array", "prefixItems": [value_to_schema(v) for v in value], "items": False}
     if isinstance(value, float) and value.is_integer():

@@ -23,17 +23,37 @@ from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, PageTable, PageRows, SeqLens, PartOut, PartLse,
-    sm_scale, num_splits,
-    stride_qb, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
+    Q,
+    K,
+    V,
+    PageTable,
+    PageRows,
+    SeqLens,
+    PartOut,
+    PartLse,
+    sm_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_pt,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -49,8 +69,11 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -60,8 +83,24 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k, v = load_paged_kv(K, V, PageTable, table_row, stride_pt, offs_n, n_mask, offs_d, d_mask, kvh,
-                             stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE, UPCAST)
+        k, v = load_paged_kv(
+            K,
+            V,
+            PageTable,
+            table_row,
+            stride_pt,
+            offs_n,
+            n_mask,
+            offs_d,
+            d_mask,
+            kvh,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            PAGE_SIZE,
+            UPCAST,
+        )
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
@@ -69,18 +108,30 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-             out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(
+        PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+        out,
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
     tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    PartOut, PartLse, Out, num_splits,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PartOut,
+    PartLse,
+    Out,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,8 +143,11 @@ def _decode_merge_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)  # empty splits (lse -inf) weigh 0
-    parts = tl.load(PartOut + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    parts = tl.load(
+        PartOut + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
@@ -106,10 +160,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms:
     return int(max(1, min(32, want, math.ceil(max_seq_len / 256))))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float | None = None, page_size: int = 1,
-                     num_splits: int = 1, out: torch.Tensor | None = None,
-                     page_rows: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    page_size: int = 1,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one new token per sequence over its whole context in the KV pool.
 
     q: [B, H, D] (the new tokens' queries, RoPE applied); k_cache / v_cache: [S, Hkv, D] with the
@@ -137,33 +199,69 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, page_rows if page_rows is not None else seq_lens, seq_lens, part_out, part_lse,
-        sm_scale, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d,
-        UPCAST=upcast_dot(q.dtype), HAS_ROWS=page_rows is not None, PRECISION=dot_precision(q.dtype),
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        page_rows if page_rows is not None else seq_lens,
+        seq_lens,
+        part_out,
+        part_lse,
+        sm_scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        page_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 64 else 32,
+        BLOCK_D=block_d,
+        UPCAST=upcast_dot(q.dtype),
+        HAS_ROWS=page_rows is not None,
+        PRECISION=dot_precision(q.dtype),
     )
     _decode_merge_kernel[(batch, num_heads)](
-        part_out, part_lse, out, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return out
 
 
-def gather_kv_ref(cache: torch.Tensor, page_table: torch.Tensor, b: int, length: int, page_size: int) -> torch.Tensor:
+def gather_kv_ref(
+    cache: torch.Tensor, page_table: torch.Tensor, b: int, length: int, page_size: int
+) -> torch.Tensor:
     """Torch reference of the paged addressing: [length, Hkv, D] K or V of sequence b."""
     j = torch.arange(length, device=cache.device)
     slots = page_table[b, j // page_size].long() * page_size + j % page_size
     return cache[slots]
 
 
-def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1,
-                         page_rows=None):
+def decode_attention_ref(
+    q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1, page_rows=None
+):
     """Torch reference of `decode_attention` (fp32 math, one sequence at a time)."""
     if page_rows is not None:
         page_table = page_table[page_rows.long()]

@@ -22,16 +22,37 @@ from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, QStarts, QLens, PrefixLens, PageTable, PageRows, TreeMask, TreeOffsets,
+    Q,
+    K,
+    V,
+    Out,
+    QStarts,
+    QLens,
+    PrefixLens,
+    PageTable,
+    PageRows,
+    TreeMask,
+    TreeOffsets,
     sm_scale,
-    stride_qt, stride_qh,
-    stride_ks, stride_kh,
-    stride_vs, stride_vh,
-    stride_ot, stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_pt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -46,8 +67,11 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     if HAS_TREE:
@@ -62,13 +86,31 @@ def _extend_kernel(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k, v = load_paged_kv(K, V, PageTable, table_row, stride_pt, offs_n, n_mask, offs_d, d_mask, kvh,
-                             stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE, UPCAST)
+        k, v = load_paged_kv(
+            K,
+            V,
+            PageTable,
+            table_row,
+            stride_pt,
+            offs_n,
+            n_mask,
+            offs_d,
+            d_mask,
+            kvh,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            PAGE_SIZE,
+            UPCAST,
+        )
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         new_col = offs_n - prefix  # index among the new tokens (negative: a prefix key)
         if HAS_TREE:
             in_new = (new_col[None, :] >= 0) & m_mask[:, None] & n_mask[None, :]
-            tree = tl.load(TreeMask + tree_off + offs_m[:, None] * q_len + new_col[None, :], mask=in_new, other=0)
+            tree = tl.load(
+                TreeMask + tree_off + offs_m[:, None] * q_len + new_col[None, :], mask=in_new, other=0
+            )
             allowed = (new_col[None, :] < 0) | (tree != 0)
         else:
             allowed = new_col[None, :] <= offs_m[:, None]
@@ -77,15 +119,29 @@ def _extend_kernel(
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_starts: torch.Tensor,
-                     q_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
-                     sm_scale: float | None = None, page_size: int = 1, tree_mask: torch.Tensor | None = None,
-                     tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     page_rows: torch.Tensor | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float | None = None,
+    page_size: int = 1,
+    tree_mask: torch.Tensor | None = None,
+    tree_offsets: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of the new tokens of B sequences laid out in one flat batch.
 
     q: [T, H, D] queries (RoPE applied); sequence b's new tokens are rows
@@ -118,20 +174,54 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_tree = tree_mask is not None
     grid = (batch, num_heads, triton.cdiv(max(1, max_q_len), block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, q_starts, q_lens, prefix_lens, page_table,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        q_starts,
+        q_lens,
+        prefix_lens,
+        page_table,
         page_rows if page_rows is not None else q_lens,
-        tree_mask if has_tree else q_lens, tree_offsets if has_tree else q_lens, sm_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_TREE=has_tree,
-        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d, UPCAST=upcast_dot(q.dtype),
-        HAS_ROWS=page_rows is not None, PRECISION=dot_precision(q.dtype),
+        tree_mask if has_tree else q_lens,
+        tree_offsets if has_tree else q_lens,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        HAS_TREE=has_tree,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        BLOCK_D=block_d,
+        UPCAST=upcast_dot(q.dtype),
+        HAS_ROWS=page_rows is not None,
+        PRECISION=dot_precision(q.dtype),
     )
     return out
 
 
-def extend_attention_ref(q, k_cache, v_cache, q_starts, q_lens, prefix_lens, page_table, sm_scale=None,
-                         page_size: int = 1, tree_masks: list | None = None, page_rows=None):
+def extend_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    q_starts,
+    q_lens,
+    prefix_lens,
+    page_table,
+    sm_scale=None,
+    page_size: int = 1,
+    tree_masks: list | None = None,
+    page_rows=None,
+):
     """Torch reference of `extend_attention` (fp32 math); tree_masks: per sequence a [n, n] bool
     tensor or None (causal)."""
     if page_rows is not None:
@@ -150,7 +240,9 @@ def extend_attention_ref(q, k_cache, v_cache, q_starts, q_lens, prefix_lens, pag
         v = gather_kv_ref(v_cache, page_table, b, p + n, page_size).float().repeat_interleave(group, dim=1)
         allowed = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
         tree = tree_masks[b] if tree_masks is not None else None
-        allowed[:, p:] = tree if tree is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        allowed[:, p:] = (
+            tree if tree is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        )
         scores = torch.einsum("thd,nhd->htn", q[s : s + n].float(), k) * sm_scale
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         out[s : s + n] = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), v).to(q.dtype)

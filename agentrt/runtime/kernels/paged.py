@@ -8,8 +8,24 @@ import triton.language as tl
 
 
 @triton.jit
-def load_paged_kv(K, V, PageTable, table_row, stride_pt, offs_n, n_mask, offs_d, d_mask, kvh,
-                  stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+def load_paged_kv(
+    K,
+    V,
+    PageTable,
+    table_row,
+    stride_pt,
+    offs_n,
+    n_mask,
+    offs_d,
+    d_mask,
+    kvh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """K and V [BLOCK_N, BLOCK_D] of KV head `kvh` for token indices offs_n of the sequence whose
     pages are row `table_row` of PageTable (masked entries are 0; fp32 when UPCAST)."""
     page = tl.load(PageTable + table_row * stride_pt + offs_n // PAGE_SIZE, mask=n_mask, other=0)

@@ -11,11 +11,35 @@ import triton.language as tl
 
 @triton.jit
 def _rope_store_kernel(
-    Q, K, V, QOut, Cos, Sin, Positions, SlotMapping, KCache, VCache,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q,
+    K,
+    V,
+    QOut,
+    Cos,
+    Sin,
+    Positions,
+    SlotMapping,
+    KCache,
+    VCache,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cos,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
@@ -49,9 +73,18 @@ def _rope_store_kernel(
         tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
 
 
-def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate q and k of T new tokens and store k, v into the pool.
 
     q: [T, H, D], k / v: [T, Hkv, D] (views of the fused QKV projection are fine: the last dim
@@ -70,12 +103,34 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         return q_out
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
-        q, k, v, q_out, cos, sin, positions, slot_mapping, k_cache, v_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        q,
+        k,
+        v,
+        q_out,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
     )
     return q_out

@@ -185,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
-    def forward(self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata,
-                num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata, num_layers: int | None = None
+    ) -> torch.Tensor:
         """num_layers: run only the first layers (then the final norm): a self-draft's early exit."""
         x = self.embed_tokens(input_ids)
         meta.prepare_rope(positions, self.rope_cos, self.rope_sin, x.dtype)
@@ -208,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
             if name not in own:
                 raise ValueError(f"unexpected weight '{name}'")
             if own[name].shape != value.shape:
-                raise ValueError(f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+                raise ValueError(
+                    f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}"
+                )
             own[name].copy_(value)
             filled.add(name)
 
