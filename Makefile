@@ -34,3 +34,4 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agentrt tests bench
+	$(VENV)/bin/ruff format --check agentrt tests bench
