@@ -86,11 +86,6 @@ class AsyncEngine:
         """The engine's ModelRunner (device, dtype, KV pool, memory plan: read-only use)."""
         return self.engine.runner
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Validate a prompt and its sampling values without enqueueing (reads only immutable engine
-        facts, so safe from any thread). Raises InvalidRequestError / ContextLengthError."""
-        self.engine.check_request(prompt_ids, params)
-
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics (text exposition format)."""
         return self.engine.metrics.render()
