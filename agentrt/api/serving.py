@@ -53,6 +53,8 @@ class Generation:
         as this request calls it; default_param: the field when the error names none."""
         if e is None:
             e = InternalError("generation failed")
+        if isinstance(e, ConstraintError) and default_param is None:  # e.g. every token masked mid-output
+            default_param = self.constraint_param or None
         param = (e.param or default_param) if isinstance(e, InvalidRequestError) else None
         return to_api_error(e, self.param_names.get(param, param))
 

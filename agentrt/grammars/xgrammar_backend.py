@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from agentrt.errors import ConstraintError
+from agentrt.errors import ConstraintError, ServiceUnavailableError
 from agentrt.grammars.finite import check_finite
 from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
@@ -176,7 +176,8 @@ class GrammarBackend:
         """Future of the CompiledConstraint (shared by equal specs; LRU-cached). The future's
         exception is a ConstraintError naming the problem when the spec cannot be compiled (with the
         schema keyword/pointer and tool index when known), is larger than `max_constraint_bytes`,
-        takes longer than `compile_timeout_s`, or finds the compile threads stuck. The exception
+        or takes longer than `compile_timeout_s`; a ServiceUnavailableError (retryable, not cached)
+        when earlier compiles still hold every compile thread past their limit. The exception
         object is shared by every request with an equal spec: copy it before changing its fields."""
         with self._lock:
             fut = self._cache.get(spec.key)
@@ -192,8 +193,8 @@ class GrammarBackend:
                     )
                 )
             elif self._pool.num_stuck >= self._pool.max_stuck:
-                fut.set_exception(
-                    ConstraintError(
+                fut.set_exception(  # the server is busy, not the request at fault: retryable (503)
+                    ServiceUnavailableError(
                         f"{self._pool.num_stuck} earlier constraints are still compiling past the "
                         f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"
                     )

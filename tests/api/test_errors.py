@@ -21,6 +21,7 @@ from agentrt.errors import (
     InvalidRequestError,
     ServiceUnavailableError,
 )
+from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import FORMATS
 from agentrt.runtime.request import SamplingParams
 
@@ -113,6 +114,25 @@ def test_generation_names_fields_as_the_request_does():
     assert gen.api_error(InvalidRequestError("x"), default_param="messages").param == "messages"
     failed = gen.api_error(None)
     assert (failed.status, failed.type, failed.message) == (500, "server_error", "generation failed")
+
+
+def test_a_constraint_error_during_generation_names_the_constraint_field():
+    gen = Generation(
+        request_id="cmpl-1",
+        chat=False,
+        prompt_ids=[1],
+        params=SamplingParams(),
+        constraint=ConstraintSpec.regex("[a-z]+"),
+        constraint_param="regex",
+        tools=None,
+        param_names={},
+        cache_salt="",
+        stream=False,
+        include_usage=False,
+    )
+    err = gen.api_error(ConstraintError("the constraint admits no continuation here (every token is masked)"))
+    assert (err.status, err.param) == (400, "regex")
+    assert gen.api_error(InvalidRequestError("small", param="max_tokens")).param == "max_tokens"
 
 
 def test_a_tool_index_names_the_tool_as_the_request_lists_it():

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from agentrt.errors import ServiceUnavailableError
 from agentrt.grammars.conformance import Counts, accepts, check_schema
 from agentrt.grammars.json_schema import UnsupportedSchemaError, canonical_json, normalize_schema
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
@@ -387,7 +388,7 @@ def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
         assert b.submit(ConstraintSpec.regex("[a-z]+")).result(timeout=10) is not None  # not queued behind
         with pytest.raises(ValueError, match="did not compile within 0.3 s"):
             b.compile(ConstraintSpec.regex("stuck1"))
-        with pytest.raises(ValueError, match="2 earlier constraints are still compiling"):
+        with pytest.raises(ServiceUnavailableError, match="2 earlier constraints are still compiling"):
             b.compile(ConstraintSpec.regex("[0-9]+"))
         release.set()
         deadline = __import__("time").monotonic() + 10
