@@ -5,6 +5,7 @@
     serving.py    request -> engine (sampling params, constraint, tool plan) -> result
     streaming.py  SSE chunks (content and tool-call deltas)
     errors.py     typed errors -> HTTP status and OpenAI's error shape; the exception handlers
+    middleware.py API keys, body-size limit (pure ASGI) and ServerOptions
     protocol.py   request models (pydantic)
     tools/        tool definitions and turns: validation, prompt rendering, call parsing
 """
@@ -16,8 +17,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from agentrt.api.errors import install_error_handlers
+from agentrt.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, ServerOptions
 from agentrt.api.routes import build_router
 from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools import ToolPrompt
@@ -32,11 +35,15 @@ def create_app(
     on_ready: Callable[[], None] | None = None,
     tool_call_format: str = "auto",
     exclude_tools_when_tool_choice_none: bool = False,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
     `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
     template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
-    the tools out of the prompt when tool_choice is "none". Raises ValueError on an unknown format."""
+    the tools out of the prompt when tool_choice is "none"; options: API keys, body limit, CORS,
+    request logging (default ServerOptions(): no keys, 16 MiB bodies, no CORS, nothing logged).
+    Raises ValueError on an unknown format."""
+    options = options or ServerOptions()
     tool_prompt = ToolPrompt.for_template(
         getattr(engine.tokenizer, "chat_template", None),
         tool_call_format,
@@ -50,8 +57,21 @@ def create_app(
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=_lifespan)
     app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt)
     app.state.on_ready = on_ready
+    app.state.options = options
     install_error_handlers(app)
     app.include_router(build_router())
+    # the last added runs first: CORS, then the key check, then the body limit
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_body_bytes)
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=options.open_paths())
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "X-Agentrt-Not-Enforced"],
+        )
     return app
 
 

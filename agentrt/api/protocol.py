@@ -89,7 +89,7 @@ class _CommonRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
     user: str | None = None
     top_k: int = 0
     min_p: float = 0.0
@@ -107,12 +107,12 @@ class _CommonRequest(BaseModel):
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in self.unsupported_fields:
             value = getattr(self, name)
-            if value != type(self).model_fields[name].default and not (name == "best_of" and value == 1):
+            if value != type(self).model_fields[name].default and value not in self.unsupported_noop.get(
+                name, ()
+            ):
                 raise APIError(f"{name} is not supported by this server", param=name)
         if self.n != 1:
             raise APIError("n must be 1: agentrt returns one choice per request", param="n")
-        if self.logprobs:
-            raise APIError("logprobs are not supported yet", param="logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -138,7 +138,10 @@ class _CommonRequest(BaseModel):
             speculative=self.speculative,
         )
 
-    unsupported_fields: ClassVar[tuple[str, ...]] = ()
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("top_logprobs",)
+    """Fields refused with a 400 naming them when given a value other than their default, or one
+    of `unsupported_noop`'s values for that field (values that ask for nothing)."""
+    unsupported_noop: ClassVar[dict[str, tuple]] = {}
 
     def constraint(self, response_format: ResponseFormat | None = None) -> RequestConstraint:
         """The request's one constraint (spec None when it has none). Raises APIError (400) naming the
@@ -206,7 +209,9 @@ class ChatCompletionRequest(_CommonRequest):
     tool_call_constraint: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call")
+    logprobs: bool | None = None
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call", "logprobs", "top_logprobs")
+    unsupported_noop: ClassVar[dict[str, tuple]] = {"logprobs": (False,)}
 
 
 class CompletionRequest(_CommonRequest):
@@ -216,7 +221,9 @@ class CompletionRequest(_CommonRequest):
     best_of: int | None = None
     suffix: str | None = None
     response_format: ResponseFormat | None = None
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix")
+    logprobs: int | None = None  # any value, 0 included, asks for logprobs
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix", "logprobs", "top_logprobs")
+    unsupported_noop: ClassVar[dict[str, tuple]] = {"best_of": (1,)}
 
 
 def usage(out: RequestOutput) -> dict:

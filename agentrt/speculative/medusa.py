@@ -3,7 +3,7 @@ Multiple Decoding Heads", arXiv 2401.10774): K extra heads on the target's last 
 k (0-based) predicts the token k + 2 positions ahead (the model's own LM head predicts the next).
 Each head is `num_layers` residual blocks x + SiLU(W x + b) followed by an LM head.
 
-Checkpoint layout (the original Medusa repository's `medusa_lm_head.safetensors` / `.pt` beside a
+Checkpoint layout (the original Medusa repository's `medusa_lm_head.safetensors` beside a
 `config.json` with `medusa_num_heads` and `medusa_num_layers`): keys `{k}.{j}.linear.weight`,
 `{k}.{j}.linear.bias` for block j of head k and `{k}.{num_layers}.weight` for its LM head. Heads
 trained here set `"shared_lm_head": true` in config.json and store no `{k}.{L}.weight`: they reuse
@@ -107,8 +107,9 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
-        """Heads from a Medusa checkpoint directory (config.json + medusa_lm_head.safetensors or
-        .pt). Raises ValueError when files are missing or shapes do not fit the target model."""
+        """Heads from a Medusa checkpoint directory (config.json + medusa_lm_head.safetensors).
+        Raises ValueError when files are missing or shapes do not fit the target model, or naming
+        the file when only the pickle checkpoint medusa_lm_head.pt is there (never unpickled)."""
         d = Path(directory)
         if not (d / "config.json").exists():
             raise ValueError(f"Medusa heads directory {d} has no config.json")
@@ -118,9 +119,13 @@ class MedusaHeads(nn.Module):
 
             tensors = load_file(str(d / WEIGHTS_FILE))
         elif (d / "medusa_lm_head.pt").exists():
-            tensors = torch.load(str(d / "medusa_lm_head.pt"), map_location="cpu", weights_only=True)
+            raise ValueError(
+                f"{d / 'medusa_lm_head.pt'} is a pickle checkpoint: agentrt loads Medusa heads only from "
+                f"{WEIGHTS_FILE} (unpickling a file can run code hidden in it); convert it to safetensors "
+                "with a tool you trust"
+            )
         else:
-            raise ValueError(f"Medusa heads directory {d} has no {WEIGHTS_FILE} or medusa_lm_head.pt")
+            raise ValueError(f"Medusa heads directory {d} has no {WEIGHTS_FILE}")
         tensors = {k.removeprefix("medusa_head."): v for k, v in tensors.items()}
         num_heads = int(config.get("medusa_num_heads", 0))
         num_layers = int(config.get("medusa_num_layers", 1))

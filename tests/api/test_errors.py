@@ -1,6 +1,6 @@
 """The API's error mapping, model-free: each typed error -> HTTP status and OpenAI's error shape, the
-FastAPI handlers (validation, body limit, unknown routes, unhandled exceptions), and how a request
-renames the engine's fields."""
+FastAPI handlers (validation, unknown routes, unhandled exceptions), and how a request renames the
+engine's fields. The body limit and API keys: tests/api/test_security.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from agentrt.api.errors import MAX_BODY_BYTES, APIError, error_body, install_error_handlers, to_api_error
+from agentrt.api.errors import APIError, error_body, install_error_handlers, to_api_error
 from agentrt.api.serving import Generation
 from agentrt.api.tools import plan_tools
 from agentrt.errors import (
@@ -197,9 +197,3 @@ def test_handlers_answer_every_failure_in_openai_shape(client):
     assert err["param"] == "n" and err["message"].startswith("n: ")
     err = _error(client.post("/body", content=b"{no", headers={"content-type": "application/json"}), 400)
     assert err["param"] is None and "not valid JSON" in err["message"]
-    big = client.post(
-        "/body",
-        content=b"{}",
-        headers={"content-type": "application/json", "content-length": str(MAX_BODY_BYTES + 1)},
-    )
-    assert "exceeds the limit" in _error(big, 413)["message"]

