@@ -27,13 +27,15 @@ from agentrt.errors import AgentrtError, ContextLengthError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 16 << 20
+"""Request bodies larger than this (bytes, by Content-Length) are refused with 413."""
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
 
 
 class APIError(Exception):
     """An error the API layer decides itself, with its HTTP status and OpenAI error fields (a
-    malformed request field, an unknown model (404), a client that left (499), a missing or wrong
-    API key (401) or an oversize body (413), both from api/middleware.py). Typed runtime errors
+    malformed request field, an unknown model (404), a client that left (499)). Typed runtime errors
     become one through `to_api_error`."""
 
     def __init__(
@@ -109,13 +111,14 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make every failure of `app` an OpenAI error body: APIError and AgentrtError (by the table
-    above), pydantic validation errors (400 naming the field), HTTP errors such as 404/405 routes
-    and 413 bodies (api/middleware.py), and any other exception (500, logged)."""
+    above), request bodies over MAX_BODY_BYTES (413), pydantic validation errors (400 naming the
+    field), HTTP errors such as 404/405 routes, and any other exception (500, logged)."""
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(AgentrtError, _on_agentrt_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Exception, _on_internal_error)
+    app.middleware("http")(_limit_body)
 
 
 async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
@@ -124,6 +127,15 @@ async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
 
 async def _on_agentrt_error(_: Request, e: AgentrtError) -> JSONResponse:
     return to_api_error(e).response()
+
+
+async def _limit_body(request: Request, call_next):
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return APIError(
+            f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}", status=413
+        ).response()
+    return await call_next(request)
 
 
 async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

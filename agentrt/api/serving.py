@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from agentrt.api.errors import APIError, to_api_error
-from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest, usage
 from agentrt.api.streaming import ChunkWriter, stream_events
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
@@ -76,8 +75,6 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str, tool_prompt: ToolPrompt):
         self.engine, self.model_name, self.tool_prompt = engine, model_name, tool_prompt
-        limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
-        self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
@@ -123,9 +120,7 @@ class OpenAIServing:
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
-        prompt_ids = await asyncio.to_thread(
-            _render_chat, self.engine.tokenizer, rendered, template_tools, self.prompt_bound
-        )
+        prompt_ids = await asyncio.to_thread(_render_chat, self.engine.tokenizer, rendered, template_tools)
         names = {"prompt": "messages"}
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
@@ -143,9 +138,7 @@ class OpenAIServing:
                 raise APIError("prompt: give one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(
-                _encode, self.engine.tokenizer, prompt, "prompt", self.prompt_bound
-            )
+            prompt_ids = await asyncio.to_thread(_encode, self.engine.tokenizer, prompt, "prompt")
             if not prompt_ids:
                 raise APIError("prompt is empty", param="prompt")
         else:
@@ -286,26 +279,21 @@ def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
     return message, finish
 
 
-def _encode(tokenizer, text: str, param: str, bound: PromptBound | None = None) -> list[int]:
-    """Token ids of `text`. Raises APIError naming `param` when it is not valid Unicode, and
-    ContextLengthError, without tokenizing, when `bound` shows it cannot fit the context."""
-    if bound is not None:
-        bound.check(text, param)
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of `text`. Raises APIError naming `param` when it is not valid Unicode."""
     try:
         return tokenizer.encode(text, add_special_tokens=False)
     except (TypeError, UnicodeError):
         raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
 
 
-def _render_chat(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, bound: PromptBound | None = None
-) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` through the chat template (generation prompt added). Raises APIError
-    naming "messages" when the template refuses them, ContextLengthError as `_encode`."""
+    naming "messages" when the template refuses them."""
     try:
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
-    return _encode(tokenizer, prompt, "messages", bound)
+    return _encode(tokenizer, prompt, "messages")

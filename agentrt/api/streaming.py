@@ -3,21 +3,26 @@
 A chat stream opens with a role chunk, sends content deltas (or tool-call deltas: a call's id and
 name first, then fragments of its arguments JSON), ends with a chunk carrying finish_reason, then
 an optional usage chunk and `data: [DONE]`. An error after the first output is one
-`data: {"error": {...}}` event (the response status is already 200).
+`data: {"error": {...}}` event (the response status is already 200): the request's own error, or
+an InternalError when turning its text into chunks (the tool-call parser) raised; the request is
+then aborted, and nothing else is affected.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from agentrt.api.errors import APIError
 from agentrt.api.protocol import usage
 from agentrt.api.tools import ParseEvent, ToolCallParser
-from agentrt.errors import AgentrtError
+from agentrt.errors import AgentrtError, InternalError
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -131,7 +136,14 @@ async def stream_events(
             if out.finish_reason == "error":
                 yield sse(to_error(out.error).body())
                 break
-            for chunk in _deltas(writer, parser, out):
+            try:
+                chunks = _deltas(writer, parser, out)
+            except Exception as e:  # a parser fault fails this stream alone, with an error event
+                logger.exception("output parsing failed for %s", stream.request_id)
+                error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
+                yield sse(to_error(error).body())
+                break
+            for chunk in chunks:
                 yield chunk
             if out.finished:
                 break

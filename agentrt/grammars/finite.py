@@ -15,6 +15,7 @@ The input is xgrammar's printed EBNF (``str(xgr.Grammar)``), which is regular: o
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from agentrt.errors import ConstraintError
 
@@ -82,7 +83,9 @@ def _class_is_empty(text: str) -> bool:
 
 def _parse(ebnf: str) -> dict[str, tuple]:
     """{rule name: body} where a body is ("alt", [seq, ...]), a seq is a list of items and an item
-    is ("ref", name) | ("term", productive: bool) | ("alt", ...) | ("opt", item) | ("rep1", item)."""
+    is ("ref", name) | ("term", productive: bool, chars) | ("alt", ...) | ("opt", item) |
+    ("rep1", item, min count). `chars`: at least the characters a terminal matches (a string's
+    printed length, 1 for a class, 0 for a lookahead)."""
     rules: dict[str, tuple] = {}
     for line in ebnf.splitlines():
         if line.strip():
@@ -138,13 +141,13 @@ class _Line:
         if kind == "name":
             node = ("ref", text)
         elif kind == "string":
-            node = ("term", True)
+            node = ("term", True, len(text) - 2)
         elif kind == "cls":
-            node = ("term", not _class_is_empty(text))
+            node = ("term", not _class_is_empty(text), 1)
         elif kind == "look":
             self.expr()
             self.close()
-            return ("term", True)  # a lookahead constrains, it does not produce
+            return ("term", True, 0)  # a lookahead constrains, it does not produce
         elif text == "(":
             node = self.expr()
             self.close()
@@ -156,11 +159,11 @@ class _Line:
             return ("opt", node)
         if text == "+":
             self.pos += 1
-            return ("rep1", node)
+            return ("rep1", node, 1)
         if kind == "count":
             self.pos += 1
             lo = int(text[1:].split(",")[0])
-            return ("rep1", node) if lo > 0 else ("opt", node)
+            return ("rep1", node, lo) if lo > 0 else ("opt", node)
         return node
 
     def close(self):
@@ -169,14 +172,15 @@ class _Line:
         self.pos += 1
 
 
-def unproductive_rules(ebnf: str, root: str = "root") -> list[str] | None:
+def unproductive_rules(ebnf: str, root: str = "root", rules: dict | None = None) -> list[str] | None:
     """Rules reachable from `root` that derive no finite string, in reachability order ([] when the
     grammar is fine). None when `ebnf` is not in the printed form this module reads (the caller
-    then cannot tell and should not refuse)."""
-    try:
-        rules = _parse(ebnf)
-    except _Unparsed:
-        return None
+    then cannot tell and should not refuse). `rules`: `ebnf` already parsed."""
+    if rules is None:
+        try:
+            rules = _parse(ebnf)
+        except _Unparsed:
+            return None
     if root not in rules:
         return None
     productive: set[str] = set()
@@ -226,10 +230,15 @@ def _refs(node):
                 yield from _refs(i)
 
 
-def check_finite(ebnf: str, root: str = "root") -> None:
+def check_finite(ebnf: str, root: str = "root") -> ForcedBound | None:
     """Raise ConstraintError when some rule reachable from `root` in `ebnf` (xgrammar's printed form)
-    can never finish: a recursion with no way out, or an empty character class."""
-    bad = unproductive_rules(ebnf, root)
+    can never finish: a recursion with no way out, or an empty character class. Returns the
+    grammar's `forced_text_bound` (None: not readable), from the same parse."""
+    try:
+        rules = _parse(ebnf)
+    except _Unparsed:
+        return None
+    bad = unproductive_rules(ebnf, root, rules)
     if bad:
         names = ", ".join(f"'{n}'" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise ConstraintError(
@@ -237,3 +246,168 @@ def check_finite(ebnf: str, root: str = "root") -> None:
             "(a recursion with no way out, such as a required property that contains "
             "its own object, or an empty character class)"
         )
+    return forced_text_bound(ebnf, root, rules)
+
+
+_SAT = 1 << 62  # saturating arithmetic: a bound this large means "no useful bound"
+
+
+class ForcedBound(NamedTuple):
+    """An upper bound on the text a grammar can force at once (what xgrammar's
+    `find_jump_forward_string` materialises, one character at a time): at most
+    `fixed + per_output_char * n` characters after `n` output characters. `per_output_char` is 0
+    for a grammar without recursion."""
+
+    fixed: int
+    per_output_char: int
+
+    def at(self, num_output_chars: int) -> int:
+        return min(_SAT, self.fixed + self.per_output_char * num_output_chars)
+
+
+def forced_text_bound(ebnf: str, root: str = "root", rules: dict | None = None) -> ForcedBound | None:
+    """Bound the forced text of `ebnf` (xgrammar's printed form); None when it cannot be read.
+
+    Forced text is a prefix of every way to finish, so it is at most the shortest completion of
+    the matcher's stack: the sum, over the stack's frames, of the shortest text that finishes
+    each frame's alternative (its `rest`). Without recursion a stack is a path of rule references
+    and the longest such sum is a longest-path computation over that acyclic graph. With recursion
+    the stack grows with the output: each accepted character pushes at most one frame per rule or
+    group, so depth <= frames * (chars + 2) and the bound is max rest * that depth (loose, but
+    small for JSON-like grammars whose recursion is followed by one closing character).
+    Counted repetitions (`x{n, m}`), long literals and rules that double each other are what make
+    it large: `"a"{2000000000,2147483647}` is bounded by 2e9, and the caller then does not let
+    xgrammar materialise the text. `rules`: `ebnf` already parsed."""
+    if rules is None:
+        try:
+            rules = _parse(ebnf)
+        except _Unparsed:
+            return None
+    if root not in rules:
+        return None
+    minlen = {name: _SAT for name in rules}
+
+    def mlen(node) -> int:
+        kind = node[0]
+        if kind == "term":
+            return node[2]
+        if kind == "ref":
+            return minlen.get(node[1], _SAT)
+        if kind == "opt":
+            return 0
+        if kind == "rep1":
+            return min(_SAT, node[2] * mlen(node[1]))
+        return min((min(_SAT, sum(mlen(i) for i in s)) for s in node[1]), default=_SAT)
+
+    for _ in range(len(rules) + 1):  # shortest derivations: a fixpoint from above
+        changed = False
+        for name, body in rules.items():
+            m = mlen(body)
+            if m < minlen[name]:
+                minlen[name], changed = m, True
+        if not changed:
+            break
+
+    def rest(node, inner_ref) -> int:
+        """The longest 'shortest text to finish `node`' over positions inside it; `inner_ref`
+        gives a referenced rule's contribution (its own rest, or 0 when it is its own frame)."""
+        kind = node[0]
+        if kind == "term":
+            return node[2]
+        if kind == "ref":
+            return inner_ref(node[1])
+        if kind == "opt":
+            return rest(node[1], inner_ref)
+        if kind == "rep1":
+            return min(_SAT, rest(node[1], inner_ref) + (node[2] - 1) * mlen(node[1]))
+        best = 0
+        for s in node[1]:
+            after = 0
+            for item in reversed(s):
+                best = max(best, min(_SAT, rest(item, inner_ref) + after))
+                after = min(_SAT, after + mlen(item))
+        return best
+
+    reachable, cyclic = _reach_and_cycles(rules, root)
+    fixed: dict[str, int] = {}  # longest path over non-recursive rules (recursive ones weigh 0)
+    for name in reversed(_topological(rules, reachable)):
+        fixed[name] = rest(rules[name], lambda n: 0 if n in cyclic else fixed.get(n, _SAT))
+    if not cyclic:
+        return ForcedBound(fixed[root], 0)
+    local = max(rest(rules[n], lambda _n: 0) for n in cyclic)
+    num_frames = sum(1 + _count_groups(rules[n]) for n in cyclic)
+    top = max(fixed.values(), default=0)
+    per_char = min(_SAT, local * num_frames)
+    return ForcedBound(min(_SAT, top + 2 * per_char), per_char)
+
+
+def _reach_and_cycles(rules: dict[str, tuple], root: str) -> tuple[set[str], set[str]]:
+    """Rules reachable from `root`, and those of them on a cycle (Tarjan's strongly connected
+    components, iterative)."""
+    graph = {n: [r for r in _refs(body) if r in rules] for n, body in rules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    cyclic: set[str] = set()
+    work = [(root, 0)]
+    while work:
+        node, i = work.pop()
+        if i == 0:
+            index[node] = low[node] = len(index)
+            stack.append(node)
+            on_stack.add(node)
+        succ = graph[node]
+        if i < len(succ):
+            work.append((node, i + 1))
+            nxt = succ[i]
+            if nxt not in index:
+                work.append((nxt, 0))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+            continue
+        if low[node] == index[node]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == node:
+                    break
+            if len(comp) > 1 or node in graph[node]:
+                cyclic.update(comp)
+        if work:
+            parent = work[-1][0]
+            low[parent] = min(low[parent], low[node])
+    return set(index), cyclic
+
+
+def _topological(rules: dict[str, tuple], names: set[str]) -> list[str]:
+    """`names` ordered so that a rule comes before the rules it references (cycles broken
+    anywhere: callers treat recursive rules separately)."""
+    order, seen = [], set()
+    for start in sorted(names):
+        if start in seen:
+            continue
+        seen.add(start)
+        work = [(start, iter(_refs(rules[start])))]
+        while work:
+            name, it = work[-1]
+            for ref in it:
+                if ref in names and ref not in seen:
+                    seen.add(ref)
+                    work.append((ref, iter(_refs(rules[ref]))))
+                    break
+            else:
+                work.pop()
+                order.append(name)
+    return order[::-1]
+
+
+def _count_groups(node) -> int:
+    kind = node[0]
+    if kind in ("opt", "rep1"):
+        return 1 + _count_groups(node[1])
+    if kind == "alt":
+        return 1 + sum(_count_groups(i) for s in node[1] for i in s)
+    return 0

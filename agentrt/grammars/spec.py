@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,12 +20,16 @@ class GrammarConfig:
     max_whitespace_cnt: with any_whitespace, the most whitespace characters in one gap.
     indent: pretty-print JSON with this indent (newlines + spaces, still a fixed layout) instead
     of the compact one-line layout.
-    compile_threads: worker threads that compile grammars off the engine loop.
+    compile_threads: worker threads that compile grammars off the engine loop (default: one per 4
+    CPU cores, at least 1), at scheduling priority `compile_nice` (Linux nice, per thread: the
+    engine loop keeps the CPU); see grammars/compile_queue.py.
     cache_size: compiled grammars kept (LRU).
-    compile_timeout_s: a constraint that has not compiled after this long is refused (400); the
-    compile thread finishes in the background and its result is dropped; a new thread takes its
-    place meanwhile, and while 4 such compiles are still running new constraints are refused (400)
-    rather than queued behind them.
+    compile_timeout_s: a constraint whose compile has run this long is refused (400) when the
+    compile used at least a tenth of it in CPU time, else answered 503 (retryable: a busy server);
+    the compile thread finishes in the background and its result is dropped; a new thread takes
+    its place meanwhile, and while max(2, compile_threads) such compiles are still running new
+    constraints are refused (503) rather than queued behind them.
+    compile_queue_timeout_s: a compile still waiting for a thread after this long is answered 503.
     max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
     jump_forward: append the tokens of grammar-forced text without sampling them (see
     Engine._jump_forward)."""
@@ -32,9 +37,11 @@ class GrammarConfig:
     any_whitespace: bool = False
     max_whitespace_cnt: int = 2
     indent: int | None = None
-    compile_threads: int = 2
+    compile_threads: int = max(1, (os.cpu_count() or 2) // 4)
+    compile_nice: int = 10
     cache_size: int = 512
     compile_timeout_s: float = 30.0
+    compile_queue_timeout_s: float = 30.0
     jump_forward: bool = True
     max_constraint_bytes: int = 1 << 20
 

@@ -11,22 +11,19 @@ Errors: a constraint that cannot be compiled fails its future with `agentrt.erro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import re
-import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
 
-from agentrt.errors import ConstraintError, ServiceUnavailableError
-from agentrt.grammars.finite import check_finite
+from agentrt.errors import ConstraintError
+from agentrt.grammars.compile_queue import CompileQueue
+from agentrt.grammars.finite import ForcedBound, check_finite
 from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
@@ -139,11 +136,14 @@ def _refusal(message: str, cause: Exception) -> ConstraintError:
 @dataclass
 class CompiledConstraint:
     """grammar: the backend's compiled grammar; not_enforced: keywords dropped under best-effort
-    ("keyword at /pointer"); compile_s: wall time of the compile."""
+    ("keyword at /pointer"); compile_s: wall time of the compile; forced_bound: how long a text the
+    grammar can force at once (grammars/finite.py; None: unknown), which decides how jump-forward
+    may search it (grammars/jump_forward.py)."""
 
     grammar: xgr.CompiledGrammar
     not_enforced: list[str] = field(default_factory=list)
     compile_s: float = 0.0
+    forced_bound: ForcedBound | None = None
 
 
 class GrammarBackend:
@@ -163,67 +163,45 @@ class GrammarBackend:
         self.info = info
         self._tokenizer = tokenizer
         self._planner = None
-        self._compiler = xgr.GrammarCompiler(info, max_threads=config.compile_threads, cache_enabled=False)
-        self._pool = _DaemonPool(config.compile_threads, "grammar-compile")
+        self._jump_finder = None
+        # one xgrammar thread per compile worker: compile concurrency is the worker count
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._queue = CompileQueue(self._compile, config)
         # mask overlap: bitmasks are filled on this thread while the engine runs the forward pass
         # (xgrammar releases the GIL; the rows of a batch are filled by its own thread pool)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._batch_matcher = xgr.BatchGrammarMatcher(max(1, (os.cpu_count() or 2) // 2))
-        self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._lock = threading.Lock()
 
     def submit(self, spec: ConstraintSpec) -> Future:
-        """Future of the CompiledConstraint (shared by equal specs; LRU-cached). The future's
-        exception is a ConstraintError naming the problem when the spec cannot be compiled (with the
-        schema keyword/pointer and tool index when known), is larger than `max_constraint_bytes`,
-        or takes longer than `compile_timeout_s`; a ServiceUnavailableError (retryable, not cached)
-        when earlier compiles still hold every compile thread past their limit. The exception
-        object is shared by every request with an equal spec: copy it before changing its fields."""
-        with self._lock:
-            fut = self._cache.get(spec.key)
-            if fut is not None:
-                self._cache.move_to_end(spec.key)
-                return fut
-            fut = Future()
-            if len(spec.value.encode()) > self.config.max_constraint_bytes:
-                fut.set_exception(
-                    ConstraintError(
-                        f"{spec.kind} constraint is {len(spec.value.encode())} bytes, over the "
-                        f"{self.config.max_constraint_bytes}-byte limit"
-                    )
-                )
-            elif self._pool.num_stuck >= self._pool.max_stuck:
-                fut.set_exception(  # the server is busy, not the request at fault: retryable (503)
-                    ServiceUnavailableError(
-                        f"{self._pool.num_stuck} earlier constraints are still compiling past the "
-                        f"{self.config.compile_timeout_s:g} s limit; this one was not started, try again later"
-                    )
-                )
-                return fut  # not cached: a later request may find capacity
-            else:
-                inner = self._pool.submit(self._compile, spec)
-                timer = threading.Timer(self.config.compile_timeout_s, self._time_out, (fut, spec, inner))
-                timer.daemon = True
-                timer.start()
-                inner.add_done_callback(lambda f: (timer.cancel(), _forward(f, fut)))
-            self._cache[spec.key] = fut
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
-            return fut
+        """This caller's future of the CompiledConstraint (equal specs share one compile; LRU-cached;
+        grammars/compile_queue.py). Its exception is a ConstraintError naming the problem when the
+        spec cannot be compiled (with the schema keyword/pointer and tool index when known), is
+        larger than `max_constraint_bytes`, or takes longer than `compile_timeout_s` of its own
+        compute; a ServiceUnavailableError (retryable, not cached) when the server is too busy to
+        compile it (queued past `compile_queue_timeout_s`, starved of CPU, or earlier compiles
+        still hold the threads past their limit). The exception object is shared by every request
+        with an equal spec: copy it before changing its fields.
 
-    def _time_out(self, fut: Future, spec: ConstraintSpec, inner: Future) -> None:
-        try:
+        Releasing: `future.cancel()` says this caller no longer waits (a client that left, a
+        request aborted while WAITING_FOR_GRAMMAR); once no caller waits, a compile not yet started
+        is cancelled. Cancelling an asyncio task that awaits `asyncio.wrap_future(future)` (as
+        AsyncEngine.compile does) cancels the future, so it releases too."""
+        size = len(spec.value.encode())
+        if size > self.config.max_constraint_bytes:
+            fut: Future = Future()
             fut.set_exception(
                 ConstraintError(
-                    f"{spec.kind} constraint did not compile within {self.config.compile_timeout_s:g} s"
+                    f"{spec.kind} constraint is {size} bytes, over the "
+                    f"{self.config.max_constraint_bytes}-byte limit"
                 )
             )
-        except InvalidStateError:  # it finished just now
-            return
-        self._pool.abandon(inner)
-        with self._lock:  # a later identical request may try again
-            if self._cache.get(spec.key) is fut:
-                del self._cache[spec.key]
+            return fut
+        return self._queue.submit(spec)
+
+    @property
+    def _pool(self):
+        """The compile worker pool (tests read num_stuck / max_stuck)."""
+        return self._queue.pool
 
     def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
         """Compile (or fetch from cache), blocking. Raises ConstraintError on an invalid spec."""
@@ -232,10 +210,12 @@ class GrammarBackend:
     def _compile(self, spec: ConstraintSpec) -> CompiledConstraint:
         t0 = time.perf_counter()
         not_enforced: list[str] = []
-        grammar = self._compile_grammar(spec, not_enforced)
-        return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0)
+        grammar, bound = self._compile_grammar(spec, not_enforced)
+        return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0, bound)
 
-    def _compile_grammar(self, spec: ConstraintSpec, not_enforced: list[str]) -> xgr.CompiledGrammar:
+    def _compile_grammar(
+        self, spec: ConstraintSpec, not_enforced: list[str]
+    ) -> tuple[xgr.CompiledGrammar, ForcedBound | None]:
         c, cfg = self._compiler, self.config
         ws = {"any_whitespace": cfg.any_whitespace, "indent": cfg.indent}
         if cfg.any_whitespace:
@@ -244,8 +224,8 @@ class GrammarBackend:
             grammar = self._grammar(spec, not_enforced, ws)
             if grammar is None:
                 raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
-            check_finite(str(grammar), "root")
-            return c.compile_grammar(grammar)
+            bound = check_finite(str(grammar), "root")
+            return c.compile_grammar(grammar), bound
         except (RuntimeError, ValueError, TypeError) as e:
             raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
@@ -313,6 +293,17 @@ class GrammarBackend:
             self._planner = ClosingPlanner(texts, lambda t: tok.encode(t, add_special_tokens=False))
         return self._planner
 
+    @property
+    def jump_finder(self):
+        """The ForcedTextFinder (bounded jump-forward search, grammars/jump_forward.py) for this
+        tokenizer, built on first use."""
+        if self._jump_finder is None:
+            from agentrt.grammars.jump_forward import ForcedTextFinder
+
+            sizes = [len(bytes(b)) for b in self.info.decoded_vocab]
+            self._jump_finder = ForcedTextFinder(self.planner.token_texts, sizes)
+        return self._jump_finder
+
     def allocate_bitmask(self, batch: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(batch, self.vocab_size)
 
@@ -341,78 +332,5 @@ class GrammarBackend:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
     def shutdown(self) -> None:
-        self._pool.shutdown()
+        self._queue.shutdown()
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _DaemonPool:
-    """A fixed pool of daemon worker threads. A compile past its time limit keeps running inside
-    xgrammar (it cannot be interrupted); a ThreadPoolExecutor would join it at interpreter exit,
-    so a server stopped with SIGTERM hung until the compile ended. Daemon threads do not."""
-
-    def __init__(self, num_threads: int, name: str, max_stuck: int = 4):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._name, self._lock = name, threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._abandoned: set[Future] = set()
-        self.max_stuck = max_stuck
-        for _ in range(num_threads):
-            self._spawn()
-
-    def _spawn(self) -> None:
-        t = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-        self._threads.append(t)
-        t.start()
-
-    @property
-    def num_stuck(self) -> int:
-        """Tasks given up on (abandon()) that are still running."""
-        return len(self._abandoned)
-
-    def submit(self, fn, *args) -> Future:
-        fut: Future = Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def abandon(self, fut: Future) -> None:
-        """The caller stopped waiting for `fut` (a compile past its time limit, which xgrammar cannot
-        interrupt). If it is running, a new worker takes its place, so queued work is not starved;
-        the old worker exits when the task ends."""
-        with self._lock:
-            if fut.running() and fut not in self._abandoned:
-                self._abandoned.add(fut)
-                self._spawn()
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
-                fut.set_exception(e)
-            with self._lock:
-                if fut in self._abandoned:  # replaced meanwhile: this worker is one too many
-                    self._abandoned.discard(fut)
-                    self._threads.remove(threading.current_thread())
-                    return
-
-    def shutdown(self) -> None:
-        """Cancel what has not started; idle workers exit, busy ones are left to the process."""
-        with contextlib.suppress(queue.Empty):
-            while True:
-                item = self._queue.get_nowait()
-                if item is not None:
-                    item[0].cancel()
-        for _ in self._threads:
-            self._queue.put(None)
-
-
-def _forward(src: Future, dst: Future) -> None:
-    """Copy a finished future's outcome into `dst` unless `dst` already timed out."""
-    with contextlib.suppress(InvalidStateError):  # dst timed out first
-        if src.exception() is not None:
-            dst.set_exception(src.exception())
-        else:
-            dst.set_result(src.result())

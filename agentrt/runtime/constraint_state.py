@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from agentrt.grammars.jump_forward import forced_token_ids
+from agentrt.grammars.finite import ForcedBound
+from agentrt.grammars.jump_forward import FAST_MAX_CHARS, ForcedTextFinder, forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard
 
 
@@ -22,14 +23,29 @@ class ConstraintState:
 
     matcher: the request's xgrammar GrammarMatcher (grammars.xgrammar_backend.GrammarBackend.new_matcher),
     advanced by every output token; its bitmask rows are filled from it. closing: the
-    max_tokens_policy "close" guard (grammars/length_policy.py), or None."""
+    max_tokens_policy "close" guard (grammars/length_policy.py), or None. finder / forced_bound:
+    the bounded jump-forward search and the compiled grammar's bound on forced text (None: no
+    jump-forward / unknown bound). `num_chars`: an upper bound on the characters accepted so far
+    (bytes of the accepted tokens)."""
 
-    def __init__(self, matcher, closing: ClosingGuard | None = None):
+    def __init__(
+        self,
+        matcher,
+        closing: ClosingGuard | None = None,
+        finder: ForcedTextFinder | None = None,
+        forced_bound: ForcedBound | None = None,
+    ):
         self.matcher, self.closing = matcher, closing
+        self.finder, self.forced_bound = finder, forced_bound
+        self.num_chars = 0
 
     def is_terminated(self) -> bool:
         """The grammar has accepted its end (the output is complete)."""
         return self.matcher.is_terminated()
+
+    def _count(self, token_id: int) -> None:
+        if self.finder is not None and 0 <= token_id < self.finder.vocab_size:
+            self.num_chars += int(self.finder.token_bytes[token_id])
 
     def accept(self, token_id: int, left: int) -> Accepted | None:
         """Advance by a sampled token; `left`: output tokens the budget allows after it. Returns the
@@ -38,32 +54,66 @@ class ConstraintState:
         if not self.matcher.accept_token(token_id):
             return None
         if self.closing is None or self.matcher.is_terminated():
+            self._count(token_id)
             return Accepted(token_id, False)
         before = self.closing.num_forced
         token_id = self.closing.keep(self.matcher, token_id, left)
+        self._count(token_id)
         return Accepted(token_id, self.closing.num_forced > before)
 
-    def jump_forward(self, tokenizer, token_texts: list[str | None], last_id: int, left: int) -> list[int]:
+    def jump_forward(self, tokenizer, last_id: int, left: int) -> list[int]:
         """Tokens of the text the grammar forces next (SGLang's jump-forward, see
         grammars/jump_forward.py), already accepted by the matcher; [] when none or unsafe.
         `last_id`: the last output token; `left`: output tokens the budget still allows. At most
-        left - 1 tokens (one stays for the model), and under the length policy only as many as
-        leave a closing path that fits."""
-        if self.closing is not None and self.closing.plan:
+        left - 1 tokens (one stays for the model), found in at most what those tokens could spell
+        (left x the longest token's characters, and FAST_MAX_CHARS), and under the length policy
+        only as many as leave a closing path that fits (a bisection: O(log n) closing searches)."""
+        finder = self.finder
+        if finder is None or left <= 1 or (self.closing is not None and self.closing.plan):
             return []  # following a closing path: its tokens are already the forced ones
-        forced = self.matcher.find_jump_forward_string()
+        budget = min(FAST_MAX_CHARS, left * finder.max_token_chars)
+        forced = finder.find(self.matcher, self.forced_bound, self.num_chars, budget)
         if not forced:
             return []
-        ids = forced_token_ids(tokenizer, token_texts, last_id, forced)[: max(0, left - 1)]
+        ids = forced_token_ids(tokenizer, finder.token_texts, last_id, forced)[: left - 1]
         for i, t in enumerate(ids):
             if not self.matcher.accept_token(t):  # cannot happen for a forced string; stay safe
                 ids = ids[:i]
                 break
-        if self.closing is not None:  # length-safe: keep only what leaves a closing path that fits
-            while ids:
-                need = self.closing.start(self.matcher)
-                if need is not None and need <= left - len(ids):
-                    break
-                self.matcher.rollback(1)
-                ids.pop()
+        if self.closing is not None and ids:
+            ids = self._fit_closing(ids, left)
+        for t in ids:
+            self._count(t)
         return ids
+
+    def _fit_closing(self, ids: list[int], left: int) -> list[int]:
+        """Length-safe: the longest prefix of the accepted `ids` (found by bisection, assuming a
+        longer prefix never needs a shorter closing path than it leaves room for) after which a
+        closing path fits the budget; the matcher ends after that prefix."""
+
+        def fits(k: int) -> bool:
+            need = self.closing.start(self.matcher)
+            return need is not None and need <= left - k
+
+        at = len(ids)
+
+        def move(k: int) -> None:
+            nonlocal at
+            if k < at:
+                self.matcher.rollback(at - k)
+            for t in ids[at:k]:
+                self.matcher.accept_token(t)
+            at = k
+
+        if fits(at):
+            return ids
+        lo, hi = 0, at - 1  # the answer is in [lo, hi]; 0 always fits (keep() checked it)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            move(mid)
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        move(lo)
+        return ids[:lo]

@@ -385,7 +385,9 @@ class Engine:
     def _start_constrained(self, r: Request, compiled: CompiledConstraint) -> RequestOutput | None:
         """Give r its matcher (and closing guard) and queue it; the final output if it fails."""
         matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
-        r.grammar = ConstraintState(matcher)
+        r.grammar = ConstraintState(
+            matcher, finder=self.grammar.jump_finder, forced_bound=compiled.forced_bound
+        )
         if r.params.max_tokens_policy == "close":
             r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
             need = r.grammar.closing.start(matcher)
@@ -433,9 +435,7 @@ class Engine:
         r.append_output([tok])
         self.stats.num_generated_tokens += 1
         if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
-            ids = r.grammar.jump_forward(
-                self.tokenizer, self.grammar.planner.token_texts, tok, r.max_tokens - r.num_output_tokens
-            )
+            ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)
             if ids:  # their KV is computed with the next step's chunk
                 r.append_output(ids)
                 r.num_jump_forward_tokens += len(ids)
@@ -450,6 +450,7 @@ class Engine:
         """Leave every queue; KV goes to the prefix cache (or is freed); grammar state is dropped."""
         if r in self.grammar_wait:
             self.grammar_wait.remove(r)
+            r.compile_future.cancel()  # no longer waited for: a compile nobody needs is cancelled
         else:
             self.scheduler.finish(r)
         r.grammar = None

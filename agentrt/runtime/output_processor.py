@@ -62,11 +62,10 @@ class OutputProcessor:
         if not final:
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 upto = len(text.rstrip("\ufffd"))
+            hold = 0
             for s in r.params.stop:  # hold back a possible start of a stop string
-                for k in range(min(len(s) - 1, upto), 0, -1):
-                    if text[:upto].endswith(s[:k]):
-                        upto -= k
-                        break
+                hold = max(hold, _partial_match(text, upto, s))
+            upto -= hold
         delta = text[r.sent_len : upto] if upto > r.sent_len else ""
         if not delta and not final:
             return None
@@ -82,3 +81,19 @@ class OutputProcessor:
             r.error,
             r.num_cached_tokens or 0,
         )
+
+
+def _partial_match(text: str, upto: int, stop: str) -> int:
+    """The longest k < len(stop) with text[:upto] ending in stop[:k] (0: none). Only the k where
+    stop[k - 1] is text's last character are compared, without copying the text: O(len(stop)) for
+    the positions plus the compares (stop strings are at most MAX_STOP_CHARS long)."""
+    if upto == 0:
+        return 0
+    last = text[upto - 1]
+    k = min(len(stop) - 1, upto)
+    while k > 0:
+        k = stop.rfind(last, 0, k) + 1  # the next candidate: stop[k - 1] == last
+        if k > 0 and text.endswith(stop[:k], 0, upto):
+            return k
+        k -= 1
+    return 0

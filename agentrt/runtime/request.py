@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy decoding (argmax): 0, or a value too small for fp32 division."""
 
+MAX_STOP_CHARS = 1024
+"""The longest stop string accepted (characters): each is searched at every token."""
+
 
 @dataclass
 class SamplingParams:
@@ -90,6 +93,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be at most 16 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):  # scanned at every token: bounded work
+            raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters each")
         for tid, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= int(tid) < vocab_size:
                 raise bad("logit_bias", f"has token id {tid} outside the vocabulary [0, {vocab_size})")

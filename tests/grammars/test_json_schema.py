@@ -376,7 +376,8 @@ def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
 
     def compile_(self, spec):
         if spec.kind == "regex" and spec.value.startswith("stuck"):
-            release.wait(60)
+            while not release.is_set():  # busy, as a real compile is (an idle one reads as starved)
+                pass
         return real(self, spec)
 
     monkeypatch.setattr(GrammarBackend, "_compile", compile_)
@@ -407,7 +408,10 @@ from transformers import AutoTokenizer
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 
-GrammarBackend._compile = lambda self, spec: time.sleep(120)  # a compile stuck inside the backend
+def spin(self, spec):  # a compile stuck inside the backend, using CPU as a real one does
+    while True:
+        pass
+GrammarBackend._compile = spin
 backend = GrammarBackend(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, (2,), GrammarConfig(compile_timeout_s=0.2))
 error = backend.submit(ConstraintSpec.regex("a+")).exception(timeout=30)
 print("ValueError" if isinstance(error, ValueError) else type(error).__name__, flush=True)  # a ConstraintError

@@ -47,6 +47,9 @@ class ParseEvent:
     name: str = ""
 
 
+_MAX_HEAD_CHARS = 4096
+"""The call head (`{"name": "...", "arguments": `) is matched incrementally while shorter than this."""
+
 _HEAD = r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 
 
@@ -149,7 +152,9 @@ class ToolCallParser:
         self._state = "obj"
 
     def _on_obj(self, ev, final):
-        m = regex.match(_HEAD, self._buf, partial=True)
+        m = regex.match(_HEAD, self._buf[:_MAX_HEAD_CHARS], partial=True)
+        if m is not None and m.partial and len(self._buf) >= _MAX_HEAD_CHARS:
+            m = None  # no tool name is this long: parse the block whole (bounded work per feed)
         if m is None or (m.partial and final):
             self._state = "raw"
             self._scan = None

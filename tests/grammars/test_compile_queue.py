@@ -1,0 +1,154 @@
+"""Compile scheduling (grammars/compile_queue.py) with stand-in compile functions: bounded workers at
+a lowered priority, shared jobs with counted waiters, cancellation of compiles nobody waits for,
+and the 503-vs-400 split between a busy server and an expensive constraint."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from agentrt.errors import ConstraintError, ServiceUnavailableError
+from agentrt.grammars.compile_queue import CompileQueue
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.runtime.request import RequestStatus, SamplingParams
+from agentrt.testing import fake_engine
+
+pytestmark = pytest.mark.usefixtures("time_limit")
+
+
+class Gate:
+    """A compile function that blocks on `release` for specs starting with "block", records what
+    ran and each run's thread priority."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.ran: list[str] = []
+        self.nice: list[int] = []
+
+    def __call__(self, spec: ConstraintSpec):
+        self.ran.append(spec.value)
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.started.set()
+        if spec.value.startswith("block"):
+            self.release.wait(20)
+        return f"compiled {spec.value}"
+
+
+def _queue(gate, **cfg) -> CompileQueue:
+    return CompileQueue(gate, GrammarConfig(**{"compile_threads": 1, **cfg}))
+
+
+def test_one_worker_at_lower_priority_and_equal_specs_compile_once():
+    gate = Gate()
+    q = _queue(gate, compile_nice=7)
+    try:
+        a, b = q.submit(ConstraintSpec.regex("x+")), q.submit(ConstraintSpec.regex("x+"))
+        assert a.result(10) == b.result(10) == "compiled x+"
+        assert q.submit(ConstraintSpec.regex("x+")).result(10) == "compiled x+"  # cached
+        assert gate.ran == ["x+"]
+        assert gate.nice == [os.getpriority(os.PRIO_PROCESS, 0) + 7] or gate.nice == [19]
+    finally:
+        gate.release.set()
+        q.shutdown()
+
+
+def test_a_queued_compile_nobody_waits_for_is_cancelled():
+    gate = Gate()
+    q = _queue(gate)
+    try:
+        busy = q.submit(ConstraintSpec.regex("block"))
+        assert gate.started.wait(10)
+        w1, w2 = q.submit(ConstraintSpec.regex("y+")), q.submit(ConstraintSpec.regex("y+"))
+        w1.cancel()  # one of two waiters leaves: the compile stays queued for the other
+        assert q.num_queued == 1
+        w2.cancel()  # the last one leaves: cancelled before it starts
+        gate.release.set()
+        assert busy.result(10) == "compiled block"
+        assert q.submit(ConstraintSpec.regex("z+")).result(10) == "compiled z+"
+        assert gate.ran == ["block", "z+"]  # y+ never ran
+        with pytest.raises(CancelledError):
+            w2.result(0)
+    finally:
+        gate.release.set()
+        q.shutdown()
+
+
+def test_a_waiter_that_leaves_does_not_cancel_the_others():
+    gate = Gate()
+    q = _queue(gate)
+    try:
+        first = q.submit(ConstraintSpec.regex("block2"))
+        assert gate.started.wait(10)
+        second = q.submit(ConstraintSpec.regex("block2"))
+        first.cancel()  # running: it finishes for the remaining waiter
+        gate.release.set()
+        assert second.result(10) == "compiled block2"
+    finally:
+        gate.release.set()
+        q.shutdown()
+
+
+def test_queue_wait_past_the_limit_is_503_not_the_constraints_fault():
+    gate = Gate()
+    q = _queue(gate, compile_queue_timeout_s=0.2, compile_timeout_s=30)
+    try:
+        q.submit(ConstraintSpec.regex("block"))
+        assert gate.started.wait(10)
+        waiting = q.submit(ConstraintSpec.regex("w+"))
+        with pytest.raises(ServiceUnavailableError, match="waited 0.2 s for a compile thread"):
+            waiting.result(10)
+        gate.release.set()
+        assert q.submit(ConstraintSpec.regex("w+")).result(10) == "compiled w+"  # not cached: retried
+    finally:
+        gate.release.set()
+        q.shutdown()
+
+
+def test_compile_timeout_is_400_when_it_computed_and_503_when_it_was_starved():
+    stop = threading.Event()
+
+    def compile_(spec):
+        if spec.value == "spin":
+            while not stop.is_set():  # a compile that really computes
+                pass
+        else:
+            stop.wait(20)  # one that got no CPU
+        return "late"
+
+    q = CompileQueue(compile_, GrammarConfig(compile_threads=2, compile_timeout_s=0.3, compile_nice=0))
+    try:
+        with pytest.raises(ConstraintError, match="did not compile within 0.3 s"):
+            q.submit(ConstraintSpec.regex("spin")).result(10)
+        with pytest.raises(ServiceUnavailableError, match="on a busy server"):
+            q.submit(ConstraintSpec.regex("idle")).result(10)
+    finally:
+        stop.set()
+        q.shutdown()
+
+
+def test_aborting_a_request_waiting_for_its_grammar_cancels_the_compile(monkeypatch):
+    engine = fake_engine()
+    gate = Gate()
+    real = engine.grammar._compile
+
+    def compile_(spec):
+        gate(spec)
+        return real(spec)
+
+    monkeypatch.setattr(engine.grammar._queue, "_fn", compile_)
+    prompt = [ord(c) for c in "hi"]
+    blocker = engine.add_request(prompt, SamplingParams(max_tokens=2), ConstraintSpec.regex("block[a-z]"))
+    assert gate.started.wait(10)
+    waiting = engine.add_request(prompt, SamplingParams(max_tokens=2), ConstraintSpec.regex("[0-9]+"))
+    assert waiting.status is RequestStatus.WAITING_FOR_GRAMMAR
+    out = engine.abort(waiting.request_id)
+    assert out.finish_reason == "abort"
+    gate.release.set()
+    while engine.has_work():
+        engine.step()
+    assert blocker.finish_reason is not None
+    assert gate.ran == ["block[a-z]"]  # the aborted request's compile never ran
