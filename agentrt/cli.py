@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -177,14 +179,123 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+API_KEY_ENV = "AGENTRT_API_KEY"
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """`agentrt serve`'s perimeter flags: API keys, body limit, CORS, request logging."""
+    from agentrt.api.middleware import DEFAULT_MAX_BODY_BYTES
+
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
+        f"--metrics-require-key); repeat for several keys; also read from ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--metrics-require-key", action="store_true", help="/metrics needs an API key too (default: open)"
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body in bytes, counted as received (chunked bodies too); larger gets "
+        "413 (default %(default)s = 16 MiB)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGIN,...",
+        help="comma-separated origins allowed by CORS, e.g. https://app.example.com, or * for any "
+        "(default: none, no CORS headers)",
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log each API request body (prompts included, truncated); default: never logged",
+    )
+
+
+def server_options(args: argparse.Namespace, environ=os.environ):
+    """The ServerOptions of parsed serve flags; API keys from --api-key and ${API_KEY_ENV}.
+    Raises ValueError for an empty key or a body limit below 1 byte."""
+    from agentrt.api.middleware import ServerOptions
+
+    keys = list(args.api_key or [])
+    if environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    return ServerOptions(
+        api_keys=tuple(dict.fromkeys(keys)),
+        metrics_require_key=args.metrics_require_key,
+        max_body_bytes=args.max_body_bytes,
+        allowed_origins=origins,
+        log_requests=args.log_requests,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def exposure_warning(host: str, port: int, api_keys: tuple[str, ...]) -> str | None:
+    """The start-up warning for a server that listens beyond loopback without an API key (None
+    when it has a key or listens on loopback only)."""
+    if api_keys or is_loopback(host):
+        return None
+    return (
+        f"agentrt: warning: listening on {host} without an API key: anyone who can reach port {port} "
+        f"can use the model; set --api-key or {API_KEY_ENV}"
+    )
+
+
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    """`agentrt serve`'s admission and time limits (runtime/async_engine.py AdmissionConfig)."""
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most requests waiting to run at once (compiling their constraint or queued, not yet "
+        "running); one more gets 429 with Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a request still unfinished this many seconds after it was admitted (compile and "
+        "queueing included): 504 or a stream's error event; its KV is freed (default: no limit)",
+    )
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agentrt.api.app import create_app
-    from agentrt.runtime.async_engine import AsyncEngine
+    from agentrt.runtime.async_engine import AdmissionConfig, AsyncEngine
 
     try:
-        engine = AsyncEngine(engine_config(args), start_thread=False)
+        options = server_options(args)
+    except ValueError as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return 2
+    warning = exposure_warning(args.host, args.port, options.api_keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        admission = AdmissionConfig(
+            max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout
+        )
+        engine = AsyncEngine(engine_config(args), start_thread=False, admission=admission)
     except ValueError as e:
         print(f"agentrt: error: {e}", file=sys.stderr)
         return 2
@@ -230,6 +341,7 @@ def serve(args: argparse.Namespace) -> int:
         on_ready=ready,
         tool_call_format=args.tool_call_format,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        options=options,
     )
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
     server = uvicorn.Server(
@@ -275,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave tool definitions out of the prompt when tool_choice is 'none'",
     )
+    add_server_args(p)
+    add_admission_args(p)
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
     add_engine_args(t)
     t.add_argument(

@@ -11,7 +11,12 @@ raises them as they are. No layer reads another's error text.
     │   ├── ContextLengthError                    prompt (+ max_tokens) beyond the context limit
     │   └── IncompleteOutputError                 the output ended (max_tokens) before the structured
     │                                             result was complete (SDK extract); `finish_reason`
-    ├── ServiceUnavailableError                   retryable: shutting down, overloaded, busy compiler
+    ├── ServiceUnavailableError                   retryable: shutting down, overloaded, busy compiler;
+    │   │                                         `retry_after_s` when the server can say when
+    │   └── QueueFullError                        too many requests already wait to run
+    │                                             (`max_queued_requests`)
+    ├── RequestTimeoutError                       the request ran past the server's time limit
+    │                                             (`timeout_s`); its work so far is dropped
     └── InternalError                             a bug or a fault while serving this request
 
 `InvalidRequestError` subclasses `ValueError` so callers that catch `ValueError` (the SDK's
@@ -87,7 +92,32 @@ class IncompleteOutputError(InvalidRequestError):
 
 
 class ServiceUnavailableError(AgentrtError):
-    """The server cannot serve the request now (shutting down, overloaded); retrying may succeed."""
+    """The server cannot serve the request now (shutting down, overloaded); retrying may succeed.
+    `retry_after_s`: seconds after which a retry may succeed (None: unknown)."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(ServiceUnavailableError):
+    """Refused at admission: `num_waiting` requests already wait to run (compiling their constraint,
+    or queued for the engine, preempted ones included), the limit `max_queued_requests`. Nothing of
+    the request was queued; retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, *, num_waiting: int, max_queued_requests: int, retry_after_s: int = 1):
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.num_waiting, self.max_queued_requests = num_waiting, max_queued_requests
+
+
+class RequestTimeoutError(AgentrtError):
+    """The request was still unfinished `timeout_s` seconds after it was submitted (its constraint
+    compile and queueing included); it was stopped and its KV and grammar state freed. Output
+    produced so far is not returned as a result (a stream has already sent it)."""
+
+    def __init__(self, message: str, *, timeout_s: float):
+        super().__init__(message)
+        self.timeout_s = timeout_s
 
 
 class InternalError(AgentrtError):

@@ -16,7 +16,9 @@ whole prefix as read from the KV pool, so a prefix-cache hit mapped to the wrong
 output.
 
 `agentrt_server` / `launch_server` start a server subprocess on a free port, wait for GET /health
-and stop it on exit (tests and bench scripts share them).
+and stop it on exit (tests and bench scripts share them). `serve_in_thread` serves an app (e.g.
+`create_app` over an AsyncEngine on the fake runner) with uvicorn in this process, so a test talks
+HTTP to it and still reads the engine behind it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ __all__ = [
     "fake_engine",
     "free_port",
     "launch_server",
+    "serve_in_thread",
 ]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -452,3 +456,26 @@ def agentrt_server(
     cmd = [sys.executable, "-m", "agentrt.cli", "serve", model, *args, "--port", str(port)]
     with launch_server(cmd, port, **kwargs) as server:
         yield server
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, *, timeout_s: float = 30.0, log_level: str = "warning") -> Iterator[str]:
+    """Serve the ASGI `app` with uvicorn on a free 127.0.0.1 port from a background thread of this
+    process; yields the base URL (http://127.0.0.1:PORT) once it accepts connections, and stops the
+    server on exit. Raises ServerStartError when it has not started within `timeout_s` seconds."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise ServerStartError(f"uvicorn did not start on port {port} within {timeout_s:g} s")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -6,11 +6,15 @@ apply it. No other module chooses a status for an AgentrtError.
     ContextLengthError           400     invalid_request_error  context_length_exceeded
     ConstraintError              400     invalid_request_error  None
     InvalidRequestError          400     invalid_request_error  None
+    QueueFullError               429     requests               queue_full
     ServiceUnavailableError      503     server_error           None
+    RequestTimeoutError          504     server_error           request_timeout
     AgentrtError (e.g. Internal) 500     server_error           None
 
 `param` is the request field at fault (InvalidRequestError's `param`, or the field the API layer
-attributes it to); server errors carry none.
+attributes it to); server errors carry none. An error with `retry_after_s` (ServiceUnavailableError,
+QueueFullError) also sets the `Retry-After` header (seconds). 429's type "requests" and a code are
+what OpenAI sends for a request-count limit (its code there is "rate_limit_exceeded").
 """
 
 from __future__ import annotations
@@ -23,19 +27,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentrt.errors import AgentrtError, ContextLengthError, InvalidRequestError, ServiceUnavailableError
+from agentrt.errors import (
+    AgentrtError,
+    ContextLengthError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 16 << 20
-"""Request bodies larger than this (bytes, by Content-Length) are refused with 413."""
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
 
 
 class APIError(Exception):
     """An error the API layer decides itself, with its HTTP status and OpenAI error fields (a
-    malformed request field, an unknown model (404), a client that left (499)). Typed runtime errors
+    malformed request field, an unknown model (404), a client that left (499), a missing or wrong
+    API key (401) or an oversize body (413), both from api/middleware.py). Typed runtime errors
     become one through `to_api_error`."""
 
     def __init__(
@@ -45,16 +54,18 @@ class APIError(Exception):
         param: str | None = None,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type_, code
+        self.headers = headers
 
     def body(self) -> dict:
         """OpenAI's error body for this error."""
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class ErrorKind(NamedTuple):
@@ -69,7 +80,9 @@ class ErrorKind(NamedTuple):
 _KINDS: tuple[tuple[type[AgentrtError], ErrorKind], ...] = (
     (ContextLengthError, ErrorKind(400, "invalid_request_error", "context_length_exceeded")),
     (InvalidRequestError, ErrorKind(400, "invalid_request_error")),
+    (QueueFullError, ErrorKind(429, "requests", "queue_full")),
     (ServiceUnavailableError, ErrorKind(503, "server_error")),
+    (RequestTimeoutError, ErrorKind(504, "server_error", "request_timeout")),
     (AgentrtError, ErrorKind(500, "server_error")),
 )
 
@@ -88,12 +101,14 @@ def to_api_error(e: AgentrtError, param: str | None = None, message: str | None 
         param = param or e.param
     else:
         param = None
+    retry_after = getattr(e, "retry_after_s", None)
     return APIError(
         e.message if message is None else message,
         status=kind.status,
         param=param,
         type_=kind.type,
         code=kind.code,
+        headers={"Retry-After": str(retry_after)} if retry_after is not None else None,
     )
 
 
@@ -111,14 +126,13 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make every failure of `app` an OpenAI error body: APIError and AgentrtError (by the table
-    above), request bodies over MAX_BODY_BYTES (413), pydantic validation errors (400 naming the
-    field), HTTP errors such as 404/405 routes, and any other exception (500, logged)."""
+    above), pydantic validation errors (400 naming the field), HTTP errors such as 404/405 routes
+    and 413 bodies (api/middleware.py), and any other exception (500, logged)."""
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(AgentrtError, _on_agentrt_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Exception, _on_internal_error)
-    app.middleware("http")(_limit_body)
 
 
 async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
@@ -127,15 +141,6 @@ async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
 
 async def _on_agentrt_error(_: Request, e: AgentrtError) -> JSONResponse:
     return to_api_error(e).response()
-
-
-async def _limit_body(request: Request, call_next):
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return APIError(
-            f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}", status=413
-        ).response()
-    return await call_next(request)
 
 
 async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,21 +1,32 @@
 """HTTP routes: parse (pydantic) -> OpenAIServing -> response. The serving object is the app's
-`state.serving` (set by create_app); errors raised here are answered by errors.py's handlers."""
+`state.serving` and the perimeter settings its `state.options` (set by create_app); errors raised
+here are answered by errors.py's handlers. Request bodies are logged only with
+`options.log_requests`."""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest
-from agentrt.api.serving import OpenAIServing, ServingResult
+from agentrt.api.serving import OpenAIServing, ServingResult, client_gone
 
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LOG_REQUEST_MAX_CHARS = 4000
+"""With log_requests: characters of a request body written to the log (the rest is elided)."""
+
+logger = logging.getLogger(__name__)
 
 
 def build_router() -> APIRouter:
-    """The API's routes: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions."""
+    """The API's routes: /health (GET, HEAD), /metrics, /v1/models, /v1/chat/completions,
+    /v1/completions."""
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
+    # load balancers probe with HEAD; one operation per method keeps OpenAPI operation ids unique
+    router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     router.add_api_route("/metrics", metrics, methods=["GET"])
     router.add_api_route("/v1/models", models, methods=["GET"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -46,9 +57,24 @@ async def models(raw: Request) -> dict:
     return _serving(raw).models()
 
 
+def _log_request(raw: Request, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Log the request's fields (as sent) when the server runs with log_requests; never otherwise."""
+    if not raw.app.state.options.log_requests:
+        return
+    try:
+        text = req.model_dump_json(exclude_unset=True, by_alias=True)
+    except ValueError:  # text JSON cannot hold (a lone surrogate)
+        text = repr(req.model_dump(exclude_unset=True, by_alias=True))
+    if len(text) > LOG_REQUEST_MAX_CHARS:
+        text = f"{text[:LOG_REQUEST_MAX_CHARS]}... ({len(text) - LOG_REQUEST_MAX_CHARS} more characters)"
+    logger.info("%s %s: %s", raw.method, raw.url.path, text)
+
+
 async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-    return _respond(await _serving(raw).chat(req, raw.is_disconnected))
+    _log_request(raw, req)
+    return _respond(await _serving(raw).chat(req, client_gone(raw.receive)))
 
 
 async def completions(req: CompletionRequest, raw: Request) -> Response:
-    return _respond(await _serving(raw).completion(req, raw.is_disconnected))
+    _log_request(raw, req)
+    return _respond(await _serving(raw).completion(req, client_gone(raw.receive)))

@@ -5,6 +5,12 @@ errors.py maps the errors raised.
 Per request: validate (tools, tool turns), render the chat template and tokenize (off the event
 loop), build a `Generation` (sampling params, the one constraint, the tool plan), submit it to the
 AsyncEngine (which validates, compiles the constraint once and queues), then stream or collect.
+
+The client is watched the whole time (`ClientGone`, a task waiting for the ASGI disconnect message,
+not a poll between outputs): when it leaves, the request's work is cancelled wherever it is
+(tokenizing, waiting for its constraint to compile: it never starts; queued or running: the engine
+aborts it before its next step, freeing its KV slots, radix-tree locks and grammar matcher), for
+streamed and non-streamed requests alike.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest, usage
 from agentrt.api.streaming import ChunkWriter, stream_events
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
@@ -24,7 +32,21 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
 from agentrt.runtime.request import RequestOutput, SamplingParams
 
-IsDisconnected = Callable[[], Awaitable[bool]]
+ClientGone = Callable[[], Awaitable[object]]
+"""Returns when the client has gone (its connection closed); the caller cancels it when it no
+longer needs to know. `client_gone(receive)` makes one from an ASGI `receive`."""
+
+
+def client_gone(receive: Callable[[], Awaitable[Mapping]]) -> ClientGone:
+    """A ClientGone over an ASGI `receive` callable: waits for its "http.disconnect" message. Use it
+    once the request body has been read (a route's parsed body): the server then sends nothing else,
+    and several waiters may share one `receive` (uvicorn answers every call after a disconnect)."""
+
+    async def wait() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
 
 
 @dataclass(frozen=True)
@@ -61,12 +83,14 @@ class Generation:
 
 @dataclass(frozen=True)
 class ServingResult:
-    """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream; `headers`
-    either way (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
+    """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream (and the
+    engine `stream` behind them, to abort it when the events are never read); `headers` either way
+    (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
 
     body: dict | None = None
     events: AsyncIterator[str] | None = None
     headers: dict[str, str] | None = None
+    stream: RequestStream | None = None
 
 
 class OpenAIServing:
@@ -75,6 +99,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str, tool_prompt: ToolPrompt):
         self.engine, self.model_name, self.tool_prompt = engine, model_name, tool_prompt
+        limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
+        self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
@@ -104,9 +130,19 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def chat(self, req: ChatCompletionRequest, is_disconnected: IsDisconnected) -> ServingResult:
-        """/v1/chat/completions. Raises APIError (4xx naming the field, 499 when the client left) or
-        an AgentrtError the engine raised (e.g. ServiceUnavailableError while shutting down)."""
+    async def chat(self, req: ChatCompletionRequest, gone: ClientGone) -> ServingResult:
+        """/v1/chat/completions; `gone` returns when the client leaves (its work is then cancelled).
+        Raises APIError (4xx naming the field, 499 when the client left) or an AgentrtError the
+        engine raised (QueueFullError, RequestTimeoutError, ServiceUnavailableError while shutting
+        down, ...)."""
+        return await _while_connected(self._chat(req), gone)
+
+    async def completion(self, req: CompletionRequest, gone: ClientGone) -> ServingResult:
+        """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
+        `chat`."""
+        return await _while_connected(self._completion(req), gone)
+
+    async def _chat(self, req: ChatCompletionRequest) -> ServingResult:
         self.check_model(req.model)
         plan = plan_tools(
             req.tools,
@@ -120,17 +156,17 @@ class OpenAIServing:
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
-        prompt_ids = await asyncio.to_thread(_render_chat, self.engine.tokenizer, rendered, template_tools)
+        prompt_ids = await asyncio.to_thread(
+            _render_chat, self.engine.tokenizer, rendered, template_tools, self.prompt_bound
+        )
         names = {"prompt": "messages"}
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         gen = self._generation(req, True, prompt_ids, max_tokens, plan, names)
-        return await self._run(gen, is_disconnected)
+        return await self._run(gen)
 
-    async def completion(self, req: CompletionRequest, is_disconnected: IsDisconnected) -> ServingResult:
-        """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
-        `chat`."""
+    async def _completion(self, req: CompletionRequest) -> ServingResult:
         self.check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -138,13 +174,15 @@ class OpenAIServing:
                 raise APIError("prompt: give one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(_encode, self.engine.tokenizer, prompt, "prompt")
+            prompt_ids = await asyncio.to_thread(
+                _encode, self.engine.tokenizer, prompt, "prompt", self.prompt_bound
+            )
             if not prompt_ids:
                 raise APIError("prompt is empty", param="prompt")
         else:
             prompt_ids = list(prompt)
         gen = self._generation(req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"})
-        return await self._run(gen, is_disconnected)
+        return await self._run(gen)
 
     def _generation(
         self,
@@ -209,7 +247,9 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise gen.api_error(e, default_param=gen.param_names["prompt"]) from None
 
-    async def _run(self, gen: Generation, is_disconnected: IsDisconnected) -> ServingResult:
+    async def _run(self, gen: Generation) -> ServingResult:
+        """Submit `gen`, wait for its first output, then its events (streamed) or its last output.
+        Cancelling it (the client left) aborts the request."""
         stream = await self._submit(gen)
         try:
             first = await anext(stream)
@@ -223,9 +263,11 @@ class OpenAIServing:
                 writer = ChunkWriter(gen.request_id, created, self.model_name, gen.chat, gen.include_usage)
                 parser = gen.tools.new_parser() if gen.tools is not None else None
                 return ServingResult(
-                    events=stream_events(stream, first, writer, parser, gen.api_error), headers=headers
+                    events=stream_events(stream, first, writer, parser, gen.api_error),
+                    headers=headers,
+                    stream=stream,
                 )
-            last = await _collect(stream, first, is_disconnected)
+            last = await _collect(stream, first)
         except BaseException:
             await stream.aclose()  # aborts the request unless it has finished
             raise
@@ -253,16 +295,63 @@ class OpenAIServing:
         return body
 
 
-async def _collect(
-    stream: RequestStream, first: RequestOutput, is_disconnected: IsDisconnected
-) -> RequestOutput:
-    """The last output of `stream`. Raises APIError (499) when the client left (the caller aborts)."""
+async def _collect(stream: RequestStream, first: RequestOutput) -> RequestOutput:
+    """The last output of `stream` (`first` when it is the last)."""
     last = first
     async for out in stream:
         last = out
-        if await is_disconnected():  # the client left: stop generating (frees KV and grammar)
-            raise APIError("client disconnected", status=499)
     return last
+
+
+async def _while_connected(work: Coroutine[Any, Any, ServingResult], gone: ClientGone) -> ServingResult:
+    """Run `work` (one request) while waiting for the client to leave. When it leaves first, `work` is
+    cancelled (which aborts its request wherever it is) and APIError 499 is raised. A streamed
+    result keeps the watch until its events end: its request is aborted when the client leaves even
+    if the events are never read (the response may be cancelled before it starts)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    if not task.done():  # the client left first
+        task.cancel()
+        await asyncio.wait((task,))
+    if watch.done():
+        _retrieve(watch)
+        if not task.cancelled() and task.exception() is None and task.result().stream is not None:
+            task.result().stream.cancel()  # finished just as the client left: nobody reads it
+        if task.cancelled() or task.exception() is None:
+            raise APIError("client disconnected", status=499)
+    try:
+        result = task.result()
+    except BaseException:
+        watch.cancel()
+        raise
+    if result.stream is None:
+        watch.cancel()
+        return result
+    stream = result.stream
+    watch.add_done_callback(lambda w: None if w.cancelled() else (_retrieve(w), stream.cancel()))
+    return replace(result, events=_watched(result.events, watch))
+
+
+async def _watched(events: AsyncIterator[str], watch: asyncio.Future) -> AsyncIterator[str]:
+    """`events`, then the end of `watch` (the wait for the client to leave)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        watch.cancel()
+        await events.aclose()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a finished future's exception as retrieved (a wait that failed counts as the client gone)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
@@ -279,21 +368,26 @@ def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
     return message, finish
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
-    """Token ids of `text`. Raises APIError naming `param` when it is not valid Unicode."""
+def _encode(tokenizer, text: str, param: str, bound: PromptBound | None = None) -> list[int]:
+    """Token ids of `text`. Raises APIError naming `param` when it is not valid Unicode, and
+    ContextLengthError, without tokenizing, when `bound` shows it cannot fit the context."""
+    if bound is not None:
+        bound.check(text, param)
     try:
         return tokenizer.encode(text, add_special_tokens=False)
     except (TypeError, UnicodeError):
         raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
 
 
-def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def _render_chat(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, bound: PromptBound | None = None
+) -> list[int]:
     """Token ids of `messages` through the chat template (generation prompt added). Raises APIError
-    naming "messages" when the template refuses them."""
+    naming "messages" when the template refuses them, ContextLengthError as `_encode`."""
     try:
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
-    return _encode(tokenizer, prompt, "messages")
+    return _encode(tokenizer, prompt, "messages", bound)

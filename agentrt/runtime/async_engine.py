@@ -1,36 +1,78 @@
-"""AsyncEngine: runs the Engine's step loop in its own thread and streams outputs to asyncio callers."""
+"""AsyncEngine: runs the Engine's step loop in its own thread and streams outputs to asyncio callers.
+
+Admission and time limits (`AdmissionConfig`) live here, at the one door every request passes:
+a request beyond `max_queued_requests` waiting ones is refused before anything is queued
+(QueueFullError), and one unfinished `request_timeout_s` after submission is stopped by the engine
+thread (RequestTimeoutError), freeing its KV and grammar state.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from agentrt.errors import AgentrtError, InternalError, ServiceUnavailableError
+from agentrt.errors import (
+    AgentrtError,
+    InternalError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import CompiledConstraint
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.metrics import LoadGauges
 from agentrt.runtime.request import Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """Limits applied by AsyncEngine.submit.
+
+    max_queued_requests: most requests that may wait to run at once (None: no limit). A request
+    waits from its admission until the scheduler first runs it: while its constraint compiles, in
+    the engine's inbox, in the scheduler's waiting queue (preempted requests count again); requests
+    being tokenized are not yet admitted. One more is refused with QueueFullError.
+    request_timeout_s: seconds from admission (compile and queueing included) after which an
+    unfinished request is stopped with RequestTimeoutError and its KV freed (None: no limit).
+    retry_after_s: the wait (seconds) a QueueFullError suggests."""
+
+    max_queued_requests: int | None = None
+    request_timeout_s: float | None = None
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+
+@dataclass(frozen=True)
 class AddRequest:
     """Inbox message: enqueue a validated request (`compiled`: its constraint, compiled once by the
-    caller); `added` resolves on the caller's event loop `loop`, and outputs go to `stream`."""
+    caller); `added` resolves on the caller's event loop `loop`, and outputs go to `stream`.
+    deadline: time.monotonic() after which it is stopped (None: never)."""
 
     request: Request
     compiled: CompiledConstraint | None
     loop: asyncio.AbstractEventLoop
     stream: asyncio.Queue
     added: asyncio.Future
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,12 +98,24 @@ class AsyncEngine:
     (SmolLM2 decode: 19 vs 14 tokens/s on 2 cores)."""
 
     def __init__(
-        self, config: EngineConfig | None = None, engine: Engine | None = None, start_thread: bool = True
+        self,
+        config: EngineConfig | None = None,
+        engine: Engine | None = None,
+        start_thread: bool = True,
+        admission: AdmissionConfig | None = None,
     ):
         self._owns_engine = engine is None
         self.engine = engine or Engine(config)
+        self.admission = admission or AdmissionConfig()
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap (engine thread)
+        # admitted requests not yet handed to the engine (compiling, or in the inbox); with the
+        # engine's waiting queues under `_admit_lock` this is the count `max_queued_requests` bounds
+        self._num_admitting = 0
+        self._admit_lock = threading.Lock()
+        base_load = self.engine.metrics.load
+        self.engine.metrics.set_load(lambda: self._load(base_load()))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start_thread:
@@ -90,11 +144,40 @@ class AsyncEngine:
         """The engine's Prometheus metrics (text exposition format)."""
         return self.engine.metrics.render()
 
-    async def compile(self, spec: ConstraintSpec):
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not yet running (see AdmissionConfig.max_queued_requests): what the
+        `agentrt_num_requests_waiting` gauge shows. Any thread may read it."""
+        with self._admit_lock:
+            return self._num_waiting_locked()
+
+    @property
+    def num_inbox_messages(self) -> int:
+        """Messages (new requests, aborts) not yet taken by the engine thread; for tests and
+        debugging."""
+        return self._inbox.qsize()
+
+    def _num_waiting_locked(self) -> int:
+        engine = self.engine
+        return self._num_admitting + len(engine.scheduler.waiting) + len(engine.grammar_wait)
+
+    def _load(self, base: LoadGauges) -> LoadGauges:
+        return base._replace(num_waiting=base.num_waiting + self._num_admitting)
+
+    async def compile(self, spec: ConstraintSpec, timeout_s: float | None = None):
         """Compile (or find cached) a constraint without blocking the event loop; returns the
-        CompiledConstraint. Raises ConstraintError (an InvalidRequestError)."""
+        CompiledConstraint. Raises ConstraintError (an InvalidRequestError), ServiceUnavailableError
+        (compile threads busy), TimeoutError after `timeout_s` seconds (None: the compile's own
+        limit). Cancelling this wait (or its timeout) releases this caller's interest in the
+        compile (`_release_compile`); equal specs share one compile, which runs on for others."""
+        fut = self.engine.grammar.submit(spec)
+        waiter = asyncio.wrap_future(fut)
+        waiter.add_done_callback(_retrieve)  # the outcome may come after we stopped waiting
         try:
-            return await asyncio.wrap_future(self.engine.grammar.submit(spec))
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except (asyncio.CancelledError, TimeoutError):
+            self._release_compile(spec, fut)
+            raise
         except AgentrtError:
             raise
         except Exception as e:  # a bug in a compile path: this request fails, nothing else
@@ -102,6 +185,13 @@ class AsyncEngine:
             raise InternalError(
                 f"internal error while compiling the constraint: {type(e).__name__}: {e}"
             ) from None
+
+    def _release_compile(self, spec: ConstraintSpec, fut) -> None:
+        """The request waiting for `fut` (its own future of the compile of `spec`) left: client gone
+        or request timeout. Cancelling that future releases this caller's interest; the grammar
+        backend cancels a compile nobody waits for any more (grammars/compile_queue.py), others with
+        an equal spec keep theirs."""
+        fut.cancel()
 
     async def submit(
         self,
@@ -111,20 +201,69 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str = "",
     ) -> RequestStream:
-        """Validate, compile the constraint (once), enqueue; returns the request's output stream.
-        Raises InvalidRequestError / ContextLengthError (validation), ConstraintError (compile),
-        ServiceUnavailableError (shutting down), all before anything is queued."""
+        """Validate, admit, compile the constraint (once), enqueue; returns the request's output
+        stream. Raises InvalidRequestError / ContextLengthError (validation), QueueFullError (over
+        `max_queued_requests`), ConstraintError (compile), RequestTimeoutError (the compile outlasted
+        `request_timeout_s`), ServiceUnavailableError (shutting down), all before anything is queued.
+        Cancelling the call (the client left) leaves nothing queued: a request cancelled while its
+        constraint compiles never starts."""
         request = self.engine.make_request(
             prompt_ids, params, constraint, request_id or uuid.uuid4().hex, cache_salt
         )
-        compiled = await self.compile(constraint) if constraint is not None else None
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        added = loop.create_future()
-        self._inbox.put(AddRequest(request, compiled, loop, stream, added))
-        await added
+        limits = self.admission
+        deadline = (
+            time.monotonic() + limits.request_timeout_s if limits.request_timeout_s is not None else None
+        )
+        self._admit()
+        handed_over = False
+        try:
+            compiled = None
+            if constraint is not None:
+                try:
+                    compiled = await self.compile(constraint, _remaining(deadline))
+                except TimeoutError:
+                    raise self._timeout_error("while its constraint compiled") from None
+            loop = asyncio.get_running_loop()
+            stream: asyncio.Queue = asyncio.Queue()
+            added = loop.create_future()
+            self._inbox.put(AddRequest(request, compiled, loop, stream, added, deadline))
+            handed_over = True  # the engine thread counts it out of `_num_admitting`
+            try:
+                await added
+            except asyncio.CancelledError:
+                self.abort(request.request_id)  # queued behind the AddRequest: it never runs on
+                raise
+        finally:
+            if not handed_over:
+                self._handed_over()
         return RequestStream(
             self, request.request_id, stream, list(compiled.not_enforced) if compiled else []
+        )
+
+    def _admit(self) -> None:
+        """Count one more waiting request, or raise QueueFullError when `max_queued_requests`
+        already wait."""
+        limit = self.admission.max_queued_requests
+        with self._admit_lock:
+            if limit is not None:
+                n = self._num_waiting_locked()
+                if n >= limit:
+                    self.engine.stats.num_rejected["queue_full"] += 1
+                    raise QueueFullError(
+                        f"the server is busy: {n} requests are already waiting to run (limit "
+                        f"{limit}, --max-queued-requests); retry after {self.admission.retry_after_s} s",
+                        num_waiting=n,
+                        max_queued_requests=limit,
+                        retry_after_s=self.admission.retry_after_s,
+                    )
+            self._num_admitting += 1
+
+    def _timeout_error(self, where: str) -> RequestTimeoutError:
+        t = self.admission.request_timeout_s
+        return RequestTimeoutError(
+            f"the request did not finish within the server's limit of {t:g} s (--request-timeout); "
+            f"it was stopped {where}",
+            timeout_s=t,
         )
 
     async def generate(
@@ -145,8 +284,9 @@ class AsyncEngine:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (any thread): it stops within one engine step and frees its KV and
-        grammar state; its stream ends with finish_reason "abort"."""
+        """Cancel a request (any thread): the engine thread takes it before its next step, so the
+        request stops within one step and frees its KV, radix-tree locks and grammar state; its
+        stream ends with finish_reason "abort"."""
         self._inbox.put(AbortRequest(request_id))
 
     def request_stop(self) -> None:
@@ -163,7 +303,8 @@ class AsyncEngine:
             while True:
                 msg = self._inbox.get_nowait()
                 if isinstance(msg, AddRequest):
-                    msg.loop.call_soon_threadsafe(_set_exception, msg.added, error)
+                    self._handed_over()
+                    _call_soon(msg.loop, _set_exception, msg.added, error)
         for out in self.engine.fail_all(error):
             self._deliver(out)
 
@@ -187,6 +328,8 @@ class AsyncEngine:
                     break
                 block = False
                 self._handle(msg)
+            if self._deadlines:
+                self._expire(time.monotonic())
             if not engine.has_work():
                 continue
             try:
@@ -197,12 +340,22 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
 
+    def _expire(self, now: float) -> None:
+        """Stop the requests whose deadline has passed (finish_reason "error", RequestTimeoutError)."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            if request_id in self._streams:  # not finished yet
+                out = self.engine.abort(request_id, error=self._timeout_error("while it ran"))
+                if out is not None:
+                    self._deliver(out)
+
     def _handle(self, msg: AddRequest | AbortRequest | Wake) -> None:
         if isinstance(msg, AddRequest):
             self._streams[msg.request.request_id] = (msg.loop, msg.stream)
             try:
                 out = self.engine.enqueue(msg.request, msg.compiled)
             except Exception as e:  # a fault while queueing fails this request only
+                self._handed_over()
                 logger.exception("enqueue of %s failed", msg.request.request_id)
                 del self._streams[msg.request.request_id]
                 err = (
@@ -210,15 +363,23 @@ class AsyncEngine:
                     if isinstance(e, AgentrtError)
                     else InternalError(f"internal error: {type(e).__name__}: {e}")
                 )
-                msg.loop.call_soon_threadsafe(_set_exception, msg.added, err)
+                _call_soon(msg.loop, _set_exception, msg.added, err)
                 return
-            msg.loop.call_soon_threadsafe(_set_result, msg.added)
+            self._handed_over()  # (after enqueue: may count it twice for an instant, never zero times)
+            _call_soon(msg.loop, _set_result, msg.added)
+            if msg.deadline is not None:
+                heapq.heappush(self._deadlines, (msg.deadline, msg.request.request_id))
             if out is not None:
                 self._deliver(out)
         elif isinstance(msg, AbortRequest):
             out = self.engine.abort(msg.request_id)
             if out is not None:
                 self._deliver(out)
+
+    def _handed_over(self) -> None:
+        """One admitted request left the inbox (into the engine's queues, or failed)."""
+        with self._admit_lock:
+            self._num_admitting -= 1
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
@@ -227,10 +388,23 @@ class AsyncEngine:
         if out.finished:
             del self._streams[out.request_id]
         loop, stream = entry
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, out)
-        except RuntimeError:  # the caller's event loop is closed
-            pass
+        _call_soon(loop, stream.put_nowait, out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run fn(*args) on the caller's event loop, unless that loop is closed (the caller is gone)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a future's exception as retrieved (nobody may be waiting for it any more)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _set_result(fut: asyncio.Future) -> None:
@@ -268,6 +442,12 @@ class RequestStream:
         return out
 
     async def aclose(self) -> None:
+        """Abort the request unless it has finished (as `cancel`)."""
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Abort the request unless it has finished (safe from a callback: does not wait); it stops
+        within one engine step."""
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)

@@ -37,6 +37,7 @@ class EngineStats:
     num_length_forced_tokens: int = 0  # sampled tokens replaced by the length-safe policy
     num_preemptions: int = 0
     num_finished: CountsByKey = field(default_factory=CountsByKey)  # finish reason -> requests
+    num_rejected: CountsByKey = field(default_factory=CountsByKey)  # refused at admission: reason -> requests
     num_spec_steps: int = 0  # verify passes (per request)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -62,11 +63,15 @@ class EngineStats:
 
 
 class LoadGauges(NamedTuple):
-    """Live load, read at scrape time: KV slots in use / all slots, running and waiting requests."""
+    """Live load, read at scrape time. kv_usage: KV slots held for requests (their own and the
+    cached prefixes they read) / all slots; kv_cache_usage: slots held only by the prefix cache
+    (evictable on demand) / all slots; running and waiting requests (waiting: not yet running, see
+    AsyncEngine's AdmissionConfig)."""
 
     kv_usage: float
     num_running: int
     num_waiting: int
+    kv_cache_usage: float = 0.0
 
 
 # Prometheus counter name -> (help, EngineStats field)
@@ -100,7 +105,7 @@ class _StatsCollector:
     """prometheus-client custom collector over EngineStats and the live load gauges."""
 
     def __init__(self, stats: EngineStats, load: Callable[[], LoadGauges]):
-        self.stats, self.load = stats, load
+        self.stats, self.load = stats, load  # `load` is replaced by EngineMetrics.set_load
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -110,13 +115,28 @@ class _StatsCollector:
         for reason, n in sorted(s.num_finished.items()):
             finished.add_metric([reason], n)
         yield finished
+        rejected = CounterMetricFamily(
+            "agentrt_requests_rejected", "Requests refused at admission", labels=["reason"]
+        )
+        for reason, n in sorted(s.num_rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
         load = self.load()
         yield GaugeMetricFamily(
-            "agentrt_kv_usage_ratio", "Fraction of KV slots in use (incl. cache)", value=load.kv_usage
+            "agentrt_kv_usage_ratio",
+            "Fraction of KV slots held for requests (incl. cached prefixes they read; not evictable cache)",
+            value=load.kv_usage,
+        )
+        yield GaugeMetricFamily(
+            "agentrt_kv_cache_usage_ratio",
+            "Fraction of KV slots held only by the prefix cache (evictable)",
+            value=load.kv_cache_usage,
         )
         yield GaugeMetricFamily("agentrt_num_requests_running", "Requests running", value=load.num_running)
         yield GaugeMetricFamily(
-            "agentrt_num_requests_waiting", "Requests waiting (incl. for grammar)", value=load.num_waiting
+            "agentrt_num_requests_waiting",
+            "Requests admitted and not yet running (compiling, queued, preempted)",
+            value=load.num_waiting,
         )
         yield GaugeMetricFamily(
             "agentrt_prefix_cache_hit_rate",
@@ -149,7 +169,8 @@ class EngineMetrics:
 
     def __init__(self, stats: EngineStats, load: Callable[[], LoadGauges]) -> None:
         self.registry = r = CollectorRegistry()
-        r.register(_StatsCollector(stats, load))
+        self._collector = _StatsCollector(stats, load)
+        r.register(self._collector)
         self.ttft = Histogram(
             "agentrt_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -162,6 +183,16 @@ class EngineMetrics:
         self.e2e = Histogram(
             "agentrt_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    @property
+    def load(self) -> Callable[[], LoadGauges]:
+        """The live-load function read at scrape time (any thread calls it: plain reads only)."""
+        return self._collector.load
+
+    def set_load(self, load: Callable[[], LoadGauges]) -> None:
+        """Read the live gauges from `load` from now on (a front such as AsyncEngine adds what only
+        it knows, e.g. requests still compiling)."""
+        self._collector.load = load
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""
