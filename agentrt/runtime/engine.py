@@ -36,6 +36,12 @@ from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.batch import BatchPlan, ForwardOutput, SampleOutput, SampleRow
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.constraint_state import ConstraintState
+from agentrt.runtime.isolation import (
+    fill_rows_one_by_one,
+    find_forward_culprits,
+    internal_error,
+    plan_without,
+)
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.output_processor import OutputProcessor
@@ -68,6 +74,7 @@ class Engine:
         self.metrics = EngineMetrics(self.stats, self._load)
         self.output = OutputProcessor(self.tokenizer, self.stop_ids, self.max_model_len)
         self._ids = itertools.count()
+        self._failed: dict[Request, AgentrtError] = {}  # this step's requests failed by a fault
         self.speculator = None
         if self.config.speculative.method is not None:
             from agentrt.runtime.speculation import Speculator
@@ -193,12 +200,14 @@ class Engine:
         spec = self.speculator
         proposed = spec.propose(self.scheduler.running, self.max_model_len) if spec is not None else []
         base_lens = {r: r.num_tokens for r in proposed}
+        self._failed = {}
         try:
             scheduled = self._schedule()
             if scheduled:
                 plan = self._prepare(scheduled)
-                fwd = self._forward(plan)
+                plan, fwd = self._forward_isolated(plan, scheduled)
                 outputs += self._process(plan, fwd, self._sample(plan, fwd))
+                outputs += [self._fail(r) for r in self._failed if r.status is not RequestStatus.FINISHED]
             elif self.grammar_wait:
                 time.sleep(0.001)
         finally:
@@ -247,6 +256,24 @@ class Engine:
         self.stats.num_computed_prefill_tokens += num_prefill
         return BatchPlan(chunks, rows, num_rows, num_prefill, len(scheduled))
 
+    def _forward_isolated(self, plan: BatchPlan, scheduled: list[ScheduledChunk]):
+        """(plan, `_forward(plan)`); when the forward raises, the chunks that raise alone are failed
+        and the rest run again without them (runtime/isolation.py). Raises when no chunk is at
+        fault alone."""
+        try:
+            return plan, self._forward(plan)
+        except Exception:
+            requests = {id(c.request): c.request for c in scheduled}
+            if not find_forward_culprits(self.runner, plan, requests, self._failed):
+                raise
+            plan = plan_without(plan, self._failed)
+            return plan, self._forward(plan)
+
+    def _fail(self, r: Request) -> RequestOutput:
+        """Finish r with this step's fault (`self._failed[r]`, an InternalError)."""
+        r.error = self._failed[r]
+        return self._finish(r, "error")
+
     def _forward(self, plan: BatchPlan) -> ForwardOutput:
         """Run the model over the plan. The bitmasks of sampled constrained rows are filled on a
         grammar thread while the forward runs (their matchers are final for this step; on a GPU
@@ -266,7 +293,12 @@ class Engine:
             result = self.runner.execute(plan.chunks, return_hidden=want_hidden)
             logits, hidden = result if want_hidden else (result, None)
         finally:
-            bitmask = masks.result() if masks is not None else None  # matchers are idle again
+            mask_error = masks.exception() if masks is not None else None  # matchers are idle again
+        bitmask = masks.result() if masks is not None and mask_error is None else None
+        if mask_error is not None:  # one matcher's fault: refill row by row, fail who raises
+            logger.warning("batched bitmask fill failed (%s): filling row by row", mask_error)
+            bitmask = self.grammar.allocate_bitmask(plan.num_rows)
+            fill_rows_one_by_one(self.grammar, sampled, bitmask, self._failed)
         for s in plan.rows:
             draft_bitmask = s.request.spec.draft_bitmask
             if s.verify and draft_bitmask is not None:
@@ -280,13 +312,26 @@ class Engine:
         """Penalties and bitmasks on every row (in place: verification reads the same logits), then
         one sampler call for the sampled rows."""
         logits = fwd.logits
-        apply_penalties(logits, [s.request for s in plan.rows for _ in range(s.num_rows)])
+        row_requests = [s.request for s in plan.rows for _ in range(s.num_rows)]
+        for i, e in apply_penalties(logits, row_requests).items():
+            self._failed.setdefault(row_requests[i], internal_error("the logit penalties", e))
         if fwd.bitmask is not None:
-            apply_bitmask(logits, fwd.bitmask, fwd.constrained_rows, self.grammar)  # one batched apply
+            try:
+                apply_bitmask(logits, fwd.bitmask, fwd.constrained_rows, self.grammar)  # one batched apply
+            except Exception:  # noqa: BLE001 (row by row: a row that cannot be masked fails its request)
+                for row in fwd.constrained_rows:
+                    try:
+                        apply_bitmask(logits, fwd.bitmask, [row], self.grammar)
+                    except Exception as e:  # noqa: BLE001 (that request fails)
+                        self._failed.setdefault(row_requests[row], internal_error("the grammar bitmask", e))
         sampled = plan.sampled
         if not sampled:
             return SampleOutput([])
-        return SampleOutput(sample(logits[[s.row for s in sampled]], [s.request for s in sampled]))
+        errors: dict[int, str] = {}
+        ids = sample(logits[[s.row for s in sampled]], [s.request for s in sampled], errors)
+        for i, why in errors.items():
+            self._failed.setdefault(sampled[i].request, InternalError(f"internal error in sampling: {why}"))
+        return SampleOutput(ids)
 
     def _process(self, plan: BatchPlan, fwd: ForwardOutput, sampled: SampleOutput) -> list[RequestOutput]:
         """Feed each request its new token(s) (sampled, or verified draft tokens + a bonus token);
@@ -299,6 +344,11 @@ class Engine:
         for s in plan.rows:
             r = s.request
             last_row = None
+            if r in self._failed:  # a fault in a batch-wide stage: this request alone fails
+                if not s.verify:
+                    next(tokens)
+                outputs.append(self._fail(r))
+                continue
             try:
                 if not s.verify:
                     tok = next(tokens)
@@ -316,7 +366,14 @@ class Engine:
             if fwd.hidden is not None and last_row is not None and r.status is not RequestStatus.FINISHED:
                 medusa.append((r, last_row))
         if medusa:
-            self.speculator.medusa_candidates([r for r, _ in medusa], fwd.hidden[[row for _, row in medusa]])
+            try:
+                self.speculator.medusa_candidates(
+                    [r for r, _ in medusa], fwd.hidden[[row for _, row in medusa]]
+                )
+            except Exception:  # drafts are an optimisation: this step's requests go on without them
+                logger.exception("Medusa candidates failed; continuing without drafts")
+                for r, _ in medusa:
+                    r.spec.medusa_topk = None
         return outputs
 
     def _process_verified(self, r: Request, logits: torch.Tensor, row: int) -> tuple[list, int | None]:
@@ -457,8 +514,8 @@ class Engine:
         if r in self.grammar_wait:
             self.grammar_wait.remove(r)
             r.compile_future.cancel()  # no longer waited for: a compile nobody needs is cancelled
-        else:
-            self.scheduler.finish(r)
+        else:  # a failed request's KV may be what failed: not shared through the prefix cache
+            self.scheduler.finish(r, insert=reason != "error")
         r.grammar = None
         if self.speculator is not None:
             self.speculator.release(r)

@@ -14,25 +14,33 @@ import torch
 from agentrt.runtime.request import Request
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """In place on logits [B, V] fp32, row i for requests[i]."""
-    device = logits.device
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> dict[int, Exception]:
+    """In place on logits [B, V] fp32, row i for requests[i]. Returns {row: exception} for rows
+    whose penalties raised (that request fails; the other rows are done)."""
+    failed: dict[int, Exception] = {}
     for i, r in enumerate(requests):
-        p = r.params
-        if p.logit_bias:
-            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64, device=device)
-            vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
-            logits[i].index_add_(0, ids, vals)
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(
-                sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=device
-            )
-            seen = logits[i, ids]
-            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            out = torch.tensor(r.output_ids, dtype=torch.int64, device=device)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        try:
+            _penalize(logits, i, r)
+        except Exception as e:  # noqa: BLE001 (one request's fault stays its own: runtime/isolation.py)
+            failed[i] = e
+    return failed
+
+
+def _penalize(logits: torch.Tensor, i: int, r: Request) -> None:
+    device = logits.device
+    p = r.params
+    if p.logit_bias:
+        ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64, device=device)
+        vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+        logits[i].index_add_(0, ids, vals)
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=device)
+        seen = logits[i, ids]
+        logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+        out = torch.tensor(r.output_ids, dtype=torch.int64, device=device)
+        counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], grammar) -> None:
@@ -94,30 +102,42 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.
     return row
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample(logits: torch.Tensor, requests: list[Request], errors: dict[int, str] | None = None) -> list[int]:
     """logits [B, V] fp32 (penalties and masks applied) -> one token id per row.
 
     temperature 0 = greedy argmax. Raises nothing: a row with every token masked returns -1 (the
     caller finishes that request with an error), as does a sampled row with no finite logit; a
     row whose parameters overflow fp32 (a tiny temperature or penalty) falls back to the argmax of
-    its logits. Every row is computed on the
-    logits' device and read back with one host sync for the batch (the step's only one)."""
+    its logits. A row holding NaN (a broken forward) or whose sampling raised also returns -1,
+    with the reason in `errors[row]` when `errors` is given (the caller fails that request with an
+    InternalError). Every row is computed on the logits' device and read back with one host sync
+    for the batch (the step's only one)."""
     greedy = torch.argmax(logits, dim=-1)
     tokens = greedy.clone()
     failed = torch.isneginf(logits).all(dim=-1)  # every token masked
     no_finite = ~torch.isfinite(logits).any(dim=-1)
+    has_nan = torch.isnan(logits).any(dim=-1)
+    raised: dict[int, str] = {}
     for i, r in enumerate(requests):
         p = r.params
         if p.is_greedy:  # 0 (or a value too small for fp32 division) is greedy
             continue
-        probs = torch.softmax(_filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
-        valid = torch.isfinite(probs).all() & (probs.sum() > 0)
-        failed[i] |= ~valid & no_finite[i]  # nothing to fall back to (NaN / inf logits)
-        fallback = torch.nn.functional.one_hot(greedy[i], logits.shape[1]).to(probs.dtype)
-        # an invalid row draws from its argmax one-hot: the generator advances either way
-        tokens[i] = torch.multinomial(torch.where(valid, probs, fallback), 1, generator=r.generator)[0]
-    ids, bad = torch.stack([tokens, failed.long()]).tolist()
-    return [-1 if b else t for t, b in zip(ids, bad)]
+        try:
+            probs = torch.softmax(_filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
+            valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+            failed[i] |= ~valid & no_finite[i]  # nothing to fall back to (NaN / inf logits)
+            fallback = torch.nn.functional.one_hot(greedy[i], logits.shape[1]).to(probs.dtype)
+            # an invalid row draws from its argmax one-hot: the generator advances either way
+            tokens[i] = torch.multinomial(torch.where(valid, probs, fallback), 1, generator=r.generator)[0]
+        except Exception as e:  # noqa: BLE001 (one row's fault stays its own: runtime/isolation.py)
+            raised[i] = f"sampling raised {type(e).__name__}: {e}"
+    ids, bad, nan = torch.stack([tokens, failed.long(), has_nan.long()]).tolist()
+    for i, n in enumerate(nan):
+        if n:
+            raised.setdefault(i, "the logits hold NaN")
+    if errors is not None:
+        errors.update(raised)
+    return [-1 if b or i in raised else t for i, (t, b) in enumerate(zip(ids, bad))]
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:

@@ -184,13 +184,14 @@ class Scheduler:
         self.num_preemptions += 1
         logger.info("preempted %s (KV pool full)", r.request_id)
 
-    def finish(self, r: Request) -> None:
-        """Remove r from the queues and release its KV (into the radix tree when caching)."""
+    def finish(self, r: Request, insert: bool = True) -> None:
+        """Remove r from the queues and release its KV (into the radix tree when caching and
+        `insert`; a request that failed passes False: its KV is not trusted)."""
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        self._release(r, insert=True)
+        self._release(r, insert=insert)
 
     def _release(self, r: Request, insert: bool) -> None:
         r.spec.draft = None

@@ -78,7 +78,8 @@ def test_recursion_that_forces_text_per_level_stays_correct_and_bounded(searches
     the search steps instead of asking xgrammar for the whole tail."""
     engine = fake_engine()
     spec = ConstraintSpec.grammar('root ::= "(" root "a"{60} | "x"')
-    out = engine.generate([([ord(c) for c in "nest"], SamplingParams(temperature=0, max_tokens=400), spec)])[0]
+    params = SamplingParams(temperature=0, max_tokens=400)
+    out = engine.generate([([ord(c) for c in "nest"], params, spec)])[0]
     assert out.error is None
     if out.finish_reason == "stop":
         depth = out.text.index("x")
