@@ -87,6 +87,24 @@ def client(engine):
     front.shutdown()
 
 
+@pytest.fixture(scope="module")
+def fake_client(tokenizer):
+    """The OpenAI API in-process over the fake model runner (agentrt.testing) with the default
+    model's tokenizer, chat template, context (8,192 tokens) and stop id: for HTTP behaviour that
+    does not depend on the weights (validation, tool_choice modes, grammars, streaming)."""
+    from fastapi.testclient import TestClient
+
+    from agentrt.api.app import create_app
+    from agentrt.runtime.async_engine import AsyncEngine
+    from agentrt.testing import fake_engine
+
+    engine = fake_engine(tokenizer=tokenizer, max_model_len=8192, num_kv_slots=16384)
+    front = AsyncEngine(engine=engine)
+    with TestClient(create_app(front, "smollm2-135m-instruct")) as c:
+        yield c
+    front.shutdown()
+
+
 @pytest.fixture(scope="session")
 def server(default_model_dir, tmp_path_factory):
     """A real `agentrt serve` subprocess on the default model (shared by the tests that need one);

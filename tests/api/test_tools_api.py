@@ -1,5 +1,7 @@
-"""Tool calling through the HTTP API on the default model: every tool_choice mode, streaming and
-not, 1 and 3 tools, parallel_tool_calls on and off."""
+"""Tool calling through the HTTP API: every tool_choice mode, streaming and not, 1 and 3 tools,
+parallel_tool_calls on and off. Runs on the fake model runner with the default model's tokenizer and
+chat template (what is asserted, the tool grammar, the call parser and the streamed deltas, does not
+depend on the weights); tool round trips on the real model are in test_frameworks.py."""
 
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ SEARCH = {
     },
 }
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD, SEARCH)}
+
+
+@pytest.fixture(scope="module")
+def client(fake_client):
+    return fake_client
 
 
 def _body(tools, choice, parallel, stream):
