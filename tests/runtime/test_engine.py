@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import SamplingParams
 from tests.helpers import chat_ids
@@ -68,14 +68,18 @@ def _random_prompts(tokenizer, rng, n, chars):
 
 
 def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer):
-    """16 prompts of 400 random characters + 8 sharing a 1,500-token prefix: alone, batched, cold and
-    warm, prefix cache on and off, all give the same greedy tokens."""
+    """8 prompts of 400 random characters + 4 sharing a 400-token prefix: alone, batched, cold and
+    warm, prefix cache on and off, all give the same greedy tokens. The scheduler's limits are
+    small (8 sequences, 128-token steps) so the same paths run on fewer tokens: prompts queue behind
+    the running batch, every prompt is prefilled in chunks interleaved with decodes, and a cached
+    prefix longer than a chunk is extended."""
     import random
 
     rng = random.Random(0)
-    prefix = _random_prompts(tokenizer, rng, 1, 6000)[0][:1500]
-    shared = [prefix + tail for tail in _random_prompts(tokenizer, rng, 8, 60)]
-    prompts = _random_prompts(tokenizer, rng, 16, 400) + shared
+    prefix = _random_prompts(tokenizer, rng, 1, 2000)[0][:400]
+    shared = [prefix + tail for tail in _random_prompts(tokenizer, rng, 4, 60)]
+    prompts = _random_prompts(tokenizer, rng, 8, 400) + shared
+    assert min(len(p) for p in prompts) > 128  # each prompt takes more than one chunk
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def engine_with(cache: bool) -> Engine:
@@ -83,15 +87,16 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
             EngineConfig(
                 model=ModelConfig(model=str(default_model_dir), device="cpu"),
                 cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache),
+                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
             )
         )
 
     off = engine_with(False)
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
     on = engine_with(True)
-    alone_idx = [0, 1, 16, 17]  # two random prompts and two sharing the prefix, one at a time, cold
+    alone_idx = [0, 1, 8, 9]  # two random prompts and two sharing the prefix, one at a time, cold
     cold_alone = [on.generate([(prompts[i], params, None)])[0].token_ids for i in alone_idx]
-    assert on.stats.num_cached_prompt_tokens >= 1500  # the second shared prompt hit the cache
+    assert on.stats.num_cached_prompt_tokens >= len(prefix)  # the second shared prompt hit the cache
     warm_batched = [o.token_ids for o in on.generate([(p, params, None) for p in prompts])]
     warm_mixed = [o.token_ids for o in on.generate([(p, params, None) for p in prompts[::-3]])]
     assert cold_alone == [reference[i] for i in alone_idx]
@@ -108,8 +113,9 @@ def test_stop_request_from_a_signal_handler_takes_no_lock():
     import threading
 
     from agentrt.runtime.async_engine import AsyncEngine
+    from agentrt.testing import fake_engine
 
-    eng = AsyncEngine(engine=object(), start_thread=False)
+    eng = AsyncEngine(engine=fake_engine(), start_thread=False)
     done = threading.Event()
     with eng._inbox.mutex:  # what the interrupted loop thread may hold
         t = threading.Thread(target=lambda: (eng.request_stop(), done.set()), daemon=True)
