@@ -52,7 +52,9 @@ def greedy_requests(tokenizer):
         "Write a JSON object for a person named Ada aged 36.",
         "Explain what a hash table is.",
     ]
-    params = SamplingParams(max_tokens=32, temperature=0.0)
+    # 20 tokens: the constrained request closes its JSON and stops at 16 (measured), the others
+    # are cut by max_tokens (with speculation: drafts cut by the remaining budget)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
     reqs = [(chat_ids(tokenizer, [{"role": "user", "content": p}]), params, None) for p in prompts]
     reqs.append(
         (
@@ -70,12 +72,29 @@ def reference(engine, tokenizer):
     return reqs, [o.token_ids for o in engine.generate(reqs)]
 
 
+@pytest.fixture(scope="module")
+def spec_engines(default_model_dir):
+    """One engine per method in METHODS, made on first use and shared by the tests of this module
+    (the greedy identity test runs first, on an empty prefix cache)."""
+    engines: dict[str, Engine] = {}
+
+    def get(method: str) -> Engine:
+        if method == "medusa" and not (HEADS / "config.json").exists():
+            pytest.fail(f"the shipped Medusa heads are missing from {HEADS}")
+        if method not in engines:
+            engines[method] = spec_engine(default_model_dir, METHODS[method])
+        return engines[method]
+
+    yield get
+    for eng in engines.values():
+        eng.grammar.shutdown()
+
+
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_is_token_identical_batched_cold_and_warm_cache(default_model_dir, reference, method):
-    if method == "medusa" and not (HEADS / "config.json").exists():
-        pytest.fail(f"the shipped Medusa heads are missing from {HEADS}")
+def test_greedy_is_token_identical_batched_cold_and_warm_cache(spec_engines, reference, method):
     reqs, want = reference
-    eng = spec_engine(default_model_dir, METHODS[method])
+    eng = spec_engines(method)
+    assert eng.stats.num_spec_steps == 0 and eng.scheduler.cache.total_tokens == 0  # a fresh engine
     cold = [o.token_ids for o in eng.generate(reqs)]  # all four in one batch, empty prefix cache
     warm = [o.token_ids for o in eng.generate(reqs)]  # every prompt now cached
     assert cold == want
@@ -86,7 +105,6 @@ def test_greedy_is_token_identical_batched_cold_and_warm_cache(default_model_dir
         assert s.num_accepted_tokens > 0
     # no KV slot leaks: every slot is free or held by the radix tree (rejected drafts returned)
     assert eng.runner.kv.num_free + eng.scheduler.cache.total_tokens == eng.runner.kv.num_slots
-    eng.grammar.shutdown()
 
 
 def test_greedy_identity_with_a_separate_draft_model(default_model_dir, reference, tmp_path):
@@ -105,11 +123,13 @@ def test_greedy_identity_with_a_separate_draft_model(default_model_dir, referenc
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, tokenizer, method):
+def test_constrained_outputs_stay_valid_at_concurrency_8(spec_engines, tokenizer, method):
     """Schema with an enum and an optional nullable string; 8 requests at once, greedy and
     sampled, length-safe policy. Drafts the grammar rejects are cut before verification (the real
-    matcher never sees them: a rejected token would end the request with an error)."""
-    eng = spec_engine(default_model_dir, METHODS[method])
+    matcher never sees them: a rejected token would end the request with an error). The engine is
+    the greedy test's: the counters are compared with their values before these requests."""
+    eng = spec_engines(method)
+    spec_steps, cut = eng.stats.num_spec_steps, eng.stats.num_draft_tokens_cut_by_grammar
     doc = (
         "Ticket 4411: printer on floor 3 jams. Status: open. Ticket 4412: VPN drops. Status: closed. "
         "Ticket 4413: new laptop. Status: pending. "
@@ -128,10 +148,9 @@ def test_constrained_outputs_stay_valid_at_concurrency_8(default_model_dir, toke
     for o in outs:
         assert o.error is None and o.finish_reason == "stop", (o.error, o.text)
         jsonschema.validate(json.loads(o.text), TICKET)
-    assert eng.stats.num_spec_steps > 0
+    assert eng.stats.num_spec_steps > spec_steps
     if method == "ngram":  # prompt lookup proposes document text: the grammar must cut some
-        assert eng.stats.num_draft_tokens_cut_by_grammar > 0
-    eng.grammar.shutdown()
+        assert eng.stats.num_draft_tokens_cut_by_grammar > cut
 
 
 # ---- distribution (temperature 1) --------------------------------------------------------------
