@@ -56,6 +56,10 @@ __all__ = [
     "serve_in_thread",
 ]
 
+MAX_CACHED_ROW_BYTES = 16 << 20
+"""Bytes of logits rows a FakeModelRunner keeps (oldest dropped first; a row is recomputed when
+needed again), so that a long run (bench/soak.py) does not grow."""
+
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|pad|>")
 """Special tokens of `byte_tokenizer`, ids 256.. in this order (EOS is 256)."""
@@ -217,6 +221,7 @@ class FakeModelRunner:
         bias[0x20:0x7F] = 4.0
         self._bias = bias
         self._rows: dict[int, np.ndarray] = {}
+        self._max_rows = max(64, MAX_CACHED_ROW_BYTES // (4 * vocab_size))
 
     # ---- the forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -321,6 +326,8 @@ class FakeModelRunner:
             noise = np.random.default_rng([self.seed, key]).standard_normal(
                 self.arch.vocab_size, dtype=np.float32
             )
+            if len(self._rows) >= self._max_rows:
+                del self._rows[next(iter(self._rows))]
             row = self._rows[key] = noise + self._bias
         return row
 
