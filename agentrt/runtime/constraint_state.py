@@ -38,6 +38,7 @@ class ConstraintState:
         self.matcher, self.closing = matcher, closing
         self.finder, self.forced_bound = finder, forced_bound
         self.num_chars = 0
+        self._skip = self._backoff = 0  # jump-forward calls to skip after fruitless slow searches
 
     def is_terminated(self) -> bool:
         """The grammar has accepted its end (the output is complete)."""
@@ -72,10 +73,18 @@ class ConstraintState:
         if finder is None or left <= 1 or (self.closing is not None and self.closing.plan):
             return []  # following a closing path: its tokens are already the forced ones
         budget = min(FAST_MAX_CHARS, left * finder.max_token_chars)
-        forced = finder.find(self.matcher, self.forced_bound, self.num_chars, budget)
-        if not forced:
+        if self._skip > 0:  # the step-by-step search found nothing usable lately: not every token
+            self._skip -= 1
             return []
-        ids = forced_token_ids(tokenizer, finder.token_texts, last_id, forced)[: left - 1]
+        forced = finder.find(self.matcher, self.forced_bound, self.num_chars, budget)
+        ids = forced_token_ids(tokenizer, finder.token_texts, last_id, forced)[: left - 1] if forced else []
+        if finder.last_stepwise and not ids:  # back off 1, 2, 4 ... 64 tokens: bounded cost per token
+            self._backoff = min(64, 2 * self._backoff or 1)
+            self._skip = self._backoff
+        elif ids:
+            self._backoff = 0
+        if not ids:
+            return []
         for i, t in enumerate(ids):
             if not self.matcher.accept_token(t):  # cannot happen for a forced string; stay safe
                 ids = ids[:i]
