@@ -64,12 +64,14 @@ def workload(tokenizer):
     )
     prompts = [shared + tokenizer.encode(f"Question {i}: what is {i} plus {i}?") for i in range(3)]
     prompts.append(tokenizer.encode("An unrelated short prompt."))
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    # few decode steps: each costs ~1 s under the Triton interpreter; the request lengths differ
+    # (5 and 7) so batches shrink below the captured sizes at the end
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reqs = [(p, greedy, None) for p in prompts]
     reqs.append(
         (
             prompts[0],
-            SamplingParams(max_tokens=12, temperature=0.0),
+            SamplingParams(max_tokens=7, temperature=0.0),
             ConstraintSpec(kind="json_schema", value=json.dumps(SCHEMA)),
         )
     )
