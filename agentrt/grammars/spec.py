@@ -52,11 +52,16 @@ class ConstraintSpec:
     (key order kept: property order decides output order) or of the choice list; the regex; the
     EBNF text (GBNF-style, root rule `root`); the Lark text (start rule `start`). Build with the
     classmethods, which raise ConstraintError (a ValueError; `param` None: the API layer names the
-    request field) naming the problem when the input is not a valid constraint."""
+    request field) naming the problem when the input is not a valid constraint. A spec whose text
+    is not valid Unicode (a lone surrogate such as JSON's "\\ud800", which has no UTF-8) is
+    refused the same way, whichever way it is built."""
 
     kind: ConstraintKind
     value: str
     strict: bool | None = None
+
+    def __post_init__(self):
+        _check_unicode(self.kind, self.value)
 
     @property
     def key(self) -> str:
@@ -131,3 +136,18 @@ class ConstraintSpec:
         (built by agentrt/api/tools/validation.py; compiled as an xgrammar structural tag, see
         grammars/tool_calls.py)."""
         return cls("tool_calls", plan)
+
+
+def _check_unicode(kind: str, text: str) -> None:
+    """Raise ConstraintError when `text` holds a surrogate code point (U+D800..U+DFFF: JSON's
+    "\\ud800" escapes decode to one), which no UTF-8 encoder, tokenizer or grammar engine accepts."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        what = {"json_schema": "schema", "tool_calls": "tool definitions", "lark": "lark grammar"}.get(
+            kind, kind
+        )
+        raise ConstraintError(
+            f"{what} is not valid Unicode text: it holds the lone surrogate U+{ord(text[e.start]):04X} "
+            "(write the character itself, or a high-low surrogate pair)"
+        ) from None

@@ -226,7 +226,7 @@ def _tools() -> st.SearchStrategy[dict]:
 
 
 def _constraint() -> st.SearchStrategy[dict]:
-    # no lone surrogates in constraint text: that is the known 500 below
+    # lone surrogates in constraint text: test_lone_surrogate_in_a_constraint_field_is_a_400
     return st.one_of(
         st.just({}),
         regexes(bounded=True).map(lambda r: {"regex": r}),
@@ -333,11 +333,6 @@ SURROGATE_FIELDS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17: a lone surrogate in a constraint field is a 500 (UnicodeEncodeError in "
-    "GrammarBackend.submit's `len(spec.value.encode())`); should be a 400 naming the field",
-)
 @pytest.mark.parametrize("field", SURROGATE_FIELDS)
 def test_lone_surrogate_in_a_constraint_field_is_a_400(http, field):
     body = {"model": SERVED_MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

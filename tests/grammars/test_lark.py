@@ -124,3 +124,48 @@ def test_ignored_whitespace_is_bounded(backend):
     assert not accepts(backend, compiled, "a" + " " * 100 + "b")
     m = backend.new_matcher(compiled)
     assert m.accept_string("a") and not m.accept_string(" " * 100)
+
+
+@pytest.mark.parametrize(
+    "grammar,good,bad",
+    [
+        (
+            'start: ("b" ~ 5 | "c" ~ 5 | "d") ~ 6..12',  # lark alone: every combination, minutes of CPU
+            ["d" * 6, "bbbbb" + "d" * 5, "ccccc" * 12],
+            ["d" * 5, "d" * 13, "bbbb" + "d" * 6],
+        ),
+        (
+            'start: "a" () ~ 3 "b" ~ 0 "c" ~ 0..2 [D] ~ 2\nD: "d"',
+            ["a", "acc", "ad", "acdd", "add"],
+            ["ab", "accc", "addd"],
+        ),
+        (
+            'start: y ~ 3 _sep{"a", ","} _sep{y, "."}\ny: "q" | "r"\n_sep{x, sep}: x (sep ("z"|x) ~ 2..3) ~ 0..4',
+            ["qqraq", "qqra,zaq.rz", "rrra,aa,zzzq"],
+            ["qqa q", "qqraq.z", "qqra,a,a,a,a,aq"],
+        ),
+        ('start: "a" ~ 2000000000 | "b"', ["b"], ["", "ab", "aa"]),
+        ("start: " + '("a" | "b") ' * 12, ["a" * 12, "ab" * 6], ["a" * 11, "a" * 13, "c" * 12]),
+        ("start: " + '"a"? ' * 30, ["", "a" * 30], ["a" * 31]),
+    ],
+    ids=["repeat-of-alternation", "repeat-edges", "repeat-in-template", "repeat-2e9", "groups", "optionals"],
+)
+def test_repeats_and_groups_keep_their_language_without_expansion(backend, grammar, good, bad):
+    """`~ n..m` becomes an EBNF repeat and inline groups/optionals that would multiply into many
+    alternatives become rules of their own (lark would write 2^12 alternatives for the 12 groups):
+    the EBNF stays small and the language is the same."""
+    assert len(lark_to_ebnf(grammar)) < 20_000
+    compiled = backend.compile(ConstraintSpec.lark(grammar))
+    for ok in good:
+        assert accepts(backend, compiled, ok), ok
+    for no in bad:
+        assert not accepts(backend, compiled, no), no
+
+
+@pytest.mark.parametrize(
+    "grammar,match",
+    [('start: "a" ~ 5..3', "bad repeat range"), ('start: "a" ~ 99999999999', "over the limit")],
+)
+def test_bad_repeat_counts_are_a_clear_error(grammar, match):
+    with pytest.raises(ValueError, match=match):
+        lark_to_ebnf(grammar)
