@@ -13,8 +13,10 @@
   keeps the CPU while grammars compile.
 - Waiters: `submit` returns one future per caller. Cancelling it releases that caller's interest;
   when no caller is left, a compile still queued is cancelled (never started), and a running one
-  is left to finish in the background (its result is cached) while a replacement worker serves the
-  queue.
+  finishes on its worker (its result is cached) within its own time limit, as if its caller had
+  stayed. (Giving it up at once, with a replacement worker, counted it as stuck: two clients that
+  left while their cheap compiles ran made the next constraint fail with a 503 claiming compiles
+  "still running past the limit".)
 - Time limits: a compile still queued after `compile_queue_timeout_s` fails with
   ServiceUnavailableError (the queue, not the constraint, is slow). A running compile past
   `compile_timeout_s` fails with ConstraintError when its thread used at least a tenth of that time
@@ -25,6 +27,9 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
+import logging
 import os
 import queue
 import threading
@@ -32,19 +37,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from functools import partial
 
-from agentrt.errors import ConstraintError, ServiceUnavailableError
+from agentrt.errors import AgentrtError, ConstraintError, ServiceUnavailableError
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+
+logger = logging.getLogger(__name__)
 
 
 class _Job:
-    """One compile shared by every request with an equal spec."""
+    """One compile shared by every request with an equal spec. Nothing the job owns refers back
+    to it once it is done (no reference cycle), so an evicted job and its compiled grammar are freed
+    at once, not at the next full garbage collection."""
 
     def __init__(self, spec: ConstraintSpec):
         self.spec = spec
         self.done: Future = Future()  # the shared outcome
         self.inner: Future | None = None  # the pool's task
-        self.waiters = 0
+        self.waiters: list[Future] = []  # callers' futures not yet answered (cleared when done)
         self.cpu_clock: int | None = None  # the worker thread's CPU clock while it runs
         self.cpu_start = 0.0
 
@@ -60,10 +70,13 @@ class CompileQueue:
         )
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._lock = threading.Lock()
+        self._timers = _Timers("grammar-compile-timer")
 
     def submit(self, spec: ConstraintSpec) -> Future:
         """This caller's future of the CompiledConstraint (see the module docstring for the errors
-        it may hold). `future.cancel()` releases the caller's interest in the compile."""
+        it may hold; each caller gets its own copy of the exception, without a traceback).
+        `future.cancel()` releases the caller's interest in the compile."""
+        waiter: Future = Future()
         with self._lock:
             job = self._jobs.get(spec.key)
             if job is not None:
@@ -80,20 +93,28 @@ class CompileQueue:
                 job = _Job(spec)
                 job.inner = self.pool.submit(self._run, job)
                 # a cancelled task (queue timeout, nobody waiting) is answered by whoever cancelled it
-                job.inner.add_done_callback(lambda f, job=job: f.cancelled() or _forward(f, job.done))
-                timer = threading.Timer(self.config.compile_queue_timeout_s, self._queue_timeout, (job,))
-                timer.daemon = True
-                timer.start()
-                job.done.add_done_callback(lambda _f, t=timer: t.cancel())
+                job.inner.add_done_callback(partial(_forward_unless_cancelled, dst=job.done))
+                timer = self._timers.call_later(self.config.compile_queue_timeout_s, self._queue_timeout, job)
+                # (callbacks hold the waiter list and the timer, never the job: see _Job)
+                job.done.add_done_callback(partial(self._answer, job.waiters, timer))
                 self._jobs[spec.key] = job
                 while len(self._jobs) > self.config.cache_size:
                     self._jobs.popitem(last=False)
-            waiter: Future = Future()
-            if not job.done.done():
-                job.waiters += 1
-                waiter.add_done_callback(lambda w, job=job: self._on_waiter_done(w, job))
-        job.done.add_done_callback(lambda d: _forward(d, waiter))
+            if not job.done.done():  # (else _answer has run or runs after this lock: answered below)
+                job.waiters.append(waiter)
+                waiter.add_done_callback(partial(self._on_waiter_done, job=job))
+                return waiter
+        _forward(job.done, waiter)
         return waiter
+
+    def _answer(self, waiters: list[Future], timer: _Timer, done: Future) -> None:
+        """job.done finished: answer every waiter and drop them (the list is the job's)."""
+        timer.cancel()
+        with self._lock:
+            answered = waiters[:]
+            waiters.clear()
+        for waiter in answered:
+            _forward(done, waiter)
 
     @property
     def num_queued(self) -> int:
@@ -104,28 +125,27 @@ class CompileQueue:
         if not waiter.cancelled():
             return
         with self._lock:
-            job.waiters -= 1
-            if job.waiters > 0 or job.done.done():
+            with contextlib.suppress(ValueError):  # (already answered)
+                job.waiters.remove(waiter)
+            if job.waiters or job.done.done():
                 return
-            if job.inner.cancel():  # still queued: never starts
-                self._drop(job)
-                started = False
-            else:
-                started = True
-        if started:
-            self.pool.abandon(job.inner)  # it finishes in the background; the queue moves on
-        else:
-            job.done.cancel()
+            if not job.inner.cancel():  # running: it finishes (or meets its time limit) on its worker
+                return
+            self._drop(job)  # still queued: never starts
+        job.done.cancel()
 
     def _run(self, job: _Job):
         """On a worker: the compile, with its own time limit from now on."""
         job.cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
         job.cpu_start = time.clock_gettime(job.cpu_clock)
-        timer = threading.Timer(self.config.compile_timeout_s, self._run_timeout, (job,))
-        timer.daemon = True
-        timer.start()
+        timer = self._timers.call_later(self.config.compile_timeout_s, self._run_timeout, job)
         try:
             return self._fn(job.spec)
+        except AgentrtError:
+            raise
+        except Exception:  # a bug: its traceback is logged here, callers get a copy without it
+            logger.exception("compiling a %s constraint failed", job.spec.kind)
+            raise
         finally:
             timer.cancel()
 
@@ -171,6 +191,7 @@ class CompileQueue:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        self._timers.shutdown()
 
 
 class DaemonPool:
@@ -220,18 +241,24 @@ class DaemonPool:
             with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         while (item := self._queue.get()) is not None:
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
-                fut.set_exception(e)
-            with self._lock:
-                if fut in self._abandoned:  # replaced meanwhile: this worker is one too many
-                    self._abandoned.discard(fut)
-                    self._threads.remove(threading.current_thread())
-                    return
+            if self._run_one(*item):
+                return
+            item = None  # (the finished task and its result are not kept while this worker waits)
+
+    def _run_one(self, fut: Future, fn, args) -> bool:
+        """Run one task; True when this worker was replaced meanwhile (abandon) and must exit."""
+        if not fut.set_running_or_notify_cancel():
+            return False
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
+            fut.set_exception(_fresh_copy(e))  # (its traceback's frames would hold `fut`: a cycle)
+        with self._lock:
+            if fut in self._abandoned:  # replaced meanwhile: this worker is one too many
+                self._abandoned.discard(fut)
+                self._threads.remove(threading.current_thread())
+                return True
+        return False
 
     def shutdown(self) -> None:
         """Cancel what has not started; idle workers exit, busy ones are left to the process."""
@@ -244,19 +271,100 @@ class DaemonPool:
             self._queue.put(None)
 
 
+class _Timer:
+    """A pending call of _Timers; cancel() drops the function and its arguments at once."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, args
+
+    def cancel(self) -> None:
+        self.fn, self.args = None, ()
+
+
+class _Timers:
+    """Calls at deadlines from one daemon thread, started on first use. Two per compile (queue wait,
+    run time) as threading.Timer were two thread starts and stacks per compile: under a stream of
+    fresh constraints, thread churn that glibc malloc answers with per-thread arenas."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._heap: list[tuple[float, int, _Timer]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def call_later(self, delay_s: float, fn: Callable, *args) -> _Timer:
+        """Run fn(*args) on the timer thread `delay_s` seconds from now unless cancelled before."""
+        timer = _Timer(fn, args)
+        with self._cond:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._seq), timer))
+            self._cond.notify()
+        return timer
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped:
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._stopped:
+                    return
+                _, _, timer = heapq.heappop(self._heap)
+                fn, args = timer.fn, timer.args
+                timer.cancel()
+            if fn is not None:
+                try:
+                    fn(*args)
+                except Exception:  # a bug in a time-limit handler must not stop the others
+                    logger.exception("compile timer callback failed")
+            fn = args = None  # (nothing of a fired call is kept while this thread waits)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+
+
 def _failed(error: Exception) -> Future:
     fut: Future = Future()
     fut.set_exception(error)
     return fut
 
 
+def _forward_unless_cancelled(src: Future, dst: Future) -> None:
+    if not src.cancelled():
+        _forward(src, dst)
+
+
 def _forward(src: Future, dst: Future) -> None:
     """Copy a finished future's outcome into `dst` unless `dst` is already done (timed out,
-    cancelled)."""
+    cancelled). An exception is copied without its traceback: raising one shared exception object
+    in every request with an equal spec chains each raise's frames onto its traceback (a leak that
+    grows with every request repeating a failing constraint)."""
     with contextlib.suppress(InvalidStateError):
         if src.cancelled():
             dst.cancel()
         elif src.exception() is not None:
-            dst.set_exception(src.exception())
+            dst.set_exception(_fresh_copy(src.exception()))
         else:
             dst.set_result(src.result())
+
+
+def _fresh_copy(error: BaseException) -> BaseException:
+    """`error` with the same type, args and attributes, without traceback, cause or context (the
+    error itself for a type that cannot be rebuilt from its args)."""
+    try:
+        copy = type(error).__new__(type(error), *error.args)
+        copy.__dict__.update(error.__dict__)
+    except Exception:  # noqa: BLE001 (an exotic exception type: forwarded as it is)
+        return error
+    return copy

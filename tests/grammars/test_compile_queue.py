@@ -4,8 +4,10 @@ and the 503-vs-400 split between a busy server and an expensive constraint."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import weakref
 from concurrent.futures import CancelledError
 
 import pytest
@@ -92,6 +94,28 @@ def test_a_waiter_that_leaves_does_not_cancel_the_others():
         q.shutdown()
 
 
+def test_a_running_compile_whose_callers_left_is_not_counted_as_stuck():
+    """A running compile nobody waits for any more finishes on its worker (cached): it is not a
+    compile past its time limit, so it never makes the next constraint fail with a 503 (the soak
+    saw one when two clients left while their cheap compiles ran)."""
+    gate = Gate()
+    q = _queue(gate)
+    q.pool.max_stuck = 1
+    try:
+        left = q.submit(ConstraintSpec.regex("block3"))
+        assert gate.started.wait(10)
+        left.cancel()
+        nxt = q.submit(ConstraintSpec.regex("n+"))
+        assert q.pool.num_stuck == 0 and not nxt.done()  # queued behind it, not refused
+        gate.release.set()
+        assert nxt.result(10) == "compiled n+"
+        assert q.submit(ConstraintSpec.regex("block3")).result(10) == "compiled block3"  # cached
+        assert gate.ran == ["block3", "n+"]
+    finally:
+        gate.release.set()
+        q.shutdown()
+
+
 def test_queue_wait_past_the_limit_is_503_not_the_constraints_fault():
     gate = Gate()
     q = _queue(gate, compile_queue_timeout_s=0.2, compile_timeout_s=30)
@@ -152,3 +176,73 @@ def test_aborting_a_request_waiting_for_its_grammar_cancels_the_compile(monkeypa
         engine.step()
     assert blocker.finish_reason is not None
     assert gate.ran == ["block[a-z]"]  # the aborted request's compile never ran
+
+
+class _Compiled:
+    """A stand-in compiled grammar that can be watched with a weak reference."""
+
+
+def test_evicted_and_failed_compiles_are_freed_at_once_and_no_thread_starts_per_compile(monkeypatch):
+    """Under a stream of fresh constraints, what the LRU evicts (or nobody waits for) is freed by
+    reference counting alone: nothing of a finished job refers back to it, so its compiled grammar
+    does not wait for a full garbage collection (with threading.Timer callbacks it stayed in a
+    reference cycle: all 60 below were alive). Time limits share one timer thread."""
+    compiled: list[weakref.ref] = []
+
+    def compile_(spec):
+        if spec.value.startswith("bad"):
+            raise ConstraintError(f"cannot compile {spec.value}")
+        c = _Compiled()
+        compiled.append(weakref.ref(c))
+        return c
+
+    q = CompileQueue(compile_, GrammarConfig(compile_threads=1, cache_size=4))
+    q.submit(ConstraintSpec.regex("warm")).result(10)  # starts the worker and the timer thread
+    starts = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda t: starts.append(t.name) or real_start(t))
+    gc.disable()
+    try:
+        for i in range(60):
+            waiters = [q.submit(ConstraintSpec.regex(f"x{{{i}}}")) for _ in range(2)]
+            assert waiters[0].result(10) is waiters[1].result(10)
+            with pytest.raises(ConstraintError):
+                q.submit(ConstraintSpec.regex(f"bad{i}")).result(10)
+        del waiters
+        alive = [r for r in compiled if r() is not None]
+        assert len(alive) <= 4, f"{len(alive)} compiled grammars alive, the cache holds 4"
+        assert starts == []
+    finally:
+        gc.enable()
+        q.shutdown()
+
+
+def test_a_cached_compile_error_is_a_fresh_copy_per_request():
+    """Every request with a spec that failed gets its own exception (same type, message and fields,
+    no traceback): re-raising one shared object chained each request's frames onto it (a leak that
+    grew with every repeat of the failing constraint)."""
+
+    def compile_(spec):
+        raise ConstraintError("no good", "regex", keyword="pattern", pointer="/x")
+
+    q = _queue(compile_)
+    try:
+        errors, depths = [], []
+        for _ in range(5):
+            with pytest.raises(ConstraintError) as info:
+                q.submit(ConstraintSpec.regex("x")).result(10)
+            errors.append(info.value)
+            depths.append(_depth(info.value.__traceback__))
+        assert len({id(e) for e in errors}) == 5
+        assert depths == [depths[0]] * 5
+        e = errors[-1]
+        assert (str(e), e.param, e.keyword, e.pointer) == ("no good", "regex", "pattern", "/x")
+    finally:
+        q.shutdown()
+
+
+def _depth(tb) -> int:
+    n = 0
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
