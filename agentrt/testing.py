@@ -112,6 +112,10 @@ def byte_tokenizer():
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token="<|pad|>", bos_token=None, unk_token=None
     )
     fast.chat_template = _CHAT_TEMPLATE
+    # Without merges a BPE word cache saves nothing, and it kept up to 10,000 words of ~1.7 KB (a
+    # unique chat message is one word here): a served fake runner grew ~17 MiB over the first ~10
+    # minutes of bench/soak.py. (Set here: PreTrainedTokenizerFast rebuilds the model, cache size lost.)
+    fast.backend_tokenizer.model = models.BPE(vocab=vocab, merges=[], cache_capacity=0)
     return fast
 
 
@@ -185,7 +189,9 @@ class FakeModelRunner:
     Logits of a position: a row of standard normal noise drawn from a generator seeded with
     (seed, key of the context), plus 4.0 on the printable ASCII bytes (0x20-0x7e) and -4.0 on every
     other id, so greedy decoding writes printable ASCII and never picks EOS unless a constraint or
-    logit_bias leaves nothing better. `execute` records every forward in `forwards`.
+    logit_bias leaves nothing better. `execute` records every forward in `forwards` unless
+    `record_forwards` is False (a long-running server: the records grow by ~5 KB per forward of a
+    64-sequence batch; `num_forwards` and `num_computed_tokens` count either way).
     """
 
     def __init__(
@@ -197,6 +203,7 @@ class FakeModelRunner:
         num_kv_slots: int = 4096,
         window: int | None = None,
         seed: int = 0,
+        record_forwards: bool = True,
     ):
         self.tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
         n = len(self.tokenizer)
@@ -217,6 +224,9 @@ class FakeModelRunner:
         self.memory_plan = None
         self.window, self.seed = window, seed
         self.forwards: list[ForwardRecord] = []
+        self.record_forwards = record_forwards
+        self.num_forwards = 0
+        self.num_computed_tokens = 0  # new tokens computed over every forward so far
         bias = np.full(vocab_size, -4.0, dtype=np.float32)
         bias[0x20:0x7F] = 4.0
         self._bias = bias
@@ -241,7 +251,10 @@ class FakeModelRunner:
             k = c.num_logits if c.need_logits else 0
             record.chunks.append((c.context_len, n, k))
             rows.extend(self._row(key) for key in keys[n - k :] if k)
-        self.forwards.append(record)
+        if self.record_forwards:
+            self.forwards.append(record)
+        self.num_forwards += 1
+        self.num_computed_tokens += record.num_tokens
         logits = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, self.arch.vocab_size)
         if return_hidden:
             return logits, torch.zeros(logits.shape[0], self.arch.hidden_size)
@@ -332,15 +345,6 @@ class FakeModelRunner:
         return row
 
     # ---- what tests read ---------------------------------------------------------------------------
-    @property
-    def num_forwards(self) -> int:
-        return len(self.forwards)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """New tokens computed over every forward so far."""
-        return sum(f.num_tokens for f in self.forwards)
-
     def greedy_next(self, token_ids: Sequence[int]) -> int:
         """The token greedy decoding picks after `token_ids` (unconstrained, no logit_bias): the
         reference the engine's output is checked against."""

@@ -42,7 +42,7 @@ from agentrt.runtime.config import EngineConfig, SchedulerConfig
 from agentrt.testing import fake_engine
 
 config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64), grammar=GrammarConfig(cache_size=64))
-engine = fake_engine(config, max_model_len=2048, num_kv_slots=32768)
+engine = fake_engine(config, max_model_len=2048, num_kv_slots=32768, record_forwards=False)
 uvicorn.run(create_app(AsyncEngine(engine=engine), sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]),
             log_level="warning")
 """
