@@ -25,16 +25,6 @@ MAX_RSS_GROWTH = 0.05
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17: server RSS keeps growing after warm-up (fake runner, 600 s: 411.8 MiB after the "
-    "180 s warm-up -> 466.1 MiB at the end, +13%, still ~0.1 MiB/s at the end; 0 errors, KV back to 0). "
-    "It grows only with fresh constraints: without the regex_fresh kind RSS is flat after ~60 s "
-    "(bench/soak.py --kinds plain,json_schema,regex,choice,tools), with it alone it climbs; compiling "
-    "and generating 1,800 fresh regexes in-process on a fake Engine (grammar cache 64) stays flat, so "
-    "the suspect is the served compile path (AsyncEngine.compile / grammars/compile_queue.py / "
-    "GrammarBackend futures and callbacks). Reproduce: python bench/soak.py --duration 300 --kinds regex_fresh",
-)
 def test_soak_random_disconnects_mixed_constraints(tmp_path):
     with soak_server(MODEL, log_path=tmp_path / "server.log") as (url, pid):
         res = run_soak(
