@@ -57,7 +57,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
         """`runner`: a model runner to use instead of loading `config.model` (tests pass a fake one
-        with deterministic logits and no weights, see agentrt/testing.py)."""
+        with deterministic logits and no weights, see agentrt/testing/)."""
         self.config = config or EngineConfig()
         self.runner = runner or ModelRunner(
             self.config.model, self.config.cache, self.config.scheduler.max_num_seqs, self.config.speculative

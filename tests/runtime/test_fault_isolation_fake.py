@@ -1,4 +1,4 @@
-"""Fault isolation, each batch-wide stage in turn (agentrt/testing.py FaultInjector on the fake
+"""Fault isolation, each batch-wide stage in turn (agentrt.testing FaultInjector on the fake
 runner): one request's matcher, grammar accept, jump-forward, forward, NaN logits, penalties or
 detokenizer raising fails that request alone with an InternalError; the engine keeps stepping, the
 others finish token-identical to running alone, and every KV slot is free or cached and unlocked."""
