@@ -387,6 +387,9 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
+            if len(self._deadlines) > 2 * len(self._streams) + 64:  # finished ones linger till due
+                self._deadlines = [d for d in self._deadlines if d[1] in self._streams]
+                heapq.heapify(self._deadlines)
         loop, stream = entry
         _call_soon(loop, stream.put_nowait, out)
 

@@ -151,3 +151,19 @@ def test_request_timeout_ends_a_running_request(monkeypatch):
     finally:
         go.set()
         front.shutdown()
+
+
+def test_finished_requests_do_not_keep_their_deadlines():
+    # a long --request-timeout: each finished request's deadline entry must not stay until it is due
+    front = AsyncEngine(engine=fake_engine(), admission=AdmissionConfig(request_timeout_s=3600))
+    try:
+
+        async def run():
+            for _ in range(300):
+                stream = await front.submit(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+                assert [out async for out in stream][-1].finish_reason == "length"
+
+        asyncio.run(run())
+        assert len(front._deadlines) <= 64 + 2
+    finally:
+        front.shutdown()
