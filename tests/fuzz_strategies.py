@@ -215,6 +215,19 @@ def _ebnf_literal() -> st.SearchStrategy[str]:
     return st.one_of(escapes, plain.map(lambda s: json.dumps(s, ensure_ascii=False)))
 
 
+def _grouped(quant: st.SearchStrategy[str]):
+    """Grammar bodies one level up from `inner`: a quantified group, an alternation or a sequence."""
+
+    def extend(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.tuples(inner, quant).map(lambda p: f"({p[0]}){p[1]}"),
+            st.lists(inner, min_size=2, max_size=3).map(" | ".join),
+            st.lists(inner, min_size=2, max_size=3).map(" ".join),
+        )
+
+    return extend
+
+
 def ebnf_grammars(bounded: bool = False) -> st.SearchStrategy[str]:
     """An EBNF text with rules root, r1, r2: literals, classes, references (r3 is undefined),
     groups, alternation, `*`/`+`/`?`/`{n,m}` with huge counts, deep nesting; or raw text."""
@@ -230,14 +243,7 @@ def ebnf_grammars(bounded: bool = False) -> st.SearchStrategy[str]:
     )
     piece = st.tuples(atom, quant).map("".join)
 
-    def extend(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
-        return st.one_of(
-            st.tuples(inner, quant).map(lambda p: f"({p[0]}){p[1]}"),
-            st.lists(inner, min_size=2, max_size=3).map(" | ".join),
-            st.lists(inner, min_size=2, max_size=3).map(" ".join),
-        )
-
-    body = st.recursive(piece, extend, max_leaves=8)
+    body = st.recursive(piece, _grouped(quant), max_leaves=8)
     text = st.tuples(body, body, body).map(lambda b: f"root ::= {b[0]}\nr1 ::= {b[1]}\nr2 ::= {b[2]}\n")
     nested = st.integers(1, 3000).map(lambda d: "root ::= " + "(" * d + '"a"' + ")" * d + "\n")
     return st.one_of(text, nested, odd_text(1, 30).filter(str.strip))
@@ -258,16 +264,9 @@ def lark_grammars(bounded: bool = False) -> st.SearchStrategy[str]:
     )
     piece = st.tuples(atom, quant).map("".join)
 
-    def extend_lark(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
-        # `~ n..m` on a group: Lark alone expanded it into every combination (issue 17:
-        # `("b" ~ 5 | "c" ~ 5 | "d") ~ 6..12` took ~150 s in lark.Lark(); grammars/lark_grammar.py)
-        return st.one_of(
-            st.tuples(inner, quant).map(lambda p: f"({p[0]}){p[1]}"),
-            st.lists(inner, min_size=2, max_size=3).map(" | ".join),
-            st.lists(inner, min_size=2, max_size=3).map(" ".join),
-        )
-
-    body = st.recursive(piece, extend_lark, max_leaves=8)
+    # `~ n..m` on a group: Lark alone expanded it into every combination (issue 17:
+    # `("b" ~ 5 | "c" ~ 5 | "d") ~ 6..12` took ~150 s in lark.Lark(); grammars/lark_grammar.py)
+    body = st.recursive(piece, _grouped(quant), max_leaves=8)
     text = st.tuples(body, body, st.booleans()).map(
         lambda b: f"start: {b[0]}\nitem: {b[1]}\nNUM: /[0-9]+/\n" + ("%ignore /[ ]+/\n" if b[2] else "")
     )

@@ -17,6 +17,7 @@ __all__ = [
     "ROOT",
     "SHARED",
     "chat_ids",
+    "finish_all",
     "free_port",
     "load_case",
     "make_tiny_model",
@@ -87,3 +88,11 @@ def sse_chunks(client, body: dict, url: str = "/v1/chat/completions"):
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
             yield chunk
+
+
+def finish_all(engine, requests) -> list:
+    """Step `engine` until every one of `requests` has finished; their final outputs, in order."""
+    final = {}
+    while len(final) < len(requests):
+        final.update({out.request_id: out for out in engine.step() if out.finished})
+    return [final[req.request_id] for req in requests]

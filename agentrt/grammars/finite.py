@@ -94,6 +94,16 @@ def _parse(ebnf: str) -> dict[str, tuple]:
     return rules
 
 
+def _rules_with_root(ebnf: str, root: str, rules: dict | None) -> dict[str, tuple] | None:
+    """`rules` (or `ebnf` parsed), or None when `ebnf` is not in the printed form or lacks `root`."""
+    if rules is None:
+        try:
+            rules = _parse(ebnf)
+        except _Unparsed:
+            return None
+    return rules if root in rules else None
+
+
 class _Line:
     """Recursive-descent parser of one printed rule: name ::= alternatives [lookahead]."""
 
@@ -176,12 +186,8 @@ def unproductive_rules(ebnf: str, root: str = "root", rules: dict | None = None)
     """Rules reachable from `root` that derive no finite string, in reachability order ([] when the
     grammar is fine). None when `ebnf` is not in the printed form this module reads (the caller
     then cannot tell and should not refuse). `rules`: `ebnf` already parsed."""
+    rules = _rules_with_root(ebnf, root, rules)
     if rules is None:
-        try:
-            rules = _parse(ebnf)
-        except _Unparsed:
-            return None
-    if root not in rules:
         return None
     productive: set[str] = set()
 
@@ -278,12 +284,8 @@ def forced_text_bound(ebnf: str, root: str = "root", rules: dict | None = None) 
     Counted repetitions (`x{n, m}`), long literals and rules that double each other are what make
     it large: `"a"{2000000000,2147483647}` is bounded by 2e9, and the caller then does not let
     xgrammar materialise the text. `rules`: `ebnf` already parsed."""
+    rules = _rules_with_root(ebnf, root, rules)
     if rules is None:
-        try:
-            rules = _parse(ebnf)
-        except _Unparsed:
-            return None
-    if root not in rules:
         return None
     minlen = {name: _SAT for name in rules}
 

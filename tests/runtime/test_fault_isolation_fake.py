@@ -15,6 +15,7 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import AsyncEngine
 from agentrt.runtime.request import RequestOutput, SamplingParams
 from agentrt.testing import FAULT_KINDS, FaultInjector, fake_engine
+from tests.helpers import finish_all
 
 pytestmark = pytest.mark.usefixtures("time_limit")
 
@@ -36,15 +37,6 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=24)
 
 
-def _run(engine, reqs):
-    final = {}
-    while len(final) < len(reqs):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[r.request_id] for r in reqs]
-
-
 def _assert_kv_idle(engine):
     kv, cache = engine.runner.kv, engine.scheduler.cache
     assert not engine.has_work()
@@ -60,7 +52,7 @@ def test_one_requests_fault_fails_it_alone(kind):
     ]
     reqs = [engine.add_request([ord(c) for c in text], _params(), spec) for text, spec in REQUESTS]
     with FaultInjector(engine, reqs[0].request_id, kind, after_tokens=2) as fault:
-        outs = _run(engine, reqs)
+        outs = finish_all(engine, reqs)
     assert fault.num_raised >= 1
     victim = outs[0]
     assert victim.finish_reason == "error" and isinstance(victim.error, InternalError), victim

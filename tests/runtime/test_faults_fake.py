@@ -10,19 +10,11 @@ from agentrt.errors import InternalError
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
 from agentrt.testing import fake_engine
+from tests.helpers import finish_all
 
 pytestmark = pytest.mark.usefixtures("time_limit")
 
 PROMPTS = [[ord(c) for c in text] for text in ("first prompt", "second prompt", "third")]
-
-
-def _run(engine, reqs):
-    final = {}
-    while len(final) < len(reqs):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[r.request_id] for r in reqs]
 
 
 def test_matcher_setup_fault_fails_only_that_request():
@@ -42,7 +34,7 @@ def test_matcher_setup_fault_fails_only_that_request():
             PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), ConstraintSpec.regex("[a-z]+")
         )
         good = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8)) for p in PROMPTS]
-        outs = _run(engine, [bad, *good])
+        outs = finish_all(engine, [bad, *good])
     finally:
         engine.grammar.new_matcher = real
     assert outs[0].finish_reason == "error" and isinstance(outs[0].error, InternalError)
@@ -69,7 +61,7 @@ def test_per_token_fault_fails_only_that_request_and_frees_its_kv():
         return real(r, reason)
 
     engine.output.update = update
-    outs = _run(engine, reqs)
+    outs = finish_all(engine, reqs)
     assert outs[0].finish_reason == "error" and isinstance(outs[0].error, InternalError)
     assert [o.token_ids for o in outs[1:]] == want
     assert not engine.has_work()
