@@ -23,8 +23,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/agentrt serve $(ARGS)
 
+# One pytest-xdist worker per core (at most 4; each test file on one worker, its module fixtures
+# shared): the suite is mostly single-threaded Python (grammars, HTTP) between model forwards.
+JOBS ?= $(shell python3 -c "import os; print(min(4, len(os.sched_getaffinity(0))))" 2>/dev/null || echo 1)
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

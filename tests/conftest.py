@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 # Triton kernels run on the CPU interpreter when no GPU is present; the flag is read when a kernel
 # module is imported, so it is set before any test imports agentrt.runtime.kernels.
-if os.environ.get("TRITON_INTERPRET") is None:
-    import torch
+if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+# Under pytest-xdist (`make test` runs one worker per core, up to 4) each worker, and the servers
+# its tests start, gets an equal share of the cores for torch's intra-op threads: two workers with
+# a thread per core each would oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +62,18 @@ def sentencepiece_tokenizer():
 
     out = default_cache_dir() / "gemma3-270m-tokenizer"
     if not (out / "tokenizer.json").exists():
-        gguf = gemma.assemble()
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+        import tempfile
+
+        # in a private directory, renamed into place: another test worker may be doing the same
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".gemma3-tokenizer-"))
+        gguf = gemma.assemble(tmp / "gguf" / "model.gguf")
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        shutil.rmtree(gguf.parent)
+        try:
+            tmp.rename(out)
+        except OSError:  # it got there first
+            shutil.rmtree(tmp, ignore_errors=True)
     return AutoTokenizer.from_pretrained(str(out))
 
 

@@ -381,7 +381,9 @@ def test_a_stuck_compile_does_not_starve_the_others(tokenizer, monkeypatch):
         return real(self, spec)
 
     monkeypatch.setattr(GrammarBackend, "_compile", compile_)
-    b = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, compile_timeout_s=0.3))
+    b = GrammarBackend(
+        tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, compile_timeout_s=0.3, compile_nice=0)
+    )  # nice 0: the test is about stuck compiles, not priority (a starved one is a 503, not a 400)
     b._pool.max_stuck = 2
     try:
         with pytest.raises(ValueError, match="did not compile within 0.3 s"):
@@ -412,7 +414,7 @@ def spin(self, spec):  # a compile stuck inside the backend, using CPU as a real
     while True:
         pass
 GrammarBackend._compile = spin
-backend = GrammarBackend(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, (2,), GrammarConfig(compile_timeout_s=0.2))
+backend = GrammarBackend(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, (2,), GrammarConfig(compile_timeout_s=0.2, compile_nice=0))
 error = backend.submit(ConstraintSpec.regex("a+")).exception(timeout=30)
 print("ValueError" if isinstance(error, ValueError) else type(error).__name__, flush=True)  # a ConstraintError
 """
