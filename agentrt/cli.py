@@ -102,6 +102,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seconds a constraint may take to compile before it is refused (400; default %(default)s)",
     )
     p.add_argument(
+        "--compile-nice",
+        type=int,
+        default=GrammarConfig.compile_nice,
+        help="Linux nice value of the grammar compile threads: higher leaves the engine loop more CPU, "
+        "lower compiles faster on a busy machine (default %(default)s)",
+    )
+    p.add_argument(
+        "--grammar-cache-bytes",
+        type=int,
+        default=GrammarConfig.cache_bytes,
+        help="memory kept for compiled grammars, least recently used out first (default %(default)s)",
+    )
+    p.add_argument(
         "--max-constraint-bytes",
         type=int,
         default=GrammarConfig.max_constraint_bytes,
@@ -167,6 +180,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             jump_forward=not args.no_jump_forward,
             compile_timeout_s=args.compile_timeout,
             max_constraint_bytes=args.max_constraint_bytes,
+            cache_bytes=args.grammar_cache_bytes,
+            compile_nice=args.compile_nice,
         ),
         speculative=SpecConfig(
             method=args.speculative_method,

@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -115,6 +116,11 @@ class SoakResult:
             f"{g.get('agentrt_num_requests_running')}, waiting {g.get('agentrt_num_requests_waiting')}"
             + "\nRSS (MiB) over time: "
             + ", ".join(f"{t:.0f}s {r / mb:.0f}" for t, r in self.rss_samples)
+            + (
+                f"\nerrors by kind: {dict(Counter(e.split(':', 1)[0] for e in self.errors))}"
+                if self.errors
+                else ""
+            )
             + (f"\nfirst errors: {self.errors[:5]}" if self.errors else "")
         )
 
@@ -303,8 +309,9 @@ def run_soak(
 
 
 @contextlib.contextmanager
-def soak_server(model: str = FAKE_MODEL, log_path=None) -> Iterator[tuple[str, int]]:
-    """(base URL, pid) of a server in a child process: the fake runner, or `agentrt serve MODEL`."""
+def soak_server(model: str = FAKE_MODEL, log_path=None, serve_args: tuple = ()) -> Iterator[tuple[str, int]]:
+    """(base URL, pid) of a server in a child process: the fake runner, or `agentrt serve MODEL
+    --max-num-seqs 64 *serve_args`."""
     from agentrt.testing import agentrt_server, free_port, launch_server
 
     if model == FAKE_MODEL:
@@ -313,7 +320,7 @@ def soak_server(model: str = FAKE_MODEL, log_path=None) -> Iterator[tuple[str, i
         with launch_server(cmd, port, log_path=log_path) as srv:
             yield srv.url, srv.proc.pid
     else:
-        with agentrt_server(model, "--max-num-seqs", "64", log_path=log_path) as srv:
+        with agentrt_server(model, "--max-num-seqs", "64", *serve_args, log_path=log_path) as srv:
             yield srv.url, srv.proc.pid
 
 
@@ -328,9 +335,14 @@ def main() -> int:
     p.add_argument("--model", default=FAKE_MODEL, help="fake (the fake runner) or a model for agentrt serve")
     p.add_argument("--kinds", default=",".join(KINDS), help="request kinds, comma-separated (default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help='extra `agentrt serve` flags for a real model, e.g. "--compile-nice 5"',
+    )
     args = p.parse_args()
     warmup = args.warmup if args.warmup is not None else default_warmup_s(args.duration)
-    with soak_server(args.model) as (url, pid):
+    with soak_server(args.model, serve_args=tuple(args.serve_args.split())) as (url, pid):
         res = run_soak(
             url,
             pid,
@@ -342,7 +354,9 @@ def main() -> int:
             kinds=tuple(args.kinds.split(",")),
             seed=args.seed,
         )
-    print(f"soak: model {args.model}, {args.concurrency} clients, drop rate {args.drop_rate}")
+    print(
+        f"soak: model {args.model} {args.serve_args}, {args.concurrency} clients, drop rate {args.drop_rate}"
+    )
     print(res.report())
     return 0 if not res.errors and res.settled_gauges is not None else 1
 

@@ -22,6 +22,8 @@
   `compile_timeout_s` fails with ConstraintError when its thread used at least a tenth of that time
   in CPU (the constraint is expensive), else with ServiceUnavailableError (it was starved of CPU:
   a compile at a lowered priority on a saturated machine).
+- Cache: outcomes by `spec.key`, least recently used first out while more than `cache_size` are
+  kept or the compiled grammars hold more than `cache_bytes` (xgrammar's `memory_size_bytes`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ class _Job:
         self.waiters: list[Future] = []  # callers' futures not yet answered (cleared when done)
         self.cpu_clock: int | None = None  # the worker thread's CPU clock while it runs
         self.cpu_start = 0.0
+        self.nbytes = 0  # the compiled grammar's memory, once cached
 
 
 class CompileQueue:
     """Runs `compile_fn(spec)` (-> CompiledConstraint, raising ConstraintError) on the pool, caches
-    outcomes by `spec.key` (LRU, `config.cache_size`). Thread-safe."""
+    outcomes by `spec.key` (LRU, `config.cache_size` entries and `config.cache_bytes`). Thread-safe."""
 
     def __init__(self, compile_fn: Callable, config: GrammarConfig):
         self._fn, self.config = compile_fn, config
@@ -69,6 +72,7 @@ class CompileQueue:
             config.compile_threads, "grammar-compile", max(2, config.compile_threads), config.compile_nice
         )
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
+        self.cached_bytes = 0  # sum of the cached jobs' nbytes
         self._lock = threading.Lock()
         self._timers = _Timers("grammar-compile-timer")
 
@@ -98,8 +102,7 @@ class CompileQueue:
                 # (callbacks hold the waiter list and the timer, never the job: see _Job)
                 job.done.add_done_callback(partial(self._answer, job.waiters, timer))
                 self._jobs[spec.key] = job
-                while len(self._jobs) > self.config.cache_size:
-                    self._jobs.popitem(last=False)
+                self._evict()
             if not job.done.done():  # (else _answer has run or runs after this lock: answered below)
                 job.waiters.append(waiter)
                 waiter.add_done_callback(partial(self._on_waiter_done, job=job))
@@ -140,7 +143,13 @@ class CompileQueue:
         job.cpu_start = time.clock_gettime(job.cpu_clock)
         timer = self._timers.call_later(self.config.compile_timeout_s, self._run_timeout, job)
         try:
-            return self._fn(job.spec)
+            result = self._fn(job.spec)
+            with self._lock:
+                if self._jobs.get(job.spec.key) is job:
+                    job.nbytes = _memory_size(result)
+                    self.cached_bytes += job.nbytes
+                    self._evict()
+            return result
         except AgentrtError:
             raise
         except Exception:  # a bug: its traceback is logged here, callers get a copy without it
@@ -188,10 +197,23 @@ class CompileQueue:
     def _drop(self, job: _Job) -> None:
         if self._jobs.get(job.spec.key) is job:
             del self._jobs[job.spec.key]
+            self.cached_bytes -= job.nbytes
+
+    def _evict(self) -> None:
+        """Least recently used jobs out until both cache limits hold (the newest always stays)."""
+        limit_n, limit_b = self.config.cache_size, self.config.cache_bytes
+        while len(self._jobs) > 1 and (len(self._jobs) > limit_n or self.cached_bytes > limit_b):
+            _, job = self._jobs.popitem(last=False)
+            self.cached_bytes -= job.nbytes
 
     def shutdown(self) -> None:
         self.pool.shutdown()
         self._timers.shutdown()
+
+
+def _memory_size(result) -> int:
+    """Bytes held by a compiled constraint (its xgrammar CompiledGrammar), 0 when unknown."""
+    return int(getattr(getattr(result, "grammar", None), "memory_size_bytes", 0) or 0)
 
 
 class DaemonPool:

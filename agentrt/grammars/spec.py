@@ -23,7 +23,9 @@ class GrammarConfig:
     compile_threads: worker threads that compile grammars off the engine loop (default: one per 4
     CPU cores, at least 1), at scheduling priority `compile_nice` (Linux nice, per thread: the
     engine loop keeps the CPU); see grammars/compile_queue.py.
-    cache_size: compiled grammars kept (LRU).
+    cache_size, cache_bytes: compiled grammars kept (LRU) while both hold: at most `cache_size` of
+    them, at most `cache_bytes` of their memory (xgrammar's `memory_size_bytes`: ~0.3-1 MB each for
+    a 49k vocabulary, so bytes, not the count, bound a cache of many distinct grammars).
     compile_timeout_s: a constraint whose compile has run this long is refused (400) when the
     compile used at least a tenth of it in CPU time, else answered 503 (retryable: a busy server);
     the compile thread finishes in the background and its result is dropped; a new thread takes
@@ -40,6 +42,7 @@ class GrammarConfig:
     compile_threads: int = max(1, (os.cpu_count() or 2) // 4)
     compile_nice: int = 10
     cache_size: int = 512
+    cache_bytes: int = 128 << 20
     compile_timeout_s: float = 30.0
     compile_queue_timeout_s: float = 30.0
     jump_forward: bool = True

@@ -246,3 +246,32 @@ def _depth(tb) -> int:
     while tb is not None:
         n, tb = n + 1, tb.tb_next
     return n
+
+
+def test_the_cache_is_bounded_by_the_compiled_grammars_bytes():
+    class Sized:  # stands in for CompiledConstraint: .grammar.memory_size_bytes
+        def __init__(self, nbytes):
+            self.grammar = type("G", (), {"memory_size_bytes": nbytes})()
+
+    ran = []
+
+    def compile_(spec):
+        ran.append(spec.value)
+        return Sized(400 if spec.value.startswith("big") else 100)
+
+    q = CompileQueue(compile_, GrammarConfig(compile_threads=1, cache_size=100, cache_bytes=1000))
+    try:
+        for v in ["a", "b", "c", "d", "e"]:  # 5 x 100 bytes: all kept
+            q.submit(ConstraintSpec.regex(v)).result(10)
+        assert q.cached_bytes == 500
+        q.submit(ConstraintSpec.regex("a")).result(10)  # a is now the most recently used
+        for v in ["big1", "big2"]:  # +800 bytes: the least recently used go (b, c, d)
+            q.submit(ConstraintSpec.regex(v)).result(10)
+        assert q.cached_bytes == 1000
+        for v in ["a", "e", "big1", "big2"]:
+            q.submit(ConstraintSpec.regex(v)).result(10)
+        assert ran == ["a", "b", "c", "d", "e", "big1", "big2"]  # all four were cached
+        q.submit(ConstraintSpec.regex("b")).result(10)  # evicted: compiled again
+        assert ran[-1] == "b" and q.cached_bytes <= 1000
+    finally:
+        q.shutdown()
