@@ -198,18 +198,19 @@ class Engine:
         speculating request may report several in one step)."""
         outputs = self._collect_grammars()
         spec = self.speculator
-        proposed = spec.propose(self.scheduler.running, self.max_model_len) if spec is not None else []
-        base_lens = {r: r.num_tokens for r in proposed}
         self._failed = {}
+        running = self.scheduler.running
+        proposed = spec.propose(running, self.max_model_len, self._failed) if spec is not None else []
+        base_lens = {r: r.num_tokens for r in proposed}
         try:
             scheduled = self._schedule()
             if scheduled:
                 plan = self._prepare(scheduled)
                 plan, fwd = self._forward_isolated(plan, scheduled)
                 outputs += self._process(plan, fwd, self._sample(plan, fwd))
-                outputs += [self._fail(r) for r in self._failed if r.status is not RequestStatus.FINISHED]
             elif self.grammar_wait:
                 time.sleep(0.001)
+            outputs += [self._fail(r) for r in self._failed if r.status is not RequestStatus.FINISHED]
         finally:
             for r in proposed:
                 spec.settle(r, base_lens[r])

@@ -14,6 +14,9 @@ Where a step is batch-wide and what happens on an exception:
   NaN (a sampler NaN/inf row), fails its request.
 - per-token processing (grammar accept, jump-forward, closing path, detokenizer, stop strings,
   speculative verification): per request already (Engine._process).
+- n-gram / Medusa drafting (Speculator.propose, before the step): per request; a request whose
+  draft fitting raises (its matcher) fails. A draft model drafts the whole batch in one forward:
+  an exception there still fails the step (not isolated).
 """
 
 from __future__ import annotations

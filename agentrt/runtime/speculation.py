@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from agentrt.errors import InternalError
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.metrics import EngineStats
@@ -279,9 +280,15 @@ class Speculator:
             return 0
         return max(0, min(self.k, r.max_tokens - len(r.output_ids) - 1, max_model_len - r.num_tokens - 1))
 
-    def propose(self, running: list[Request], max_model_len: int) -> list[Request]:
+    def propose(
+        self, running: list[Request], max_model_len: int, failed: dict | None = None
+    ) -> list[Request]:
         """Set r.spec.draft (and r.spec.draft_bitmask) on running requests that speculate this step; returns
-        the requests proposed to (each needs `settle` after the step)."""
+        the requests proposed to (each needs `settle` after the step). With n-gram or Medusa drafts,
+        a request whose drafting raises (its matcher, while the draft is fitted to its grammar) gets
+        no draft and goes into `failed` (request -> InternalError; its matcher's state is unknown,
+        so it must fail); the others draft as usual. A draft model drafts the batch in one forward:
+        an exception there is raised (the step fails)."""
         ks = {r: k for r in running if (k := self._budget(r, max_model_len)) > 0}
         if not ks:
             return []
@@ -290,21 +297,31 @@ class Speculator:
                 r.spec.draft, r.spec.draft_bitmask = tree, bitmask
             return list(ks)
         for r, k in ks.items():
-            if self.ngram is not None:
-                tree = DraftTree.chain(self.ngram.propose(r.token_ids, k))
-            else:
-                topk, r.spec.medusa_topk = r.spec.medusa_topk, None
-                if topk is None:
-                    continue
-                tree = tree_from_topk(topk[:k], self.tree_choices)
-            if len(tree) == 0:
-                continue
-            bitmask = None
-            if r.grammar is not None:
-                tree, bitmask = self._fit_to_grammar(r, tree)
-            if len(tree):
-                r.spec.draft, r.spec.draft_bitmask = tree, bitmask
+            try:
+                self._propose_one(r, k)
+            except Exception as e:
+                if failed is None:
+                    raise
+                logger.exception("drafting for %s failed", r.request_id)
+                failed[r] = InternalError(f"internal error in speculative drafting: {type(e).__name__}: {e}")
         return list(ks)
+
+    def _propose_one(self, r: Request, k: int) -> None:
+        """An n-gram or Medusa draft of up to k tokens for r, fitted to its grammar."""
+        if self.ngram is not None:
+            tree = DraftTree.chain(self.ngram.propose(r.token_ids, k))
+        else:
+            topk, r.spec.medusa_topk = r.spec.medusa_topk, None
+            if topk is None:
+                return
+            tree = tree_from_topk(topk[:k], self.tree_choices)
+        if len(tree) == 0:
+            return
+        bitmask = None
+        if r.grammar is not None:
+            tree, bitmask = self._fit_to_grammar(r, tree)
+        if len(tree):
+            r.spec.draft, r.spec.draft_bitmask = tree, bitmask
 
     def _fit_to_grammar(self, r: Request, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
         """Walk the tree depth-first with the request's matcher (accept, recurse, rollback): cut

@@ -168,3 +168,36 @@ def test_grammar_cuts_drafts_it_rejects_greedy_and_sampled():
     assert engine.stats.num_spec_steps > 0
     assert engine.stats.num_draft_tokens_cut_by_grammar > 0
     assert engine.runner.kv.num_free == engine.runner.kv.num_slots
+
+
+def test_a_drafting_fault_fails_that_request_alone():
+    """The matcher raising while a draft is fitted to one request's grammar fails that request
+    (InternalError); the batch's other requests finish exactly as without the fault."""
+    prompts = [[ord(c) for c in p] for p in ("abcabcabc-", "bcabcabca-", "cabcabcab-")]
+    pattern = r"([a-c]{3}-){6}"
+
+    def run(fault: bool):
+        engine = fake_engine(_config(True), window=1)
+        fit = engine.speculator._fit_to_grammar
+        calls = []
+
+        def fit_or_raise(r, tree):
+            if fault and r.prompt_ids == prompts[1]:
+                calls.append(r)
+                if len(calls) > 1:  # after one good draft: the matcher breaks mid-request
+                    raise RuntimeError("injected matcher fault")
+            return fit(r, tree)
+
+        engine.speculator._fit_to_grammar = fit_or_raise
+        reqs = [
+            (p, SamplingParams(temperature=0, max_tokens=40), ConstraintSpec.regex(pattern)) for p in prompts
+        ]
+        return engine, engine.generate(reqs)
+
+    _, clean = run(fault=False)
+    engine, faulty = run(fault=True)
+    assert faulty[1].finish_reason == "error" and "speculative drafting" in faulty[1].error.message
+    for i in (0, 2):
+        assert faulty[i].error is None and faulty[i].finish_reason == "stop"
+        assert faulty[i].token_ids == clean[i].token_ids and re.fullmatch(pattern, faulty[i].text)
+    assert not engine.has_work() and engine.runner.kv.num_free == engine.runner.kv.num_slots
