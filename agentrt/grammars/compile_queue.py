@@ -10,7 +10,11 @@
   constraints are refused with a ServiceUnavailableError instead of queuing behind them.
 - Priority: each worker lowers its own scheduling priority (`os.setpriority` on its native thread
   id: Linux nice values are per thread; threads xgrammar starts inherit it), so the engine loop
-  keeps the CPU while grammars compile.
+  keeps the CPU while grammars compile. Aging against starvation: a compile still queued after
+  `compile_relief_s` moves to a relief worker at the process's own priority (a lowered thread
+  cannot raise itself again without privileges). On a machine saturated by decoding the nice
+  worker gets a sliver of a core (the real-model soak: ~1/6, 503s for 6 in 10 fresh grammars);
+  the relief worker keeps compiles flowing at the price of decode speed while it runs.
 - Waiters: `submit` returns one future per caller. Cancelling it releases that caller's interest;
   when no caller is left, a compile still queued is cancelled (never started), and a running one
   finishes on its worker (its result is cached) within its own time limit, as if its caller had
@@ -60,6 +64,7 @@ class _Job:
         self.cpu_clock: int | None = None  # the worker thread's CPU clock while it runs
         self.cpu_start = 0.0
         self.nbytes = 0  # the compiled grammar's memory, once cached
+        self.pool: DaemonPool | None = None  # the pool running `inner`
 
 
 class CompileQueue:
@@ -70,6 +75,10 @@ class CompileQueue:
         self._fn, self.config = compile_fn, config
         self.pool = DaemonPool(
             config.compile_threads, "grammar-compile", max(2, config.compile_threads), config.compile_nice
+        )
+        relief = config.compile_relief_s is not None and config.compile_nice != 0
+        self.relief = (
+            DaemonPool(1, "grammar-compile-relief", max(2, config.compile_threads)) if relief else None
         )
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self.cached_bytes = 0  # sum of the cached jobs' nbytes
@@ -86,21 +95,23 @@ class CompileQueue:
             if job is not None:
                 self._jobs.move_to_end(spec.key)
             else:
-                if self.pool.num_stuck >= self.pool.max_stuck:
+                if (num_stuck := self._num_stuck()) >= self.pool.max_stuck:
                     return _failed(  # the server is busy, not the request at fault: 503, not cached
                         ServiceUnavailableError(
-                            f"{self.pool.num_stuck} earlier constraints are still compiling past the "
+                            f"{num_stuck} earlier constraints are still compiling past the "
                             f"{self.config.compile_timeout_s:g} s limit; this one was not started, "
                             "try again later"
                         )
                     )
                 job = _Job(spec)
-                job.inner = self.pool.submit(self._run, job)
-                # a cancelled task (queue timeout, nobody waiting) is answered by whoever cancelled it
-                job.inner.add_done_callback(partial(_forward_unless_cancelled, dst=job.done))
-                timer = self._timers.call_later(self.config.compile_queue_timeout_s, self._queue_timeout, job)
-                # (callbacks hold the waiter list and the timer, never the job: see _Job)
-                job.done.add_done_callback(partial(self._answer, job.waiters, timer))
+                self._start(job, self.pool)
+                timers = [
+                    self._timers.call_later(self.config.compile_queue_timeout_s, self._queue_timeout, job)
+                ]
+                if self.relief is not None:
+                    timers.append(self._timers.call_later(self.config.compile_relief_s, self._relieve, job))
+                # (callbacks hold the waiter list and the timers, never the job: see _Job)
+                job.done.add_done_callback(partial(self._answer, job.waiters, timers))
                 self._jobs[spec.key] = job
                 self._evict()
             if not job.done.done():  # (else _answer has run or runs after this lock: answered below)
@@ -110,9 +121,24 @@ class CompileQueue:
         _forward(job.done, waiter)
         return waiter
 
-    def _answer(self, waiters: list[Future], timer: _Timer, done: Future) -> None:
+    def _start(self, job: _Job, pool: DaemonPool) -> None:
+        job.pool, job.inner = pool, pool.submit(self._run, job)
+        # a cancelled task (queue timeout, nobody waiting, moved) is answered by whoever cancelled it
+        job.inner.add_done_callback(partial(_forward_unless_cancelled, dst=job.done))
+
+    def _relieve(self, job: _Job) -> None:
+        """Still queued after compile_relief_s: move it to the relief worker (module docstring)."""
+        with self._lock:
+            if job.pool is self.pool and not job.done.done() and job.inner.cancel():
+                self._start(job, self.relief)
+
+    def _num_stuck(self) -> int:
+        return self.pool.num_stuck + (self.relief.num_stuck if self.relief is not None else 0)
+
+    def _answer(self, waiters: list[Future], timers: list[_Timer], done: Future) -> None:
         """job.done finished: answer every waiter and drop them (the list is the job's)."""
-        timer.cancel()
+        for timer in timers:
+            timer.cancel()
         with self._lock:
             answered = waiters[:]
             waiters.clear()
@@ -122,7 +148,7 @@ class CompileQueue:
     @property
     def num_queued(self) -> int:
         """Compiles waiting for a worker."""
-        return self.pool.num_queued
+        return self.pool.num_queued + (self.relief.num_queued if self.relief is not None else 0)
 
     def _on_waiter_done(self, waiter: Future, job: _Job) -> None:
         if not waiter.cancelled():
@@ -183,7 +209,7 @@ class CompileQueue:
                 f"(its compile got {cpu:.1f} s of CPU); try again later"
             )
         if self._fail(job, error):
-            self.pool.abandon(job.inner)
+            job.pool.abandon(job.inner)
 
     def _fail(self, job: _Job, error: Exception) -> bool:
         try:
@@ -208,6 +234,8 @@ class CompileQueue:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        if self.relief is not None:
+            self.relief.shutdown()
         self._timers.shutdown()
 
 

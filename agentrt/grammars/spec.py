@@ -32,6 +32,8 @@ class GrammarConfig:
     its place meanwhile, and while max(2, compile_threads) such compiles are still running new
     constraints are refused (503) rather than queued behind them.
     compile_queue_timeout_s: a compile still waiting for a thread after this long is answered 503.
+    compile_relief_s: a compile still waiting after this long moves to a relief worker at the
+    process's own priority (None: never), so a saturated engine cannot starve compiles.
     max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
     jump_forward: append the tokens of grammar-forced text without sampling them (see
     Engine._jump_forward)."""
@@ -45,6 +47,7 @@ class GrammarConfig:
     cache_bytes: int = 128 << 20
     compile_timeout_s: float = 30.0
     compile_queue_timeout_s: float = 30.0
+    compile_relief_s: float | None = 5.0
     jump_forward: bool = True
     max_constraint_bytes: int = 1 << 20
 

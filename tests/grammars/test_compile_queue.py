@@ -275,3 +275,23 @@ def test_the_cache_is_bounded_by_the_compiled_grammars_bytes():
         assert ran[-1] == "b" and q.cached_bytes <= 1000
     finally:
         q.shutdown()
+
+
+def test_a_compile_queued_too_long_moves_to_the_relief_worker():
+    """Aging: while the low-priority worker is held (here: blocked; on a saturated machine: starved),
+    a compile queued past compile_relief_s runs on the relief worker at the process's priority."""
+    gate = Gate()
+    q = _queue(gate, compile_nice=7, compile_relief_s=0.2)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        busy = q.submit(ConstraintSpec.regex("block3"))
+        assert gate.started.wait(10)
+        assert q.submit(ConstraintSpec.regex("w+")).result(10) == "compiled w+"  # not behind block3
+        assert gate.ran == ["block3", "w+"] and gate.nice[1] == base and gate.nice[0] in (base + 7, 19)
+        assert not busy.done()
+    finally:
+        gate.release.set()
+        q.shutdown()
+    off = _queue(Gate(), compile_nice=7, compile_relief_s=None)
+    assert off.relief is None
+    off.shutdown()
