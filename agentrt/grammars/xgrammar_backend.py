@@ -120,7 +120,14 @@ def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict)
 
 
 def _clean_error(e: Exception) -> str:
-    return _XGR_PREFIX.sub("", str(e)).strip()
+    """The reason to show for `e`: xgrammar's text without its prefix; never empty or Python's
+    own wording for a recursion limit."""
+    if isinstance(e, RecursionError):
+        return "it is nested too deeply (the converter's recursion limit was reached)"
+    text = _XGR_PREFIX.sub("", str(e)).strip()
+    return (
+        text or f"xgrammar refused it with {type(e).__name__} and no message (e.g. a number beyond 64 bits)"
+    )
 
 
 def _refusal(message: str, cause: Exception) -> ConstraintError:
