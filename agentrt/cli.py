@@ -346,7 +346,8 @@ def serve(args: argparse.Namespace) -> int:
     def ready() -> None:
         print(
             f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
-            f"-H 'Content-Type: application/json' -d '{example}'",
+            + ('-H "Authorization: Bearer $AGENTRT_API_KEY" ' if options.api_keys else "")
+            + f"-H 'Content-Type: application/json' -d '{example}'",
             flush=True,
         )
 
