@@ -91,8 +91,15 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be at most 16 non-empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", f"must be at most 16 strings, got {len(self.stop)}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise bad("stop", f"strings must be non-empty; stop[{i}] is {s!r}")
+            try:
+                s.encode()
+            except UnicodeEncodeError:  # a lone surrogate: never produced as text, so never matched
+                raise bad("stop", f"stop[{i}] is not valid Unicode (a lone surrogate)") from None
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):  # scanned at every token: bounded work
             raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters each")
         for tid, bias in self.logit_bias.items():

@@ -89,11 +89,22 @@ def test_sampling_matches_distribution():
         ("logit_bias", {99999999: 1.0}),
         ("logit_bias", {1: 500.0}),
         ("stop", [""]),
+        ("stop", ["x"] * 17),
+        ("stop", ["ok", "\ud800"]),
     ],
 )
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**{field: value}).validate(vocab_size=1000)
+
+
+def test_stop_errors_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"non-empty; stop\[1\] is ''"):
+        SamplingParams(stop=["a", ""]).validate(vocab_size=10)
+    with pytest.raises(ValueError, match="at most 16 strings, got 17"):
+        SamplingParams(stop=["a"] * 17).validate(vocab_size=10)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        SamplingParams(stop=["\udc80"]).validate(vocab_size=10)
 
 
 @pytest.mark.parametrize(
