@@ -71,8 +71,11 @@ class CompileQueue:
     """Runs `compile_fn(spec)` (-> CompiledConstraint, raising ConstraintError) on the pool, caches
     outcomes by `spec.key` (LRU, `config.cache_size` entries and `config.cache_bytes`). Thread-safe."""
 
-    def __init__(self, compile_fn: Callable, config: GrammarConfig):
-        self._fn, self.config = compile_fn, config
+    def __init__(self, compile_fn: Callable, config: GrammarConfig, run_grace_s: float = 0.0):
+        """run_grace_s: the queue's own run-time limit is compile_timeout_s plus this (a compile
+        function that enforces compile_timeout_s itself, as a child-process compile does, answers
+        first; the queue's limit is the backstop for the rest of its work)."""
+        self._fn, self.config, self.run_grace_s = compile_fn, config, run_grace_s
         self.pool = DaemonPool(
             config.compile_threads, "grammar-compile", max(2, config.compile_threads), config.compile_nice
         )
@@ -82,7 +85,10 @@ class CompileQueue:
         )
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self.cached_bytes = 0  # sum of the cached jobs' nbytes
-        self._lock = threading.Lock()
+        # re-entrant: a Future runs callbacks added after it finished at once, in the adding thread,
+        # so a compile that ends before submit() has registered its callbacks calls _answer (which
+        # takes this lock) from inside submit (a plain Lock deadlocked there)
+        self._lock = threading.RLock()
         self._timers = _Timers("grammar-compile-timer")
 
     def submit(self, spec: ConstraintSpec) -> Future:
@@ -167,7 +173,9 @@ class CompileQueue:
         """On a worker: the compile, with its own time limit from now on."""
         job.cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
         job.cpu_start = time.clock_gettime(job.cpu_clock)
-        timer = self._timers.call_later(self.config.compile_timeout_s, self._run_timeout, job)
+        timer = self._timers.call_later(
+            self.config.compile_timeout_s + self.run_grace_s, self._run_timeout, job
+        )
         try:
             result = self._fn(job.spec)
             with self._lock:
@@ -196,19 +204,11 @@ class CompileQueue:
         )
 
     def _run_timeout(self, job: _Job) -> None:
-        limit = self.config.compile_timeout_s
         try:
             cpu = time.clock_gettime(job.cpu_clock) - job.cpu_start
         except OSError:  # the thread ended just now
             return
-        if cpu >= limit / 10:
-            error = ConstraintError(f"{job.spec.kind} constraint did not compile within {limit:g} s")
-        else:
-            error = ServiceUnavailableError(
-                f"the {job.spec.kind} constraint did not compile within {limit:g} s on a busy server "
-                f"(its compile got {cpu:.1f} s of CPU); try again later"
-            )
-        if self._fail(job, error):
+        if self._fail(job, compile_timeout_error(job.spec.kind, self.config.compile_timeout_s, cpu)):
             job.pool.abandon(job.inner)
 
     def _fail(self, job: _Job, error: Exception) -> bool:
@@ -237,6 +237,18 @@ class CompileQueue:
         if self.relief is not None:
             self.relief.shutdown()
         self._timers.shutdown()
+
+
+def compile_timeout_error(kind: str, limit_s: float, cpu_s: float) -> AgentrtError:
+    """The error of a compile past its `limit_s`: ConstraintError (400: the constraint is
+    expensive) when it used at least a tenth of the limit in CPU, else ServiceUnavailableError
+    (503, retryable: it was starved of CPU on a busy server)."""
+    if cpu_s >= limit_s / 10:
+        return ConstraintError(f"{kind} constraint did not compile within {limit_s:g} s")
+    return ServiceUnavailableError(
+        f"the {kind} constraint did not compile within {limit_s:g} s on a busy server "
+        f"(its compile got {cpu_s:.1f} s of CPU); try again later"
+    )
 
 
 def _memory_size(result) -> int:

@@ -4,6 +4,7 @@ and the 503-vs-400 split between a busy server and an expensive constraint."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -295,3 +296,26 @@ def test_a_compile_queued_too_long_moves_to_the_relief_worker():
     off = _queue(Gate(), compile_nice=7, compile_relief_s=None)
     assert off.relief is None
     off.shutdown()
+
+
+def test_compiles_that_end_before_submit_returns_do_not_deadlock():
+    """A compile can finish (here: fail at once) before submit() has added its callbacks; the
+    Future then runs them in submit's thread, under the queue's lock (a plain Lock deadlocked)."""
+
+    def fail(spec):
+        raise ConstraintError(f"bad {spec.value}")
+
+    q = CompileQueue(fail, GrammarConfig(compile_threads=1, compile_nice=0))
+    finished = threading.Event()
+
+    def submit_many():
+        for i in range(3000):
+            with contextlib.suppress(ConstraintError):
+                q.submit(ConstraintSpec.regex(f"x{i}")).result(5)
+        finished.set()
+
+    threading.Thread(target=submit_many, daemon=True).start()  # (a deadlock must not hang the test)
+    try:
+        assert finished.wait(25), "submit() deadlocked"
+    finally:
+        q.shutdown()
