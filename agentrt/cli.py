@@ -109,6 +109,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "lower compiles faster on a busy machine (default %(default)s)",
     )
     p.add_argument(
+        "--compile-in-process",
+        action="store_true",
+        help="compile grammars on threads of this process instead of killable child processes "
+        "(saves the ~260 MB helper process; a compile past --compile-timeout then keeps running)",
+    )
+    p.add_argument(
         "--grammar-cache-bytes",
         type=int,
         default=GrammarConfig.cache_bytes,
@@ -182,6 +188,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_constraint_bytes=args.max_constraint_bytes,
             cache_bytes=args.grammar_cache_bytes,
             compile_nice=args.compile_nice,
+            compile_in_child=not args.compile_in_process,
         ),
         speculative=SpecConfig(
             method=args.speculative_method,

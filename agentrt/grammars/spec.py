@@ -32,6 +32,10 @@ class GrammarConfig:
     its place meanwhile, and while max(2, compile_threads) such compiles are still running new
     constraints are refused (503) rather than queued behind them.
     compile_queue_timeout_s: a compile still waiting for a thread after this long is answered 503.
+    compile_in_child: compile in a child process that is killed at `compile_timeout_s`
+    (grammars/compile_child.py; a helper process of ~260 MB starts with the backend). Off (the
+    library default; `agentrt serve` turns it on), a compile past its limit keeps its thread
+    until it ends.
     compile_relief_s: a compile still waiting after this long moves to a relief worker at the
     process's own priority (None: never), so a saturated engine cannot starve compiles.
     max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
@@ -48,6 +52,7 @@ class GrammarConfig:
     compile_timeout_s: float = 30.0
     compile_queue_timeout_s: float = 30.0
     compile_relief_s: float | None = 5.0
+    compile_in_child: bool = False
     jump_forward: bool = True
     max_constraint_bytes: int = 1 << 20
 

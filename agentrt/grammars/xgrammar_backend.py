@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ import torch
 import xgrammar as xgr
 
 from agentrt.errors import ConstraintError
-from agentrt.grammars.compile_queue import CompileQueue
+from agentrt.grammars.compile_child import CompileTimeout, Zygote
+from agentrt.grammars.compile_queue import CompileQueue, compile_timeout_error
 from agentrt.grammars.finite import ForcedBound, check_finite
 from agentrt.grammars.json_schema import normalize_schema
 from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
@@ -173,7 +175,11 @@ class GrammarBackend:
         self._jump_finder = None
         # one xgrammar thread per compile worker: compile concurrency is the worker count
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._queue = CompileQueue(self._compile, config)
+        # compiles in killable child processes (grammars/compile_child.py); they meet their own
+        # deadline, the queue's limit is a backstop for the Python work around them
+        self._zygote = Zygote(info) if config.compile_in_child and hasattr(os, "fork") else None
+        grace = 0.5 * config.compile_timeout_s if self._zygote is not None else 0.0
+        self._queue = CompileQueue(self._compile, config, grace)
         # mask overlap: bitmasks are filled on this thread while the engine runs the forward pass
         # (xgrammar releases the GIL; the rows of a batch are filled by its own thread pool)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
@@ -217,12 +223,15 @@ class GrammarBackend:
     def _compile(self, spec: ConstraintSpec) -> CompiledConstraint:
         t0 = time.perf_counter()
         not_enforced: list[str] = []
-        grammar, bound = self._compile_grammar(spec, not_enforced)
+        deadline = time.monotonic() + self.config.compile_timeout_s
+        grammar, bound = self._compile_grammar(spec, not_enforced, deadline, time.thread_time())
         return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0, bound)
 
     def _compile_grammar(
-        self, spec: ConstraintSpec, not_enforced: list[str]
+        self, spec: ConstraintSpec, not_enforced: list[str], deadline: float, cpu_start: float = 0.0
     ) -> tuple[xgr.CompiledGrammar, ForcedBound | None]:
+        """`deadline` (time.monotonic()) bounds a child-process compile; `cpu_start` is this
+        thread's CPU clock at the start, so a timeout counts the work done here too."""
         c, cfg = self._compiler, self.config
         ws = {"any_whitespace": cfg.any_whitespace, "indent": cfg.indent}
         if cfg.any_whitespace:
@@ -232,7 +241,13 @@ class GrammarBackend:
             if grammar is None:
                 raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
             bound = check_finite(str(grammar), "root")
-            return c.compile_grammar(grammar), bound
+            if self._zygote is None:
+                return c.compile_grammar(grammar), bound
+            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return self._zygote.compile(grammar, deadline, nice), bound
+        except CompileTimeout as e:  # killed at the deadline: 400, or 503 when it was starved
+            cpu = e.cpu_s + time.thread_time() - cpu_start
+            raise compile_timeout_error(spec.kind, cfg.compile_timeout_s, cpu) from None
         except (RuntimeError, ValueError, TypeError) as e:
             raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
@@ -341,3 +356,5 @@ class GrammarBackend:
     def shutdown(self) -> None:
         self._queue.shutdown()
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        if self._zygote is not None:
+            self._zygote.close()  # its compiles in flight are killed
