@@ -228,7 +228,7 @@ class GrammarBackend:
         return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0, bound)
 
     def _compile_grammar(
-        self, spec: ConstraintSpec, not_enforced: list[str], deadline: float, cpu_start: float = 0.0
+        self, spec: ConstraintSpec, not_enforced: list[str], deadline: float, cpu_start: float
     ) -> tuple[xgr.CompiledGrammar, ForcedBound | None]:
         """`deadline` (time.monotonic()) bounds a child-process compile; `cpu_start` is this
         thread's CPU clock at the start, so a timeout counts the work done here too."""

@@ -199,8 +199,9 @@ class Engine:
         outputs = self._collect_grammars()
         spec = self.speculator
         self._failed = {}
-        running = self.scheduler.running
-        proposed = spec.propose(running, self.max_model_len, self._failed) if spec is not None else []
+        proposed = (
+            spec.propose(self.scheduler.running, self.max_model_len, self._failed) if spec is not None else []
+        )
         base_lens = {r: r.num_tokens for r in proposed}
         try:
             scheduled = self._schedule()

@@ -61,4 +61,5 @@ def test_shutdown_stops_the_helper_process(tokenizer):
     proc = psutil.Process(b._zygote._proc.pid)
     assert b.compile(ConstraintSpec.choice(["yes", "no"])) is not None
     b.shutdown()
-    assert proc.wait(10) is not None or not proc.is_running()
+    proc.wait(10)  # raises psutil.TimeoutExpired while it still runs
+    assert not proc.is_running()
