@@ -5,13 +5,26 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, NamedTuple
 
+import regex
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from agentrt.api.errors import APIError
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import RequestOutput, SamplingParams
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "RequestConstraint", "usage"]
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "RequestConstraint",
+    "TokenizeRequest",
+    "usage",
+]
+
+
+MAX_N = 16
+"""The most choices (`n`) one request may ask for: each is a sequence the engine decodes."""
 
 
 class TextPart(BaseModel):
@@ -67,6 +80,23 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one of json / regex / choice / grammar /
+    json_object. Its other options are accepted where they ask for what agentrt does anyway:
+    whitespace_pattern (see _check_whitespace_pattern), disable_any_whitespace (agentrt's JSON
+    has no free whitespace), disable_fallback (agentrt never falls back to a weaker constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_fallback: StrictBool | None = None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -74,7 +104,8 @@ class StreamOptions(BaseModel):
 class _CommonRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
     repetition_penalty, regex, grammar (EBNF), lark, choice, ignore_eos, stop_token_ids, cache_salt,
-    max_tokens_policy, speculative: false opts this request out of the server's speculative decoding)."""
+    max_tokens_policy, speculative: false opts this request out of the server's speculative decoding;
+    vLLM's guided_* / structured_outputs and SGLang's ebnf / json_schema as constraint aliases)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -101,6 +132,16 @@ class _CommonRequest(BaseModel):
     lark: str | None = None
     choice: list[str] | None = None
     cache_salt: str | None = None
+    # vLLM's and SGLang's names for constraints (constraint_fields maps them onto the above)
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: agentrt has one backend
+    structured_outputs: StructuredOutputs | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
     max_tokens_policy: Literal["length", "close"] = "length"
     speculative: bool = True
 
@@ -111,8 +152,8 @@ class _CommonRequest(BaseModel):
                 name, ()
             ):
                 raise APIError(f"{name} is not supported by this server", param=name)
-        if self.n != 1:
-            raise APIError("n must be 1: agentrt returns one choice per request", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -144,28 +185,21 @@ class _CommonRequest(BaseModel):
     unsupported_noop: ClassVar[dict[str, tuple]] = {}
 
     def constraint(self, response_format: ResponseFormat | None = None) -> RequestConstraint:
-        """The request's one constraint (spec None when it has none). Raises APIError (400) naming the
-        field when the constraint is invalid, combined with `stop`, or several are given."""
-        given = []
-        if response_format is not None and response_format.type != "text":
-            given.append("response_format")
-        given += [name for name in ("regex", "grammar", "lark", "choice") if getattr(self, name) is not None]
+        """The request's one constraint (spec None when it has none), from agentrt's own fields or
+        the vLLM / SGLang aliases (`constraint_fields`). Raises APIError (400) naming the field when
+        the constraint is invalid, or naming all of them when several are given."""
+        given = self.constraint_fields(response_format)
         if len(given) > 1:
-            raise APIError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
+            names = ", ".join(g[0] for g in given)
+            raise APIError(f"give at most one constraint, got {names}", param=given[1][0])
         if not given:
             return RequestConstraint(None, "", "")
-        field = given[0]
-        if self.stop:
-            raise APIError(
-                f"stop cannot be combined with {field}: a stop string could cut the constrained "
-                "output; the constraint decides where the output ends",
-                param="stop",
-            )
+        field, kind, value = given[0]
         param = field
         try:
+            if kind == "json_object":
+                return RequestConstraint(ConstraintSpec.json_object(), field, field)
             if field == "response_format":
-                if response_format.type == "json_object":
-                    return RequestConstraint(ConstraintSpec.json_object(), field, field)
                 if response_format.json_schema is None:
                     raise APIError(
                         "response_format.json_schema is required for type json_schema",
@@ -175,17 +209,89 @@ class _CommonRequest(BaseModel):
                 spec = ConstraintSpec.json_schema(
                     response_format.json_schema.schema_, strict=response_format.json_schema.strict
                 )
+            elif kind == "json_schema":
+                spec = ConstraintSpec.json_schema(value)
             else:
                 make = {
                     "regex": ConstraintSpec.regex,
                     "grammar": ConstraintSpec.grammar,
                     "lark": ConstraintSpec.lark,
                     "choice": ConstraintSpec.choice,
-                }[field]
-                spec = make(getattr(self, field))
+                }[kind]
+                spec = make(value)
         except ValueError as e:
             raise APIError(f"{param}: {e}", param=param) from None
         return RequestConstraint(spec, field, param)
+
+    def constraint_fields(self, response_format: ResponseFormat | None) -> list[tuple[str, str, Any]]:
+        """Every constraint the request gives, as (field, kind, value): kind is a ConstraintSpec
+        kind ("json_schema", "json_object", "regex", "grammar", "lark", "choice"). vLLM's
+        `guided_*` and `structured_outputs` fields and SGLang's `ebnf` / `json_schema` map onto
+        agentrt's own; a grammar given to `guided_grammar` / `structured_outputs.grammar` is EBNF
+        when it has a `::=` rule and Lark otherwise (as vLLM decides)."""
+        given: list[tuple[str, str, Any]] = []
+        if response_format is not None and response_format.type != "text":
+            given.append(("response_format", response_format.type, None))
+        for name in ("regex", "grammar", "lark", "choice"):
+            if getattr(self, name) is not None:
+                given.append((name, name, getattr(self, name)))
+        aliases = {
+            "guided_json": "json_schema",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+            "ebnf": "grammar",
+            "json_schema": "json_schema",
+        }
+        for name, kind in aliases.items():
+            value = getattr(self, name, None)
+            if value is not None:
+                given.append((name, _grammar_kind(value) if name == "guided_grammar" else kind, value))
+        so = getattr(self, "structured_outputs", None)
+        if so is not None:
+            for name, kind, value in (
+                ("json", "json_schema", so.json_),
+                ("regex", "regex", so.regex),
+                ("choice", "choice", so.choice),
+            ):
+                if value is not None:
+                    given.append((f"structured_outputs.{name}", kind, value))
+            if so.grammar is not None:
+                given.append(("structured_outputs.grammar", _grammar_kind(so.grammar), so.grammar))
+            if so.json_object:
+                given.append(("structured_outputs.json_object", "json_object", None))
+        if given:
+            _check_whitespace_pattern(self, given[0][0])
+        return given
+
+
+def _grammar_kind(grammar: Any) -> str:
+    """ "grammar" (EBNF) when `grammar` has a `::=` rule, else "lark" (vLLM's rule of thumb)."""
+    return "grammar" if not isinstance(grammar, str) or "::=" in grammar else "lark"
+
+
+def _check_whitespace_pattern(req: Any, constraint_field: str) -> None:
+    """vLLM's `guided_whitespace_pattern` / `structured_outputs.whitespace_pattern`: the regex of
+    the whitespace between JSON tokens. agentrt writes JSON with the fixed separators ", " and ": "
+    and nothing elsewhere, so a pattern is honoured exactly when it matches both "" and " ";
+    any other pattern is a 400 (never output the pattern would not allow)."""
+    so = getattr(req, "structured_outputs", None)
+    for name, pattern in (
+        ("guided_whitespace_pattern", getattr(req, "guided_whitespace_pattern", None)),
+        ("structured_outputs.whitespace_pattern", so.whitespace_pattern if so is not None else None),
+    ):
+        if pattern is None:
+            continue
+        try:
+            ok = regex.fullmatch(pattern, "") is not None and regex.fullmatch(pattern, " ") is not None
+        except regex.error as e:
+            raise APIError(f"{name} is not a valid regex: {e}", param=name) from None
+        if not ok:
+            raise APIError(
+                f"{name} {pattern!r} cannot be honoured: agentrt writes JSON with the fixed separators "
+                "', ' and ': ' (no other whitespace), so the pattern must match both '' and ' '",
+                param=name,
+            )
 
 
 class RequestConstraint(NamedTuple):
@@ -226,12 +332,36 @@ class CompletionRequest(_CommonRequest):
     unsupported_noop: ClassVar[dict[str, tuple]] = {"best_of": (1,)}
 
 
-def usage(out: RequestOutput) -> dict:
-    """OpenAI's `usage` object of a finished output (tokens), with cached prompt tokens."""
-    n = len(out.token_ids)
+def usage(*outs: RequestOutput) -> dict:
+    """OpenAI's `usage` object of finished outputs (tokens): the choices of one request share its
+    prompt, counted once (with its cached tokens, as the first choice found them); completion
+    tokens are summed over the choices."""
+    n = sum(len(out.token_ids) for out in outs)
+    prompt = outs[0].num_prompt_tokens
     return {
-        "prompt_tokens": out.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": n,
-        "total_tokens": out.num_prompt_tokens + n,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "total_tokens": prompt + n,
+        "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
     }
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize body: a `prompt` (text, tokenized as /v1/completions does) or chat
+    `messages` (rendered by the chat template as /v1/chat/completions does, with `tools`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize body: token ids -> text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]

@@ -6,11 +6,13 @@ here are answered by errors.py's handlers. Request bodies are logged only with
 from __future__ import annotations
 
 import logging
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest
+from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from agentrt.api.serving import OpenAIServing, ServingResult, client_gone
 
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,9 +22,17 @@ LOG_REQUEST_MAX_CHARS = 4000
 logger = logging.getLogger(__name__)
 
 
+def agentrt_version() -> str:
+    """The installed agentrt distribution's version ("unknown" when run from an uninstalled tree)."""
+    try:
+        return package_version("agentrt")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_router() -> APIRouter:
     """The API's routes: /health (GET, HEAD), /metrics, /v1/models, /v1/chat/completions,
-    /v1/completions."""
+    /v1/completions, and vLLM's utility routes /tokenize, /detokenize, /version."""
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
     # load balancers probe with HEAD; one operation per method keeps OpenAPI operation ids unique
@@ -31,6 +41,9 @@ def build_router() -> APIRouter:
     router.add_api_route("/v1/models", models, methods=["GET"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
+    router.add_api_route("/tokenize", tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", detokenize, methods=["POST"])
+    router.add_api_route("/version", version, methods=["GET"])
     return router
 
 
@@ -55,6 +68,19 @@ async def metrics(raw: Request) -> Response:
 
 async def models(raw: Request) -> dict:
     return _serving(raw).models()
+
+
+async def version() -> dict:
+    """The agentrt package version (vLLM's /version)."""
+    return {"version": agentrt_version()}
+
+
+async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
+    return await _serving(raw).tokenize(req)
+
+
+async def detokenize(req: DetokenizeRequest, raw: Request) -> dict:
+    return _serving(raw).detokenize(req)
 
 
 def _log_request(raw: Request, req: ChatCompletionRequest | CompletionRequest) -> None:

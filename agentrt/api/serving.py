@@ -20,11 +20,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from agentrt.api.errors import APIError, to_api_error
 from agentrt.api.prompt_limit import PromptBound, token_bound
-from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, _CommonRequest, usage
+from agentrt.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _CommonRequest,
+    usage,
+)
 from agentrt.api.streaming import ChunkWriter, stream_events
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
 from agentrt.errors import AgentrtError, ConstraintError, InternalError, InvalidRequestError
@@ -69,6 +76,7 @@ class Generation:
     cache_salt: str
     stream: bool
     include_usage: bool
+    n: int = 1
 
     def api_error(self, e: AgentrtError | None, default_param: str | None = None) -> APIError:
         """The HTTP error of a failed request (None: a failure without a reason), naming the field
@@ -84,13 +92,35 @@ class Generation:
 @dataclass(frozen=True)
 class ServingResult:
     """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream (and the
-    engine `stream` behind them, to abort it when the events are never read); `headers` either way
-    (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
+    engine `streams` behind them, one per choice, to abort them when the events are never read);
+    `headers` either way (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
 
     body: dict | None = None
     events: AsyncIterator[str] | None = None
     headers: dict[str, str] | None = None
-    stream: RequestStream | None = None
+    streams: tuple[RequestStream, ...] = ()
+
+
+class ResponseShape(Protocol):
+    """How an API other than chat completions (Responses, Messages) shows a chat generation: the
+    request is translated to a ChatCompletionRequest, run by `OpenAIServing.chat(..., shape=)`, and
+    its result rendered by the shape (n is always 1)."""
+
+    def body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
+        """The complete response of a finished generation."""
+        ...
+
+    def events(
+        self, gen: Generation, stream: RequestStream, first: RequestOutput, created: int
+    ) -> AsyncIterator[str]:
+        """The SSE events of a streamed generation, `first` (its first output) included; errors
+        after the first output (gen.api_error) become an error event. Closing it aborts `stream`."""
+        ...
+
+    def param(self, name: str | None) -> str | None:
+        """This API's name for a chat completions request field ("messages", "tools[0]...",
+        "response_format.json_schema.schema"), to name it in errors."""
+        ...
 
 
 class OpenAIServing:
@@ -117,6 +147,55 @@ class OpenAIServing:
             ],
         }
 
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the token ids of a prompt or of chat messages (through the chat template
+        and the tool prompt, exactly as a chat request is rendered), their count and the context
+        limit. Raises APIError naming the field (none or both given, a template that refuses the
+        messages, text that is not valid Unicode, an unknown model)."""
+        if req.model is not None:
+            self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        tokenizer = self.engine.tokenizer
+        if req.prompt is not None:
+            self.prompt_bound.check(req.prompt, "prompt")
+            try:
+                ids = await asyncio.to_thread(
+                    tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+                )
+            except (TypeError, UnicodeError):
+                raise APIError("prompt is not valid Unicode text", param="prompt") from None
+        else:
+            plan = plan_tools(req.tools, None, None, self.tool_prompt.fmt)
+            messages = [m.as_dict() for m in req.messages]
+            check_tool_messages(messages)
+            rendered, template_tools = self.tool_prompt.render(messages, plan)
+            ids = await asyncio.to_thread(
+                _render_chat,
+                tokenizer,
+                rendered,
+                template_tools,
+                self.prompt_bound,
+                req.add_generation_prompt,
+            )
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids (special tokens kept). Raises APIError naming
+        `tokens` when an id is outside the vocabulary or the list is longer than the context."""
+        if req.model is not None:
+            self.check_model(req.model)
+        if len(req.tokens) > self.engine.max_model_len:
+            raise APIError(
+                f"tokens: at most {self.engine.max_model_len} ids (the context), got {len(req.tokens)}",
+                param="tokens",
+            )
+        vocab = self.engine.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"tokens: {bad} is not a token id (the vocabulary has {vocab})", param="tokens")
+        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
+
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
 
@@ -130,19 +209,31 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def chat(self, req: ChatCompletionRequest, gone: ClientGone) -> ServingResult:
-        """/v1/chat/completions; `gone` returns when the client leaves (its work is then cancelled).
-        Raises APIError (4xx naming the field, 499 when the client left) or an AgentrtError the
+    async def chat(
+        self, req: ChatCompletionRequest, gone: ClientGone, shape: ResponseShape | None = None
+    ) -> ServingResult:
+        """/v1/chat/completions; `gone` returns when the client leaves (its work is then cancelled);
+        `shape` renders the result for another API (None: chat completions). Raises APIError (4xx
+        naming the field, in the shape's names; 499 when the client left) or an AgentrtError the
         engine raised (QueueFullError, RequestTimeoutError, ServiceUnavailableError while shutting
         down, ...)."""
-        return await _while_connected(self._chat(req), gone)
+        if shape is None:
+            return await _while_connected(self._chat(req), gone)
+        try:
+            return await _while_connected(self._chat(req, shape), gone)
+        except APIError as e:
+            renamed = shape.param(e.param)
+            if e.param and renamed != e.param:
+                e.message = e.message.replace(e.param, renamed)
+                e.param = renamed
+            raise
 
     async def completion(self, req: CompletionRequest, gone: ClientGone) -> ServingResult:
         """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
         `chat`."""
         return await _while_connected(self._completion(req), gone)
 
-    async def _chat(self, req: ChatCompletionRequest) -> ServingResult:
+    async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape | None = None) -> ServingResult:
         self.check_model(req.model)
         plan = plan_tools(
             req.tools,
@@ -164,7 +255,7 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         gen = self._generation(req, True, prompt_ids, max_tokens, plan, names)
-        return await self._run(gen)
+        return await self._run(gen, shape)
 
     async def _completion(self, req: CompletionRequest) -> ServingResult:
         self.check_model(req.model)
@@ -208,12 +299,13 @@ class OpenAIServing:
                     f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
                     param=chosen.field,
                 )
-            if req.stop:
-                raise APIError(
-                    "stop cannot be combined with constrained tool calls: a stop string could cut a call",
-                    param="stop",
-                )
             constraint, constraint_param = tool_constraint, "tools"
+        # `stop` applies to free text only: before the first tool call when calls are optional; a
+        # wholly constrained output (a schema, a regex, required calls) ends where its constraint does
+        if calls is not None and calls.mode == "auto":
+            params.stop_until = calls.fmt.trigger
+        elif constraint is not None:
+            params.stop = []
         return Generation(
             request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             chat=chat,
@@ -226,6 +318,7 @@ class OpenAIServing:
             cache_salt=req.cache_salt or "",
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            n=req.n,
         )
 
     async def _submit(self, gen: Generation) -> RequestStream:
@@ -247,48 +340,80 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise gen.api_error(e, default_param=gen.param_names["prompt"]) from None
 
-    async def _run(self, gen: Generation) -> ServingResult:
-        """Submit `gen`, wait for its first output, then its events (streamed) or its last output.
-        Cancelling it (the client left) aborts the request."""
-        stream = await self._submit(gen)
-        try:
-            first = await anext(stream)
-            if first.finished and first.finish_reason == "error":
-                raise gen.api_error(first.error)
-            created = int(time.time())
-            headers = (
-                {"X-Agentrt-Not-Enforced": ", ".join(stream.not_enforced)} if stream.not_enforced else None
+    async def _run(self, gen: Generation, shape: ResponseShape | None = None) -> ServingResult:
+        """Submit `gen` (its n choices), wait for the first outputs, then return the events
+        (streamed) or the body made from the last outputs. Choices after the first are submitted
+        once the first has its first output: its prompt's KV is then in the radix tree, so the
+        others reuse it instead of computing it again. Choice i samples with seed + i (when a
+        seed is given), so each choice is reproducible. Cancelling it (the client left) aborts
+        every choice."""
+        gens = [
+            gen
+            if i == 0
+            else replace(
+                gen,
+                request_id=f"{gen.request_id}-{i}",
+                params=replace(gen.params, seed=None if gen.params.seed is None else gen.params.seed + i),
             )
+            for i in range(gen.n)
+        ]
+        streams: list[RequestStream] = []
+        try:
+            streams.append(await self._submit(gens[0]))
+            firsts = [await anext(streams[0])]
+            for g in gens[1:]:
+                streams.append(await self._submit(g))
+            for stream in streams[1:]:
+                firsts.append(await anext(stream))
+            for first in firsts:
+                if first.finished and first.finish_reason == "error":
+                    raise gen.api_error(first.error)
+            created = int(time.time())
+            not_enforced = streams[0].not_enforced
+            headers = {"X-Agentrt-Not-Enforced": ", ".join(not_enforced)} if not_enforced else None
             if gen.stream:
-                writer = ChunkWriter(gen.request_id, created, self.model_name, gen.chat, gen.include_usage)
-                parser = gen.tools.new_parser() if gen.tools is not None else None
-                return ServingResult(
-                    events=stream_events(stream, first, writer, parser, gen.api_error),
-                    headers=headers,
-                    stream=stream,
-                )
-            last = await _collect(stream, first)
+                if shape is not None:
+                    events = shape.events(gen, streams[0], firsts[0], created)
+                else:
+                    writer = ChunkWriter(
+                        gen.request_id, created, self.model_name, gen.chat, gen.include_usage
+                    )
+                    parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in gens]
+                    events = stream_events(streams, firsts, writer, parsers, gen.api_error)
+                return ServingResult(events=events, headers=headers, streams=tuple(streams))
+            lasts = [await _collect(stream, first) for stream, first in zip(streams, firsts)]
         except BaseException:
-            await stream.aclose()  # aborts the request unless it has finished
+            for stream in streams:
+                await stream.aclose()  # aborts the request unless it has finished
             raise
-        if last.finish_reason == "error":
-            raise gen.api_error(last.error)
-        return ServingResult(body=self._body(gen, last, created, stream.not_enforced), headers=headers)
-
-    def _body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
-        """The non-streamed response of a finished request."""
-        choice: dict = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if gen.chat:
-            choice["message"], choice["finish_reason"] = _message(last, gen.tools)
+        for last in lasts:
+            if last.finish_reason == "error":
+                raise gen.api_error(last.error)
+        if shape is not None:
+            body = shape.body(gen, lasts[0], created, not_enforced)
         else:
-            choice["text"] = last.text
+            body = self._body(gen, lasts, created, not_enforced)
+        return ServingResult(body=body, headers=headers)
+
+    def _body(
+        self, gen: Generation, lasts: list[RequestOutput], created: int, not_enforced: list[str]
+    ) -> dict:
+        """The non-streamed response of a finished request (one choice per output)."""
+        choices = []
+        for i, last in enumerate(lasts):
+            choice: dict = {"index": i, "finish_reason": last.finish_reason, "logprobs": None}
+            if gen.chat:
+                choice["message"], choice["finish_reason"] = _message(last, gen.tools)
+            else:
+                choice["text"] = last.text
+            choices.append(choice)
         body = {
             "id": gen.request_id,
             "object": "chat.completion" if gen.chat else "text_completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": usage(last),
+            "choices": choices,
+            "usage": usage(*lasts),
         }
         if not_enforced:
             body["not_enforced"] = not_enforced
@@ -321,8 +446,9 @@ async def _while_connected(work: Coroutine[Any, Any, ServingResult], gone: Clien
         await asyncio.wait((task,))
     if watch.done():
         _retrieve(watch)
-        if not task.cancelled() and task.exception() is None and task.result().stream is not None:
-            task.result().stream.cancel()  # finished just as the client left: nobody reads it
+        if not task.cancelled() and task.exception() is None:
+            for stream in task.result().streams:
+                stream.cancel()  # finished just as the client left: nobody reads it
         if task.cancelled() or task.exception() is None:
             raise APIError("client disconnected", status=499)
     try:
@@ -330,11 +456,18 @@ async def _while_connected(work: Coroutine[Any, Any, ServingResult], gone: Clien
     except BaseException:
         watch.cancel()
         raise
-    if result.stream is None:
+    if not result.streams:
         watch.cancel()
         return result
-    stream = result.stream
-    watch.add_done_callback(lambda w: None if w.cancelled() else (_retrieve(w), stream.cancel()))
+    streams = result.streams
+
+    def on_gone(w: asyncio.Future) -> None:
+        if not w.cancelled():
+            _retrieve(w)
+            for stream in streams:
+                stream.cancel()
+
+    watch.add_done_callback(on_gone)
     return replace(result, events=_watched(result.events, watch))
 
 
@@ -380,13 +513,18 @@ def _encode(tokenizer, text: str, param: str, bound: PromptBound | None = None) 
 
 
 def _render_chat(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, bound: PromptBound | None = None
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    bound: PromptBound | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of `messages` through the chat template (generation prompt added). Raises APIError
-    naming "messages" when the template refuses them, ContextLengthError as `_encode`."""
+    """Token ids of `messages` through the chat template (generation prompt added unless told
+    not to). Raises APIError naming "messages" when the template refuses them, ContextLengthError
+    as `_encode`."""
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None

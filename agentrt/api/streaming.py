@@ -1,6 +1,7 @@
 """Server-sent events for streamed chat and text completions (OpenAI's chunk shapes).
 
-A chat stream opens with a role chunk, sends content deltas (or tool-call deltas: a call's id and
+A chat stream opens with a role chunk (one per choice when `n` > 1; the choices' chunks then
+interleave, each carrying its index), sends content deltas (or tool-call deltas: a call's id and
 name first, then fragments of its arguments JSON), ends with a chunk carrying finish_reason, then
 an optional usage chunk and `data: [DONE]`. An error after the first output is one
 `data: {"error": {...}}` event (the response status is already 200): the request's own error, or
@@ -10,10 +11,11 @@ then aborted, and nothing else is affected.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from agentrt.api.errors import APIError
 from agentrt.api.protocol import usage
@@ -35,13 +37,15 @@ def sse(data: dict) -> str:
 @dataclass(frozen=True)
 class ChunkWriter:
     """Builds the SSE chunks of one response: `chat` (chat.completion.chunk) or a text completion;
-    `include_usage` adds `"usage": null` to every chunk and a final usage chunk (stream_options)."""
+    `include_usage` adds `"usage": null` to every chunk and a final usage chunk (stream_options);
+    `index`: the choice the chunks belong to (requests with `n` > 1 have one writer per choice)."""
 
     stream_id: str
     created: int
     model: str
     chat: bool
     include_usage: bool
+    index: int = 0
 
     @property
     def object(self) -> str:
@@ -63,7 +67,7 @@ class ChunkWriter:
         """The opening chunk of a chat stream."""
         return self.choice(
             {
-                "index": 0,
+                "index": self.index,
                 "delta": {"role": "assistant", "content": ""},
                 "finish_reason": None,
                 "logprobs": None,
@@ -74,10 +78,10 @@ class ChunkWriter:
         """A content delta, or (finish given, no text) the closing chunk."""
         if not self.chat:
             return self.choice(
-                {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+                {"index": self.index, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
             )
         delta = {} if finish is not None and not delta_text else {"content": delta_text}
-        return self.choice({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+        return self.choice({"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": None})
 
     def events(self, events: Iterable[ParseEvent]) -> list[str]:
         """Chunks for tool-call parser events: content deltas, a call's start (id, name), argument
@@ -98,12 +102,17 @@ class ChunkWriter:
                 tc = {"index": e.index, "function": {"arguments": e.text}}
             out.append(
                 self.choice(
-                    {"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None, "logprobs": None}
+                    {
+                        "index": self.index,
+                        "delta": {"tool_calls": [tc]},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
                 )
             )
         return out
 
-    def usage(self, last: RequestOutput) -> str:
+    def usage(self, *lasts: RequestOutput) -> str:
         return sse(
             {
                 "id": self.stream_id,
@@ -111,48 +120,88 @@ class ChunkWriter:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(last),
+                "usage": usage(*lasts),
             }
         )
 
 
 async def stream_events(
-    stream: RequestStream,
-    first: RequestOutput,
+    streams: Sequence[RequestStream],
+    firsts: Sequence[RequestOutput],
     writer: ChunkWriter,
-    parser: ToolCallParser | None,
+    parsers: Sequence[ToolCallParser | None],
     to_error: Callable[[AgentrtError | None], APIError],
 ) -> AsyncIterator[str]:
-    """The SSE events of one request, `first` (its first output, already received) included.
-    parser: turns the text into tool-call deltas (None: plain content); to_error: the HTTP error of a
-    failed output (its body is the error event). Closing the iterator early (client gone) aborts
-    the request."""
+    """The SSE events of one request's choices (one engine stream per choice), `firsts` (their
+    first outputs, already received) included; the choices' chunks interleave as they come.
+    parsers: per choice, turns the text into tool-call deltas (None: plain content); to_error: the
+    HTTP error of a failed output (its body is the error event, which ends the whole stream).
+    Closing the iterator early (client gone) aborts every choice's request."""
+    writers = [replace(writer, index=i) for i in range(len(streams))]
     try:
         if writer.chat:
-            yield writer.role()
-        out = last = first
-        while True:
-            last = out
+            for w in writers:
+                yield w.role()
+        lasts = list(firsts)
+        async for i, out in merged_outputs(streams, firsts):
+            lasts[i] = out
             if out.finish_reason == "error":
                 yield sse(to_error(out.error).body())
                 break
             try:
-                chunks = _deltas(writer, parser, out)
+                chunks = _deltas(writers[i], parsers[i], out)
             except Exception as e:  # a parser fault fails this stream alone, with an error event
-                logger.exception("output parsing failed for %s", stream.request_id)
+                logger.exception("output parsing failed for %s", streams[i].request_id)
                 error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
                 yield sse(to_error(error).body())
                 break
             for chunk in chunks:
                 yield chunk
-            if out.finished:
-                break
-            out = await anext(stream)
         if writer.include_usage:
-            yield writer.usage(last)
+            yield writer.usage(*lasts)
         yield DONE
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
+
+
+async def merged_outputs(
+    streams: Sequence[RequestStream], firsts: Sequence[RequestOutput]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of every output of `streams` until each has finished, `firsts` (their
+    first outputs, already received) included, in arrival order. One stream is read directly;
+    several are read by one task each (cancelled when the iterator closes)."""
+    if len(streams) == 1:
+        out = firsts[0]
+        yield 0, out
+        while not out.finished:
+            out = await anext(streams[0])
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        out = firsts[i]
+        try:
+            await queue.put((i, out))
+            while not out.finished:
+                out = await anext(streams[i])
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        left = len(streams)
+        while left:
+            i, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _deltas(writer: ChunkWriter, parser: ToolCallParser | None, out: RequestOutput) -> list[str]:

@@ -131,6 +131,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding (token ids are below it)."""
+        return self.engine.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         """The model's context limit in tokens."""
         return self.engine.max_model_len

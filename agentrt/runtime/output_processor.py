@@ -24,7 +24,7 @@ class OutputProcessor:
 
         Unconstrained requests stop on the model's EOS ids (unless ignore_eos) and on
         stop_token_ids; a stop token is not part of the text. Stop strings (OpenAI `stop`) cut the
-        text before the first match; the budget (`r.max_tokens`) and the context limit end with
+        text before the first match that ends before `stop_until` (when set); the budget (`r.max_tokens`) and the context limit end with
         "length". Text is decoded incrementally (runtime/detokenizer.py: O(window) per token);
         the final text is one full decode, exactly as the tokenizer says."""
         p = r.params
@@ -38,9 +38,18 @@ class OutputProcessor:
             if r.detokenizer is None:
                 r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
             text = r.detokenizer.update(self.tokenizer, text_ids)
-            if p.stop:
+            if p.stop and r.stop_end is None:
+                end = len(text)
+                if p.stop_until:
+                    k = text.find(p.stop_until, max(0, len(r.text) - len(p.stop_until) + 1))
+                    if k >= 0:
+                        r.stop_end = end = k
                 cut = min(
-                    (i for i in (text.find(s, max(0, len(r.text) - len(s) + 1)) for s in p.stop) if i >= 0),
+                    (
+                        i
+                        for i in (text.find(s, max(0, len(r.text) - len(s) + 1), end) for s in p.stop)
+                        if i >= 0
+                    ),
                     default=-1,
                 )
                 if cut >= 0:
@@ -63,7 +72,9 @@ class OutputProcessor:
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 upto = len(text.rstrip("\ufffd"))
             hold = 0
-            for s in r.params.stop:  # hold back a possible start of a stop string
+            for s in (
+                r.params.stop if r.stop_end is None else ()
+            ):  # hold back a possible start of a stop string
                 hold = max(hold, _partial_match(text, upto, s))
             upto -= hold
         delta = text[r.sent_len : upto] if upto > r.sent_len else ""

@@ -36,6 +36,8 @@ class SamplingParams:
     repetition_penalty in [0.01, 10] on prompt and generated tokens (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias in [-100, 100] added to the logit.
     stop: strings that end the output (not included in it); stop_token_ids: extra stop ids.
+    stop_until: stop strings are looked for only in the text before the first occurrence of this
+    string (a tool-call format's trigger), so a stop string never cuts a constrained call.
     max_tokens_policy: "length" (default, OpenAI: stop at max_tokens, finish_reason "length") or
     "close": with a constraint, keep enough budget to finish it and close it validly
     (grammars/length_policy.py); no effect without a constraint.
@@ -57,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_until: str | None = None
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
@@ -185,6 +188,7 @@ class Request:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # made at the first token
     sent_len: int = 0
+    stop_end: int | None = None  # where params.stop_until first occurs in text (stop strings end there)
     finish_reason: str | None = None
     error: AgentrtError | None = None
     first_token_time: float | None = None

@@ -71,7 +71,8 @@ def test_prompt_longer_than_context(client):
         ("max_tokens", 10**9),
         ("presence_penalty", 7),
         ("top_k", -3),
-        ("n", 2),
+        ("n", 0),
+        ("n", 17),
         ("logit_bias", {"abc": 1}),
         ("logit_bias", {"5": 1000}),
         ("seed", -4),
@@ -79,7 +80,7 @@ def test_prompt_longer_than_context(client):
 )
 def test_bad_sampling_values_name_the_field(client, field, value):
     resp = _chat(client, **{field: value})
-    _assert_error(resp, 400, field, field if field != "n" else "n must be 1")
+    _assert_error(resp, 400, field, field if field != "n" else "n must be between 1 and 16")
 
 
 def test_broken_constraints_are_400_and_server_keeps_serving(client):
@@ -226,9 +227,6 @@ def test_hostile_input_is_a_clear_400(client):
     )
     _assert_error(_chat(client, grammar='root ::= "a" root'), 400, "grammar", "no finite output")
     _assert_error(_chat(client, stream=True, grammar='root ::= "a" []'), 400, "grammar", "no finite output")
-    _assert_error(
-        _chat(client, stop=["}"], response_format={"type": "json_object"}), 400, "stop", "stop cannot"
-    )
     _assert_error(_chat(client, max_tokens="5"), 400, "max_tokens", "integer")
     _assert_error(_chat(client, max_completion_tokens=10**9), 400, "max_completion_tokens", "context limit")
     _assert_error(_chat(client, functions=[{"name": "f"}]), 400, "functions", "not supported")

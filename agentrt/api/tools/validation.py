@@ -96,8 +96,8 @@ def plan_tools(
         raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     parallel = True if parallel is None else parallel
     choice = "auto" if tool_choice is None else tool_choice
-    if isinstance(choice, dict):
-        return ToolPlan("required", [_named_tool(choice, specs)], specs, parallel, fmt, constrained)
+    if isinstance(choice, dict):  # a named tool: exactly one call to it (as OpenAI, vLLM, llama.cpp)
+        return ToolPlan("required", [_named_tool(choice, specs)], specs, False, fmt, constrained)
     if choice not in ("none", "auto", "required"):
         raise APIError(_CHOICE_SHAPES, param="tool_choice")
     return ToolPlan(choice, specs, specs, parallel, fmt, constrained)
