@@ -24,8 +24,8 @@ class OutputProcessor:
 
         Unconstrained requests stop on the model's EOS ids (unless ignore_eos) and on
         stop_token_ids; a stop token is not part of the text. Stop strings (OpenAI `stop`) cut the
-        text before the first match that ends before `stop_until` (when set); the budget (`r.max_tokens`) and the context limit end with
-        "length". Text is decoded incrementally (runtime/detokenizer.py: O(window) per token);
+        text before the first match (ending before `stop_until`, when set); the budget
+        (`r.max_tokens`) and the context limit end with "length". Text is decoded incrementally (runtime/detokenizer.py: O(window) per token);
         the final text is one full decode, exactly as the tokenizer says."""
         p = r.params
         tok = r.last_token_id
@@ -39,19 +39,7 @@ class OutputProcessor:
                 r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
             text = r.detokenizer.update(self.tokenizer, text_ids)
             if p.stop and r.stop_end is None:
-                end = len(text)
-                if p.stop_until:
-                    k = text.find(p.stop_until, max(0, len(r.text) - len(p.stop_until) + 1))
-                    if k >= 0:
-                        r.stop_end = end = k
-                cut = min(
-                    (
-                        i
-                        for i in (text.find(s, max(0, len(r.text) - len(s) + 1), end) for s in p.stop)
-                        if i >= 0
-                    ),
-                    default=-1,
-                )
+                cut = self._find_stop(r, text)
                 if cut >= 0:
                     text, reason = text[:cut], "stop"
             if reason is None and (len(output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
@@ -62,21 +50,36 @@ class OutputProcessor:
         return reason
 
     @staticmethod
+    def _find_stop(r: Request, text: str) -> int:
+        """Where the first stop string starts in `text` (-1: none yet). Only the text after the
+        previous scan is searched (a match may begin up to len(stop) - 1 characters before it).
+        With `stop_until`, matches must end before its first occurrence (`r.stop_end`, then no
+        more scans), and a possible start of it at the end of the text is not scanned yet."""
+        p = r.params
+        end = len(text)
+        if p.stop_until:
+            k = text.find(p.stop_until, max(0, len(r.text) - len(p.stop_until) + 1))
+            if k >= 0:
+                r.stop_end = end = k
+            else:
+                end -= _partial_match(text, end, p.stop_until)
+        starts = [text.find(s, max(0, r.stop_scanned - len(s) + 1), end) for s in p.stop]
+        r.stop_scanned = end
+        return min((i for i in starts if i >= 0), default=-1)
+
+    @staticmethod
     def emit(r: Request, final: bool) -> RequestOutput | None:
         """The output to report for r now: the new text since the last report (None when there is
-        none and r is not final). While running, an incomplete UTF-8 sequence and a possible start
-        of a stop string at the end of the text are held back."""
+        none and r is not final). While running, an incomplete UTF-8 sequence, text not yet scanned
+        for stop strings and a possible start of a stop string before it are held back."""
         text = r.text
         upto = len(text)
         if not final:
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 upto = len(text.rstrip("\ufffd"))
-            hold = 0
-            for s in (
-                r.params.stop if r.stop_end is None else ()
-            ):  # hold back a possible start of a stop string
-                hold = max(hold, _partial_match(text, upto, s))
-            upto -= hold
+            if r.params.stop and r.stop_end is None:  # text not yet scanned for stop strings waits,
+                upto = min(upto, r.stop_scanned)  # and so does a possible start of one before it
+                upto -= max(_partial_match(text, upto, s) for s in r.params.stop)
         delta = text[r.sent_len : upto] if upto > r.sent_len else ""
         if not delta and not final:
             return None

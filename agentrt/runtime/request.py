@@ -189,6 +189,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # made at the first token
     sent_len: int = 0
     stop_end: int | None = None  # where params.stop_until first occurs in text (stop strings end there)
+    stop_scanned: int = 0  # text[:stop_scanned] has been searched for stop strings
     finish_reason: str | None = None
     error: AgentrtError | None = None
     first_token_time: float | None = None

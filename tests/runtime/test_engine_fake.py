@@ -112,6 +112,33 @@ def test_stop_string_is_cut_and_never_streamed():
     assert len(final.token_ids) == len(final.text) + len(stop)  # one byte per token: the stop's tokens count
 
 
+def _first_new(full: str, start: int, width: int) -> str:
+    """A substring of `full` from `start` (or later) of `width` characters not occurring earlier."""
+    for i in range(start, len(full) - width):
+        if full[i : i + width] not in full[: i + width - 1]:
+            return full[i : i + width]
+    raise AssertionError("no fresh substring")
+
+
+def test_stop_until_limits_stop_strings_to_the_text_before_it():
+    """stop_until (a tool-call trigger): a stop string only counts before its first occurrence,
+    including one that is the trigger's own beginning; one before it still cuts."""
+    engine = fake_engine()
+    prompt = _prompt(10, seed=8)
+    full = engine.generate([(prompt, _greedy(40), None)])[0].text
+    trigger = _first_new(full, 15, 4)
+    at = full.index(trigger)
+    after = _first_new(full, at + 6, 2)  # occurs only after the trigger
+    for stop in (after, trigger[:2], trigger):
+        outs, final = _stream(engine, prompt, _greedy(40, stop=[stop], stop_until=trigger))
+        assert (final.finish_reason, final.text) == ("length", full), stop
+        assert "".join(o.delta_text for o in outs) == full
+    before = full[at - 3 : at - 1]
+    outs, final = _stream(engine, prompt, _greedy(40, stop=[before], stop_until=trigger))
+    assert final.finish_reason == "stop" and final.text == full[: full.index(before)]
+    assert "".join(o.delta_text for o in outs) == final.text
+
+
 def test_possible_stop_start_is_held_back_then_released():
     engine = fake_engine()
     prompt = _prompt(10, seed=4)
