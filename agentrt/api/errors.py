@@ -12,7 +12,9 @@ apply it. No other module chooses a status for an AgentrtError.
     AgentrtError (e.g. Internal) 500     server_error           None
 
 `param` is the request field at fault (InvalidRequestError's `param`, or the field the API layer
-attributes it to); server errors carry none. An error with `retry_after_s` (ServiceUnavailableError,
+attributes it to); server errors carry none. Under /v1/messages (Anthropic's Messages API) the same
+errors, with the same status, take Anthropic's shape `{"type": "error", "error": {"type", "message"}}`
+(`anthropic_error_type` names the type). An error with `retry_after_s` (ServiceUnavailableError,
 QueueFullError) also sets the `Retry-After` header (seconds). 429's type "requests" and a code are
 what OpenAI sends for a request-count limit (its code there is "rate_limit_exceeded").
 """
@@ -64,8 +66,44 @@ class APIError(Exception):
         """OpenAI's error body for this error."""
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's error body for this error (the Messages API)."""
+        return {
+            "type": "error",
+            "error": {"type": anthropic_error_type(self.status), "message": _utf8(self.message)},
+        }
+
+    def response(self, path: str = "") -> JSONResponse:
+        """This error as an HTTP response to a request for `path`: Anthropic's shape under
+        /v1/messages, OpenAI's elsewhere."""
+        body = self.anthropic_body() if is_messages_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+MESSAGES_PATH = "/v1/messages"
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether `path` belongs to Anthropic's Messages API (/v1/messages and paths under it)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error `type` for an HTTP status (the types of Anthropic's API docs and its Python
+    SDK's ErrorType); a status with no type of its own is "invalid_request_error" (4xx) or
+    "api_error" (5xx)."""
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
 class ErrorKind(NamedTuple):
@@ -125,7 +163,7 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every failure of `app` an OpenAI error body: APIError and AgentrtError (by the table
+    """Make every failure of `app` an OpenAI error body (Anthropic's under /v1/messages): APIError and AgentrtError (by the table
     above), pydantic validation errors (400 naming the field), HTTP errors such as 404/405 routes
     and 413 bodies (api/middleware.py), and any other exception (500, logged)."""
     app.add_exception_handler(APIError, _on_api_error)
@@ -135,20 +173,20 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _on_internal_error)
 
 
-async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
-    return e.response()
+async def _on_api_error(request: Request, e: APIError) -> JSONResponse:
+    return e.response(request.url.path)
 
 
-async def _on_agentrt_error(_: Request, e: AgentrtError) -> JSONResponse:
-    return to_api_error(e).response()
+async def _on_agentrt_error(request: Request, e: AgentrtError) -> JSONResponse:
+    return to_api_error(e).response(request.url.path)
 
 
-async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
-    return APIError(str(e.detail), status=e.status_code, type_=type_).response()
+    return APIError(str(e.detail), status=e.status_code, type_=type_).response(request.url.path)
 
 
-async def _on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+async def _on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     err = e.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
@@ -157,12 +195,13 @@ async def _on_validation_error(_: Request, e: RequestValidationError) -> JSONRes
         message = f"request body is not valid JSON: {err.get('ctx', {}).get('error') or err.get('msg')}"
     else:
         message = f"{param or 'body'}: {err.get('msg')}"
-    return APIError(message, param=param).response()
+    return APIError(message, param=param).response(request.url.path)
 
 
-async def _on_internal_error(_: Request, e: Exception) -> JSONResponse:
+async def _on_internal_error(request: Request, e: Exception) -> JSONResponse:
     logger.exception("unhandled error")
-    return APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error").response()
+    error = APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error")
+    return error.response(request.url.path)
 
 
 def _is_type_tag(part) -> bool:

@@ -4,7 +4,7 @@ options that configure them (`ServerOptions`).
 Pure ASGI (not starlette's BaseHTTPMiddleware): the request's `receive` reaches the route
 unchanged except for byte counting, so a route's `request.is_disconnected()` sees the client
 leave. Starlette's own RequestBodyLimitMiddleware answers a plain-text 413; these answer in
-OpenAI's error shape like every other failure.
+OpenAI's error shape like every other failure (Anthropic's under /v1/messages, as errors.py).
 
 Order in the app, outermost first: CORS (only with allowed origins), API key, body limit, FastAPI's
 exception handling, the routes. So a client without a key learns nothing (401 before any limit or
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentrt.api.errors import APIError
@@ -33,7 +32,8 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 class ServerOptions:
     """The HTTP server's perimeter settings.
 
-    api_keys: accepted `Authorization: Bearer` keys (empty: no authentication).
+    api_keys: accepted keys, sent as `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's
+    clients) (empty: no authentication).
     metrics_require_key: /metrics needs a key too (default: open, like /health).
     max_body_bytes: largest request body in bytes, counted as received (413 beyond).
     allowed_origins: origins allowed by CORS ("*" for any); empty: no CORS headers at all.
@@ -60,10 +60,12 @@ class ServerOptions:
 
 
 class APIKeyMiddleware:
-    """Answers 401 (OpenAI's shape, code "invalid_api_key", `WWW-Authenticate: Bearer`) to an HTTP
-    request whose `Authorization: Bearer KEY` is missing or matches none of `api_keys`, unless its
-    path is in `open_paths`. The key is compared with every accepted key, each by
-    hmac.compare_digest over SHA-256 digests (constant time, no early exit, lengths hidden)."""
+    """Answers 401 (OpenAI's shape, code "invalid_api_key", `WWW-Authenticate: Bearer`; Anthropic's
+    shape under /v1/messages) to an HTTP request, unless its path is in `open_paths`, whose
+    `Authorization: Bearer KEY` and `x-api-key: KEY` (what Anthropic's clients send) headers are
+    both missing, or match none of `api_keys` (either header matching is enough). A key is compared
+    with every accepted key, each by hmac.compare_digest over SHA-256 digests (constant time, no
+    early exit, lengths hidden)."""
 
     def __init__(self, app: ASGIApp, api_keys: Collection[str], open_paths: Collection[str]):
         if not api_keys:
@@ -76,13 +78,22 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._open:
             await self.app(scope, receive, send)
             return
-        header = Headers(scope=scope).get("authorization")
-        if header is None:
+        headers = Headers(scope=scope)
+        header, x_api_key = headers.get("authorization"), headers.get("x-api-key")
+        if header is None and x_api_key is None:
             return await _unauthorized(
-                "no API key given: send it as the header 'Authorization: Bearer KEY'", scope, receive, send
+                "no API key given: send it as the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                scope,
+                receive,
+                send,
             )
-        scheme, _, token = header.partition(" ")
-        if not self._accepts(token.strip()) or scheme.lower() != "bearer":
+        ok = False
+        if header is not None:
+            scheme, _, token = header.partition(" ")
+            ok = self._accepts(token.strip()) and scheme.lower() == "bearer"
+        if not ok and x_api_key is not None:
+            ok = self._accepts(x_api_key.strip())
+        if not ok:
             return await _unauthorized("incorrect API key", scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -99,8 +110,8 @@ def _digest(key: bytes) -> bytes:
 
 
 async def _unauthorized(message: str, scope: Scope, receive: Receive, send: Send) -> None:
-    body = APIError(message, status=401, code="invalid_api_key").body()
-    await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+    error = APIError(message, status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    await error.response(scope["path"])(scope, receive, send)
 
 
 class BodyTooLargeError(HTTPException):
@@ -156,4 +167,4 @@ class BodyLimitMiddleware:
 
 async def _too_large(e: BodyTooLargeError, scope: Scope, receive: Receive, send: Send) -> None:
     # the rest of the body is never read: the server closes the connection after this answer
-    await APIError(str(e.detail), status=413).response()(scope, receive, send)
+    await APIError(str(e.detail), status=413).response(scope["path"])(scope, receive, send)

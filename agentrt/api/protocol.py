@@ -209,8 +209,8 @@ class _CommonRequest(BaseModel):
                 spec = ConstraintSpec.json_schema(
                     response_format.json_schema.schema_, strict=response_format.json_schema.strict
                 )
-            elif kind == "json_schema":
-                spec = ConstraintSpec.json_schema(value)
+            elif kind == "json_schema":  # vLLM's and SGLang's xgrammar backends close objects
+                spec = ConstraintSpec.json_schema(value, strict=True)
             else:
                 make = {
                     "regex": ConstraintSpec.regex,
@@ -227,8 +227,11 @@ class _CommonRequest(BaseModel):
         """Every constraint the request gives, as (field, kind, value): kind is a ConstraintSpec
         kind ("json_schema", "json_object", "regex", "grammar", "lark", "choice"). vLLM's
         `guided_*` and `structured_outputs` fields and SGLang's `ebnf` / `json_schema` map onto
-        agentrt's own; a grammar given to `guided_grammar` / `structured_outputs.grammar` is EBNF
-        when it has a `::=` rule and Lark otherwise (as vLLM decides)."""
+        agentrt's own; a schema given to `guided_json` / `structured_outputs.json` / SGLang's
+        `json_schema` is compiled as `response_format` with `strict: true` (objects closed, as the
+        xgrammar backends of vLLM and SGLang do); a grammar given to `guided_grammar` /
+        `structured_outputs.grammar` is EBNF when it has a `::=` rule and Lark otherwise (as vLLM
+        decides)."""
         given: list[tuple[str, str, Any]] = []
         if response_format is not None and response_format.type != "text":
             given.append(("response_format", response_format.type, None))

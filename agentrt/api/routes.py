@@ -12,7 +12,9 @@ from importlib.metadata import version as package_version
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agentrt.api.messages import MessagesRequest, create_message
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from agentrt.api.responses import ResponsesRequest, create_response
 from agentrt.api.serving import OpenAIServing, ServingResult, client_gone
 
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,7 +34,7 @@ def agentrt_version() -> str:
 
 def build_router() -> APIRouter:
     """The API's routes: /health (GET, HEAD), /metrics, /v1/models, /v1/chat/completions,
-    /v1/completions, and vLLM's utility routes /tokenize, /detokenize, /version."""
+    /v1/completions, /v1/responses, and vLLM's utility routes /tokenize, /detokenize, /version."""
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
     # load balancers probe with HEAD; one operation per method keeps OpenAPI operation ids unique
@@ -41,6 +43,8 @@ def build_router() -> APIRouter:
     router.add_api_route("/v1/models", models, methods=["GET"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
+    router.add_api_route("/v1/responses", responses, methods=["POST"])
+    router.add_api_route("/v1/messages", messages, methods=["POST"])
     router.add_api_route("/tokenize", tokenize, methods=["POST"])
     router.add_api_route("/detokenize", detokenize, methods=["POST"])
     router.add_api_route("/version", version, methods=["GET"])
@@ -83,7 +87,7 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> dict:
     return _serving(raw).detokenize(req)
 
 
-def _log_request(raw: Request, req: ChatCompletionRequest | CompletionRequest) -> None:
+def _log_request(raw: Request, req: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> None:
     """Log the request's fields (as sent) when the server runs with log_requests; never otherwise."""
     if not raw.app.state.options.log_requests:
         return
@@ -104,3 +108,15 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response
 async def completions(req: CompletionRequest, raw: Request) -> Response:
     _log_request(raw, req)
     return _respond(await _serving(raw).completion(req, client_gone(raw.receive)))
+
+
+async def responses(req: ResponsesRequest, raw: Request) -> Response:
+    """OpenAI's Responses API (agentrt/api/responses.py): no server-side state."""
+    _log_request(raw, req)
+    return _respond(await create_response(_serving(raw), req, client_gone(raw.receive)))
+
+
+async def messages(req: MessagesRequest, raw: Request) -> Response:
+    """Anthropic's Messages API (agentrt/api/messages.py); errors in Anthropic's shape (errors.py)."""
+    _log_request(raw, req)
+    return _respond(await create_message(_serving(raw), req, client_gone(raw.receive)))

@@ -221,12 +221,11 @@ class OpenAIServing:
             return await _while_connected(self._chat(req), gone)
         try:
             return await _while_connected(self._chat(req, shape), gone)
-        except APIError as e:
-            renamed = shape.param(e.param)
-            if e.param and renamed != e.param:
-                e.message = e.message.replace(e.param, renamed)
-                e.param = renamed
-            raise
+        except (APIError, InvalidRequestError) as e:  # e.g. a prompt beyond the context
+            error = renamed(e if isinstance(e, APIError) else to_api_error(e, e.param), shape)
+            if error is e:
+                raise
+            raise error from None
 
     async def completion(self, req: CompletionRequest, gone: ClientGone) -> ServingResult:
         """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
@@ -418,6 +417,14 @@ class OpenAIServing:
         if not_enforced:
             body["not_enforced"] = not_enforced
         return body
+
+
+def renamed(e: APIError, shape: ResponseShape) -> APIError:
+    """`e` with its param, and the param's mentions in its message, in `shape`'s names."""
+    name = shape.param(e.param)
+    if e.param and name != e.param:
+        e.message, e.param = e.message.replace(e.param, name), name
+    return e
 
 
 async def _collect(stream: RequestStream, first: RequestOutput) -> RequestOutput:

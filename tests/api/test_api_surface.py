@@ -59,8 +59,11 @@ def _metric(client, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
 
 
-def _schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+def _schema_format(schema: dict, strict: bool | None = None) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": strict}}
+
+
+OPEN_PERSON = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
 
 
 # ---- n -------------------------------------------------------------------------------------------
@@ -211,10 +214,14 @@ def test_stop_applies_to_free_text_before_a_call_with_tool_choice_auto(client):
 
 EBNF = 'root ::= "yes" | "no" | "maybe"'
 LARK = 'start: "yes" | "no" | "maybe"'
+# vLLM's and SGLang's schema fields close objects (their xgrammar backends do): strict true here
 ALIASES = [
-    ({"response_format": _schema_format(PERSON)}, {"guided_json": PERSON}),
-    ({"response_format": _schema_format(PERSON)}, {"structured_outputs": {"json": PERSON}}),
-    ({"response_format": _schema_format(PERSON)}, {"json_schema": json.dumps(PERSON)}),
+    ({"response_format": _schema_format(OPEN_PERSON, strict=True)}, {"guided_json": OPEN_PERSON}),
+    (
+        {"response_format": _schema_format(OPEN_PERSON, strict=True)},
+        {"structured_outputs": {"json": OPEN_PERSON}},
+    ),
+    ({"response_format": _schema_format(OPEN_PERSON, strict=True)}, {"json_schema": json.dumps(OPEN_PERSON)}),
     ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}),
     ({"regex": r"[A-Z][a-z]{2,8}"}, {"guided_regex": r"[A-Z][a-z]{2,8}"}),
     ({"regex": r"[A-Z][a-z]{2,8}"}, {"structured_outputs": {"regex": r"[A-Z][a-z]{2,8}"}}),
@@ -225,7 +232,7 @@ ALIASES = [
     ({"grammar": EBNF}, {"structured_outputs": {"grammar": EBNF}}),
     ({"lark": LARK}, {"guided_grammar": LARK}),
     (
-        {"response_format": _schema_format(PERSON)},
+        {"response_format": _schema_format(PERSON, strict=True)},
         {"guided_json": PERSON, "guided_whitespace_pattern": r"[ ]?", "guided_decoding_backend": "xgrammar"},
     ),
 ]
@@ -374,3 +381,25 @@ def test_openai_client_n_choices_with_a_schema(server):
         jsonschema.validate(json.loads(c.message.content), PERSON)
     again = client.chat.completions.create(**kw)
     assert [c.message.content for c in again.choices] == [c.message.content for c in first.choices]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"guided_json": OPEN_PERSON}, {"structured_outputs": {"json": OPEN_PERSON}}, {"json_schema": "{}"}],
+    ids=lambda v: next(iter(v)),
+)
+def test_vllm_and_sglang_schemas_close_objects_as_their_backends_do(fields):
+    from agentrt.api.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    assert req.constraint(req.response_format).spec.strict is True
+    plain = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": _schema_format(PERSON),
+        }
+    )
+    assert plain.constraint(plain.response_format).spec.strict is None

@@ -40,7 +40,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def openai_error_shape(ctx, response, case) -> bool | None:
     """A 4xx/5xx body is exactly {"error": {message: str, type: str, param: str|null, code:
     str|null}}; an error inside an SSE stream (a 200 whose events carry "error") has the same
-    shape and is not a server_error."""
+    shape and is not a server_error. Anthropic's Messages API (/v1/messages) answers in its own
+    shape instead (_check_anthropic_error)."""
+    check = _check_anthropic_error if case.path.startswith("/v1/messages") else _check_error
     if response.status_code >= 400:
         try:
             body = json.loads(response.content)
@@ -48,13 +50,13 @@ def openai_error_shape(ctx, response, case) -> bool | None:
             raise AssertionError(
                 f"{response.status_code} body is not JSON: {response.content[:200]!r}"
             ) from e
-        _check_error(body, response.status_code)
+        check(body, response.status_code)
     elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         for line in response.content.decode("utf-8", "replace").splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[len("data: ") :])
                 if "error" in event:  # a failure after the 200 went out: never the server's fault
-                    _check_error(event, 400)
+                    check(event, 400)
     return None
 
 
@@ -68,6 +70,21 @@ def _check_error(body, status: int) -> None:
     assert err["code"] is None or isinstance(err["code"], str), f"{status}: code {err['code']!r}"
     # a server error never blames the request; a client error never says server_error
     assert (err["type"] == "server_error") == (status >= 500), f"{status} with type {err['type']!r}"
+
+
+ANTHROPIC_SERVER_ERRORS = {"api_error", "overloaded_error", "timeout_error"}
+
+
+def _check_anthropic_error(body, status: int) -> None:
+    """Anthropic's error shape: {"type": "error", "error": {"type": str, "message": str}}; the
+    error type says server fault exactly for a 5xx."""
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", (
+        f"{status}: not Anthropic's error shape: {body}"
+    )
+    err = body["error"]
+    assert isinstance(err, dict) and set(err) == {"type", "message"}, f"{status}: error keys {sorted(err)}"
+    assert isinstance(err["message"], str) and err["message"], f"{status}: empty message: {err}"
+    assert (err["type"] in ANTHROPIC_SERVER_ERRORS) == (status >= 500), f"{status} with type {err['type']!r}"
 
 
 CHECKS = [not_a_server_error, openai_error_shape]

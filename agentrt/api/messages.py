@@ -1,0 +1,648 @@
+"""Anthropic's Messages API (`POST /v1/messages`) over the chat completions path.
+
+A Messages request is translated into a ChatCompletionRequest (`to_chat`) and run by
+`OpenAIServing.chat(..., shape=MessagesShape(...))`: the same validation, chat template, tool plan
+(tool inputs are constrained exactly as chat tool calls are), engine and disconnect handling. The
+shape renders the result as Anthropic's `Message` (non-streamed) or its SSE events (streamed), and
+names request fields in errors as the Messages API does (`tools[0].input_schema`,
+`stop_sequences`, ...). Errors take Anthropic's shape `{"type": "error", "error": {"type",
+"message"}}` (errors.py, by path), with the status agentrt gives any request.
+
+The spec followed: Anthropic's API reference for Messages and streaming, and the types of the
+`anthropic` Python SDK (2.x). Supported: model, max_tokens, system (text or text blocks), messages
+(text, tool_use and tool_result blocks; consecutive turns of one role are combined into one turn, as
+Anthropic does), tools (client tools), tool_choice (auto / any / tool / none,
+disable_parallel_tool_use), stop_sequences, temperature (0-1), top_p, top_k, stream, metadata,
+output_config.format (a JSON Schema for the text answer, enforced like response_format), and as
+no-ops cache_control (prompt prefixes are cached automatically), service_tier (one tier),
+thinking {"type": "disabled"}. Everything else (images, documents, extended thinking, server
+tools, a final assistant turn to continue, unknown fields) is a 400 naming the field and why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import regex
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.protocol import ChatCompletionRequest
+from agentrt.api.serving import ClientGone, Generation, OpenAIServing, ServingResult, renamed
+from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.errors import InternalError
+from agentrt.runtime.async_engine import RequestStream
+from agentrt.runtime.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class MessageParam(BaseModel):
+    """One turn of `messages`: content is text or a list of content blocks (checked by `to_chat`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    """The body of POST /v1/messages (Anthropic's MessageCreateParams). Fields outside those
+    declared are kept (`model_extra`) so that `to_chat` can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str
+    max_tokens: int
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+
+_REFUSED = {
+    "container": "code execution containers are not available on this server",
+    "mcp_servers": "this server connects to no MCP servers",
+    "context_management": "context editing is not supported",
+    "inference_geo": "this server cannot choose where it runs",
+    "speed": "this server has one speed",
+    "diagnostics": "prompt-cache diagnostics are not supported",
+}
+"""Messages API fields agentrt refuses, and why (any other unknown field is refused too)."""
+
+_BLOCK_REASONS = {
+    "image": "this server's model reads text only",
+    "document": "this server's model reads text only",
+    "search_result": "search result blocks are not supported",
+    "thinking": "this server's model writes no thinking blocks",
+    "redacted_thinking": "this server's model writes no thinking blocks",
+    "server_tool_use": "server tools are not supported",
+    "container_upload": "code execution containers are not available on this server",
+}
+
+
+def _bad(message: str, param: str | None) -> APIError:
+    return APIError(message, param=param)
+
+
+def _check_keys(obj: dict, allowed: Iterable[str], where: str) -> None:
+    """Refuse (400) a key of `obj` outside `allowed`, naming it."""
+    extra = sorted(set(obj) - set(allowed))
+    if extra:
+        raise _bad(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
+
+
+def _check_cache_control(value: Any, param: str) -> None:
+    """cache_control (the field `param`) is accepted as a no-op (agentrt's prefix cache keeps every
+    prompt prefix without breakpoints) when it has Anthropic's shape {"type": "ephemeral", "ttl"?}."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise _bad(f'{param} must be {{"type": "ephemeral"}} or null', param)
+
+
+def _text_block(block: dict, where: str) -> str:
+    """The text of a text block (type, text, cache_control, empty citations). Raises APIError."""
+    _check_keys(block, ("type", "text", "cache_control", "citations"), where)
+    if not isinstance(block.get("text"), str):
+        raise _bad(f"{where}.text must be a string", f"{where}.text")
+    if block.get("citations"):
+        raise _bad(f"{where}.citations: citations are not supported by this server", f"{where}.citations")
+    _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
+    return block["text"]
+
+
+def _blocks(content: str | list, where: str) -> list[tuple[str, dict]]:
+    """(where, block) for each content block; a string is one text block."""
+    if isinstance(content, str):
+        return [(where, {"type": "text", "text": content})]
+    out = []
+    for j, block in enumerate(content):
+        w = f"{where}[{j}]"
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise _bad(f"{w} must be a content block object with a type", w)
+        kind = block["type"]
+        if kind in _BLOCK_REASONS:
+            raise _bad(f"{w}: {kind} blocks are not supported: {_BLOCK_REASONS[kind]}", f"{w}.type")
+        if kind not in ("text", "tool_use", "tool_result"):
+            raise _bad(f"{w}: content blocks of type '{kind}' are not supported by this server", f"{w}.type")
+        out.append((w, block))
+    return out
+
+
+def _parts(texts: list[str]) -> list[dict]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _tool_result_text(block: dict, where: str) -> str:
+    """A tool_result's content as text: a string or text blocks (joined as a chat message's parts
+    are); with is_error the text is prefixed "Error: " (the only way to tell the model)."""
+    _check_keys(block, ("type", "tool_use_id", "content", "is_error", "cache_control"), where)
+    _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        texts = []
+        for k, b in enumerate(content):
+            w = f"{where}.content[{k}]"
+            if not isinstance(b, dict) or b.get("type") != "text":
+                kind = b.get("type") if isinstance(b, dict) and isinstance(b.get("type"), str) else None
+                why = _BLOCK_REASONS.get(kind, "a tool result holds text blocks only here")
+                raise _bad(f"{w}: {kind} blocks are not supported in a tool result: {why}", w)
+            texts.append(_text_block(b, w))
+        text = "".join(texts)
+    else:
+        raise _bad(f"{where}.content must be a string or a list of text blocks", f"{where}.content")
+    is_error = block.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise _bad(f"{where}.is_error must be a boolean", f"{where}.is_error")
+    return f"Error: {text}" if is_error else text
+
+
+def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: set[str]) -> dict:
+    """A chat assistant message from an assistant turn's text and tool_use blocks."""
+    texts, calls = [], []
+    for w, block in blocks:
+        if block["type"] == "text":
+            texts.append(_text_block(block, w))
+            continue
+        if block["type"] == "tool_result":
+            raise _bad(f"{w}: tool_result blocks belong in user turns", f"{w}.type")
+        _check_keys(block, ("type", "id", "name", "input", "cache_control", "caller"), w)
+        _check_cache_control(block.get("cache_control"), f"{w}.cache_control")
+        caller = block.get("caller")
+        if caller is not None and (not isinstance(caller, dict) or caller.get("type") != "direct"):
+            raise _bad(f"{w}.caller: only direct tool calls are supported", f"{w}.caller")
+        for key, kind in (("id", str), ("name", str), ("input", dict)):
+            if not isinstance(block.get(key), kind) or (kind is str and not block[key]):
+                what = "an object" if kind is dict else "a non-empty string"
+                raise _bad(f"{w}.{key} must be {what}", f"{w}.{key}")
+        tool_ids.add(block["id"])
+        arguments = json.dumps(block["input"], ensure_ascii=False)
+        calls.append(
+            {
+                "id": block["id"],
+                "type": "function",
+                "function": {"name": block["name"], "arguments": arguments},
+            }
+        )
+    message: dict = {"role": "assistant", "content": _parts(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user_turn(blocks: list[tuple[str, dict]], tool_ids: set[str], turn: str) -> list[tuple[str, dict]]:
+    """(where, chat message) for a user turn (`turn`: where it begins): its text as user messages
+    and each tool_result as a tool message, in the order given."""
+    out: list[tuple[str, dict]] = []
+    texts: list[str] = []
+    for w, block in blocks:
+        if block["type"] == "text":
+            texts.append(_text_block(block, w))
+        elif block["type"] == "tool_use":
+            raise _bad(f"{w}: tool_use blocks belong in assistant turns", f"{w}.type")
+        else:
+            if texts:
+                out.append((turn, {"role": "user", "content": _parts(texts)}))
+                texts = []
+            tid = block.get("tool_use_id")
+            if not isinstance(tid, str) or tid not in tool_ids:
+                raise _bad(
+                    f"{w}.tool_use_id {json.dumps(tid)} answers no tool_use block of an earlier assistant turn",
+                    f"{w}.tool_use_id",
+                )
+            out.append((w, {"role": "tool", "tool_call_id": tid, "content": _tool_result_text(block, w)}))
+    if texts or not out:
+        out.append((turn, {"role": "user", "content": _parts(texts)}))
+    return out
+
+
+def _tool(t: Any, i: int) -> dict:
+    """A client tool {name, description, input_schema, ...} as a chat tool."""
+    where = f"tools[{i}]"
+    if not isinstance(t, dict):
+        raise _bad(f"{where} must be a tool object", where)
+    kind = t.get("type")
+    if kind not in (None, "custom"):
+        raise _bad(
+            f"{where}: server tools (type '{kind}') are not supported: only client tools "
+            "{name, description, input_schema}",
+            f"{where}.type",
+        )
+    if t.get("input_examples"):
+        raise _bad(f"{where}.input_examples is not supported by this server", f"{where}.input_examples")
+    if t.get("defer_loading"):
+        raise _bad(
+            f"{where}.defer_loading: tool search is not supported by this server", f"{where}.defer_loading"
+        )
+    callers = t.get("allowed_callers")
+    if callers is not None and callers != ["direct"]:
+        raise _bad(
+            f"{where}.allowed_callers: only direct tool calls are supported", f"{where}.allowed_callers"
+        )
+    allowed = ("type", "name", "description", "input_schema", "cache_control", "strict")
+    _check_keys(
+        t, (*allowed, "eager_input_streaming", "input_examples", "defer_loading", "allowed_callers"), where
+    )
+    _check_cache_control(t.get("cache_control"), f"{where}.cache_control")
+    if "input_schema" not in t:
+        raise _bad(f"{where}.input_schema is required", f"{where}.input_schema")
+    if not isinstance(t["input_schema"], dict):
+        raise _bad(f"{where}.input_schema must be a JSON Schema object", f"{where}.input_schema")
+    function = {"name": t.get("name"), "parameters": t["input_schema"]}
+    for key in ("description", "strict"):
+        if key in t:
+            function[key] = t[key]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
+    """(chat tool_choice, parallel_tool_calls) of Anthropic's tool_choice."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    keys = {
+        "auto": ("type", "disable_parallel_tool_use"),
+        "any": ("type", "disable_parallel_tool_use"),
+        "tool": ("type", "name", "disable_parallel_tool_use"),
+        "none": ("type",),
+    }
+    if not isinstance(kind, str) or kind not in keys:
+        raise _bad('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice.type")
+    _check_keys(choice, keys[kind], "tool_choice")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise _bad(
+            "tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use"
+        )
+    parallel = None if disable is None else not disable
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise _bad('tool_choice.name is required with "type": "tool"', "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def _response_format(config: dict | None) -> dict | None:
+    """output_config.format ({"type": "json_schema", "schema"}) as a chat response_format."""
+    if config is None:
+        return None
+    _check_keys(config, ("format", "effort"), "output_config")
+    if config.get("effort") is not None:
+        raise _bad(
+            "output_config.effort is not supported: this server's model has no effort setting",
+            "output_config.effort",
+        )
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise _bad(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config.format"
+        )
+    _check_keys(fmt, ("type", "schema"), "output_config.format")
+    if not isinstance(fmt.get("schema"), dict):
+        raise _bad("output_config.format.schema must be a JSON Schema object", "output_config.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat completions request that runs `req`, and for each of its messages the Messages
+    field it came from ("system", "messages[2]", "messages[3].content[0]"). Raises APIError (400)
+    naming the field for anything the Messages API allows that agentrt cannot honour (see the
+    module docstring), or that the Messages API itself refuses."""
+    for name in req.model_extra or {}:
+        why = _REFUSED.get(name, "it is not a Messages API field agentrt implements")
+        raise _bad(f"{name} is not supported: {why}", name)
+    if req.thinking is not None and req.thinking.get("type") != "disabled":
+        raise _bad(
+            "thinking: extended thinking is not supported: this server's model writes no thinking blocks",
+            "thinking",
+        )
+    if req.temperature is not None and not 0 <= req.temperature <= 1:
+        raise _bad(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
+    if req.metadata is not None:
+        _check_keys(req.metadata, ("user_id",), "metadata")
+        if req.metadata.get("user_id") is not None and not isinstance(req.metadata["user_id"], str):
+            raise _bad("metadata.user_id must be a string", "metadata.user_id")
+    _check_cache_control(req.cache_control, "cache_control")
+
+    messages: list[dict] = []
+    where: list[str] = []
+    if req.system is not None:
+        blocks = _blocks(req.system, "system")
+        for w, b in blocks:
+            if b["type"] != "text":
+                raise _bad(f"{w}: the system prompt holds text blocks only", f"{w}.type")
+        texts = [_text_block(b, w) for w, b in blocks]
+        messages.append({"role": "system", "content": _parts(texts)})
+        where.append("system")
+    # consecutive turns of one role are one turn (as Anthropic combines them)
+    turns: list[tuple[str, str, list[tuple[str, dict]]]] = []
+    for i, m in enumerate(req.messages):
+        blocks = _blocks(m.content, f"messages[{i}].content")
+        if turns and turns[-1][0] == m.role:
+            turns[-1][2].extend(blocks)
+        else:
+            turns.append((m.role, f"messages[{i}]", blocks))
+    if turns[-1][0] == "assistant":
+        last = len(req.messages) - 1
+        raise _bad(
+            f"messages[{last}]: a final assistant turn (prefill, continuing the assistant's text) is not "
+            "supported: end with a user turn",
+            f"messages[{last}]",
+        )
+    tool_ids: set[str] = set()
+    for role, w, blocks in turns:
+        if role == "assistant":
+            messages.append(_assistant_turn(blocks, tool_ids))
+            where.append(w)
+        else:
+            for bw, message in _user_turn(blocks, tool_ids, w):
+                messages.append(message)
+                where.append(bw)
+
+    chat: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_tokens,
+        "stream": req.stream,
+    }
+    if req.tools is not None:
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(req.tool_choice)
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            chat[name] = float(getattr(req, name))
+    if req.top_k is not None:
+        chat["top_k"] = req.top_k
+    if req.stop_sequences is not None:
+        chat["stop"] = req.stop_sequences
+    chat["response_format"] = _response_format(req.output_config)
+    try:
+        return ChatCompletionRequest.model_validate(chat), where
+    except ValidationError as e:  # every field is checked above: this names what slipped through
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        raise _bad(f"the request cannot be run as a chat completion: {loc}: {err.get('msg')}", None) from None
+
+
+_RENAMES = {
+    "prompt": "messages",
+    "stop": "stop_sequences",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "max_completion_tokens": "max_tokens",
+    "response_format": "output_config.format",
+    "response_format.json_schema": "output_config.format",
+    "response_format.json_schema.schema": "output_config.format.schema",
+}
+_TOOL_FIELD = regex.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description|strict)(.*)")
+_MESSAGE_FIELD = regex.compile(r"messages\[(\d+)\]")
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+@dataclass
+class MessagesShape:
+    """Renders a chat generation as Anthropic's Messages API (serving.ResponseShape).
+
+    model: the `model` to report; tokenizer: the engine's, to tell which stop sequence ended the
+    text; where: per chat message, the Messages field it came from (to name it in errors)."""
+
+    model: str
+    tokenizer: Any
+    where: list[str] = field(default_factory=list)
+
+    def param(self, name: str | None) -> str | None:
+        """The Messages API name of a chat completions field: tools[i].function.parameters ->
+        tools[i].input_schema, stop -> stop_sequences, messages[k] -> the turn or block it came
+        from, response_format -> output_config.format; others are the same in both APIs."""
+        if name is None:
+            return None
+        if name in _RENAMES:
+            return _RENAMES[name]
+        m = _TOOL_FIELD.fullmatch(name)
+        if m:
+            key = "input_schema" if m.group(2) == "parameters" else m.group(2)
+            return f"tools[{m.group(1)}].{key}{m.group(3)}"
+        m = _MESSAGE_FIELD.match(name)
+        if m and int(m.group(1)) < len(self.where):
+            return self.where[int(m.group(1))]
+        return name
+
+    def body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
+        """The Message of a finished generation: text and tool_use blocks in output order,
+        stop_reason, stop_sequence and usage."""
+        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
+        if last.text:
+            content.feed(last.text)
+        _, finish = content.close(last.finish_reason)
+        stop_reason, stop_sequence = self._stop(gen, last, finish)
+        body = self._message(
+            gen, last, content.final_blocks(), stop_reason, stop_sequence, len(last.token_ids)
+        )
+        if not_enforced:
+            body["not_enforced"] = not_enforced
+        return body
+
+    async def events(
+        self, gen: Generation, stream: RequestStream, first: RequestOutput, created: int
+    ) -> AsyncIterator[str]:
+        """Anthropic's stream: message_start, then per content block content_block_start, its
+        deltas (text_delta, or input_json_delta fragments of a tool input) and content_block_stop,
+        then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop. An
+        error after the first output is one `error` event (Anthropic's error shape) that ends the
+        stream. Closing the iterator aborts the request."""
+        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
+        try:
+            start = self._message(gen, first, [], None, None, 0)
+            yield _event("message_start", {"type": "message_start", "message": start})
+            out = first
+            while True:
+                if out.finish_reason == "error":
+                    yield self._error_event(gen.api_error(out.error))
+                    return
+                try:
+                    events = content.feed(out.delta_text) if out.delta_text else []
+                    if out.finished:
+                        closing, finish = content.close(out.finish_reason)
+                        events += closing
+                        stop_reason, stop_sequence = self._stop(gen, out, finish)
+                except Exception as e:  # a parser fault fails this stream alone, with an error event
+                    logger.exception("output parsing failed for %s", stream.request_id)
+                    error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
+                    yield self._error_event(to_api_error(error))
+                    return
+                for event in events:
+                    yield event
+                if out.finished:
+                    break
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:  # cancelled: the client has gone
+                    return
+            delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+            usage = {"output_tokens": len(out.token_ids)}
+            yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            yield _event("message_stop", {"type": "message_stop"})
+        finally:
+            await stream.aclose()
+
+    def _message(
+        self,
+        gen: Generation,
+        out: RequestOutput,
+        content: list[dict],
+        stop_reason: str | None,
+        stop_sequence: str | None,
+        output_tokens: int,
+    ) -> dict:
+        """A Message object; usage.input_tokens counts the prompt tokens not read from the prefix
+        cache, cache_read_input_tokens those read from it (Anthropic's split)."""
+        cached = out.num_cached_tokens
+        return {
+            "id": "msg_" + gen.request_id.removeprefix("chatcmpl-"),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {
+                "input_tokens": out.num_prompt_tokens - cached,
+                "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached,
+            },
+        }
+
+    def _stop(self, gen: Generation, last: RequestOutput, finish: str) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence). The engine reports "stop" for the end of turn and for a stop
+        string alike; a stop string cut the text where it began, so the tokens, decoded as the
+        engine decodes them, continue the text with it (after an end-of-turn token they do not:
+        it is not part of the decoded text). The shortest such string is reported (the one
+        completed first when several begin there)."""
+        stops = gen.params.stop
+        if finish != "stop" or not stops:
+            return _STOP_REASONS.get(finish, "end_turn"), None
+        decoded = self.tokenizer.decode(last.token_ids, skip_special_tokens=gen.params.skip_special_tokens)
+        at = len(last.text)
+        if decoded.startswith(last.text):
+            matched = [s for s in stops if decoded.startswith(s, at)]
+            if matched:
+                return "stop_sequence", min(matched, key=len)
+        return "end_turn", None
+
+    def _error_event(self, e: APIError) -> str:
+        return _event("error", renamed(e, self).anthropic_body())
+
+
+def _event(kind: str, data: dict) -> str:
+    """One server-sent event of Anthropic's stream: its type as the event name, then the JSON data."""
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Content:
+    """A message's content blocks built from model text, in output order: text blocks and tool_use
+    blocks (a tool call the parser found; ids "toolu_" + the call id's hex). `feed` / `close`
+    return the stream events for what they add (block start, deltas, block stop)."""
+
+    def __init__(self, parser: ToolCallParser | None):
+        self.parser = parser
+        self.blocks: list[dict] = []
+        self._inputs: list[str] = []  # per block: the tool input JSON so far ("" for text blocks)
+        self._open: int | None = None
+        self._call_block: dict[int, int] = {}  # parser call index -> block index
+
+    def feed(self, text: str) -> list[str]:
+        return self._apply(self.parser.feed(text) if self.parser else [ParseEvent("content", text)])
+
+    def close(self, finish_reason: str) -> tuple[list[str], str]:
+        """The events for the rest of the text and the open block's stop, and the finish reason
+        ("tool_calls" when calls were made and the output stopped)."""
+        events, finish = self.parser.close(finish_reason) if self.parser else ([], finish_reason)
+        out = self._apply(events)
+        out += self._stop_open()
+        return out, finish
+
+    def final_blocks(self) -> list[dict]:
+        """The content of the finished message: a tool_use block's input is its JSON object (an
+        input cut off by max_tokens is not valid JSON: {} then)."""
+        out = []
+        for block, raw in zip(self.blocks, self._inputs):
+            if block["type"] == "tool_use":
+                try:
+                    value = json.loads(raw)
+                except json.JSONDecodeError:
+                    value = {}
+                block = {**block, "input": value if isinstance(value, dict) else {}}
+            out.append(block)
+        return out
+
+    def _apply(self, events: list[ParseEvent]) -> list[str]:
+        out: list[str] = []
+        for e in events:
+            if e.kind == "content":
+                if not e.text:
+                    continue
+                if self._open is None or self.blocks[self._open]["type"] != "text":
+                    out += self._stop_open()
+                    out.append(self._start({"type": "text", "text": ""}))
+                self.blocks[self._open]["text"] += e.text
+                delta = {"type": "text_delta", "text": e.text}
+                out.append(self._delta(self._open, delta))
+            elif e.kind == "call":
+                out += self._stop_open()
+                block = {
+                    "type": "tool_use",
+                    "id": "toolu_" + e.id.removeprefix("call_"),
+                    "name": e.name,
+                    "input": {},
+                }
+                out.append(self._start(block))
+                self._call_block[e.index] = self._open
+            else:  # "args": a fragment of the call's input JSON
+                i = self._call_block[e.index]
+                self._inputs[i] += e.text
+                out.append(self._delta(i, {"type": "input_json_delta", "partial_json": e.text}))
+        return out
+
+    def _start(self, block: dict) -> str:
+        self.blocks.append(block)
+        self._inputs.append("")
+        self._open = len(self.blocks) - 1
+        start = {"type": "content_block_start", "index": self._open, "content_block": dict(block)}
+        return _event("content_block_start", start)
+
+    def _delta(self, index: int, delta: dict) -> str:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+    def _stop_open(self) -> list[str]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+async def create_message(serving: OpenAIServing, req: MessagesRequest, gone: ClientGone) -> ServingResult:
+    """POST /v1/messages: `req` run as a chat completion, rendered as a Message or its stream.
+    Raises APIError (400 naming the Messages field, 404 for another model, ...) or the engine's
+    AgentrtError, as `OpenAIServing.chat`; errors.py gives them Anthropic's shape by path."""
+    chat, where = to_chat(req)
+    shape = MessagesShape(req.model, serving.engine.tokenizer, where)
+    return await serving.chat(chat, gone, shape=shape)
