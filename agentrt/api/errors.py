@@ -187,7 +187,9 @@ async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 async def _on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    err = e.errors()[0]
+    errors = e.errors()
+    # a union's branches each report: our own validators' messages (value_error) say the most
+    err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import regex
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from agentrt.api.errors import APIError
 from agentrt.grammars.spec import ConstraintSpec
@@ -28,8 +28,20 @@ MAX_N = 16
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """A content part; only `text` parts are served (image, audio and file parts are refused with a
+    400 naming the part: the served models read text only)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text":
+            raise ValueError(f"{self.type!r} parts are not supported: the served model reads text only")
+        if self.text is None:
+            raise ValueError("a text part needs a `text` string")
+        return self
 
 
 class ToolCallFunction(BaseModel):

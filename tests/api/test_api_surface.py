@@ -403,3 +403,28 @@ def test_vllm_and_sglang_schemas_close_objects_as_their_backends_do(fields):
         }
     )
     assert plain.constraint(plain.response_format).spec.strict is None
+
+
+def test_responses_text_format_with_tools_is_a_400_naming_text_format(client):
+    """What the Agents SDK sends for an agent with both an output_type and tools: one output cannot
+    be both a schema-constrained text and a constrained tool call."""
+    resp = client.post(
+        "/v1/responses",
+        json={
+            "model": MODEL,
+            "input": "What time is it in Oslo?",
+            "tools": [{"type": "function", **TIME_TOOLS[0]["function"]}],
+            "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}},
+        },
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "text.format", resp.json()
+
+
+@pytest.mark.parametrize("part", ["image_url", "input_audio", "file"])
+def test_non_text_content_parts_are_a_400_naming_the_part(client, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": part, part: {}}]}]
+    resp = _chat(client, messages=messages)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "messages.0.content.1" and f"'{part}' parts are not supported" in err["message"]
