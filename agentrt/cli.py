@@ -313,6 +313,22 @@ def serve(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, args.port, options.api_keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    from agentrt.sql.schema import SchemaError
+    from agentrt.sql.service import SQLDatabases, parse_database_args
+
+    try:
+        databases = SQLDatabases(parse_database_args(args.database))
+        databases.load()
+    except (ValueError, SchemaError) as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return 2
+    for name in databases.names:
+        db = databases.get(name)
+        print(
+            f"agentrt: database {name}: {db.dialect}, {len(db.schema.tables)} tables, "
+            f"{db.schema.num_columns} columns",
+            flush=True,
+        )
     try:
         admission = AdmissionConfig(
             max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout
@@ -365,6 +381,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_format=args.tool_call_format,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         options=options,
+        databases=databases,
     )
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
     server = uvicorn.Server(
@@ -386,6 +403,38 @@ def serve(args: argparse.Namespace) -> int:
         http.join(timeout=10)
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def sql_command(config, args: argparse.Namespace) -> int:
+    """`agentrt sql`: print the query (and its rows with --execute). Exit 0 when the query passed
+    its checks (and ran), 1 when it did not (the reason on stderr), 2 on bad arguments or a
+    database that cannot be read."""
+    from agentrt.sdk import LLM
+    from agentrt.sql.schema import SchemaError
+
+    try:
+        llm = LLM.from_config(config)
+        result = llm.sql(
+            args.question,
+            args.database,
+            execute=args.execute,
+            max_rows=args.max_rows,
+            max_tokens=args.max_tokens,
+        )
+    except (ValueError, SchemaError) as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return 2
+    print(result.query)
+    if not result.valid:
+        print(f"agentrt: the query failed its check ({result.stage}): {result.error}", file=sys.stderr)
+        return 1
+    if result.rows is not None:
+        print("\t".join(result.rows.columns))
+        for row in result.rows.rows:
+            print("\t".join("NULL" if v is None else str(v) for v in row))
+        if result.rows.truncated:
+            print(f"... (more rows; --max-rows {args.max_rows})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,6 +461,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_server_args(p)
     add_admission_args(p)
+    p.add_argument(
+        "--database",
+        action="append",
+        default=None,
+        metavar="NAME=URL",
+        help='a database `sql` constraints may name ({"sql": {"database": NAME}}): sqlite:///PATH, '
+        "duckdb:///PATH or postgresql://...; opened read-only and introspected at start; repeatable",
+    )
+    q = sub.add_parser("sql", help="write a SQL query for a question over a database (schema-aware grammar)")
+    add_engine_args(q)
+    q.add_argument("question", help="the question, in words")
+    q.add_argument(
+        "--database", required=True, help="sqlite:///PATH, duckdb:///PATH or postgresql://... (read-only)"
+    )
+    q.add_argument("--execute", action="store_true", help="run the query (read-only) and print the rows")
+    q.add_argument(
+        "--max-rows", type=int, default=20, help="rows printed with --execute (default %(default)s)"
+    )
+    q.add_argument("--max-tokens", type=int, default=256, help="query tokens at most (default %(default)s)")
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
     add_engine_args(t)
     t.add_argument(
@@ -435,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "sql":
+        return sql_command(config, args)
     if args.command == "train-medusa":
         from agentrt.train_medusa import train_medusa
 

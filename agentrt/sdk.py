@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from agentrt.errors import IncompleteOutputError, InternalError
@@ -12,6 +13,22 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import RequestOutput, SamplingParams
 
 Messages = list[dict[str, str]]
+
+
+@dataclass
+class SQLResult:
+    """What `LLM.sql` gives back. query: the generated SQL; valid: it passed every check run;
+    error / stage: why not ("length": it did not end within max_tokens; else a stage of
+    agentrt/sql/validate.Validation: "parse", "read_only", "schema", "database"); checked_database:
+    the database itself checked it (EXPLAIN); rows: the result (agentrt.sql.validate.QueryResult:
+    columns, rows, truncated) with execute=True, else None."""
+
+    query: str
+    valid: bool
+    error: str | None = None
+    stage: str | None = None
+    checked_database: bool = False
+    rows: Any = None
 
 
 def _schema_of(schema: dict | type) -> tuple[dict, type | None]:
@@ -51,6 +68,14 @@ class LLM:
             )
         )
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an engine built from `config` (every engine option, as `agentrt serve` takes)."""
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
 
     def generate(
         self,
@@ -114,6 +139,70 @@ class LLM:
             data = json.loads(out.text)
             results.append(model_cls.model_validate(data) if model_cls else data)
         return results[0] if single else results
+
+    def sql(
+        self,
+        question: str,
+        database: Any,
+        *,
+        dialect: str | None = None,
+        execute: bool = False,
+        max_rows: int = 1000,
+        timeout_s: float = 10.0,
+        max_tokens: int = 256,
+        sampling_params: SamplingParams | None = None,
+    ) -> SQLResult:
+        """A read-only SQL query answering `question`, generated under the schema-aware grammar
+        (agentrt/sql/: only the database's tables and columns, in its dialect) with the prompt of
+        agentrt/sql/service.py, then checked: parsed by sqlglot, its names looked up in the schema
+        and, for a live database, `EXPLAIN`ed by the database itself. A query that fails a check is
+        returned with `valid=False` and the reason, never as good SQL.
+
+        database: a URL (sqlite:///PATH, duckdb:///PATH, postgresql://...) or a SQLAlchemy Engine
+        (introspected, opened read-only), or a schema without a connection (CREATE TABLE text, JSON
+        {table: {column: type}} as a dict or text; `dialect` says its dialect, default SQLite).
+        execute: run the query read-only on the database (at most `max_rows` rows, `timeout_s`
+        seconds); needs a live database. Greedy decoding unless `sampling_params` says otherwise.
+        Raises SchemaError (a ValueError) for a schema or database that cannot be read or used, and
+        ValueError for execute without a database."""
+        from agentrt.sql.dialect import dialect_name
+        from agentrt.sql.introspect import dialect_of, introspect, open_database
+        from agentrt.sql.schema import load_schema
+        from agentrt.sql.service import sql_constraint, sql_messages
+        from agentrt.sql.validate import QueryError, validate
+        from agentrt.sql.validate import execute as run_query
+
+        owned = isinstance(database, str) and database.strip().split("\n", 1)[0].count("://") == 1
+        owned = owned and not database.strip().upper().startswith("CREATE")
+        engine = open_database(database.strip()) if owned else None
+        if engine is None and hasattr(database, "dialect") and hasattr(database, "connect"):
+            engine = database  # a SQLAlchemy Engine
+        if execute and engine is None:
+            raise ValueError("execute=True needs a database (a URL or a SQLAlchemy Engine), not a schema")
+        try:
+            if engine is not None:
+                schema, d = introspect(engine), dialect_of(engine)
+            else:
+                schema = load_schema(database, dialect)
+                d = dialect_name(dialect or schema.dialect or "sqlite")
+            spec = sql_constraint(schema, d)
+            params = sampling_params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            out = self._run([(self._chat_ids(sql_messages(question, schema, d)), params, spec)])[0]
+            if out.finish_reason != "stop":
+                return SQLResult(
+                    out.text, False, f"the query did not end within {len(out.token_ids)} tokens", "length"
+                )
+            check = validate(out.text, schema, d, engine, timeout_s=timeout_s)
+            if not check.ok or not execute:
+                return SQLResult(out.text, check.ok, check.error, check.stage, check.checked_database)
+            try:
+                rows = run_query(out.text, engine, schema, max_rows=max_rows, timeout_s=timeout_s)
+            except QueryError as e:
+                return SQLResult(out.text, False, e.message, e.stage or "database", True)
+            return SQLResult(out.text, True, None, None, True, rows)
+        finally:
+            if owned:
+                engine.dispose()
 
     def _run(
         self, requests: list[tuple[list[int], SamplingParams, ConstraintSpec | None]]

@@ -25,6 +25,7 @@ from agentrt.api.routes import build_router
 from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools import ToolPrompt
 from agentrt.runtime.async_engine import AsyncEngine
+from agentrt.sql.service import SQLDatabases
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,14 @@ def create_app(
     tool_call_format: str = "auto",
     exclude_tools_when_tool_choice_none: bool = False,
     options: ServerOptions | None = None,
+    databases: SQLDatabases | None = None,
 ) -> FastAPI:
     """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
     `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
     template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
     the tools out of the prompt when tool_choice is "none"; options: API keys, body limit, CORS,
-    request logging (default ServerOptions(): no keys, 16 MiB bodies, no CORS, nothing logged).
+    request logging (default ServerOptions(): no keys, 16 MiB bodies, no CORS, nothing logged);
+    databases: the named databases `sql` constraints may name (loaded by the caller).
     Raises ValueError on an unknown format."""
     options = options or ServerOptions()
     tool_prompt = ToolPrompt.for_template(
@@ -55,7 +58,7 @@ def create_app(
         "template" if tool_prompt.native else "generic",
     )
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=_lifespan)
-    app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt)
+    app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt, databases)
     app.state.on_ready = on_ready
     app.state.options = options
     install_error_handlers(app)

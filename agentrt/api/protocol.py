@@ -109,6 +109,19 @@ class StructuredOutputs(BaseModel):
     disable_fallback: StrictBool | None = None
 
 
+class SQLConstraint(BaseModel):
+    """agentrt's `sql` constraint: read-only SQL naming only a schema's tables and columns
+    (agentrt/sql/). Exactly one of `database` (a name the server was started with, `--database
+    NAME=URL`; `refresh`: introspect it again first) and `schema` (CREATE TABLE text or JSON
+    {table: {column: type}}, in `dialect`, default SQLite). Never a connection URL."""
+
+    model_config = ConfigDict(extra="forbid")
+    dialect: Literal["sqlite", "duckdb", "postgres", "postgresql"] | None = None
+    schema_: str | dict[str, Any] | None = Field(None, alias="schema")
+    database: str | None = None
+    refresh: StrictBool = False
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -116,8 +129,9 @@ class StreamOptions(BaseModel):
 class _CommonRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
     repetition_penalty, regex, grammar (EBNF), lark, choice, ignore_eos, stop_token_ids, cache_salt,
-    max_tokens_policy, speculative: false opts this request out of the server's speculative decoding;
-    vLLM's guided_* / structured_outputs and SGLang's ebnf / json_schema as constraint aliases)."""
+    max_tokens_policy, speculative: false opts this request out of the server's speculative decoding,
+    sql (schema-aware SQL, agentrt/sql/); vLLM's guided_* / structured_outputs and SGLang's ebnf /
+    json_schema as constraint aliases)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -154,6 +168,7 @@ class _CommonRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    sql: SQLConstraint | None = None
     max_tokens_policy: Literal["length", "close"] = "length"
     speculative: bool = True
 
@@ -166,6 +181,11 @@ class _CommonRequest(BaseModel):
                 raise APIError(f"{name} is not supported by this server", param=name)
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        if self.seed is not None and self.n > 1 and self.seed + self.n - 1 >= 2**63:
+            raise APIError(
+                f"seed + n - 1 must be below 2^63 (choice i samples with seed + i), got seed {self.seed}",
+                param="seed",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -196,10 +216,13 @@ class _CommonRequest(BaseModel):
     of `unsupported_noop`'s values for that field (values that ask for nothing)."""
     unsupported_noop: ClassVar[dict[str, tuple]] = {}
 
-    def constraint(self, response_format: ResponseFormat | None = None) -> RequestConstraint:
+    def constraint(
+        self, response_format: ResponseFormat | None = None, sql: ConstraintSpec | None = None
+    ) -> RequestConstraint:
         """The request's one constraint (spec None when it has none), from agentrt's own fields or
-        the vLLM / SGLang aliases (`constraint_fields`). Raises APIError (400) naming the field when
-        the constraint is invalid, or naming all of them when several are given."""
+        the vLLM / SGLang aliases (`constraint_fields`); `sql`: the grammar the server built for the
+        request's `sql` field. Raises APIError (400) naming the field when the constraint is
+        invalid, or naming all of them when several are given."""
         given = self.constraint_fields(response_format)
         if len(given) > 1:
             names = ", ".join(g[0] for g in given)
@@ -211,6 +234,10 @@ class _CommonRequest(BaseModel):
         try:
             if kind == "json_object":
                 return RequestConstraint(ConstraintSpec.json_object(), field, field)
+            if kind == "sql":
+                if sql is None:
+                    raise APIError("sql constraints are built by the server", param="sql")
+                return RequestConstraint(sql, field, field)
             if field == "response_format":
                 if response_format.json_schema is None:
                     raise APIError(
@@ -262,6 +289,8 @@ class _CommonRequest(BaseModel):
             value = getattr(self, name, None)
             if value is not None:
                 given.append((name, _grammar_kind(value) if name == "guided_grammar" else kind, value))
+        if getattr(self, "sql", None) is not None:
+            given.append(("sql", "sql", self.sql))
         so = getattr(self, "structured_outputs", None)
         if so is not None:
             for name, kind, value in (
@@ -285,6 +314,10 @@ def _grammar_kind(grammar: Any) -> str:
     return "grammar" if not isinstance(grammar, str) or "::=" in grammar else "lark"
 
 
+MAX_WHITESPACE_PATTERN_CHARS = 32
+"""The longest whitespace pattern compiled (with no counted repetition, its compile is tiny)."""
+
+
 def _check_whitespace_pattern(req: Any, constraint_field: str) -> None:
     """vLLM's `guided_whitespace_pattern` / `structured_outputs.whitespace_pattern`: the regex of
     the whitespace between JSON tokens. agentrt writes JSON with the fixed separators ", " and ": "
@@ -297,6 +330,12 @@ def _check_whitespace_pattern(req: Any, constraint_field: str) -> None:
     ):
         if pattern is None:
             continue
+        if len(pattern) > MAX_WHITESPACE_PATTERN_CHARS or "{" in pattern:
+            raise APIError(  # compiling nested counted repeats can take gigabytes: never compiled
+                f"{name} must be at most {MAX_WHITESPACE_PATTERN_CHARS} characters without counted "
+                "repetition ({m,n}); e.g. '[ ]?' or '[\\n\\t ]*'",
+                param=name,
+            )
         try:
             ok = regex.fullmatch(pattern, "") is not None and regex.fullmatch(pattern, " ") is not None
         except regex.error as e:

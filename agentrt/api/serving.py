@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agentrt.api.errors import APIError, to_api_error
 from agentrt.api.prompt_limit import PromptBound, token_bound
@@ -28,6 +28,7 @@ from agentrt.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SQLConstraint,
     TokenizeRequest,
     _CommonRequest,
     usage,
@@ -38,6 +39,8 @@ from agentrt.errors import AgentrtError, ConstraintError, InternalError, Invalid
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
 from agentrt.runtime.request import RequestOutput, SamplingParams
+from agentrt.sql.dialect import dialect_name
+from agentrt.sql.service import SQLDatabases
 
 ClientGone = Callable[[], Awaitable[object]]
 """Returns when the client has gone (its connection closed); the caller cancels it when it no
@@ -89,6 +92,16 @@ class Generation:
         return to_api_error(e, self.param_names.get(param, param))
 
 
+class SQLTarget(NamedTuple):
+    """A request's `sql` constraint resolved: the grammar, the schema, the dialect, and the named
+    database's SQLAlchemy engine (None for a schema the request carried)."""
+
+    spec: ConstraintSpec
+    schema: Any
+    dialect: str
+    engine: Any
+
+
 @dataclass(frozen=True)
 class ServingResult:
     """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream (and the
@@ -125,10 +138,18 @@ class ResponseShape(Protocol):
 
 class OpenAIServing:
     """OpenAI's completions API over one AsyncEngine. `model_name` is the only accepted `model`;
-    `tool_prompt` says how tools are written into prompts and which call format is parsed."""
+    `tool_prompt` says how tools are written into prompts and which call format is parsed;
+    `databases`: the named databases `sql` constraints may name (agentrt/sql/service.py)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, tool_prompt: ToolPrompt):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        tool_prompt: ToolPrompt,
+        databases: SQLDatabases | None = None,
+    ):
         self.engine, self.model_name, self.tool_prompt = engine, model_name, tool_prompt
+        self.databases = databases
         limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
         self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
 
@@ -234,27 +255,17 @@ class OpenAIServing:
 
     async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape | None = None) -> ServingResult:
         self.check_model(req.model)
-        plan = plan_tools(
-            req.tools,
-            req.tool_choice,
-            req.parallel_tool_calls,
-            self.tool_prompt.fmt,
-            constrained=req.tool_call_constraint,
-        )
-        if plan is not None:
-            check_tool_schemas(plan)
-        messages = [m.as_dict() for m in req.messages]
-        check_tool_messages(messages)
-        rendered, template_tools = self.tool_prompt.render(messages, plan)
-        prompt_ids = await asyncio.to_thread(
-            _render_chat, self.engine.tokenizer, rendered, template_tools, self.prompt_bound
-        )
+        # tools, tool turns and the template: client-sized work, off the event loop
+        plan, prompt_ids = await asyncio.to_thread(self._chat_prompt, req)
         names = {"prompt": "messages"}
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
-        gen = self._generation(req, True, prompt_ids, max_tokens, plan, names)
-        return await self._run(gen, shape)
+        target = await self._sql_target(req.sql) if req.sql is not None else None
+        gen = await asyncio.to_thread(
+            self._generation, req, True, prompt_ids, max_tokens, plan, names, target
+        )
+        return await self._checked(await self._run(gen, shape), target, shape)
 
     async def _completion(self, req: CompletionRequest) -> ServingResult:
         self.check_model(req.model)
@@ -271,8 +282,80 @@ class OpenAIServing:
                 raise APIError("prompt is empty", param="prompt")
         else:
             prompt_ids = list(prompt)
-        gen = self._generation(req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"})
-        return await self._run(gen)
+        target = await self._sql_target(req.sql) if req.sql is not None else None
+        gen = await asyncio.to_thread(
+            self._generation, req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"}, target
+        )
+        return await self._checked(await self._run(gen), target)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, list[int]]:
+        """The tool plan (tools and tool_choice checked, parameter schemas meta-validated) and the
+        prompt's token ids (tool turns checked, rendered by the chat template). Raises APIError
+        naming the field, ContextLengthError. Runs in a worker thread: its work grows with the
+        request."""
+        plan = plan_tools(
+            req.tools,
+            req.tool_choice,
+            req.parallel_tool_calls,
+            self.tool_prompt.fmt,
+            constrained=req.tool_call_constraint,
+        )
+        if plan is not None:
+            check_tool_schemas(plan)
+        messages = [m.as_dict() for m in req.messages]
+        check_tool_messages(messages)
+        rendered, template_tools = self.tool_prompt.render(messages, plan)
+        return plan, _render_chat(self.engine.tokenizer, rendered, template_tools, self.prompt_bound)
+
+    async def _sql_target(self, sql: SQLConstraint) -> SQLTarget:
+        """The schema, dialect, database (when named) and grammar of a request's `sql` field; the
+        schema work runs off the event loop. Raises APIError (400) naming the field: both or neither
+        of schema and database, an unknown database, a schema that is empty, unparsable or too
+        large, a dialect that disagrees with the named database's."""
+        from agentrt.sql.schema import SchemaError
+        from agentrt.sql.service import schema_from_request, sql_constraint
+
+        if (sql.schema_ is None) == (sql.database is None):
+            raise APIError("sql: give exactly one of schema and database", param="sql")
+        param = "sql.database" if sql.database is not None else "sql.schema"
+        try:
+            if sql.database is not None:
+                db = await asyncio.to_thread(
+                    (self.databases or SQLDatabases()).get, sql.database, sql.refresh
+                )
+                if sql.dialect is not None and dialect_name(sql.dialect) != db.dialect:
+                    raise SchemaError(f"database {db.name!r} is {db.dialect}, not {sql.dialect}")
+                schema, dialect, engine = db.schema, db.dialect, db.engine
+            else:
+                dialect = dialect_name(sql.dialect or "sqlite")
+                schema = await asyncio.to_thread(schema_from_request, sql.schema_, dialect)
+                engine = None
+            spec = await asyncio.to_thread(sql_constraint, schema, dialect)
+        except SchemaError as e:
+            raise APIError(f"{param}: {e.message}", param=param) from None
+        return SQLTarget(spec, schema, dialect, engine)
+
+    async def _checked(
+        self, result: ServingResult, target: SQLTarget | None, shape: ResponseShape | None = None
+    ) -> ServingResult:
+        """With a `sql` constraint, each choice of a complete chat/completions body gets a
+        `sql_check` ({valid, error, stage, checked_database}: sqlglot in the dialect, the names in
+        the schema, and EXPLAIN on a named database; agentrt/sql/validate.py). Streams are not
+        checked."""
+        if target is None or result.body is None or shape is not None:
+            return result
+        from agentrt.sql.validate import validate
+
+        for choice in result.body["choices"]:
+            query = choice["message"]["content"] if "message" in choice else choice["text"]
+            v = await asyncio.to_thread(validate, query or "", target.schema, target.dialect, target.engine)
+            choice["sql_check"] = {
+                "valid": v.ok,
+                "error": v.error,
+                "stage": v.stage,
+                "checked_database": v.checked_database,
+            }
+        return result
 
     def _generation(
         self,
@@ -282,11 +365,12 @@ class OpenAIServing:
         max_tokens: int | None,
         plan: ToolPlan | None,
         param_names: dict[str, str],
+        sql: SQLTarget | None = None,
     ) -> Generation:
-        """The request's sampling params and its one constraint (response_format / regex / ... or
-        the tool-call grammar). Raises APIError naming the field."""
+        """The request's sampling params and its one constraint (response_format / regex / sql /
+        ... or the tool-call grammar). Raises APIError naming the field."""
         params = req.sampling_params(max_tokens)
-        chosen = req.constraint(req.response_format)
+        chosen = req.constraint(req.response_format, sql.spec if sql is not None else None)
         constraint, constraint_param = chosen.spec, chosen.param
         calls = plan if plan is not None and plan.calls else None
         if calls is not None:
@@ -295,7 +379,7 @@ class OpenAIServing:
         if tool_constraint is not None:
             if constraint is not None:
                 raise APIError(
-                    f"{constraint_param} cannot be combined with tools unless tool_choice is 'none'",
+                    f"{chosen.field} cannot be combined with tools unless tool_choice is 'none'",
                     param=chosen.field,
                 )
             constraint, constraint_param = tool_constraint, "tools"

@@ -273,6 +273,19 @@ def test_vllm_and_sglang_fields_give_the_native_output(client, native, alias):
             "guided_whitespace_pattern",
             "not a valid",
         ),
+        # nested counted repeats: compiling this takes gigabytes, so it is refused before compiling
+        (
+            {"guided_json": PERSON, "guided_whitespace_pattern": "(((x?){200}){200}){200}"},
+            "guided_whitespace_pattern",
+            "without counted repetition",
+        ),
+        ({"n": 3, "seed": 2**63 - 2}, "seed", r"seed \+ n - 1 must be below 2\^63"),
+        ({"tools": TIME_TOOLS * 65}, "tools", "at most 128 tools"),
+        (
+            {"tools": TIME_TOOLS, "response_format": {"type": "json_object"}},
+            "response_format",
+            "^response_format cannot",
+        ),
         ({"guided_json": {"type": "nope"}}, "guided_json", "not a valid JSON Schema"),
         ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
         ({"structured_outputs": {"json": PERSON, "bogus": 1}}, "structured_outputs.bogus", "Extra inputs"),

@@ -19,6 +19,8 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import ToolCallFormat
 
 _NAME = r"[A-Za-z0-9_.:\-]{1,64}"
+MAX_TOOLS = 128
+"""The most tools one request may offer (OpenAI's limit): each is meta-validated and rendered."""
 _CHOICE_SHAPES = (
     'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
 )
@@ -89,6 +91,8 @@ def plan_tools(
         if tool_choice not in (None, "none"):
             raise APIError("tool_choice needs tools", param="tool_choice")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise APIError(f"at most {MAX_TOOLS} tools per request (as OpenAI), got {len(tools)}", param="tools")
     specs: list[dict] = []
     for i, t in enumerate(tools):
         specs.append(_tool_spec(f"tools[{i}]", t, {s["name"] for s in specs}))

@@ -1,0 +1,509 @@
+"""The table/column model of a database, and two of its sources: `CREATE TABLE` text (parsed with
+sqlglot) and JSON `{table: {column: type}}`. The third source, a live database, is
+`agentrt.sql.introspect`.
+
+Model: `Schema(tables)`, each `Table(name, columns, primary_key, foreign_keys)`, each
+`Column(name, type, kind)`. Names are the catalog's own spelling (case kept, unquoted); `type` is
+the column's SQL type as declared or reflected ("" when SQLite has none); `kind` is its family,
+which decides what the grammar lets a query do with it on a strictly typed database:
+"num" (integers, decimals, floats), "text" (char/varchar/text), "bool", "date" (dates and
+timestamps) or "other" (time of day, interval, blob, JSON, UUID, enum, arrays, unknown).
+
+Limits (work bounded before it is done, refused with SchemaError naming the limit):
+`MAX_TABLES` tables, `MAX_COLUMNS` columns over all tables, `MAX_SCHEMA_BYTES` of DDL/JSON text,
+`MAX_NAME_CHARS` characters per name. A schema over these limits, one with no table, a table with
+no column, duplicate names, a foreign key naming a missing table/column, text that is neither
+valid JSON nor parsable DDL: SchemaError (a ValueError via InvalidRequestError; `param` is None,
+the API layer names the request field).
+
+Name lookup (`Schema.table`, `Table.column`) is case-insensitive on SQLite and DuckDB (their
+identifiers are) and exact on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentrt.errors import InvalidRequestError
+
+TypeKind = Literal["num", "text", "bool", "date", "other"]
+KINDS: tuple[str, ...] = ("num", "text", "bool", "date", "other")
+
+MAX_TABLES = 1000
+"""The most tables a schema may have."""
+MAX_COLUMNS = 10_000
+"""The most columns over all tables of a schema."""
+MAX_SCHEMA_BYTES = 1 << 20
+"""The longest DDL or JSON schema text (bytes of UTF-8)."""
+MAX_NAME_CHARS = 128
+"""The longest table or column name (characters)."""
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def fold_name(name: str) -> str:
+    """`name` as SQLite and DuckDB compare identifiers: ASCII letters case-folded, other
+    characters as they are (SQLite folds ASCII only; sqlglot normalizes the same way)."""
+    return name.translate(_ASCII_LOWER)
+
+
+class SchemaError(InvalidRequestError):
+    """A schema cannot be read or used: unparsable DDL/JSON, no tables, a limit exceeded, an
+    unsupported dialect, a grammar over its size limit. The message names the problem."""
+
+
+class DatabaseUnreachableError(SchemaError):
+    """The database could not be connected to or its catalog read (the driver's reason is in the
+    message; the URL's password is never shown)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """name: catalog spelling; type: SQL type text ("" if none); kind: type family (module doc)."""
+
+    name: str
+    type: str = ""
+    kind: TypeKind = "other"
+
+
+@dataclass(frozen=True)
+class ForeignKey:
+    """columns of this table referencing ref_columns of ref_table (same length, same order)."""
+
+    columns: tuple[str, ...]
+    ref_table: str
+    ref_columns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    primary_key: tuple[str, ...] = ()
+    foreign_keys: tuple[ForeignKey, ...] = ()
+    case_sensitive: bool = field(default=False, compare=False, repr=False)
+
+    def column(self, name: str) -> Column | None:
+        """The column called `name` (case-insensitively unless case_sensitive), or None."""
+        for c in self.columns:
+            if c.name == name or (not self.case_sensitive and fold_name(c.name) == fold_name(name)):
+                return c
+        return None
+
+
+@dataclass(frozen=True)
+class Schema:
+    """tables in catalog order. `dialect` is the database's dialect when known (introspection,
+    or given with the DDL), else None."""
+
+    tables: tuple[Table, ...]
+    dialect: str | None = None
+
+    def __post_init__(self):
+        _check(self)
+
+    @property
+    def case_sensitive(self) -> bool:
+        return self.dialect == "postgres"
+
+    @property
+    def num_columns(self) -> int:
+        return sum(len(t.columns) for t in self.tables)
+
+    def table(self, name: str) -> Table | None:
+        """The table called `name` (case-insensitively except on PostgreSQL), or None."""
+        for t in self.tables:
+            if t.name == name or (not self.case_sensitive and fold_name(t.name) == fold_name(name)):
+                return t
+        return None
+
+    def subset(self, names: list[str]) -> Schema:
+        """This schema restricted to the tables `names` (foreign keys to other tables dropped).
+        Raises SchemaError naming an unknown table."""
+        keep = []
+        for n in names:
+            t = self.table(n)
+            if t is None:
+                raise SchemaError(f"no table {n!r} in the schema")
+            keep.append(t)
+        kept = {t.name for t in keep}
+        return Schema(
+            tuple(
+                Table(
+                    t.name,
+                    t.columns,
+                    t.primary_key,
+                    tuple(fk for fk in t.foreign_keys if fk.ref_table in kept),
+                    t.case_sensitive,
+                )
+                for t in keep
+            ),
+            self.dialect,
+        )
+
+    def with_dialect(self, dialect: str) -> Schema:
+        """The same tables read as a `dialect` database (name matching follows the dialect)."""
+        from agentrt.sql.dialect import dialect_name
+
+        dialect = dialect_name(dialect)
+        cs = dialect == "postgres"
+        return Schema(
+            tuple(Table(t.name, t.columns, t.primary_key, t.foreign_keys, cs) for t in self.tables), dialect
+        )
+
+    def to_json(self) -> dict[str, dict[str, str]]:
+        """{table: {column: type}} (the JSON source format; keys and foreign keys are not kept)."""
+        return {t.name: {c.name: c.type for c in t.columns} for t in self.tables}
+
+    def to_ddl(self, dialect: str | None = None) -> str:
+        """CREATE TABLE statements (names quoted for `dialect`, default the schema's own or
+        SQLite), with primary and foreign keys: the schema text a prompt shows the model."""
+        from agentrt.sql.dialect import dialect_name, quote_ident
+
+        d = dialect_name(dialect or self.dialect or "sqlite")
+        out = []
+        for t in self.tables:
+            lines = [f"  {quote_ident(c.name, d)}{' ' + c.type if c.type else ''}" for c in t.columns]
+            if t.primary_key:
+                lines.append(f"  PRIMARY KEY ({', '.join(quote_ident(c, d) for c in t.primary_key)})")
+            for fk in t.foreign_keys:
+                cols = ", ".join(quote_ident(c, d) for c in fk.columns)
+                refs = ", ".join(quote_ident(c, d) for c in fk.ref_columns)
+                lines.append(f"  FOREIGN KEY ({cols}) REFERENCES {quote_ident(fk.ref_table, d)} ({refs})")
+            out.append(f"CREATE TABLE {quote_ident(t.name, d)} (\n" + ",\n".join(lines) + "\n);")
+        return "\n".join(out) + "\n"
+
+
+def _check(schema: Schema) -> None:
+    """Raise SchemaError for an empty schema, a limit exceeded, duplicate or empty names, or a key
+    naming a column/table that does not exist."""
+    if not schema.tables:
+        raise SchemaError("the schema has no tables")
+    if len(schema.tables) > MAX_TABLES:
+        raise SchemaError(f"the schema has {len(schema.tables)} tables, over the limit of {MAX_TABLES}")
+    if schema.num_columns > MAX_COLUMNS:
+        raise SchemaError(f"the schema has {schema.num_columns} columns, over the limit of {MAX_COLUMNS}")
+    cs = schema.dialect == "postgres"
+
+    def key(n: str) -> str:
+        return n if cs else fold_name(n)
+
+    seen: set[str] = set()
+    for t in schema.tables:
+        _check_name(t.name, "table")
+        if key(t.name) in seen:
+            raise SchemaError(f"table {t.name!r} appears twice in the schema")
+        seen.add(key(t.name))
+        if not t.columns:
+            raise SchemaError(f"table {t.name!r} has no columns")
+        cols: set[str] = set()
+        for c in t.columns:
+            _check_name(c.name, f"column of table {t.name!r}")
+            if key(c.name) in cols:
+                raise SchemaError(f"column {c.name!r} appears twice in table {t.name!r}")
+            cols.add(key(c.name))
+            if c.kind not in KINDS:
+                raise SchemaError(f"column {t.name}.{c.name} has an unknown type kind {c.kind!r}")
+        for k in t.primary_key:
+            if key(k) not in cols:
+                raise SchemaError(f"primary key of table {t.name!r} names a missing column {k!r}")
+    for t in schema.tables:
+        for fk in t.foreign_keys:
+            ref = schema.table(fk.ref_table)
+            if ref is None:
+                raise SchemaError(
+                    f"foreign key of table {t.name!r} references a missing table {fk.ref_table!r}"
+                )
+            if len(fk.columns) != len(fk.ref_columns) or not fk.columns:
+                raise SchemaError(f"foreign key of table {t.name!r} has mismatched column lists")
+            for c in fk.columns:
+                if t.column(c) is None:
+                    raise SchemaError(f"foreign key of table {t.name!r} names a missing column {c!r}")
+            for c in fk.ref_columns:
+                if ref.column(c) is None:
+                    raise SchemaError(
+                        f"foreign key of table {t.name!r} references a missing column {fk.ref_table}.{c}"
+                    )
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise SchemaError(f"a {what} has an empty name")
+    if len(name) > MAX_NAME_CHARS:
+        raise SchemaError(f"{what} name {name[:40]!r}... is longer than {MAX_NAME_CHARS} characters")
+    if any(ord(ch) < 0x20 for ch in name) or "\x7f" in name:
+        raise SchemaError(f"{what} name {name!r} holds a control character")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise SchemaError(f"{what} name {name!r} is not valid Unicode") from None
+
+
+# ---- type kinds -------------------------------------------------------------------------------
+
+
+def kind_of_type(type_text: str, dialect: str = "sqlite") -> TypeKind:
+    """The kind of an SQL type written as text (parsed with sqlglot in `dialect`); "other" for
+    an empty or unknown type."""
+    if not type_text or not type_text.strip():
+        return "other"
+    from sqlglot import exp
+    from sqlglot.errors import SqlglotError
+
+    try:
+        dt = exp.DataType.build(type_text, dialect=dialect, udt=True)
+    except (SqlglotError, ValueError, TypeError):
+        return "other"
+    return _kind_of_datatype(dt)
+
+
+def _kind_of_datatype(dt) -> TypeKind:
+    from sqlglot import exp
+
+    T = exp.DataType.Type
+    t = dt.this
+    if t == T.BOOLEAN:
+        return "bool"
+    if t in (T.MONEY, T.SMALLMONEY, T.BIT):  # PostgreSQL: money and bit strings are not numbers
+        return "other"
+    if t in exp.DataType.INTEGER_TYPES or t in exp.DataType.REAL_TYPES:
+        return "num"
+    if t in exp.DataType.TEXT_TYPES:
+        return "text"
+    if t in (
+        T.DATE,
+        T.DATE32,
+        T.DATETIME,
+        T.DATETIME64,
+        T.TIMESTAMP,
+        T.TIMESTAMPTZ,
+        T.TIMESTAMPLTZ,
+        T.TIMESTAMPNTZ,
+        T.TIMESTAMP_S,
+        T.TIMESTAMP_MS,
+        T.TIMESTAMP_NS,
+    ):
+        return "date"
+    return "other"
+
+
+def kind_of_sqlalchemy_type(t) -> TypeKind:
+    """The kind of a SQLAlchemy type object (as the inspector reflects it)."""
+    from sqlalchemy import types as st
+
+    if isinstance(t, st.Boolean):
+        return "bool"
+    if isinstance(t, (st.Integer, st.Numeric)):
+        return "num"
+    if isinstance(t, st.Enum):
+        return "other"
+    if isinstance(t, st.String):
+        return "text"
+    if isinstance(t, (st.DateTime, st.Date)):
+        return "date"
+    return "other"
+
+
+# ---- JSON and DDL sources ----------------------------------------------------------------------
+
+
+def schema_from_json(obj, dialect: str | None = None) -> Schema:
+    """A Schema from `{table: {column: type}}` (a dict, or its JSON text). Types are SQL type
+    names ("INTEGER", "VARCHAR(20)", "" for none), their kinds read with sqlglot in `dialect`
+    (default SQLite). Raises SchemaError naming the problem."""
+    from agentrt.sql.dialect import dialect_name
+
+    d = dialect_name(dialect) if dialect is not None else None
+    if isinstance(obj, (str, bytes)):
+        if len(obj) > MAX_SCHEMA_BYTES:
+            raise SchemaError(f"the schema text is {len(obj)} bytes, over the limit of {MAX_SCHEMA_BYTES}")
+        try:
+            obj = json.loads(obj)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"the schema is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SchemaError(
+            f"a JSON schema must be an object {{table: {{column: type}}}}, got {type(obj).__name__}"
+        )
+    if len(obj) > MAX_TABLES:
+        raise SchemaError(f"the schema has {len(obj)} tables, over the limit of {MAX_TABLES}")
+    tables = []
+    total = 0
+    for name, cols in obj.items():
+        if not isinstance(cols, dict):
+            raise SchemaError(
+                f"table {name!r}: expected an object {{column: type}}, got {type(cols).__name__}"
+            )
+        total += len(cols)
+        if total > MAX_COLUMNS:
+            raise SchemaError(f"the schema has more than {MAX_COLUMNS} columns (the limit)")
+        columns = []
+        for cname, ctype in cols.items():
+            if ctype is None:
+                ctype = ""
+            if not isinstance(ctype, str):
+                raise SchemaError(
+                    f"column {name}.{cname}: the type must be a string, got {type(ctype).__name__}"
+                )
+            columns.append(Column(cname, ctype.strip(), kind_of_type(ctype, d or "sqlite")))
+        tables.append(Table(name, tuple(columns), case_sensitive=d == "postgres"))
+    return Schema(tuple(tables), d)
+
+
+def schema_from_ddl(text: str, dialect: str = "sqlite") -> Schema:
+    """A Schema from `CREATE TABLE` statements in `dialect` (parsed with sqlglot): columns and
+    their types (SQLite's typeless columns too), column- and table-level PRIMARY KEY and FOREIGN
+    KEY/REFERENCES; other table constraints (UNIQUE, CHECK) are read past. Other statements
+    (INSERT, CREATE INDEX/VIEW, PRAGMA, ...) are skipped. Raises SchemaError when the
+    text does not parse, holds no CREATE TABLE, or breaks a limit."""
+    import sqlglot
+    from sqlglot import exp
+    from sqlglot.errors import SqlglotError
+
+    from agentrt.sql.dialect import dialect_name
+
+    d = dialect_name(dialect)
+    if not isinstance(text, str):
+        raise SchemaError(f"DDL must be a string, got {type(text).__name__}")
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise SchemaError(f"the DDL is {len(text.encode())} bytes, over the limit of {MAX_SCHEMA_BYTES}")
+    try:
+        statements = sqlglot.parse(text, read=d)
+    except SqlglotError as e:
+        raise SchemaError(f"the DDL does not parse as {d}: {_first_line(e)}") from None
+    except RecursionError:
+        raise SchemaError("the DDL is nested too deeply to parse") from None
+    tables = []
+    cs = d == "postgres"
+    for st in statements:
+        if not isinstance(st, exp.Create) or str(st.args.get("kind", "")).upper() != "TABLE":
+            continue
+        target = st.this
+        if not isinstance(target, exp.Schema) or not isinstance(target.this, exp.Table):
+            raise SchemaError(f"CREATE TABLE without a column list is not supported: {st.sql(d)[:80]!r}")
+        name = target.this.name
+        columns, pk, fks = [], [], []
+        for item in target.expressions:
+            if isinstance(item, exp.ColumnDef):
+                kind = item.args.get("kind")
+                # the dialect's spelling, except SQLite's (it writes affinities: BOOLEAN -> INTEGER)
+                type_text = "" if kind is None else kind.sql() if d == "sqlite" else kind.sql(d)
+                columns.append(
+                    Column(item.name, type_text, _kind_of_datatype(kind) if kind is not None else "other")
+                )
+                for cons in item.args.get("constraints") or []:
+                    ck = cons.args.get("kind")
+                    if isinstance(ck, exp.PrimaryKeyColumnConstraint):
+                        pk.append(item.name)
+                    elif isinstance(ck, exp.Reference):
+                        fks.append(_reference(ck, (item.name,)))
+            elif isinstance(item, exp.Identifier):  # SQLite: a column declared without a type
+                columns.append(Column(item.name, "", "other"))
+            elif isinstance(item, exp.PrimaryKey):
+                pk.extend(_names(item.expressions))
+            elif isinstance(item, exp.ForeignKey):
+                fks.append(_reference(item.args["reference"], tuple(_names(item.expressions))))
+            elif isinstance(item, exp.Constraint):
+                for sub in item.expressions:
+                    if isinstance(sub, exp.PrimaryKey):
+                        pk.extend(_names(sub.expressions))
+                    elif isinstance(sub, exp.ForeignKey):
+                        fks.append(_reference(sub.args["reference"], tuple(_names(sub.expressions))))
+        tables.append(Table(name, tuple(columns), tuple(pk), tuple(f for f in fks if f is not None), cs))
+        if len(tables) > MAX_TABLES:
+            raise SchemaError(f"the DDL creates more than {MAX_TABLES} tables (the limit)")
+    if not tables:
+        raise SchemaError("the DDL holds no CREATE TABLE statement")
+    tables = _resolve_fk_columns(tables)
+    return Schema(tuple(tables), d)
+
+
+def _names(items) -> list[str]:
+    from sqlglot import exp
+
+    out = []
+    for x in items:
+        if isinstance(x, exp.Ordered):
+            x = x.this
+        out.append(x.name)
+    return out
+
+
+def _reference(ref, columns: tuple[str, ...]) -> ForeignKey | None:
+    """A ForeignKey from sqlglot's Reference (`REFERENCES t(c, ...)`); ref_columns () when the
+    DDL names none (the referenced table's primary key, filled in by _resolve_fk_columns)."""
+    from sqlglot import exp
+
+    target = ref.this
+    if isinstance(target, exp.Schema):
+        return ForeignKey(columns, target.this.name, tuple(_names(target.expressions)))
+    if isinstance(target, exp.Table):
+        return ForeignKey(columns, target.name, ())
+    return None
+
+
+def _resolve_fk_columns(tables: list[Table]) -> list[Table]:
+    """Fill the referenced columns of `REFERENCES t` (no column list: t's primary key)."""
+    by_name = {fold_name(t.name): t for t in tables}
+    out = []
+    for t in tables:
+        fks = []
+        for fk in t.foreign_keys:
+            if not fk.ref_columns:
+                ref = by_name.get(fold_name(fk.ref_table))
+                if ref is None or len(ref.primary_key) != len(fk.columns):
+                    raise SchemaError(
+                        f"foreign key of table {t.name!r} references {fk.ref_table!r} without naming "
+                        "columns, and that table has no matching primary key"
+                    )
+                fk = ForeignKey(fk.columns, fk.ref_table, ref.primary_key)
+            fks.append(fk)
+        out.append(Table(t.name, t.columns, t.primary_key, tuple(fks), t.case_sensitive))
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+def load_schema(source, dialect: str | None = None) -> Schema:
+    """A Schema from any source: a SQLAlchemy Engine/Connection or database URL string
+    (`sqlite:///x.db`, `duckdb:///x.duckdb`, `postgresql+psycopg://...`; introspected), a dict
+    `{table: {column: type}}`, JSON text of one, or CREATE TABLE text. `dialect` is the dialect
+    of DDL/JSON text (default SQLite), and must agree with a database's own when both are given.
+    Raises SchemaError (DatabaseUnreachableError for a database that cannot be read)."""
+    from agentrt.sql.dialect import dialect_name
+
+    if isinstance(source, Schema):
+        return source if dialect is None else source.with_dialect(dialect)
+    if isinstance(source, dict):
+        return schema_from_json(source, dialect)
+    if isinstance(source, str):
+        text = source.strip()
+        if text.startswith("{"):
+            return schema_from_json(text, dialect)
+        if "://" in text.split("\n", 1)[0] and not text.upper().startswith("CREATE"):
+            from agentrt.sql.introspect import introspect
+
+            s = introspect(text)
+            if dialect is not None and dialect_name(dialect) != s.dialect:
+                raise SchemaError(f"the database is {s.dialect}, not {dialect}")
+            return s
+        return schema_from_ddl(text, dialect or "sqlite")
+    try:
+        import sqlalchemy
+    except ImportError:  # pragma: no cover - sqlalchemy is a dependency of the sql extra
+        sqlalchemy = None
+    if sqlalchemy is not None and isinstance(
+        source, (sqlalchemy.engine.Engine, sqlalchemy.engine.Connection)
+    ):
+        from agentrt.sql.introspect import introspect
+
+        return introspect(source)
+    raise SchemaError(
+        "a schema must be a database URL or SQLAlchemy engine, CREATE TABLE text, or JSON "
+        f"{{table: {{column: type}}}}; got {type(source).__name__}"
+    )

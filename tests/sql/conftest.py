@@ -1,0 +1,45 @@
+"""Fixtures of the SQL tests: the grammar backend on the default model's tokenizer and the Spider
+databases (../shared/testdata/sql/databases, schema only) with their compiled grammars. Plain
+helpers are in tests/sql/awkward.py (the awkward-identifier database) and tests/sql/walks.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrt.grammars.spec import GrammarConfig
+from tests.helpers import shared_path
+
+
+@pytest.fixture(scope="session")
+def sql_backend(tokenizer):
+    """The grammar backend as the server builds it (default GrammarConfig: 30 s compile limit)."""
+    from agentrt.grammars.xgrammar_backend import GrammarBackend
+
+    backend = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig())
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="session")
+def spider_dir():
+    return shared_path("sql", "databases")
+
+
+@pytest.fixture(scope="session")
+def spider_compiled(sql_backend, spider_dir):
+    """db_id -> (schema, grammar, compiled grammar, read-only engine), built on first use."""
+    from agentrt.sql import introspect, open_database, sql_grammar
+
+    cache: dict = {}
+
+    def get(db_id: str):
+        if db_id not in cache:
+            url = f"sqlite:///{spider_dir / (db_id + '.sqlite')}"
+            schema = introspect(url)
+            grammar = sql_grammar(schema)
+            cache[db_id] = (schema, grammar, sql_backend.compile(grammar.spec()), open_database(url))
+        return cache[db_id]
+
+    yield get
+    for *_, engine in cache.values():
+        engine.dispose()
