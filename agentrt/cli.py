@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-rows", type=int, default=20, help="rows printed with --execute (default %(default)s)"
     )
     q.add_argument("--max-tokens", type=int, default=256, help="query tokens at most (default %(default)s)")
+    # one job, not a server: its compile need not yield to other requests, and may take longer
+    q.set_defaults(compile_nice=0, compile_timeout=120.0)
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
     add_engine_args(t)
     t.add_argument(

@@ -72,9 +72,14 @@ class LLM:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from `config` (every engine option, as `agentrt serve` takes)."""
+        return cls.from_engine(Engine(config))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """An LLM over an existing engine (not copied: its cache and requests are shared)."""
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
-        llm.tokenizer = llm.engine.tokenizer
+        llm.engine = engine
+        llm.tokenizer = engine.tokenizer
         return llm
 
     def generate(

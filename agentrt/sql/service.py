@@ -1,8 +1,9 @@
 """SQL generation as the runtime serves it: the databases a server knows by name, the schema-aware
 constraint of a request (cached per schema), the prompt, and the check of a generated query.
 
-The constraint (`{"sql": {...}}` on chat and completions, `LLM.sql`, `agentrt sql`) is the Lark
-grammar of agentrt/sql/grammar.py compiled through the ordinary grammar path: read-only queries
+The constraint (`{"sql": {...}}` on chat and completions, `LLM.sql`, `agentrt sql`) is the grammar
+of agentrt/sql/grammar.py (its EBNF form: the same language as its Lark text, without Lark's own
+analysis of the grammar) compiled through the ordinary grammar path: read-only queries
 that name only the schema's tables and columns, in its dialect. A request names a database the
 server was started with (`--database NAME=URL`) or carries the schema itself (DDL text or JSON);
 it never carries a connection URL, so a client cannot make the server connect anywhere.
