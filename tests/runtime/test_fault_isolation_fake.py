@@ -135,7 +135,7 @@ def test_a_tool_call_parser_fault_ends_that_stream_with_an_error_event():
     writer = ChunkWriter("id", 0, "m", True, False)
 
     async def collect():
-        return [e async for e in stream_events(stream, first, writer, _BrokenParser(), to_api_error)]
+        return [e async for e in stream_events([stream], [first], writer, [_BrokenParser()], to_api_error)]
 
     events = asyncio.run(collect())
     assert any('"error"' in e and "parser exploded" in e and "server_error" in e for e in events)

@@ -4,41 +4,18 @@ family, as DDL for SQLite, DuckDB and PostgreSQL."""
 
 from __future__ import annotations
 
-_TYPES = {
-    "sqlite": {
-        "int": "INTEGER",
-        "real": "REAL",
-        "num": "NUMERIC(10,2)",
-        "vc": "VARCHAR(40)",
-        "text": "TEXT",
-        "date": "DATE",
-        "ts": "TIMESTAMP",
-        "bool": "BOOLEAN",
-        "blob": "BLOB",
-    },
-    "duckdb": {
-        "int": "INTEGER",
-        "real": "REAL",
-        "num": "NUMERIC(10,2)",
-        "vc": "VARCHAR(40)",
-        "text": "TEXT",
-        "date": "DATE",
-        "ts": "TIMESTAMP",
-        "bool": "BOOLEAN",
-        "blob": "BLOB",
-    },
-    "postgres": {
-        "int": "INTEGER",
-        "real": "REAL",
-        "num": "NUMERIC(10,2)",
-        "vc": "VARCHAR(40)",
-        "text": "TEXT",
-        "date": "DATE",
-        "ts": "TIMESTAMP",
-        "bool": "BOOLEAN",
-        "blob": "BYTEA",
-    },
+_SQL_TYPES = {
+    "int": "INTEGER",
+    "real": "REAL",
+    "num": "NUMERIC(10,2)",
+    "vc": "VARCHAR(40)",
+    "text": "TEXT",
+    "date": "DATE",
+    "ts": "TIMESTAMP",
+    "bool": "BOOLEAN",
+    "blob": "BLOB",
 }
+_TYPES = {"sqlite": _SQL_TYPES, "duckdb": _SQL_TYPES, "postgres": {**_SQL_TYPES, "blob": "BYTEA"}}
 
 # (table, [(column, type key)], primary key, [(column, referenced table, referenced column)])
 TABLES = [
