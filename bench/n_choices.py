@@ -20,6 +20,7 @@ import time
 import uuid
 
 import httpx
+from prefix_cache import WORDS  # bench/ is the script's directory
 
 from agentrt.testing.server import agentrt_server
 
@@ -33,21 +34,7 @@ def _metric(url: str, name: str) -> float:
 
 def _prompt(words: int) -> str:
     rng = random.Random()
-    vocab = [
-        "agent",
-        "tool",
-        "schema",
-        "cache",
-        "token",
-        "prefix",
-        "radix",
-        "model",
-        "server",
-        "request",
-        "batch",
-        "decode",
-    ]
-    return f"Ticket {uuid.uuid4().hex}. " + " ".join(rng.choice(vocab) for _ in range(words))
+    return f"Ticket {uuid.uuid4().hex}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: str, n: int, seed: int) -> dict:
