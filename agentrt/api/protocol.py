@@ -126,7 +126,25 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _CommonRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """Sampling fields every route that samples takes with the same meaning (chat, completions and
+    the Responses API, whose request passes them through): OpenAI's seed, stop and penalties and
+    agentrt's top_k, min_p, repetition_penalty, cache_salt, max_tokens_policy and speculative."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    cache_salt: str | None = None
+    max_tokens_policy: Literal["length", "close"] = "length"
+    speculative: bool = True
+
+
+class _CommonRequest(SamplingFields):
     """Fields shared by chat and text completions (OpenAI names; extra: top_k, min_p,
     repetition_penalty, regex, grammar (EBNF), lark, choice, ignore_eos, stop_token_ids, cache_salt,
     max_tokens_policy, speculative: false opts this request out of the server's speculative decoding,
@@ -141,23 +159,15 @@ class _CommonRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = None
     user: str | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     regex: str | None = None
     grammar: str | None = None
     lark: str | None = None
     choice: list[str] | None = None
-    cache_salt: str | None = None
     # vLLM's and SGLang's names for constraints (constraint_fields maps them onto the above)
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
@@ -169,8 +179,6 @@ class _CommonRequest(BaseModel):
     ebnf: str | None = None
     json_schema: str | None = None
     sql: SQLConstraint | None = None
-    max_tokens_policy: Literal["length", "close"] = "length"
-    speculative: bool = True
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in self.unsupported_fields:
@@ -305,7 +313,7 @@ class _CommonRequest(BaseModel):
             if so.json_object:
                 given.append(("structured_outputs.json_object", "json_object", None))
         if given:
-            _check_whitespace_pattern(self, given[0][0])
+            _check_whitespace_pattern(self)
         return given
 
 
@@ -318,7 +326,7 @@ MAX_WHITESPACE_PATTERN_CHARS = 32
 """The longest whitespace pattern compiled (with no counted repetition, its compile is tiny)."""
 
 
-def _check_whitespace_pattern(req: Any, constraint_field: str) -> None:
+def _check_whitespace_pattern(req: Any) -> None:
     """vLLM's `guided_whitespace_pattern` / `structured_outputs.whitespace_pattern`: the regex of
     the whitespace between JSON tokens. agentrt writes JSON with the fixed separators ", " and ": "
     and nothing elsewhere, so a pattern is honoured exactly when it matches both "" and " ";

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrt.api.errors import APIError
-from agentrt.api.protocol import ChatCompletionRequest, usage
+from agentrt.api.protocol import ChatCompletionRequest, SamplingFields, usage
 from agentrt.api.serving import ClientGone, Generation, OpenAIServing, ServingResult, renamed
 from agentrt.api.tools import ParseEvent, ToolPlan
 from agentrt.errors import InternalError
@@ -50,18 +50,7 @@ STATELESS = "needs server-side state; this server keeps none: send the whole con
 METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
 """OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512."""
 
-_EXTENSIONS = (
-    "seed",
-    "stop",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "cache_salt",
-    "max_tokens_policy",
-    "speculative",
-)
+_EXTENSIONS = tuple(SamplingFields.model_fields)
 """agentrt's chat completions extensions also accepted here (same meaning, passed through)."""
 
 
@@ -83,7 +72,7 @@ class TextConfig(BaseModel):
     verbosity: str | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(SamplingFields):
     """The body of POST /v1/responses (OpenAI's names). `input` items and `tools` are checked by
     `to_chat_request`, which names the item or tool at fault; fields in the second group are refused
     (400) unless they ask for nothing; the last group are agentrt's chat extensions."""
@@ -121,17 +110,6 @@ class ResponsesRequest(BaseModel):
     prompt_cache_options: Any = None
     context_management: Any = None
     moderation: Any = None
-    # agentrt extensions (as in chat completions)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    cache_salt: str | None = None
-    max_tokens_policy: Literal["length", "close"] = "length"
-    speculative: bool = True
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest, gone: ClientGone) -> ServingResult:

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from agentrt.api.errors import APIError, to_api_error
 from agentrt.api.prompt_limit import PromptBound, token_bound
@@ -28,18 +28,17 @@ from agentrt.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    SQLConstraint,
     TokenizeRequest,
     _CommonRequest,
     usage,
 )
+from agentrt.api.sql_constraint import SQLTarget, add_sql_checks, sql_target
 from agentrt.api.streaming import ChunkWriter, stream_events
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
 from agentrt.errors import AgentrtError, ConstraintError, InternalError, InvalidRequestError
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
 from agentrt.runtime.request import RequestOutput, SamplingParams
-from agentrt.sql.dialect import dialect_name
 from agentrt.sql.service import SQLDatabases
 
 ClientGone = Callable[[], Awaitable[object]]
@@ -90,16 +89,6 @@ class Generation:
             default_param = self.constraint_param or None
         param = (e.param or default_param) if isinstance(e, InvalidRequestError) else None
         return to_api_error(e, self.param_names.get(param, param))
-
-
-class SQLTarget(NamedTuple):
-    """A request's `sql` constraint resolved: the grammar, the schema, the dialect, and the named
-    database's SQLAlchemy engine (None for a schema the request carried)."""
-
-    spec: ConstraintSpec
-    schema: Any
-    dialect: str
-    engine: Any
 
 
 @dataclass(frozen=True)
@@ -261,11 +250,12 @@ class OpenAIServing:
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
-        target = await self._sql_target(req.sql) if req.sql is not None else None
+        target = await sql_target(self.databases, req.sql) if req.sql is not None else None
         gen = await asyncio.to_thread(
             self._generation, req, True, prompt_ids, max_tokens, plan, names, target
         )
-        return await self._checked(await self._run(gen, shape), target, shape)
+        result = await self._run(gen, shape)
+        return result if shape is not None else await add_sql_checks(result, target)
 
     async def _completion(self, req: CompletionRequest) -> ServingResult:
         self.check_model(req.model)
@@ -282,11 +272,11 @@ class OpenAIServing:
                 raise APIError("prompt is empty", param="prompt")
         else:
             prompt_ids = list(prompt)
-        target = await self._sql_target(req.sql) if req.sql is not None else None
+        target = await sql_target(self.databases, req.sql) if req.sql is not None else None
         gen = await asyncio.to_thread(
             self._generation, req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"}, target
         )
-        return await self._checked(await self._run(gen), target)
+        return await add_sql_checks(await self._run(gen), target)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, list[int]]:
         """The tool plan (tools and tool_choice checked, parameter schemas meta-validated) and the
@@ -306,56 +296,6 @@ class OpenAIServing:
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
         return plan, _render_chat(self.engine.tokenizer, rendered, template_tools, self.prompt_bound)
-
-    async def _sql_target(self, sql: SQLConstraint) -> SQLTarget:
-        """The schema, dialect, database (when named) and grammar of a request's `sql` field; the
-        schema work runs off the event loop. Raises APIError (400) naming the field: both or neither
-        of schema and database, an unknown database, a schema that is empty, unparsable or too
-        large, a dialect that disagrees with the named database's."""
-        from agentrt.sql.schema import SchemaError
-        from agentrt.sql.service import schema_from_request, sql_constraint
-
-        if (sql.schema_ is None) == (sql.database is None):
-            raise APIError("sql: give exactly one of schema and database", param="sql")
-        param = "sql.database" if sql.database is not None else "sql.schema"
-        try:
-            if sql.database is not None:
-                db = await asyncio.to_thread(
-                    (self.databases or SQLDatabases()).get, sql.database, sql.refresh
-                )
-                if sql.dialect is not None and dialect_name(sql.dialect) != db.dialect:
-                    raise SchemaError(f"database {db.name!r} is {db.dialect}, not {sql.dialect}")
-                schema, dialect, engine = db.schema, db.dialect, db.engine
-            else:
-                dialect = dialect_name(sql.dialect or "sqlite")
-                schema = await asyncio.to_thread(schema_from_request, sql.schema_, dialect)
-                engine = None
-            spec = await asyncio.to_thread(sql_constraint, schema, dialect)
-        except SchemaError as e:
-            raise APIError(f"{param}: {e.message}", param=param) from None
-        return SQLTarget(spec, schema, dialect, engine)
-
-    async def _checked(
-        self, result: ServingResult, target: SQLTarget | None, shape: ResponseShape | None = None
-    ) -> ServingResult:
-        """With a `sql` constraint, each choice of a complete chat/completions body gets a
-        `sql_check` ({valid, error, stage, checked_database}: sqlglot in the dialect, the names in
-        the schema, and EXPLAIN on a named database; agentrt/sql/validate.py). Streams are not
-        checked."""
-        if target is None or result.body is None or shape is not None:
-            return result
-        from agentrt.sql.validate import validate
-
-        for choice in result.body["choices"]:
-            query = choice["message"]["content"] if "message" in choice else choice["text"]
-            v = await asyncio.to_thread(validate, query or "", target.schema, target.dialect, target.engine)
-            choice["sql_check"] = {
-                "valid": v.ok,
-                "error": v.error,
-                "stage": v.stage,
-                "checked_database": v.checked_database,
-            }
-        return result
 
     def _generation(
         self,

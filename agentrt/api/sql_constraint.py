@@ -1,0 +1,74 @@
+"""The `sql` constraint of a chat or completions request (agentrt/sql/): resolve the request's
+field into a grammar, a schema and (for a named database) its engine, and check the finished
+queries of a response. No HTTP framework here; serving.py calls these around a generation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from agentrt.api.errors import APIError
+from agentrt.api.protocol import SQLConstraint
+from agentrt.grammars.spec import ConstraintSpec
+from agentrt.sql.dialect import dialect_name
+from agentrt.sql.service import SQLDatabases
+
+if TYPE_CHECKING:
+    from agentrt.api.serving import ServingResult
+
+
+class SQLTarget(NamedTuple):
+    """A request's `sql` constraint resolved: the grammar, the schema, the dialect, and the named
+    database's SQLAlchemy engine (None for a schema the request carried)."""
+
+    spec: ConstraintSpec
+    schema: Any
+    dialect: str
+    engine: Any
+
+
+async def sql_target(databases: SQLDatabases | None, sql: SQLConstraint) -> SQLTarget:
+    """The schema, dialect, database (when named) and grammar of a request's `sql` field, from the
+    server's `databases`; the schema work runs off the event loop. Raises APIError (400) naming the
+    field: both or neither of schema and database, an unknown database, a schema that is empty,
+    unparsable or too large, a dialect that disagrees with the named database's."""
+    from agentrt.sql.schema import SchemaError
+    from agentrt.sql.service import schema_from_request, sql_constraint
+
+    if (sql.schema_ is None) == (sql.database is None):
+        raise APIError("sql: give exactly one of schema and database", param="sql")
+    param = "sql.database" if sql.database is not None else "sql.schema"
+    try:
+        if sql.database is not None:
+            db = await asyncio.to_thread((databases or SQLDatabases()).get, sql.database, sql.refresh)
+            if sql.dialect is not None and dialect_name(sql.dialect) != db.dialect:
+                raise SchemaError(f"database {db.name!r} is {db.dialect}, not {sql.dialect}")
+            schema, dialect, engine = db.schema, db.dialect, db.engine
+        else:
+            dialect = dialect_name(sql.dialect or "sqlite")
+            schema = await asyncio.to_thread(schema_from_request, sql.schema_, dialect)
+            engine = None
+        spec = await asyncio.to_thread(sql_constraint, schema, dialect)
+    except SchemaError as e:
+        raise APIError(f"{param}: {e.message}", param=param) from None
+    return SQLTarget(spec, schema, dialect, engine)
+
+
+async def add_sql_checks(result: ServingResult, target: SQLTarget | None) -> ServingResult:
+    """With a `sql` constraint, each choice of a complete chat/completions body gets a `sql_check`
+    ({valid, error, stage, checked_database}: sqlglot in the dialect, the names in the schema, and
+    EXPLAIN on a named database; agentrt/sql/validate.py). Streams are not checked."""
+    if target is None or result.body is None:
+        return result
+    from agentrt.sql.validate import validate
+
+    for choice in result.body["choices"]:
+        query = choice["message"]["content"] if "message" in choice else choice["text"]
+        v = await asyncio.to_thread(validate, query or "", target.schema, target.dialect, target.engine)
+        choice["sql_check"] = {
+            "valid": v.ok,
+            "error": v.error,
+            "stage": v.stage,
+            "checked_database": v.checked_database,
+        }
+    return result
