@@ -215,17 +215,9 @@ class _CommonRequest(SamplingFields):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logit_bias=bias,
-            max_tokens_policy=self._max_tokens_policy(),
+            max_tokens_policy=self.max_tokens_policy,
             speculative=self.speculative,
         )
-
-    def _max_tokens_policy(self) -> str:
-        """The request's max_tokens_policy; with a `sql` constraint and no policy given, "close":
-        the bounded SQL grammar (agentrt/sql/grammar.py) then always ends its query within
-        max_tokens, where "length" would cut it (measured: docs/benchmarks.md, Spider)."""
-        if getattr(self, "sql", None) is not None and "max_tokens_policy" not in self.model_fields_set:
-            return "close"
-        return self.max_tokens_policy
 
     unsupported_fields: ClassVar[tuple[str, ...]] = ("top_logprobs",)
     """Fields refused with a 400 naming them when given a value other than their default, or one
