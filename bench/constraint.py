@@ -1,11 +1,12 @@
 """Constraint engine benchmark.
 
-Part 1 (model-free, JSONSchemaBench sample): per split, compiled / refused rate and p50/p99 compile
-time for agentrt (faithful-schema rewrite + xgrammar), raw xgrammar and llguidance (when installed:
-`pip install llguidance`; its matcher compiles lazily, so its compile time is the matcher's creation)
-on the same tokenizer;
-mask cost per token (fill_next_token_bitmask, p50/p99 us) walking each schema's first valid
-instance. Part 2 (default model): decode tokens/s constrained vs unconstrained at batch 1 and 16,
+Part 1 (model-free): per split (the JSONSchemaBench sample with its instances, the
+JSON-Schema-Test-Suite 2020-12 groups), compiled share before (git HEAD before issue 21, constant
+BEFORE) and now, next to raw xgrammar and llguidance (when installed: `pip install llguidance`; its
+matcher compiles lazily, so its compile time is the matcher's creation) on the same tokenizer;
+agentrt's instance verdicts (right / wrong, conformance.check_schema), p50/p99 compile time, the
+refusals by keyword; mask cost per token (fill_next_token_bitmask, p50/p99 us) walking each
+JSONSchemaBench schema's first valid instance. Part 2 (default model): decode tokens/s constrained vs unconstrained at batch 1 and 16,
 and the share of output tokens forced by jump-forward. Part 3 (model-free): cost of the
 finite-output check (grammars/finite.py) on each JSONSchemaBench schema's EBNF.
 
@@ -64,84 +65,101 @@ def _llguidance(tokenizer):
     return compile_schema, mask_walk
 
 
+# compiled share at git HEAD 8082f53 (before issue 21's automata and object grammars), measured
+# with this script's split definitions: JSONSchemaBench sample 122 of 150, test suite 163 of 383
+BEFORE = {"JSONSchemaBench sample": 122, "JSON-Schema-Test-Suite groups": 163}
+
+
+def _splits():
+    """(split name, [(name, schema, tests)]) for the two conformance splits."""
+    bench = []
+    for f in sorted((SHARED / "jsonschemabench" / "with_tests").glob("*.json")):
+        doc = json.loads(f.read_text())
+        bench.append((f.name, doc["schema"], doc["tests"]))
+    suite = []
+    for f in sorted((SHARED / "json-schema-test-suite").glob("*.json")):
+        for i, g in enumerate(json.loads(f.read_text())):
+            suite.append((f"{f.stem}[{i}]", g["schema"], g["tests"]))
+    return [("JSONSchemaBench sample", bench), ("JSON-Schema-Test-Suite groups", suite)]
+
+
 def part1(tokenizer):
     import xgrammar as xgr
 
+    from agentrt.grammars.conformance import Counts, check_schema
     from agentrt.grammars.json_schema import canonical_json, normalize_schema
     from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
     from agentrt.grammars.xgrammar_backend import GrammarBackend
 
-    backend = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, cache_size=1))
+    backend = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, cache_size=4))
     raw = xgr.GrammarCompiler(backend.info, max_threads=1, cache_enabled=False)
     llg = _llguidance(tokenizer)
-    rows = {}
+    print(
+        "| split | schemas | agentrt before | agentrt after | raw xgrammar | llguidance | "
+        "agentrt verdicts right / wrong | agentrt compile p50 / p99 ms | raw xgrammar p50 / p99 ms | "
+        "llguidance p50 / p99 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     masks = {"agentrt": [], "raw xgrammar": [], "llguidance": []}
-    for f in sorted((SHARED / "jsonschemabench" / "with_tests").glob("*.json")):
-        doc = json.loads(f.read_text())
-        split = f.name.split("__")[0]
-        row = rows.setdefault(
-            split, {"n": 0, "ours_ok": 0, "raw_ok": 0, "llg_ok": 0, "ours_ms": [], "raw_ms": [], "llg_ms": []}
-        )
-        row["n"] += 1
-        t0 = time.perf_counter()
-        try:
-            ours = backend._compile(ConstraintSpec.json_schema(doc["schema"]))
-            row["ours_ok"] += 1
-            row["ours_ms"].append((time.perf_counter() - t0) * 1e3)
-        except ValueError:
-            ours = None
-        t0 = time.perf_counter()
-        try:
-            raw_g = raw.compile_json_schema(
-                json.dumps(doc["schema"]), any_whitespace=False, strict_mode=False
-            )
-            row["raw_ok"] += 1
-            row["raw_ms"].append((time.perf_counter() - t0) * 1e3)
-        except Exception:  # noqa: BLE001 (xgrammar raises several types)
-            raw_g = None
-        llg_g = None
-        if llg is not None:
+    for split, docs in _splits():
+        ours, row = Counts(), {"raw_ok": 0, "llg_ok": 0, "raw_ms": [], "llg_ms": []}
+        for name, schema, tests in docs:
+            c = check_schema(backend, schema, tests, name)
+            ours.add(c)
             t0 = time.perf_counter()
             try:
-                llg_g = llg[0](doc["schema"])
-                row["llg_ok"] += 1
-                row["llg_ms"].append((time.perf_counter() - t0) * 1e3)
-            except Exception:  # noqa: BLE001
-                llg_g = None
-        valid = [t["data"] for t in doc["tests"] if t["valid"]]
-        if ours is None or raw_g is None or not valid:
-            continue
-        text = canonical_json(valid[0], normalize_schema(doc["schema"]).schema)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        for name, compiled in (("agentrt", ours.grammar), ("raw xgrammar", raw_g)):
-            m = xgr.GrammarMatcher(compiled)
-            bm = xgr.allocate_token_bitmask(1, 49152)
-            for t in ids:
+                raw_g = raw.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False)
+                row["raw_ok"] += 1
+                row["raw_ms"].append((time.perf_counter() - t0) * 1e3)
+            except Exception:  # noqa: BLE001 (xgrammar raises several types)
+                raw_g = None
+            llg_g = None
+            if llg is not None:
                 t0 = time.perf_counter()
-                m.fill_next_token_bitmask(bm, 0)
-                masks[name].append((time.perf_counter() - t0) * 1e6)
-                if not m.accept_token(t):
-                    break
-        if llg_g is not None:
-            llg[1](llg_g, ids, masks["llguidance"])
-    print(
-        "| split | schemas | agentrt compiled | raw xgrammar compiled | llguidance compiled | "
-        "agentrt compile p50 / p99 ms | raw xgrammar p50 / p99 ms | llguidance p50 / p99 ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    tot = {k: ([] if k.endswith("_ms") else 0) for k in next(iter(rows.values()))}
-    for split, r in sorted(rows.items()) + [("all", tot)]:
-        if split != "all":
-            for k in tot:
-                tot[k] += r[k]
+                try:
+                    llg_g = llg[0](schema)
+                    row["llg_ok"] += 1
+                    row["llg_ms"].append((time.perf_counter() - t0) * 1e3)
+                except Exception:  # noqa: BLE001
+                    llg_g = None
+            valid = [t["data"] for t in tests if t["valid"]]
+            if not c.compiled or raw_g is None or not valid or split != "JSONSchemaBench sample":
+                continue
+            compiled = backend.compile(ConstraintSpec.json_schema(schema))  # cached by check_schema
+            text = canonical_json(valid[0], normalize_schema(schema).schema)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            for engine, grammar in (("agentrt", compiled.grammar), ("raw xgrammar", raw_g)):
+                m = xgr.GrammarMatcher(grammar)
+                bm = xgr.allocate_token_bitmask(1, 49152)
+                for t in ids:
+                    t0 = time.perf_counter()
+                    m.fill_next_token_bitmask(bm, 0)
+                    masks[engine].append((time.perf_counter() - t0) * 1e6)
+                    if not m.accept_token(t):
+                        break
+            if llg_g is not None:
+                llg[1](llg_g, ids, masks["llguidance"])
+        n = len(docs)
+        right = ours.accepted_valid + ours.rejected_invalid
+        wrong = ours.accepted_invalid + ours.rejected_valid - ours.rejected_valid_escaped
+        ms = [x * 1e3 for x in ours.compile_s]
         print(
-            f"| {split} | {r['n']} | {r['ours_ok']} ({r['ours_ok'] / r['n']:.0%}) | "
-            f"{r['raw_ok']} ({r['raw_ok'] / r['n']:.0%}) | {r['llg_ok']} ({r['llg_ok'] / r['n']:.0%}) | "
-            f"{pct(r['ours_ms'], 0.5):.1f} / {pct(r['ours_ms'], 0.99):.1f} | "
-            f"{pct(r['raw_ms'], 0.5):.1f} / {pct(r['raw_ms'], 0.99):.1f} | "
-            f"{pct(r['llg_ms'], 0.5):.1f} / {pct(r['llg_ms'], 0.99):.1f} |"
+            f"| {split} | {n} | {BEFORE[split]} ({BEFORE[split] / n:.0%}) | {ours.compiled} "
+            f"({ours.compiled / n:.0%}) | {row['raw_ok']} ({row['raw_ok'] / n:.0%}) | "
+            + (f"{row['llg_ok']} ({row['llg_ok'] / n:.0%})" if llg is not None else "not installed")
+            + f" | {right} / {wrong} (+{ours.rejected_valid_escaped} escaped-string limit) | "
+            f"{pct(ms, 0.5):.1f} / {pct(ms, 0.99):.1f} | "
+            f"{pct(row['raw_ms'], 0.5):.1f} / {pct(row['raw_ms'], 0.99):.1f} | "
+            f"{pct(row['llg_ms'], 0.5):.1f} / {pct(row['llg_ms'], 0.99):.1f} |"
         )
-    print("\nmask cost per token (us), walking the first valid instance of every schema all compile:")
+        refusals: dict[str, int] = {}
+        for r in ours.refusals:
+            kw = r.split("keyword '", 1)[1].split("'", 1)[0] if "keyword '" in r else "other"
+            refusals[kw] = refusals.get(kw, 0) + 1
+        print(f"  refused, by keyword: {sorted(refusals.items(), key=lambda kv: -kv[1])}")
+    print(
+        "\nmask cost per token (us), walking the first valid instance of every JSONSchemaBench schema all compile:"
+    )
     print("| engine | tokens | p50 | p99 | max |\n|---|---|---|---|---|")
     for name, xs in masks.items():
         if xs:

@@ -1,29 +1,44 @@
-"""xgrammar compiles in child processes that can be killed at their deadline.
+"""Constraint compiles in child processes that can be killed at their deadline.
 
 xgrammar compiles in C++ without a cancellation point. In a thread, a compile past
 `compile_timeout_s` was answered (400) but kept running: two requests with schemas that take
 minutes (an `anyOf` of 2,000 objects, an object with 5,000 required properties) held the compile
-threads and every new constraint on the server got a 503 for minutes.
+threads and every new constraint on the server got a 503 for minutes. The same held for the
+Python work before the compile (JSON Schema normalization and conversion, regex / Lark -> EBNF,
+tool-call structural tags, the finite-output check), which also holds the GIL: measured with two
+3,000-rule `grammar` constraints and a 10 s limit when only xgrammar's compile ran here, every new
+constraint got a 503 from 38 s to past 97 s, the conversion still running on unkillable threads.
+So the child runs the whole pipeline, `xgrammar_backend.build_constraint` (spec -> grammar ->
+finite check -> compile): the deadline covers all of it (same test: both 400 at 10 and 15 s, every
+new constraint compiled meanwhile).
 
 A `Zygote` is a small single-threaded helper process (`python -m agentrt.grammars.compile_child`)
-holding xgrammar and the tokenizer's `TokenizerInfo`. For each compile it forks a child (a fork of
-a single-threaded process is safe; forking the multi-threaded server is not: a child can inherit a
-lock another thread holds, and hang). The child compiles and sends the compiled grammar back as
-xgrammar's JSON serialization over its own socket, whose other end the zygote hands to the server
-(SCM_RIGHTS). Past the deadline the server kills the child; its CPU time (/proc) tells an
-expensive constraint (400) from a starved one (503). The child lowers its priority to the calling
-compile thread's nice value.
+holding xgrammar, the tokenizer's `TokenizerInfo` and the conversion's modules (loaded once before
+any fork: importing jsonschema alone takes ~2 s). For each compile it forks a child (a fork of a
+single-threaded process is safe; forking the multi-threaded server is not: a child can inherit a
+lock another thread holds, and hang). The child receives the spec (kind, value, strict) and the
+JSON layout options, runs the pipeline, and sends back over its own socket, whose other end the
+zygote hands to the server (SCM_RIGHTS): the compiled grammar as xgrammar's JSON serialization
+with the keywords dropped under best effort and the forced-text bound; or the ConstraintError's
+fields (message, param, keyword, JSON pointer, tool index), raised here as they were; or the
+traceback of an unexpected exception (CompileChildError: a bug, not a 400). Past the deadline the
+server kills the child; its CPU time (/proc) tells an expensive constraint (400) from a starved
+one (503). The child lowers its priority to the calling compile thread's nice value.
 
-Costs, 2-core dev box, SmolLM2's 49k vocabulary: the zygote starts in ~5 s (importing xgrammar
-imports torch) and holds ~260 MB; per compile a fork and the transfers (a small
-JSON Schema: 0.15 s in a child vs 0.05 s in process), and for a 2 MB compiled grammar
-~0.27 s to serialize (in the child) and ~0.14 s to deserialize (here), beside a 0.9 s compile.
-POSIX only; GrammarConfig.compile_in_child turns it off.
+Costs, 2-core dev box, SmolLM2's 49k vocabulary: the zygote starts in ~5 s on an idle box
+(importing xgrammar imports torch), ~2 s more with the conversion's modules, and holds ~300 MB
+(measured on a loaded box, load ~5: 13.2 s and 305 MB RSS vs 8.1 s and 283 MB when it loaded
+xgrammar only); per compile a fork and the transfers (a small JSON Schema, same loaded box: 0.26 s
+in a child vs 0.13 s in process; the spec travels instead of the grammar, so this did not change),
+and for a 2 MB compiled grammar ~0.27 s to serialize (in the child) and ~0.14 s to deserialize
+(here), beside a 0.9 s compile. POSIX only; GrammarConfig.compile_in_child turns it off (the same
+pipeline then runs on the compile thread, unkillable).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import select
@@ -34,11 +49,32 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from typing import NamedTuple
 
 import xgrammar as xgr
 
+from agentrt.errors import ConstraintError
+from agentrt.grammars.finite import ForcedBound
+from agentrt.grammars.spec import ConstraintSpec
+
 _HEADER = struct.Struct("!Q")
-_OK, _ERROR = b"O", b"E"
+_OK, _ERROR, _FAULT = b"O", b"E", b"F"
+
+
+class Built(NamedTuple):
+    """What one constraint compiles to (xgrammar_backend.build_constraint), here or in a child:
+    the compiled grammar, the keywords dropped under best effort ("keyword at /pointer"), and the
+    bound on text the grammar can force (grammars/finite.py; None: unknown)."""
+
+    grammar: xgr.CompiledGrammar
+    not_enforced: list[str]
+    forced_bound: ForcedBound | None
+
+
+class CompileChildError(Exception):
+    """The child failed with an unexpected exception (a bug, not a refusal): its traceback is the
+    message. Deliberately not a RuntimeError/ValueError, so it is not answered as a 400."""
 
 
 class CompileTimeout(Exception):
@@ -77,12 +113,15 @@ class Zygote:
         with self._lock:
             self._ensure_started()
 
-    def compile(self, grammar: xgr.Grammar, deadline: float, nice: int = 0) -> xgr.CompiledGrammar:
-        """`GrammarCompiler(info).compile_grammar(grammar)` in a child at `nice`; `deadline`:
-        time.monotonic() after which the child is killed. Raises CompileTimeout past the deadline,
-        RuntimeError with xgrammar's reason when it refused the grammar (as compiling in process
-        would), or when the child or the zygote died."""
-        request = json.dumps({"nice": nice}).encode() + b"\n" + grammar.serialize_json().encode()
+    def compile(self, spec: ConstraintSpec, ws: dict, deadline: float, nice: int = 0) -> Built:
+        """`xgrammar_backend.build_constraint(spec, ws, GrammarCompiler(info))` in a child at `nice`:
+        all of it (JSON parsing, schema normalization and conversion, the finite check, the
+        compile) is bounded by `deadline`, time.monotonic() after which the child is killed.
+        Raises CompileTimeout past the deadline; the ConstraintError the pipeline raised (message,
+        param, keyword, pointer, tool_index as they were); RuntimeError when the child or the
+        zygote died (or the result could not be loaded); CompileChildError on a bug in the child."""
+        job = {"kind": spec.kind, "value": spec.value, "strict": spec.strict, "ws": ws}
+        request = json.dumps({"nice": nice}).encode() + b"\n" + json.dumps(job, ensure_ascii=False).encode()
         waited = time.monotonic()
         with self._lock:
             try:
@@ -108,10 +147,29 @@ class Zygote:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise CompileTimeout(cpu)
-        if data[:1] == _OK:
-            return xgr.CompiledGrammar.deserialize_json(data[1:].decode(), self.info)
-        if data[:1] == _ERROR:
-            raise RuntimeError(data[1:].decode(errors="replace"))
+        return self._load(data)
+
+    def _load(self, data: bytes) -> Built:
+        """The child's answer: _OK + JSON head line + xgrammar's serialized grammar, _ERROR + the
+        ConstraintError's fields as JSON, _FAULT + a traceback."""
+        kind, body = data[:1], data[1:]
+        if kind == _OK:
+            head, _, grammar_json = body.partition(b"\n")
+            meta = json.loads(head)
+            bound = meta["forced_bound"]
+            grammar = xgr.CompiledGrammar.deserialize_json(grammar_json.decode(), self.info)
+            return Built(grammar, meta["not_enforced"], None if bound is None else ForcedBound(*bound))
+        if kind == _ERROR:
+            f = json.loads(body)
+            raise ConstraintError(
+                f["message"],
+                f["param"],
+                keyword=f["keyword"],
+                pointer=f["pointer"],
+                tool_index=f["tool_index"],
+            )
+        if kind == _FAULT:
+            raise CompileChildError(body.decode(errors="replace"))
         raise RuntimeError("the grammar compile process ended without a result")
 
     def _ensure_started(self) -> socket.socket:
@@ -199,19 +257,23 @@ def _zygote_main(fd: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        _warm_up()
         info = xgr.TokenizerInfo.deserialize_json(
             _recv_exact(sock, _HEADER.unpack(_recv_exact(sock, 8))[0]).decode()
         )
+        # the objects loaded so far are never garbage: children's collections skip them (and do
+        # not write to, so copy, the pages they share with this process)
+        gc.freeze()
         sock.sendall(b"R")  # ready
         while True:
             request = _recv_exact(sock, _HEADER.unpack(_recv_exact(sock, 8))[0])
-            head, _, grammar_json = request.partition(b"\n")
+            head, _, job = request.partition(b"\n")
             parent_end, child_end = socket.socketpair()
             pid = os.fork()
             if pid == 0:
                 sock.close()
                 parent_end.close()
-                _child(info, json.loads(head)["nice"], grammar_json, child_end)
+                _child(info, json.loads(head)["nice"], job, child_end)
             child_end.close()
             socket.send_fds(sock, [str(pid).encode()], [parent_end.fileno()])
             parent_end.close()
@@ -222,20 +284,28 @@ def _zygote_main(fd: int) -> None:
             os.killpg(0, signal.SIGKILL)  # our children too (we lead our own process group)
 
 
-def _child(info: xgr.TokenizerInfo, nice: int, grammar_json: bytes, out: socket.socket) -> None:
+def _warm_up() -> None:
+    """Load once, before any fork, what a compile imports on first use: the backend's pipeline,
+    jsonschema (~2 s: its format checkers build Lark parsers at import), lark, the tool formats;
+    and convert one small schema (the normalizer's lazy set-up). Single-threaded, so forks stay
+    safe. A failure here is left to the compile that meets it."""
+    with contextlib.suppress(Exception):
+        import agentrt.grammars.lark_grammar
+        import agentrt.grammars.tool_calls  # noqa: F401
+        from agentrt.grammars.xgrammar_backend import spec_grammar
+
+        schema = '{"type":"object","properties":{"a":{"type":"string","pattern":"^a"}},"required":["a"]}'
+        spec_grammar(ConstraintSpec("json_schema", schema), [], {"any_whitespace": False, "indent": None})
+
+
+def _child(info: xgr.TokenizerInfo, nice: int, job_json: bytes, out: socket.socket) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if nice:
             with contextlib.suppress(OSError):
                 os.nice(nice)
-        try:
-            grammar = xgr.Grammar.deserialize_json(grammar_json.decode())
-            compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
-            payload = _OK + compiled.serialize_json().encode()
-        except Exception as e:  # noqa: BLE001 (sent to the server, which raises it)
-            payload = _ERROR + str(e).encode(errors="replace")
-        out.sendall(payload)
+        out.sendall(_run_job(info, job_json))
         code = 0
     finally:
         with contextlib.suppress(BaseException):
@@ -243,5 +313,32 @@ def _child(info: xgr.TokenizerInfo, nice: int, grammar_json: bytes, out: socket.
         os._exit(code)
 
 
+def _run_job(info: xgr.TokenizerInfo, job_json: bytes) -> bytes:
+    """The answer to one compile job (the format Zygote._load reads)."""
+    from agentrt.grammars.xgrammar_backend import build_constraint  # (loaded by _warm_up)
+
+    try:
+        job = json.loads(job_json)
+        spec = ConstraintSpec(job["kind"], job["value"], job["strict"])
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        built = build_constraint(spec, job["ws"], compiler)
+        head = json.dumps({"not_enforced": built.not_enforced, "forced_bound": built.forced_bound})
+        return _OK + head.encode() + b"\n" + built.grammar.serialize_json().encode()
+    except ConstraintError as e:
+        fields = {
+            "message": e.message,
+            "param": e.param,
+            "keyword": e.keyword,
+            "pointer": e.pointer,
+            "tool_index": e.tool_index,
+        }
+        return _ERROR + json.dumps(fields, default=str).encode()
+    except Exception as e:  # noqa: BLE001 (a bug: its traceback goes to the server's log)
+        return _FAULT + "".join(traceback.format_exception(e)).encode(errors="replace")
+
+
 if __name__ == "__main__":
-    _zygote_main(int(sys.argv[1]))
+    # (the importable module, so that the backend the children import shares its classes)
+    from agentrt.grammars.compile_child import _zygote_main as main
+
+    main(int(sys.argv[1]))

@@ -4,10 +4,12 @@
 
 - Concurrency: `GrammarConfig.compile_threads` workers (default 1 per 4 cores, at least 1: on the
   2-core development box one compile may use one core while the engine loop keeps the other;
-  xgrammar's own compile threads are 1 per worker for the same reason). A compile past its time
-  limit cannot be interrupted (xgrammar runs it in C++ without a cancellation point): it keeps its
-  thread, a replacement worker takes its place, and while `max_stuck` such compiles still run, new
-  constraints are refused with a ServiceUnavailableError instead of queuing behind them.
+  xgrammar's own compile threads are 1 per worker for the same reason). With `compile_in_child`
+  the whole compile (conversion and finite check included) runs in a child process killed at its
+  limit (grammars/compile_child.py), and the worker is free at once. In process, a compile past its
+  time limit cannot be interrupted (xgrammar runs it in C++ without a cancellation point): it keeps
+  its thread, a replacement worker takes its place, and while `max_stuck` such compiles still run,
+  new constraints are refused with a ServiceUnavailableError instead of queuing behind them.
 - Priority: each worker lowers its own scheduling priority (`os.setpriority` on its native thread
   id: Linux nice values are per thread; threads xgrammar starts inherit it), so the engine loop
   keeps the CPU while grammars compile. Aging against starvation: a compile still queued after

@@ -34,7 +34,8 @@ class GrammarConfig:
     constraints are refused (503) rather than queued behind them.
     compile_queue_timeout_s: a compile still waiting for a thread after this long is answered 503.
     compile_in_child: compile in a child process that is killed at `compile_timeout_s`
-    (grammars/compile_child.py; a helper process of ~260 MB starts with the backend). Off (the
+    (grammars/compile_child.py; a helper process of ~300 MB starts with the backend; the whole
+    pipeline, conversion and finite check included, runs in the child). Off (the
     library default; `agentrt serve` turns it on), a compile past its limit keeps its thread
     until it ends.
     compile_relief_s: a compile still waiting after this long moves to a relief worker at the

@@ -1,6 +1,12 @@
 """The one adapter to xgrammar: compile specs (cached, off the engine loop), make matchers, fill
 and apply token bitmasks.
 
+A compile is `build_constraint`: the spec's text -> xgrammar Grammar (JSON Schema through the
+faithful-schema pass and xgrammar's converter, regex / Lark -> EBNF, tool-call structural tags) ->
+finite-output check (grammars/finite.py) -> xgrammar's compile. With `compile_in_child` all of it
+runs in a child process killed at `compile_timeout_s` (grammars/compile_child.py), so no part of a
+client's constraint runs unbounded in the server process; without, on a compile thread.
+
 Bitmasks are int32 tensors [batch, ceil(vocab_size / 32)]; bit j of a row allows token j.
 Stop ids are set per matcher (`override_stop_tokens`), so no stop/EOS id is allowed before the
 grammar can terminate (xgrammar only admits stop tokens in an accepting state).
@@ -23,10 +29,11 @@ import torch
 import xgrammar as xgr
 
 from agentrt.errors import ConstraintError
-from agentrt.grammars.compile_child import CompileTimeout, Zygote
+from agentrt.grammars.compile_child import Built, CompileTimeout, Zygote
 from agentrt.grammars.compile_queue import CompileQueue, compile_timeout_error
 from agentrt.grammars.finite import ForcedBound, check_finite
 from agentrt.grammars.json_schema import normalize_schema
+from agentrt.grammars.json_schema.nodes import put_nodes, take_nodes
 from agentrt.grammars.regex import regex_to_ebnf, regex_to_json_string_ebnf
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 
@@ -116,9 +123,10 @@ def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict)
     xgrammar's RuntimeError."""
     norm = normalize_schema(schema, best_effort=strict is False, close_objects=strict is True)
     not_enforced.extend(norm.not_enforced)
-    schema, patterns = _take_patterns(norm.schema)
+    schema, nodes = take_nodes(norm.schema, ws)  # subschemas with grammars of our own (json_schema/nodes.py)
+    schema, patterns = _take_patterns(schema)
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
-    return _put_patterns(_fix_bounded_strings(str(grammar)), patterns)
+    return put_nodes(_put_patterns(_fix_bounded_strings(str(grammar)), patterns), nodes, ws)
 
 
 def _clean_error(e: Exception) -> str:
@@ -140,6 +148,73 @@ def _refusal(message: str, cause: Exception) -> ConstraintError:
             message, cause.param, keyword=cause.keyword, pointer=cause.pointer, tool_index=cause.tool_index
         )
     return ConstraintError(message)
+
+
+def whitespace_options(config: GrammarConfig) -> dict:
+    """xgrammar's JSON layout options from `config` (the `ws` argument of `_schema_ebnf`)."""
+    ws = {"any_whitespace": config.any_whitespace, "indent": config.indent}
+    if config.any_whitespace:
+        ws["max_whitespace_cnt"] = config.max_whitespace_cnt
+    return ws
+
+
+def spec_grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
+    """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind).
+    Dropped keywords (best effort) are appended to `not_enforced`. Raises ConstraintError, or
+    xgrammar's RuntimeError / ValueError (build_constraint turns them into ConstraintError)."""
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_ebnf(_schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws))
+    if spec.kind == "tool_calls":
+        from agentrt.grammars.tool_calls import structural_tag
+
+        plan = json.loads(spec.value)
+        args = []
+        for i, t in enumerate(plan["tools"]):
+            dropped: list[str] = []
+            try:
+                ebnf = _schema_ebnf(t["parameters"], t["strict"], dropped, ws)
+                check_finite(ebnf, "root")
+            except (RuntimeError, ValueError) as e:
+                raise _refusal(_clean_error(e), e).in_tool(i, t["name"]) from None
+            not_enforced.extend(f"{d} (tool '{t['name']}')" for d in dropped)
+            args.append(ebnf)
+        return xgr.Grammar.from_structural_tag(json.dumps(structural_tag(plan, args), ensure_ascii=False))
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
+    if spec.kind == "lark":
+        from agentrt.grammars.lark_grammar import lark_to_ebnf
+
+        return xgr.Grammar.from_ebnf(lark_to_ebnf(spec.value), root_rule_name="root")
+    if spec.kind == "regex":
+        # our converter, not xgrammar's from_regex (which ignores anchors inside a pattern:
+        # `ab$c` admits "abc"); a whole-match regex, ^ and $ at its ends optional
+        return xgr.Grammar.from_ebnf(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
+    if spec.kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
+    if spec.kind == "choice":
+        alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
+        return xgr.Grammar.from_ebnf(f"root ::= {alts}")
+    return None
+
+
+def build_constraint(spec: ConstraintSpec, ws: dict, compiler: xgr.GrammarCompiler) -> Built:
+    """All the work of one constraint: the spec's text parsed and converted to an xgrammar Grammar
+    (`spec_grammar`: the faithful-schema normalizer and xgrammar's JSON Schema converter, regex /
+    Lark -> EBNF, tool-call structural tags), the finite-output check and forced-text bound
+    (grammars/finite.py), then `compiler.compile_grammar`. `ws`: `whitespace_options(config)`.
+    GrammarBackend runs it in a compile child that is killed at the deadline
+    (grammars/compile_child.py), or on the compile thread without one. Raises ConstraintError
+    "<kind> constraint cannot be compiled: <reason>", keeping the keyword, JSON pointer and tool
+    index of a schema error."""
+    not_enforced: list[str] = []
+    try:
+        grammar = spec_grammar(spec, not_enforced, ws)
+        if grammar is None:
+            raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
+        bound = check_finite(str(grammar), "root")
+        return Built(compiler.compile_grammar(grammar), not_enforced, bound)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
 
 @dataclass
@@ -175,8 +250,9 @@ class GrammarBackend:
         self._jump_finder = None
         # one xgrammar thread per compile worker: compile concurrency is the worker count
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        # compiles in killable child processes (grammars/compile_child.py); they meet their own
-        # deadline, the queue's limit is a backstop for the Python work around them
+        # the whole pipeline (spec -> grammar -> finite check -> compile) in killable child
+        # processes (grammars/compile_child.py); they meet their own deadline, the queue's limit is
+        # a backstop for the work around them here (sending the spec, loading the result)
         self._zygote = Zygote(info) if config.compile_in_child and hasattr(os, "fork") else None
         grace = 0.5 * config.compile_timeout_s if self._zygote is not None else 0.0
         self._queue = CompileQueue(self._compile, config, grace)
@@ -221,72 +297,27 @@ class GrammarBackend:
         return self.submit(spec).result()
 
     def _compile(self, spec: ConstraintSpec) -> CompiledConstraint:
-        t0 = time.perf_counter()
-        not_enforced: list[str] = []
-        deadline = time.monotonic() + self.config.compile_timeout_s
-        grammar, bound = self._compile_grammar(spec, not_enforced, deadline, time.thread_time())
-        return CompiledConstraint(grammar, not_enforced, time.perf_counter() - t0, bound)
-
-    def _compile_grammar(
-        self, spec: ConstraintSpec, not_enforced: list[str], deadline: float, cpu_start: float
-    ) -> tuple[xgr.CompiledGrammar, ForcedBound | None]:
-        """`deadline` (time.monotonic()) bounds a child-process compile; `cpu_start` is this
-        thread's CPU clock at the start, so a timeout counts the work done here too."""
-        c, cfg = self._compiler, self.config
-        ws = {"any_whitespace": cfg.any_whitespace, "indent": cfg.indent}
-        if cfg.any_whitespace:
-            ws["max_whitespace_cnt"] = cfg.max_whitespace_cnt
-        try:
-            grammar = self._grammar(spec, not_enforced, ws)
-            if grammar is None:
-                raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
-            bound = check_finite(str(grammar), "root")
-            if self._zygote is None:
-                return c.compile_grammar(grammar), bound
+        """On a compile thread: `build_constraint` in a compile child killed at `compile_timeout_s`
+        (its CPU time then tells 400 from 503), or here without one."""
+        t0, cpu_start = time.perf_counter(), time.thread_time()
+        cfg, ws = self.config, whitespace_options(self.config)
+        if self._zygote is None:
+            built = build_constraint(spec, ws, self._compiler)
+        else:
+            deadline = time.monotonic() + cfg.compile_timeout_s
             nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            return self._zygote.compile(grammar, deadline, nice), bound
-        except CompileTimeout as e:  # killed at the deadline: 400, or 503 when it was starved
-            cpu = e.cpu_s + time.thread_time() - cpu_start
-            raise compile_timeout_error(spec.kind, cfg.compile_timeout_s, cpu) from None
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
-
-    @staticmethod
-    def _grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
-        """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind)."""
-        if spec.kind == "json_schema":
-            return xgr.Grammar.from_ebnf(_schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws))
-        if spec.kind == "tool_calls":
-            from agentrt.grammars.tool_calls import structural_tag
-
-            plan = json.loads(spec.value)
-            args = []
-            for i, t in enumerate(plan["tools"]):
-                dropped: list[str] = []
-                try:
-                    ebnf = _schema_ebnf(t["parameters"], t["strict"], dropped, ws)
-                    check_finite(ebnf, "root")
-                except (RuntimeError, ValueError) as e:
-                    raise _refusal(_clean_error(e), e).in_tool(i, t["name"]) from None
-                not_enforced.extend(f"{d} (tool '{t['name']}')" for d in dropped)
-                args.append(ebnf)
-            return xgr.Grammar.from_structural_tag(json.dumps(structural_tag(plan, args), ensure_ascii=False))
-        if spec.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
-        if spec.kind == "lark":
-            from agentrt.grammars.lark_grammar import lark_to_ebnf
-
-            return xgr.Grammar.from_ebnf(lark_to_ebnf(spec.value), root_rule_name="root")
-        if spec.kind == "regex":
-            # our converter, not xgrammar's from_regex (which ignores anchors inside a pattern:
-            # `ab$c` admits "abc"); a whole-match regex, ^ and $ at its ends optional
-            return xgr.Grammar.from_ebnf(f"root ::= {regex_to_ebnf(spec.value)}\n", root_rule_name="root")
-        if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
-        if spec.kind == "choice":
-            alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
-            return xgr.Grammar.from_ebnf(f"root ::= {alts}")
-        return None
+            try:
+                built = self._zygote.compile(spec, ws, deadline, nice)
+            except CompileTimeout as e:  # killed at the deadline: 400, or 503 when it was starved
+                cpu = e.cpu_s + time.thread_time() - cpu_start
+                raise compile_timeout_error(spec.kind, cfg.compile_timeout_s, cpu) from None
+            except RuntimeError as e:  # the child or the helper failed (refusals arrive as ConstraintError)
+                raise ConstraintError(
+                    f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}"
+                ) from None
+        return CompiledConstraint(
+            built.grammar, built.not_enforced, time.perf_counter() - t0, built.forced_bound
+        )
 
     def new_matcher(
         self, compiled: CompiledConstraint, extra_stop_ids: list[int] = (), max_rollback_tokens: int = -1

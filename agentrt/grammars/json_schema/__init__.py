@@ -19,22 +19,47 @@ The pass walks the schema once (`normalize_schema`). Each keyword is
   (`^[a-z]+$` + maxLength 3 -> `^[a-z]{1,3}$`); `format: ipv4` as an exact pattern; draft-04/07
   forms (`exclusiveMinimum: true`, `items: [...]`/`additionalItems`, `definitions`) mapped to 2020-12;
   `propertyNames`/`minProperties`/`maxProperties` dropped when the schema already implies them;
+  `dependentRequired`/`dependentSchemas` as one anyOf branch per choice of present trigger names;
+  `not` of a type set or of `required` as the positive complement;
 - an annotation (`title`, `description`, `default`, `examples`, unknown keywords, formats no
   validator asserts such as `int64`): ignored, as the spec says;
 - unsupported: `UnsupportedSchemaError` naming the keyword and its JSON pointer, unless
   `best_effort=True`, which drops it and lists it in `NormalizedSchema.not_enforced`.
 
-Output subset (all xgrammar enforces exactly, checked by the test suite): every subschema has one
-`type` (or is `anyOf`, `enum`, `$ref` into the output's `$defs`, or `{}`); objects with
-`properties`/`required`/`additionalProperties`/`minProperties`/`maxProperties` and at most one
-`patternProperties` pattern on a closed object; arrays with `prefixItems`/`items`/`minItems`/
-`maxItems`; strings with `minLength`/`maxLength` or `pattern` or `format`; numbers with bounds.
+Output subset (all enforced exactly, checked by the test suite): every subschema has one `type`
+(or is `anyOf`, `enum`, `$ref` into the output's `$defs`, or `{}`); objects with `properties`
+(a `false` one: forbidden), `required`, `additionalProperties`, `patternProperties`,
+`propertyNames` (a string pattern, length range or enum), `minProperties` (at most 1 on an object
+that admits other keys) and `maxProperties`; arrays with `prefixItems`/`items`/`minItems`/
+`maxItems`; strings with `minLength`/`maxLength`, `pattern` (with or without a length range) or
+`format`; numbers with bounds. xgrammar's converter enforces most of it; objects it gets wrong
+(patterns, names, forbidden keys, counts on open objects) and patterns with a length range get
+grammars of our own (nodes.py over automata.py), spliced into its output.
+
+Per keyword (docs: README "Constraints"):
+- enforced: type, enum, const, properties, required, additionalProperties, patternProperties
+  (overlapping patterns need equal schemas), propertyNames (string pattern / length / enum),
+  dependentRequired and dependentSchemas (at most 4 trigger names: 2^4 anyOf branches), allOf,
+  anyOf, $ref (local), prefixItems, items, minItems, maxItems, minLength, maxLength, pattern,
+  minimum/maximum (and exclusive), multipleOf 1, unevaluatedProperties without in-place
+  applicators, format (date, time, date-time, ipv4, hostname, email, uri, uuid, ...);
+- enforced with limits: oneOf (branches provably exclusive, or decided by whole types: the types
+  exactly one branch covers), not (of a type set, of `required`, of a boolean schema),
+  minProperties (> 1 only on closed objects), maxProperties (a repeated key counts twice: stricter),
+  pattern + length (product automaton of at most 4000 states), strings under maxLength take no
+  escapes, keys matched by patterns or names use no escapes, quote, backslash or control
+  characters (stricter), objects of our own grammar are refused with `indent` set;
+- refused: uniqueItems (over more than one item), contains/minContains/maxContains, if/then/else,
+  not of other schemas, multipleOf other than 1, unevaluatedItems, unevaluatedProperties beside
+  applicators, remote/anchor $ref, $dynamicRef, custom metaschemas ($schema), lookaround and
+  backreferences in patterns, case-insensitive key patterns.
 
 Modules: normalizer.py (the walk and its state), refs.py ($ref, allOf merging), combinators.py
 (enum/const, anyOf/oneOf), strings.py (lengths, pattern, formats), numbers.py, arrays.py,
-objects.py, keywords.py (vocabulary), values.py (JSON equality), errors.py (errors, JSON
-Pointers), canonical.py (the grammar's canonical text of a value). Regex handling is in
-grammars/regex.py.
+objects.py, automata.py (regex -> DFA, products, complements), nodes.py (our EBNF for objects and
+strings xgrammar does not enforce exactly), keywords.py (vocabulary), values.py (JSON equality),
+errors.py (errors, JSON Pointers), canonical.py (the grammar's canonical text of a value). Regex
+handling is in grammars/regex.py.
 """
 
 from agentrt.grammars.json_schema.canonical import canonical_json

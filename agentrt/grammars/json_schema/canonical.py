@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
@@ -37,7 +38,8 @@ def canonical_json(value: Any, schema: dict) -> str:
                 child = props.get(k)
                 if child is None:
                     pp = s.get("patternProperties", {})
-                    child = next(iter(pp.values())) if pp else s.get("additionalProperties", {})
+                    hits = [sub for pat, sub in pp.items() if re.search(pat, k)]
+                    child = hits[0] if hits else s.get("additionalProperties", {})
                 inner.append(json.dumps(k, ensure_ascii=False) + ": " + dump(v[k], child))
             return "{" + ", ".join(inner) + "}"
         if isinstance(v, list):

@@ -74,6 +74,9 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
     if kw == "oneOf" and len(live) > 1:
         if _pairwise_disjoint(n, live):
             n.rewrite("oneOf", ptr(pointer, "oneOf"))
+        elif (exact := _exactly_one_by_type(n, live)) is not None:
+            n.rewrite("oneOf", ptr(pointer, "oneOf"))
+            live = exact
         else:
             n.unsupported(
                 "oneOf",
@@ -84,6 +87,75 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
     if not live:
         return UNSAT
     return live[0] if len(live) == 1 else {"anyOf": live}
+
+
+_ALL_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
+
+
+def _pure_types(n: Normalizer, s) -> set | None:
+    """The types a normalized schema admits when it admits every value of them (`{}`, `{"type": t}`
+    or an anyOf of such), else None."""
+    if s == {}:
+        return set(_ALL_TYPES)
+    if set(s) == {"type"} and isinstance(s["type"], str):
+        return {"integer", "number"} if s["type"] == "number" else {s["type"]}
+    if set(s) == {"anyOf"}:
+        out: set = set()
+        for b in s["anyOf"]:
+            t = _pure_types(n, b)
+            if t is None:
+                return None
+            out |= t
+        return out
+    return None
+
+
+def _deref(n: Normalizer, s):
+    """A normalized schema with bare `$ref`s followed to their `$defs` entry; None for an entry
+    still being normalized (its content is not known yet)."""
+    busy = {n.def_names.get(f) for f in n.in_progress}
+    while isinstance(s, dict) and set(s) == {"$ref"}:
+        name = s["$ref"].rsplit("/", 1)[-1]
+        if name in busy or name not in n.defs:
+            return None
+        s = n.defs[name]
+    return s
+
+
+def _exactly_one_by_type(n: Normalizer, live: list):
+    """oneOf whose branches are whole types plus pairwise-disjoint others: the types exactly one
+    branch covers, and each other branch on types no whole-type branch covers. Two equal other
+    branches always match together, so both drop. None when this does not decide it (a type
+    covered once by a whole-type branch and also by another branch would need a negation; integers
+    covered twice but other numbers once have no grammar)."""
+    live = [_deref(n, b) for b in live]
+    if any(b is None for b in live):
+        return None
+    pure, rest = [], []
+    for b in live:
+        t = _pure_types(n, b)
+        (pure if t is not None else rest).append(t if t is not None else b)
+    rest = [b for b in rest if sum(json_equal(b, c) for c in rest) == 1]
+    if not _pairwise_disjoint(n, rest):
+        return None
+    count = {t: sum(t in p for p in pure) for t in _ALL_TYPES}
+    if count["number"] == 1 and count["integer"] != 1:  # non-integral numbers only: no grammar
+        return None
+    out = []
+    for b in rest:
+        ts = types_of(n, b)
+        if ts is None or any(count[t] == 1 for t in ts):
+            return None
+        if any(count[t] >= 2 for t in ts):
+            if not all(count[t] >= 2 for t in ts):
+                return None
+            continue  # every value it admits matches two whole-type branches as well
+        out.append(b)
+    once = [t for t in _ALL_TYPES if count[t] == 1 and t not in ("integer", "number")]
+    if count["integer"] == 1:
+        once.append("number" if count["number"] == 1 else "integer")
+    out += [{"type": t} for t in once]
+    return out or [UNSAT]
 
 
 def _pairwise_disjoint(n: Normalizer, schemas: list) -> bool:
@@ -115,6 +187,9 @@ def types_of(n: Normalizer, s) -> set | None:
 
 def disjoint(n: Normalizer, a, b) -> bool:
     """Provably no instance matches both normalized schemas (False: maybe some does)."""
+    a, b = _deref(n, a) or a, _deref(n, b) or b
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
     ta, tb = types_of(n, a), types_of(n, b)
     if (
         ta is not None
@@ -129,10 +204,12 @@ def disjoint(n: Normalizer, a, b) -> bool:
         pa, pb = a.get("properties", {}), b.get("properties", {})
         for k in set(a.get("required", [])) & set(b.get("required", [])):
             ea, eb = pa.get(k, {}), pb.get(k, {})
-            if disjoint(n, ea, eb):
+            if isinstance(ea, dict) and isinstance(eb, dict) and disjoint(n, ea, eb):
                 return True
         for x, y in ((a, b), (b, a)):
-            closed = y.get("additionalProperties") is False and "patternProperties" not in y
-            if closed and any(k not in y.get("properties", {}) for k in x.get("required", [])):
-                return True
+            closed = y.get("additionalProperties") is False and not y.get("patternProperties")
+            yp = y.get("properties", {})
+            for k in x.get("required", []):
+                if yp.get(k, None if closed else {}) in (None, False):  # y cannot have k
+                    return True
     return False

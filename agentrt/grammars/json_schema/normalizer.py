@@ -25,6 +25,29 @@ from agentrt.grammars.json_schema.refs import merge_all_of, norm_ref
 from agentrt.grammars.json_schema.strings import norm_string
 
 
+def negation(sub):
+    """A positive schema equal to `{"not": sub}` for the forms that have one, else None: a boolean
+    schema, `{}`, `{"type": ...}` (not when it takes integers but not all numbers: the rest would be
+    the non-integral numbers), `{"required": [...]}` (a non-object, or an object lacking one name)."""
+    if sub is False:
+        return True
+    if sub is True or sub == {}:
+        return False
+    if not isinstance(sub, dict):
+        return None
+    if set(sub) == {"type"}:
+        t = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
+        if not t <= set(TYPES) or ("integer" in t and "number" not in t):
+            return None
+        rest = [x for x in TYPES if x not in t and not (x == "integer" and "number" in t)]
+        return {"type": rest} if rest else False
+    if set(sub) == {"required"} and isinstance(sub["required"], list) and sub["required"]:
+        names = list(dict.fromkeys(sub["required"]))
+        others = [x for x in TYPES if x != "object"]
+        return {"anyOf": [{"type": others}] + [{"type": "object", "properties": {k: False}} for k in names]}
+    return None
+
+
 @dataclass
 class NormalizedSchema:
     """`schema`: the rewritten schema (JSON-serializable, 2020-12, in the enforced subset);
@@ -74,7 +97,9 @@ class Normalizer:
         self.validator = cls(root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
         self.defs: dict[str, Any] = {}  # output $defs by name ("d0", ...)
         self.def_names: dict[str, str] = {}  # input fragment -> output $defs name
-        self.in_progress: set[str] = set()  # fragments being normalized / inlined (recursion)
+        self.in_progress: set[str] = set()  # fragments being normalized (recursion)
+        self.inlining: set[str] = set()  # fragments being inlined (refs.inline)
+        self.recursive_inlines = 0  # inlines of a fragment being normalized (bounded)
         self.first_unsat: tuple[str, str] | None = None  # (pointer, its keywords) for the error
         self.not_enforced: list[str] = []
         self.rewritten: list[str] = []
@@ -101,6 +126,15 @@ class Normalizer:
 
     # ---- the walk ----------------------------------------------------------------------------
     def run(self) -> dict:
+        if isinstance(self.root, dict) and isinstance(self.root.get("$schema"), str):
+            from jsonschema.validators import validator_for
+
+            uri = self.root["$schema"]
+            if validator_for(self.root, default=None) is None and "//json-schema.org/" not in uri:
+                # a custom metaschema may turn vocabularies off: what would be enforced is unknown
+                raise UnsupportedSchemaError(
+                    "$schema", "/$schema", f"only the published drafts are supported, not {uri!r}"
+                )
         out = self.norm(self.root, "")
         if out is UNSAT:
             where, kws = self.first_unsat or ("", "")
@@ -144,6 +178,10 @@ class Normalizer:
                 return self.norm(s, pointer)
             if "enum" in s or "const" in s:
                 return norm_enum(self, s, pointer)
+        if "not" in s and (neg := negation(s["not"])) is not None:
+            self.rewrite("not", ptr(pointer, "not"))
+            rest = {k: v for k, v in s.items() if k != "not"}
+            return self.norm({"allOf": [rest, neg]} if neg is not True else rest, pointer)
         self._drop_conditionals(s, pointer)
         if "anyOf" in s or "oneOf" in s:
             return norm_alternatives(self, s, pointer)
@@ -162,7 +200,8 @@ class Normalizer:
         return s
 
     def _drop_conditionals(self, s: dict, pointer: str) -> None:
-        """`not` and `if`/`then`/`else` have no grammar: refused (best-effort: dropped). A lone
+        """`not` (other than `negation`'s forms) and `if`/`then`/`else` have no grammar: refused
+        (best-effort: dropped). A lone
         `if` asserts nothing and is dropped silently, as are `then`/`else` without `if`."""
         if "not" in s:
             self.unsupported("not", ptr(pointer, "not"), "negation cannot be expressed as a grammar")

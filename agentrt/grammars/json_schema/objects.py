@@ -2,80 +2,100 @@
 `propertyNames`, `minProperties`/`maxProperties`, `dependentRequired`/`dependentSchemas`,
 `unevaluatedProperties`.
 
-Rewrites (each sound: the output admits only instances of the input):
-- a `required` name missing from `properties` gets the `additionalProperties` schema;
+Rewrites (each exact unless said otherwise; the output is a JSON Schema equivalent to the input,
+in the subset the grammar enforces: xgrammar's converter, or our own object grammar in nodes.py):
+- a named property gets the schemas of the patterns its name matches (allOf), and of
+  `propertyNames`' verdict on the name: a name that no value may take becomes `"k": false`
+  (forbidden; `required` then makes the object unsatisfiable);
+- a `required` name missing from `properties` gets the schemas of the patterns it matches, or the
+  `additionalProperties` schema;
 - a `patternProperties` pattern every name matches applies to every property: merged into each
-  named one and used as `additionalProperties`;
-- one other pattern is kept only on a closed object when it matches no named property;
-- `propertyNames` holds by construction on a closed object whose names all satisfy it;
-- `minProperties`/`maxProperties` are dropped when the closed shape implies them;
-- `dependentRequired` on a closed object (at most 4 entries) becomes one `anyOf` branch per
-  choice of which trigger properties appear;
-- `unevaluatedProperties: false` without `additionalProperties` closes the object.
+  named one and used as `additionalProperties`; the other patterns stay, with exact key languages
+  (automata.py): patterns whose keys overlap must have the same schema (or `{}`), else refused;
+- `propertyNames` holds by construction for named properties and is kept for the others when it is
+  a string pattern, a length range or an enum (else refused);
+- `minProperties`/`maxProperties` are dropped when the shape implies them; on an object that admits
+  other keys, `maxProperties` is kept (our grammar counts members) and `minProperties` is kept up to
+  1 (refused above: a repeated key counts once when parsed, so a member count cannot bound it);
+- `dependentRequired`/`dependentSchemas` (at most 4 trigger names) become one `anyOf` branch per
+  choice of which trigger names appear (absent: `"k": false`; present: required, with its
+  dependents or its schema);
+- `unevaluatedProperties` on a schema without in-place applicators (they are merged before this;
+  `allOf`/`$ref` with it are refused in refs.py) is `additionalProperties` when that is absent, a
+  no-op otherwise.
 Anything else is refused naming the keyword (UnsupportedSchemaError or, best-effort, reported).
 """
 
 from __future__ import annotations
 
-import copy
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agentrt.grammars.json_schema.automata import AutomatonError, alphabet, build
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
-from agentrt.grammars.regex import as_fullmatch, has_unsupported_feature, matches_every_key, unconvertible
+from agentrt.grammars.json_schema.nodes import key_components
+from agentrt.grammars.json_schema.refs import inline
+from agentrt.grammars.regex import matches_every_key
 
 if TYPE_CHECKING:
     from agentrt.grammars.json_schema.normalizer import Normalizer
 
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
-_MAX_DEPENDENT_REQUIRED = 4  # 2^4 branches
-
-
-@dataclass
-class _Shape:
-    """An object subschema on its way out: `props` (normalized named properties), `required`
-    names, `ap` (the normalized additionalProperties schema; UNSAT: no additional property),
-    `patterns` (patternProperties not yet handled), `out_pp` (the one pattern kept)."""
-
-    required: list[str]
-    ap: Any
-    patterns: dict
-    props: dict = field(default_factory=dict)
-    out_pp: dict = field(default_factory=dict)
+MAX_DEPENDENCIES = 4  # 2^4 anyOf branches
 
 
 def norm_object(n: Normalizer, s: dict, pointer: str):
     """The object branch of subschema `s`."""
+    if s.get("dependentRequired") or s.get("dependentSchemas"):
+        return _dependencies(n, s, pointer)
     ap_raw = s.get("additionalProperties")
+    if ap_raw is None and "unevaluatedProperties" in s:
+        ap_raw = s["unevaluatedProperties"]  # no in-place applicator evaluated anything else
+        n.rewrite("unevaluatedProperties", ptr(pointer, "unevaluatedProperties"))
     if ap_raw is None:
         ap = UNSAT if n.close_objects else {}
     else:
         ap = n.norm(ap_raw, ptr(pointer, "additionalProperties"))
-    shape = _Shape(list(dict.fromkeys(s.get("required", []))), ap, dict(s.get("patternProperties") or {}))
-    _check_names(s, shape.required, pointer)
-    if not _named_properties(n, s, shape, pointer) or not _universal_patterns(n, s, shape, pointer):
+    required = list(dict.fromkeys(s.get("required", [])))
+    _check_names(s, required, pointer)
+    patterns = _checked_patterns(n, s, pointer)
+    universal = [p for p in patterns if matches_every_key(p, strict=ap is UNSAT)]
+    if universal:  # they apply to every property: additionalProperties never does
+        n.rewrite("patternProperties", ptr(pointer, "patternProperties"))
+        where = ptr(pointer, "patternProperties", *universal[:1]) if len(universal) == 1 else pointer
+        ap = _all_of(n, [patterns[p] for p in universal], where)
+    pn_ok = _names_check(n, s)
+    props: dict[str, Any] = {}
+    for k in list(s.get("properties", {})) + [k for k in required if k not in s.get("properties", {})]:
+        prop = _named(n, s, k, patterns, ap, pointer) if pn_ok(k) else UNSAT
+        if prop is UNSAT:
+            if k in required:
+                return UNSAT
+            props[k] = False
+        else:
+            props[k] = prop
+    out_pp = {}
+    for p, sub in patterns.items():
+        if p not in universal:
+            v = _all_of(n, [sub] + [patterns[u] for u in universal], ptr(pointer, "patternProperties", p))
+            out_pp[p] = False if v is UNSAT else v
+    out: dict = {"type": "object", "properties": props}
+    if required:
+        out["required"] = required
+    if out_pp:
+        out["patternProperties"] = out_pp
+    out["additionalProperties"] = False if ap is UNSAT else ap
+    if "propertyNames" in s and (out_pp or ap is not UNSAT):
+        _property_names(n, s, out, pointer)
+    if out.get("patternProperties"):
+        _check_overlaps(n, out, pointer)
+    others = bool(out.get("patternProperties")) or out["additionalProperties"] is not False
+    if not others:  # closed: a forbidden name cannot appear anyway
+        out["properties"] = {k: v for k, v in props.items() if v is not False}
+    if not _property_counts(n, s, required, others, out, pointer):
         return UNSAT
-    _one_pattern(n, shape, pointer)
-    if not _fill_required(n, shape, pointer):
-        return UNSAT
-    closed = shape.ap is UNSAT and not shape.out_pp
-    dep_required = _dependencies(n, s, shape, closed, pointer)
-    _unevaluated(n, s, ap_raw is None, shape, pointer)
-    _property_names(n, s, shape, pointer)
-    out: dict = {"type": "object"}
-    if not _property_counts(n, s, shape, closed, out, pointer):
-        return UNSAT
-    out["properties"] = shape.props
-    if shape.required:
-        out["required"] = [k for k in shape.required if k in shape.props]
-    if shape.out_pp:
-        out["patternProperties"] = shape.out_pp
-    out["additionalProperties"] = False if shape.ap is UNSAT else shape.ap
-    if not dep_required:
-        return out
-    return _dependent_branches(n, out, dep_required, pointer)
+    return out
 
 
 def _check_names(s: dict, required: list[str], pointer: str) -> None:
@@ -88,193 +108,176 @@ def _check_names(s: dict, required: list[str], pointer: str) -> None:
             )
 
 
-def _named_properties(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> bool:
-    """Normalize `properties` into shape.props; False when a required one admits nothing."""
-    for k, v in s.get("properties", {}).items():
-        prop = n.norm(v, ptr(pointer, "properties", k))
-        if prop is UNSAT:
-            if k in shape.required:
-                return False
-            if shape.ap is not UNSAT:
-                n.unsupported(
-                    "properties",
-                    ptr(pointer, "properties", k),
-                    "a forbidden property on an open object is not supported",
-                )
+def _checked_patterns(n: Normalizer, s: dict, pointer: str) -> dict:
+    """`patternProperties` whose patterns have automata (the others refused, or dropped under
+    best-effort)."""
+    out = {}
+    for p, sub in (s.get("patternProperties") or {}).items():
+        try:
+            build([("search", p)], alphabet((p,)))
+        except AutomatonError as e:
+            n.unsupported("patternProperties", ptr(pointer, "patternProperties", p), str(e))
             continue
-        shape.props[k] = prop
-    return True
+        out[p] = sub
+    return out
 
 
-def _universal_patterns(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> bool:
-    """Patterns every key matches: their schema holds for every property, additionalProperties
-    never applies. False when a required property no longer admits anything."""
-    named = s.get("properties", {})
-    for pat in [p for p in shape.patterns if matches_every_key(p, strict=shape.ap is UNSAT)]:
-        sub = shape.patterns.pop(pat)
-        n.rewrite("patternProperties", ptr(pointer, "patternProperties", pat))
-        every = n.norm(sub, ptr(pointer, "patternProperties", pat))
-        for k in list(shape.props):
-            merged = n.norm({"allOf": [named.get(k, True), sub]}, ptr(pointer, "properties", k))
-            if merged is UNSAT:
-                if k in shape.required:
-                    return False
-                del shape.props[k]
-            else:
-                shape.props[k] = merged
-        shape.ap = every
-    return True
+def _all_of(n: Normalizer, parts: list, pointer: str):
+    """The normalized intersection of raw schemas `parts`."""
+    if len(parts) == 1:
+        return n.norm(parts[0], pointer)
+    merged = inline(n, {"allOf": parts}, pointer)
+    return UNSAT if merged is False else n.norm(merged, pointer)
 
 
-def _one_pattern(n: Normalizer, shape: _Shape, pointer: str) -> None:
-    """The remaining patternProperties: one pattern on a closed object that matches no named
-    property is enforced; anything else is refused."""
-    if not shape.patterns:
-        return
-    pat, sub = next(iter(shape.patterns.items()))
-    if (
-        len(shape.patterns) == 1
-        and shape.ap is UNSAT
-        and _matches_no_name(pat, list(shape.props) + shape.required)
-    ):
-        schema = n.norm(sub, ptr(pointer, "patternProperties", pat))
-        if schema is not UNSAT:
-            shape.out_pp = {as_fullmatch(pat): schema}
-    else:
-        n.unsupported(
-            "patternProperties",
-            ptr(pointer, "patternProperties"),
-            "supported only as one pattern on a closed object "
-            "(additionalProperties: false) that matches no named property, or as a "
-            "pattern every name matches",
-        )
-
-
-def _matches_no_name(pat: str, names: list[str]) -> bool:
-    """`pat` has a grammar and an ECMA search for it matches none of `names`."""
-    if has_unsupported_feature(pat):
-        return False
-    full = as_fullmatch(pat)
-    if full is None or unconvertible(full):
-        return False
-    try:
-        return not any(re.search(pat, k) for k in names)
-    except re.error:
-        return False
-
-
-def _fill_required(n: Normalizer, shape: _Shape, pointer: str) -> bool:
-    """Required names missing from `properties` get the additionalProperties schema; False when
-    the object is closed to them."""
-    for k in shape.required:
-        if k not in shape.props:
-            if shape.ap is UNSAT:
-                if shape.out_pp:
-                    n.unsupported(
-                        "required", ptr(pointer, "required"), f"required '{k}' must be a named property"
-                    )
-                    continue
-                return False
-            shape.props[k] = shape.ap
-            n.rewrite("required", ptr(pointer, "required"))
-    return True
-
-
-def _dependencies(n: Normalizer, s: dict, shape: _Shape, closed: bool, pointer: str) -> dict:
-    """The `dependentRequired` entries that can apply (enforced later by branching); refuses
-    `dependentSchemas` and what branching cannot express."""
-    dep_required = {
-        k: list(v) for k, v in (s.get("dependentRequired") or {}).items() if k in shape.props or not closed
-    }
-    if s.get("dependentSchemas") and any(k in shape.props or not closed for k in s["dependentSchemas"]):
-        n.unsupported(
-            "dependentSchemas", ptr(pointer, "dependentSchemas"), "schema dependencies are not supported"
-        )
-    if dep_required and (not closed or len(dep_required) > _MAX_DEPENDENT_REQUIRED):
-        n.unsupported(
-            "dependentRequired",
-            ptr(pointer, "dependentRequired"),
-            "supported on closed objects (additionalProperties: false), at most 4 entries",
-        )
-        return {}
-    return dep_required
-
-
-def _unevaluated(n: Normalizer, s: dict, ap_absent: bool, shape: _Shape, pointer: str) -> None:
-    if "unevaluatedProperties" not in s:
-        return
-    up = s["unevaluatedProperties"]
-    if up is False and ap_absent and not shape.patterns:
-        shape.ap = UNSAT
-        n.rewrite("unevaluatedProperties", ptr(pointer, "unevaluatedProperties"))
-    elif up is not True and up != {}:
-        n.unsupported("unevaluatedProperties", ptr(pointer, "unevaluatedProperties"), "not supported")
-
-
-def _property_names(n: Normalizer, s: dict, shape: _Shape, pointer: str) -> None:
+def _names_check(n: Normalizer, s: dict):
+    """name -> may a property have this name (`propertyNames`)?"""
     if "propertyNames" not in s:
+        return lambda k: True
+    v = n.validator.evolve(schema=s["propertyNames"])
+    return v.is_valid
+
+
+def _named(n: Normalizer, s: dict, k: str, patterns: dict, ap, pointer: str):
+    """The normalized schema of property `k`: its own (or additionalProperties') with the schemas of
+    the patterns its name matches."""
+    parts = [re_sub for p, re_sub in patterns.items() if re.search(p, k)]
+    own = s.get("properties", {})
+    p_ptr = ptr(pointer, "properties", k)
+    if k in own:
+        parts.insert(0, own[k])
+    elif not parts:
+        if k in s.get("required", []) and k not in own:
+            n.rewrite("required", ptr(pointer, "required"))
+        return ap  # already normalized (UNSAT when closed)
+    if len(parts) > 1:
+        n.rewrite("patternProperties", ptr(pointer, "patternProperties"))
+    return _all_of(n, parts, p_ptr)
+
+
+def _property_names(n: Normalizer, s: dict, out: dict, pointer: str) -> None:
+    """Keep `propertyNames` (normalized to its string part) for the keys outside `properties`."""
+    where = ptr(pointer, "propertyNames")
+    pn = n.norm(s["propertyNames"], where)
+    if pn is UNSAT:  # no name is allowed: only the named properties that passed remain possible
+        out.pop("patternProperties", None)
+        out["additionalProperties"] = False
         return
-    sub = n.validator.evolve(schema=s["propertyNames"])
-    if shape.ap is UNSAT and all(sub.is_valid(k) for k in shape.props):
-        n.rewrite("propertyNames", ptr(pointer, "propertyNames"))
-        if shape.out_pp:
-            n.unsupported(
-                "propertyNames",
-                ptr(pointer, "propertyNames"),
-                "propertyNames beside patternProperties is not supported",
-            )
-    else:
+    pn = _string_part(pn)
+    if pn == {}:
+        return
+    try:
+        if pn is UNSAT:
+            raise ValueError("no string")
+        comps = key_components(pn)
+        build(comps, alphabet(tuple(r for kind, r in comps if kind in ("regex", "search"))))
+    except (ValueError, AutomatonError) as e:
         n.unsupported(
-            "propertyNames",
-            ptr(pointer, "propertyNames"),
-            "supported only on closed objects whose named properties all satisfy it",
+            "propertyNames", where, f"propertyNames must be a string pattern, length range or enum ({e})"
         )
+        return
+    n.rewrite("propertyNames", where)
+    out["propertyNames"] = pn
 
 
-def _property_counts(n: Normalizer, s: dict, shape: _Shape, closed: bool, out: dict, pointer: str) -> bool:
+def _string_part(pn):
+    """The part of a normalized schema that applies to strings (keys): {} (all), UNSAT (none),
+    or one string / enum schema; anything else is returned as is (refused by the caller)."""
+    branches = pn["anyOf"] if "anyOf" in pn and len(pn) == 1 else [pn]
+    keep = []
+    for b in branches:
+        if "enum" in b:
+            words = [v for v in b["enum"] if isinstance(v, str)]
+            if words:
+                keep.append({"enum": words})
+        elif b.get("type") == "string" or b == {}:
+            keep.append(b)
+        elif "type" not in b:
+            return pn
+    if not keep:
+        return UNSAT
+    if any(b == {} or b == {"type": "string"} for b in keep):
+        return {}
+    return keep[0] if len(keep) == 1 else {"anyOf": keep}
+
+
+def _check_overlaps(n: Normalizer, out: dict, pointer: str) -> None:
+    """Refuse patterns whose key languages overlap (outside the named properties) with different
+    schemas: the overlap would need both at once."""
+    pats = list(out["patternProperties"].items())
+    for i in range(len(pats)):
+        for j in range(i + 1, len(pats)):
+            (pi, vi), (pj, vj) = pats[i], pats[j]
+            if vi == vj or vi == {} or vj == {}:
+                continue
+            try:
+                dfa = build(
+                    [("search", pi), ("search", pj), ("words", list(out["properties"]))], alphabet((pi, pj))
+                )
+            except AutomatonError as e:
+                n.unsupported("patternProperties", ptr(pointer, "patternProperties"), str(e))
+                return
+            if any({0, 1} <= lab and 2 not in lab for lab in dfa.labels):
+                n.unsupported(
+                    "patternProperties",
+                    ptr(pointer, "patternProperties", pj),
+                    f"names matching both {pi!r} and {pj!r} would need both schemas at once",
+                )
+                out["patternProperties"].pop(pj, None)
+
+
+def _property_counts(n: Normalizer, s: dict, required: list, others: bool, out: dict, pointer: str) -> bool:
     """minProperties/maxProperties into `out` unless the shape implies them; False when none fits."""
-    n_req = len(shape.required)
+    n_req = len(required)
+    named = [k for k, v in out["properties"].items() if v is not False]
     lo, hi = s.get("minProperties"), s.get("maxProperties")
     if lo is not None and int(lo) > n_req:
-        if closed and int(lo) > len(shape.props):
+        if not others and int(lo) > len(named):
             return False
-        if not closed:  # the grammar may repeat an additional key, which counts once when parsed
+        if others and int(lo) > 1:  # the grammar may repeat an additional key, which counts once when parsed
             n.unsupported(
                 "minProperties",
                 ptr(pointer, "minProperties"),
-                "minProperties beyond the required properties is supported on closed objects only",
+                "minProperties over 1 (beyond the required properties) is supported on closed objects only",
             )
         else:
             out["minProperties"] = int(lo)
     if hi is not None:
         if int(hi) < n_req:
             return False
-        if not (closed and int(hi) >= len(shape.props)):
+        if others or int(hi) < len(named):
             out["maxProperties"] = int(hi)
     return True
 
 
-def _dependent_branches(n: Normalizer, out: dict, dep_required: dict, pointer: str):
-    """dependentRequired on a closed object: one branch per choice of which trigger properties
-    appear (absent: dropped from properties; present: required with its dependents)."""
-    n.rewrite("dependentRequired", ptr(pointer, "dependentRequired"))
+def _dependencies(n: Normalizer, s: dict, pointer: str):
+    """dependentRequired / dependentSchemas: one branch per choice of which trigger names appear."""
+    dr = dict(s.get("dependentRequired") or {})
+    ds = dict(s.get("dependentSchemas") or {})
+    base = {k: v for k, v in s.items() if k not in ("dependentRequired", "dependentSchemas", "type")}
+    base["type"] = "object"
+    triggers = list(dict.fromkeys(list(dr) + list(ds)))
+    kw = "dependentRequired" if dr else "dependentSchemas"
+    if len(triggers) > MAX_DEPENDENCIES:
+        n.unsupported(kw, ptr(pointer, kw), f"at most {MAX_DEPENDENCIES} trigger properties are supported")
+        return n.norm(base, pointer)
+    for k in dr:
+        n.rewrite("dependentRequired", ptr(pointer, "dependentRequired", k))
+    for k in ds:
+        n.rewrite("dependentSchemas", ptr(pointer, "dependentSchemas", k))
     branches = []
-    for mask in range(1 << len(dep_required)):
-        b = copy.deepcopy(out)
-        req = list(b.get("required", []))
-        ok = True
-        for bit, (k, deps) in enumerate(dep_required.items()):
+    for mask in range(1 << len(triggers)):
+        parts = [base]
+        for bit, k in enumerate(triggers):
             if mask >> bit & 1:
-                if any(d not in b["properties"] for d in [k, *deps]):
-                    ok = False
-                req += [k, *deps]
-            elif k in req:
-                ok = False
+                parts.append({"required": [k, *dr.get(k, [])]})
+                if k in ds:
+                    parts.append(ds[k])
             else:
-                b["properties"].pop(k, None)
-        if ok:
-            req = list(dict.fromkeys(req))
-            b["required"] = [k for k in b["properties"] if k in req]
+                parts.append({"properties": {k: False}})
+        merged = inline(n, {"allOf": parts}, pointer)
+        b = UNSAT if merged is False else n.norm(merged, pointer)
+        if b is not UNSAT:
             branches.append(b)
     if not branches:
         return UNSAT

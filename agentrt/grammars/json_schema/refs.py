@@ -11,6 +11,7 @@ keyword) and its pointer.
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from agentrt.grammars.json_schema.normalizer import Normalizer
 
 _MAX_MERGE_DEPTH = 32
+_MAX_RECURSIVE_INLINES = 8
 _DISJOINT = object()  # two values of one keyword that no instance satisfies together
 _TIGHTER = {
     **dict.fromkeys(("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"), max),
@@ -93,15 +95,20 @@ def inline(n: Normalizer, s, pointer: str, depth: int = 0):
         raise UnsupportedSchemaError("allOf", pointer, "allOf/$ref nesting is too deep to merge")
     if "$ref" in s:
         frag, target = resolve(n, s.pop("$ref"), ptr(pointer, "$ref"))
-        if frag in n.in_progress:
+        # a target being inlined right now would inline itself forever; one being normalized
+        # (an enclosing $defs entry) is inlined once more, within a budget (a recursive schema
+        # merged with siblings unrolls one level per merge)
+        if frag in n.inlining or (frag in n.in_progress and n.recursive_inlines >= _MAX_RECURSIVE_INLINES):
             raise UnsupportedSchemaError(
                 "allOf", pointer, "merging a recursive $ref with sibling keywords is not supported"
             )
-        n.in_progress.add(frag)
+        if frag in n.in_progress:
+            n.recursive_inlines += 1
+        n.inlining.add(frag)
         try:
             target = inline(n, target, "#" + frag, depth + 1)
         finally:
-            n.in_progress.discard(frag)
+            n.inlining.discard(frag)
         if target is False:
             return False
         s = {"allOf": [target, s]} if any(k in KNOWN for k in s) else target
@@ -131,6 +138,15 @@ def merge(a: dict, b: dict, pointer: str):
         b.pop("prefixItems", None)
     if "properties" in a or "properties" in b:
         out["properties"] = _merged_properties(a, b)
+    for x, y in ((a, b), (b, a)):
+        # keys a pattern of x matches that y does not name get y's additionalProperties
+        if x.get("patternProperties") and not json_equal(x["patternProperties"], y.get("patternProperties")):
+            ap = y.get("additionalProperties")
+            out["patternProperties"] = {
+                p: ({"allOf": [v, ap]} if _restricts(ap) else v) for p, v in x["patternProperties"].items()
+            }
+            a.pop("patternProperties", None)
+            b.pop("patternProperties", None)
     for k in list(a) + [k for k in b if k not in a]:  # a fixed order: the first conflict is reported
         if k not in KNOWN or k in ("properties", "prefixItems"):
             continue
@@ -146,11 +162,24 @@ def merge(a: dict, b: dict, pointer: str):
 
 def _refuse_unmergeable(a: dict, b: dict, pointer: str) -> None:
     # object keywords interact: a property of one side is "additional" to the other
+    if (
+        a.get("patternProperties")
+        and b.get("patternProperties")
+        and not json_equal(a["patternProperties"], b["patternProperties"])
+    ):
+        raise UnsupportedSchemaError(
+            "allOf", pointer, "merging two different patternProperties in one allOf is not supported"
+        )
     for x, y in ((a, b), (b, a)):
-        if "patternProperties" in x and ("properties" in y or "additionalProperties" in y):
-            raise UnsupportedSchemaError(
-                "allOf", pointer, "merging patternProperties across allOf branches is not supported"
-            )
+        if x.get("patternProperties") and _restricts(y.get("additionalProperties")):
+            for k in y.get("properties", {}):
+                if _matching(x, k):
+                    raise UnsupportedSchemaError(
+                        "allOf",
+                        pointer,
+                        f"property '{k}' matches a patternProperties pattern of another allOf branch "
+                        "that has additionalProperties",
+                    )
     for k in ("unevaluatedProperties", "unevaluatedItems"):
         if any(k in x and x[k] is not True and x[k] != {} for x in (a, b)):
             raise UnsupportedSchemaError(
@@ -169,6 +198,19 @@ def _merged_prefix_items(a: dict, b: dict) -> list:
     return [{"allOf": [at(a, i), at(b, i)]} for i in range(n)]
 
 
+def _restricts(ap) -> bool:
+    return ap is not None and ap is not True and ap != {}
+
+
+def _matching(side: dict, k: str) -> bool:
+    """Does a patternProperties pattern of `side` match name `k` (then its additionalProperties
+    does not apply to k)?"""
+    try:
+        return any(re.search(p, k) for p in side.get("patternProperties") or {})
+    except re.error:
+        raise UnsupportedSchemaError("patternProperties", "", "a pattern Python cannot parse") from None
+
+
 def _merged_properties(a: dict, b: dict) -> dict:
     """Every property either side names, with the other side's `additionalProperties` (when it
     restricts anything) where the other side does not name it."""
@@ -180,7 +222,7 @@ def _merged_properties(a: dict, b: dict) -> dict:
             sp = side.get("properties", {})
             if k in sp:
                 parts.append(sp[k])
-            elif "additionalProperties" in side and side["additionalProperties"] is not True:
+            elif _restricts(side.get("additionalProperties")) and not _matching(side, k):
                 parts.append(side["additionalProperties"])
         props[k] = parts[0] if len(parts) == 1 else {"allOf": parts}
     return props

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from agentrt.grammars.json_schema.automata import AutomatonError, alphabet, build
 from agentrt.grammars.json_schema.errors import ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
 from agentrt.grammars.regex import (
@@ -172,15 +173,28 @@ def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
         if bounded is None and width_within(full, lo or 0, hi):
             bounded = full  # every match already has an allowed length
         if bounded is None:
-            kw = "maxLength" if hi is not None else "minLength"
-            n.unsupported(
-                kw,
-                ptr(pointer, kw),
-                f"'{kw}' beside a pattern that is not one repeated character class is not supported",
-            )
-            out["pattern"] = full
-            return out
+            return _pattern_with_length(n, full, lo or 0, hi, pointer)
         n.rewrite("pattern", ptr(pointer, "pattern"))
         full = bounded
     out["pattern"] = full
+    return out
+
+
+def _pattern_with_length(n: Normalizer, full: str, lo: int, hi, pointer: str):
+    """`pattern` and a length range kept side by side: nodes.py enforces both with the product
+    automaton of the pattern and a length counter (automata.py); refused when it is too large."""
+    kw = "maxLength" if hi is not None else "minLength"
+    try:
+        dfa = build([("regex", full), ("length", (lo, hi))], alphabet((full,)))
+    except AutomatonError as e:
+        n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside this pattern: {e}")
+        return {"type": "string", "pattern": full}
+    if not any(lab == {0, 1} for lab in dfa.labels):
+        return UNSAT
+    n.rewrite(kw, ptr(pointer, kw))
+    out = {"type": "string", "pattern": full}
+    if lo:
+        out["minLength"] = lo
+    if hi is not None:
+        out["maxLength"] = hi
     return out

@@ -1,0 +1,324 @@
+"""EBNF of our own for the subschemas xgrammar's converter does not enforce exactly, spliced into
+its grammar: objects with `patternProperties`, `propertyNames`, forbidden properties (`"k": false`)
+or property counts on an open object, and strings whose `pattern` comes with a length range.
+
+Measured (xgrammar 0.2.9): its converter gives every additional key the `additionalProperties`
+schema even when the key matches a `patternProperties` pattern, ignores `propertyNames`, and drops
+`maxLength` beside `pattern`. These subschemas get exact grammars here (automata.py):
+
+- object: named properties in schema order (each at most once, required ones present), then any
+  number of other members whose key is read by one DFA over the name languages (named keys
+  excluded, `propertyNames` intersected, each pattern region mapped to its schema, the rest to
+  `additionalProperties`); a member counter enforces `maxProperties` (duplicated keys count twice:
+  stricter, never wider) and `minProperties` of at most 1 (any member makes the parsed object
+  non-empty; the normalizer refuses more on an open object, since a repeated key counts once);
+- string: the product DFA of the whole-string pattern and the length range.
+
+Splicing: `take_nodes` swaps each such subschema for `{"anyOf": [{"const": MARKER}, *values]}`
+(its property and pattern values stay schemas xgrammar converts); `put_nodes` finds the rule whose
+first case is the marker and replaces its body with ours, naming the value rules by their cases.
+Keys and pattern strings use raw characters only (no escapes; see automata.py's alphabet).
+Errors: ConstraintError naming the keyword (e.g. with `indent` set, whose layout depends on depth).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from agentrt.errors import ConstraintError
+from agentrt.grammars.json_schema.automata import DFA, alphabet, build, dfa_ebnf, minimize
+from agentrt.grammars.regex import esc_char
+
+_MARKER = "AGENTRTNODE{}X"
+_CASE0 = re.compile(r'^(\w+)_case_0 ::= \(\("\\"AGENTRTNODE(\d+)X\\""\)\)$', re.MULTILINE)
+_DUMMY = {"type": "null"}
+
+
+def needs_node(s: dict) -> bool:
+    """Does normalized subschema `s` need a grammar of ours?"""
+    t = s.get("type")
+    if t == "object":
+        open_ = s.get("additionalProperties", {}) is not False or bool(s.get("patternProperties"))
+        return (
+            bool(s.get("patternProperties"))
+            or "propertyNames" in s
+            or any(v is False for v in s.get("properties", {}).values())
+            or (open_ and ("minProperties" in s or "maxProperties" in s))
+        )
+    return t == "string" and "pattern" in s and ("minLength" in s or "maxLength" in s)
+
+
+def key_components(pn) -> list[tuple[str, object]]:
+    """The automaton components (automata.build) of a normalized `propertyNames` schema: all of
+    them must accept a name. Raises ValueError for a form with no automaton here."""
+    if pn is None or pn == {}:
+        return []
+    if "enum" in pn and len(pn) == 1:
+        return [("words", [v for v in pn["enum"] if isinstance(v, str)])]
+    if pn.get("type") == "string" and set(pn) <= {"type", "pattern", "minLength", "maxLength"}:
+        comps: list = []
+        if "pattern" in pn:
+            comps.append(("regex", pn["pattern"]))
+        if "minLength" in pn or "maxLength" in pn:
+            comps.append(("length", (pn.get("minLength", 0), pn.get("maxLength"))))
+        return comps
+    raise ValueError("propertyNames other than a string pattern, length range or enum")
+
+
+@dataclass
+class _Node:
+    kind: str  # "object" | "string"
+    schema: dict  # the normalized subschema (values replaced by their indices)
+    num_values: int
+
+
+def take_nodes(schema, ws: dict):
+    """`schema` (a normalize_schema output) with every subschema `needs_node` swapped for a marker
+    anyOf, and the list of nodes for `put_nodes`."""
+    nodes: list[_Node] = []
+
+    def walk(s):
+        if isinstance(s, list):
+            return [walk(x) for x in s]
+        if not isinstance(s, dict):
+            return s
+        out = {}
+        for k, v in s.items():
+            if k in ("properties", "patternProperties", "$defs"):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            elif k in ("additionalProperties", "items", "prefixItems", "anyOf", "propertyNames"):
+                out[k] = walk(v)
+            else:
+                out[k] = v
+        if not needs_node(out):
+            return out
+        if ws.get("indent") is not None:
+            kw = "patternProperties" if out["type"] == "object" else "pattern"
+            raise ConstraintError(
+                f"JSON Schema keyword '{kw}' with an object layout of its own cannot be enforced "
+                "with an indented layout (indent)",
+                keyword=kw,
+            )
+        values = []
+        if out["type"] == "object":
+            props = {}
+            for name, sub in out.get("properties", {}).items():
+                if sub is not False:
+                    props[name] = len(values)
+                    values.append(sub)
+                else:
+                    props[name] = None
+            pps, seen = {}, {}
+            for pat, sub in out.get("patternProperties", {}).items():
+                if sub is False:  # names it matches are forbidden
+                    pps[pat] = None
+                    continue
+                key = json.dumps(sub, sort_keys=True)  # equal schemas share one value rule
+                if key not in seen:
+                    seen[key] = len(values)
+                    values.append(sub)
+                pps[pat] = seen[key]
+            trivial = [i for i, v in enumerate(values) if v == {}]
+            ap = out.get("additionalProperties", {})
+            ap_i = None
+            if ap is not False:
+                ap_i = len(values)
+                values.append(ap)
+            layout = {
+                **out,
+                "properties": props,
+                "patternProperties": pps,
+                "additionalProperties": ap_i,
+                "trivial": trivial,
+            }
+        else:
+            layout = out
+        nodes.append(_Node(out["type"], layout, len(values)))
+        return {"anyOf": [{"const": _MARKER.format(len(nodes) - 1)}, *(values or [_DUMMY])]}
+
+    return walk(schema), nodes
+
+
+_ADDL_KEY_RULE = re.compile(r"^(\w*_addl_key\w*) ::= (.*)$", re.MULTILINE)
+_ESCAPE_ALT = '| ("\\\\" basic_escape basic_string_sub)'
+_RAW_KEY_SUB = 'agentrt_raw_key_sub ::= (("\\"") | ([^\\0-\\x1f\\"\\\\\\r\\n] agentrt_raw_key_sub))'
+
+
+def raw_additional_keys(ebnf: str) -> str:
+    """xgrammar's additional-property keys without escapes. Its key rules exclude the named keys by
+    their raw spelling only: measured (0.2.9), `{"\\u0061": "x"}` passed as an additional key where
+    property "a" must be an integer. Without escapes every key has one spelling (stricter: an
+    additional key cannot hold a quote, backslash or control character)."""
+    found = False
+
+    def fix(m: re.Match) -> str:
+        nonlocal found
+        found = True
+        body = m.group(2).replace(" " + _ESCAPE_ALT, "").replace("basic_string_sub", "agentrt_raw_key_sub")
+        return f"{m.group(1)} ::= {body}"
+
+    ebnf = _ADDL_KEY_RULE.sub(fix, ebnf)
+    return ebnf + "\n" + _RAW_KEY_SUB + "\n" if found else ebnf
+
+
+def put_nodes(ebnf: str, nodes: list[_Node], ws: dict) -> str:
+    """Replace each node's marker rule in xgrammar's `ebnf` with its grammar (and make additional
+    keys escape-free: `raw_additional_keys`)."""
+    ebnf = raw_additional_keys(ebnf)
+    if not nodes:
+        return ebnf
+    found = {}
+    for m in _CASE0.finditer(ebnf):
+        found.setdefault(int(m.group(2)), []).append(m.group(1))
+    extra = []
+    for i, node in enumerate(nodes):
+        for prefix in found.get(i) or [None]:
+            line = re.search(rf"^{prefix} ::= \((.*)\)$", ebnf, flags=re.MULTILINE) if prefix else None
+            alts = _alternatives(line.group(1)) if line else []
+            if len(alts) != max(node.num_values, 1) + 1 or alts[0] != f"({prefix}_case_0)":
+                raise ConstraintError("an object or string constraint could not be placed in the grammar")
+            body, rules = _node_ebnf(node, alts[1:], f"{prefix}_n", ws)
+            ebnf = ebnf[: line.start()] + f"{prefix} ::= {body}" + ebnf[line.end() :]
+            extra += rules
+    return ebnf + "\n" + "\n".join(extra) + "\n"
+
+
+def _alternatives(body: str) -> list[str]:
+    """Top-level `|` alternatives of a printed EBNF body (quotes and classes skipped)."""
+    out, depth, start, i, in_str, in_cls = [], 0, 0, 0, False, False
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_str:
+            in_str = c != '"'
+        elif in_cls:
+            in_cls = c != "]"
+        elif c == '"':
+            in_str = True
+        elif c == "[":
+            in_cls = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            out.append(body[start:i].strip())
+            start = i + 1
+        i += 1
+    out.append(body[start:].strip())
+    return out
+
+
+def _lit(text: str) -> str:
+    return '"' + "".join(esc_char(ord(c), False) for c in text) + '"'
+
+
+def _node_ebnf(node: _Node, values: list[str], name: str, ws: dict) -> tuple[str, list[str]]:
+    if node.kind == "string":
+        return _string_ebnf(node.schema, name)
+    return _object_ebnf(node.schema, values, name, ws)
+
+
+def _string_ebnf(s: dict, name: str) -> tuple[str, list[str]]:
+    comps = [("regex", s["pattern"]), ("length", (s.get("minLength", 0), s.get("maxLength")))]
+    dfa = build(comps, alphabet((s["pattern"],)))
+    both = frozenset({0, 1})
+    dfa, outs = minimize(dfa, lambda lab: '"\\""' if lab == both else None)
+    lines, live = dfa_ebnf(dfa, outs, name)
+    if not live:
+        raise ConstraintError("no string satisfies both the pattern and the length range")
+    return f'("\\"" {name}_0)', lines
+
+
+def _object_ebnf(s: dict, values: list[str], name: str, ws: dict) -> tuple[str, list[str]]:
+    if ws.get("any_whitespace"):
+        gap = f"[ \\n\\t]{{0,{int(ws.get('max_whitespace_cnt', 2))}}}"
+        open_, close, sep, ksep = f'"{{" {gap}', f'{gap} "}}"', f'{gap} "," {gap}', f'{gap} ":" {gap}'
+    else:
+        open_, close, sep, ksep = '"{"', '"}"', '", "', '": "'
+    rules: list[str] = []
+    member = _member_rule(s, values, f"{name}_k", ksep, rules)
+    props = [(k, i) for k, i in s["properties"].items() if i is not None]
+    required = set(s.get("required", []))
+    lo = 1 if s.get("minProperties", 0) >= 1 else 0
+    hi = s.get("maxProperties")
+    top = hi if hi is not None else 1  # counter states: members so far (saturating without a max)
+
+    def nxt(c):
+        return c + 1 if hi is not None else min(c + 1, 1)
+
+    productive: dict[tuple[int, int], bool] = {}
+    # additional members after the named ones: A_c
+    for c in range(top + 1):
+        alts = []
+        if c >= lo:
+            alts.append('""')
+        room = None if hi is None else hi - c
+        if member is not None and (room is None or room > 0):
+            rest = f"({sep} {member})"
+            if c == 0:
+                tail = f"{rest}*" if room is None else (f"{rest}{{0,{room - 1}}}" if room > 1 else '""')
+                alts.append(f"({member} {tail})")
+            else:
+                alts.append(f"{rest}*" if room is None else f"{rest}{{0,{room}}}")
+        productive[(len(props), c)] = bool(alts)
+        if alts:
+            rules.append(f"{name}_{len(props)}_{c} ::= " + " | ".join(alts))
+    for i in range(len(props) - 1, -1, -1):
+        key, vi = props[i]
+        for c in range(top + 1):
+            alts = []
+            if (hi is None or c < hi) and productive[(i + 1, nxt(c))]:
+                lead = "" if c == 0 else f"{sep} "
+                alts.append(f"({lead}{_lit(json.dumps(key))} {ksep} {values[vi]} {name}_{i + 1}_{nxt(c)})")
+            if key not in required and productive[(i + 1, c)]:
+                alts.append(f"{name}_{i + 1}_{c}")
+            productive[(i, c)] = bool(alts)
+            if alts:
+                rules.append(f"{name}_{i}_{c} ::= " + " | ".join(alts))
+    if not productive[(0, 0)]:
+        raise ConstraintError("no object satisfies this schema's property rules")
+    return f"({open_} {name}_0_0 {close})", rules
+
+
+def _member_rule(s: dict, values: list[str], name: str, ksep: str, rules: list[str]) -> str | None:
+    """The rule of one non-named member (key, separator, value), or None when no key can appear."""
+    pats = list(s["patternProperties"].items())
+    pn = key_components(s.get("propertyNames"))
+    comps = [("search", p) for p, _ in pats]
+    comps.append(("words", list(s["properties"])))
+    named = len(pats)
+    pn_ids = frozenset(range(named + 1, named + 1 + len(pn)))
+    comps += pn
+    ap = s["additionalProperties"]
+    if not pats and ap is None:
+        return None
+    sigma = alphabet(tuple(r for kind, r in comps if kind in ("regex", "search")))
+
+    def output(label):
+        if named in label or not pn_ids <= label:
+            return None
+        if any(pats[i][1] is None for i in label if i < named):
+            return None  # a pattern whose schema is false matches: the name is forbidden
+        hit = sorted({pats[i][1] for i in label if i < named})
+        if not hit:
+            return None if ap is None else f'"\\"" {ksep} {values[ap]}'
+        strict = [i for i in hit if i not in s["trivial"]] or hit[:1]
+        if len(strict) > 1:  # the normalizer refuses overlapping patterns with different schemas
+            raise ConstraintError(
+                "overlapping patternProperties with different schemas", keyword="patternProperties"
+            )
+        return f'"\\"" {ksep} {values[strict[0]]}'
+
+    dfa: DFA = build(comps, sigma)
+    dfa, outs = minimize(dfa, output)
+    lines, live = dfa_ebnf(dfa, outs, name)
+    if not live:
+        return None
+    rules += lines
+    rules.append(f'{name} ::= "\\"" {name}_0')
+    return name

@@ -1,0 +1,335 @@
+"""Keywords enforced by our own automata and object grammars (json_schema/automata.py, nodes.py,
+objects.py): model-free random walks through each compiled grammar produce only `jsonschema`-valid
+instances, hand-picked instances get the right verdict, the automata agree with Python's `re`, and
+the rewrites refuse (keyword + JSON pointer) past their bounds."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from agentrt.grammars.conformance import accepts
+from agentrt.grammars.json_schema import UnsupportedSchemaError, canonical_json, normalize_schema
+from agentrt.grammars.json_schema.automata import accepts as dfa_state
+from agentrt.grammars.json_schema.automata import alphabet, build, minimize
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.grammars.xgrammar_backend import GrammarBackend
+
+STOP = 2
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer, 49152, (STOP,), GrammarConfig(compile_timeout_s=300))
+    yield b
+    b.shutdown()
+
+
+def _walk(backend, compiled, tokenizer, rng: random.Random, max_steps: int = 80) -> str | None:
+    """One random path through the grammar: a random allowed token per step, a short structural
+    one (quote, brackets, digits, ...) 70% of the time so strings and containers close, the stop
+    token with probability 0.3 once allowed. Returns the text, or None when the walk did not
+    finish within max_steps."""
+    m = backend.new_matcher(compiled)
+    bm = backend.allocate_bitmask(1)
+    preferred = _preferred(tokenizer)
+    ids = []
+    for _ in range(max_steps):
+        backend.fill_bitmask(m, bm, 0)
+        bits = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[: len(preferred)].astype(bool)
+        if bits[STOP] and (rng.random() < 0.3 or bits.sum() == 1):
+            return tokenizer.decode(ids)
+        bits[STOP] = False
+        allowed = np.flatnonzero(bits)
+        if not len(allowed):
+            return None
+        short = np.flatnonzero(bits & preferred)
+        tok = int(rng.choice(short if len(short) and rng.random() < 0.7 else allowed))
+        assert m.accept_token(tok)
+        ids.append(tok)
+    return None
+
+
+_PREFERRED: dict = {}
+_STRUCTURAL = {
+    '"',
+    "}",
+    "]",
+    ",",
+    ":",
+    " ",
+    "{",
+    "[",
+    "0",
+    "1",
+    "7",
+    "a",
+    "x",
+    "-",
+    "_",
+    "null",
+    "true",
+    '",',
+    '"}',
+}
+
+
+def _preferred(tokenizer) -> np.ndarray:
+    if "v" not in _PREFERRED:
+        _PREFERRED["v"] = np.array([tokenizer.decode([i]) in _STRUCTURAL for i in range(len(tokenizer))])
+    return _PREFERRED["v"]
+
+
+# (schema, valid instances as text, invalid instances as text)
+CASES = {
+    "patternProperties-open": (
+        {"type": "object", "patternProperties": {"^[0-9]+$": {"type": "integer"}}},
+        ['{"12": 3}', '{"a": "x"}', '{"a1": [1]}', "{}"],
+        ['{"12": "x"}', '{"7": 1.5}'],
+    ),
+    "patternProperties-named-and-additional": (
+        {
+            "type": "object",
+            "properties": {"id": {"type": "string"}},
+            "patternProperties": {"^x-": {"type": "boolean"}, "^n_": {"type": "number"}},
+            "additionalProperties": {"type": "null"},
+        },
+        ['{"id": "a", "x-y": true, "n_k": 2, "z": null}', '{"x-n_": true}', '{"xn_": null}'],
+        ['{"id": 1}', '{"x-y": 1}', '{"z": 1}', '{"n_k": null}'],
+    ),
+    "propertyNames": (
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$", "maxLength": 3}},
+        ['{"ab": 1}', "{}", '{"abc": {"x": 1}}'],
+        ['{"abcd": 1}', '{"A": 1}', '{"a1": 2}'],
+    ),
+    "forbidden-property-open": (
+        {"type": "object", "properties": {"a": False, "b": {"type": "integer"}}},
+        ['{"b": 1, "c": "a"}', "{}"],
+        ['{"a": 1}', '{"b": 1, "a": 2}'],
+    ),
+    "dependentRequired-open": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+        ['{"a": 1, "b": 2}', '{"c": 1}', "{}"],
+        ['{"a": 1}', '{"a": 1, "c": 2}'],
+    ),
+    "dependentSchemas-open": (
+        {
+            "type": "object",
+            "dependentSchemas": {"a": {"properties": {"b": {"type": "string"}}, "required": ["b"]}},
+        },
+        ['{"a": 1, "b": "x"}', '{"b": 3}'],
+        ['{"a": 1}', '{"a": 1, "b": 2}'],
+    ),
+    "maxProperties-open": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "maxProperties": 2},
+        ['{"a": 1, "b": 2}', '{"x": 1, "y": 2}', "{}"],
+        ['{"a": 1, "b": 2, "c": 3}', '{"x": 1, "y": 2, "z": 3}'],
+    ),
+    "minProperties-1-open": (
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
+        ['{"q": 1}', '{"q": 1, "r": 2}'],
+        ["{}", '{"q": "s"}'],
+    ),
+    "pattern-with-maxLength": (
+        {"type": "string", "pattern": "^[a-z]+:[0-9]+$", "maxLength": 6},
+        ['"ab:12"', '"a:1"'],
+        ['"abc:123"', '"ab12"', '"a:"'],
+    ),
+    "escaped-named-key": (  # an escaped spelling of a named key is not an additional key
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+        },
+        ['{"a": 1, "b": "x"}'],
+        ['{"\\u0061": "x"}', '{"a": 1, "\\u0061": "x"}'],
+    ),
+    "unevaluatedProperties": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "unevaluatedProperties": {"type": "string"},
+        },
+        ['{"a": 1, "b": "x"}'],
+        ['{"a": 1, "b": 2}'],
+    ),
+    "oneOf-string-or-anything": (
+        {"oneOf": [{"type": "string"}, {}]},
+        ["1", "null", "[1]", '{"k": 1}'],
+        ['"s"'],
+    ),
+    "not-type-and-required": (
+        {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "not": {"required": ["a", "b"]}},
+        ['{"a": 1}', '{"b": "x"}', '{"a": null, "c": 2}'],
+        ['{"a": "s"}', '{"a": 1, "b": 2}'],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verdicts_and_random_walks(backend, tokenizer, name):
+    schema, valid, invalid = CASES[name]
+    compiled = backend.compile(ConstraintSpec.json_schema(schema))
+    validator = jsonschema.Draft202012Validator(schema)
+    normalized = normalize_schema(schema).schema
+    for text in valid:  # fed in the grammar's key order (named properties in schema order)
+        assert validator.is_valid(json.loads(text)), text  # the case itself is right
+        assert accepts(backend, compiled, canonical_json(json.loads(text), normalized)), text
+    for text in invalid:
+        assert not validator.is_valid(json.loads(text)), text
+        assert not accepts(backend, compiled, text), text
+        assert not accepts(backend, compiled, canonical_json(json.loads(text), normalized)), text
+    rng = random.Random(name)
+    done = 0
+    for _ in range(40):
+        text = _walk(backend, compiled, tokenizer, rng)
+        if text is None:
+            continue
+        done += 1
+        value = json.loads(text)
+        assert validator.is_valid(value), (text, next(validator.iter_errors(value)).message)
+    assert done >= 5, f"only {done} of 40 random walks finished"
+
+
+PATTERNS = [
+    "^a[0-9]+$",
+    "b.c",
+    "^x|y$",
+    "(^a$)|(^bc)",
+    r"\d{2}",
+    "^$",
+    "Red|Blue|Black 2",
+    "^[^ab]*$",
+    r"\w+_\s",
+]
+WORDS = [
+    "a12",
+    "xb c",
+    "bxc",
+    "x",
+    "zy",
+    "yz",
+    "a",
+    "bcd",
+    "zzbc",
+    "12",
+    "",
+    "ab3",
+    "Black 2",
+    "Blac",
+    "k_ ",
+    "é_ ",
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_search_automaton_agrees_with_re(pattern):
+    sigma = alphabet((pattern,))
+    dfa, outs = minimize(build([("search", pattern)], sigma), lambda lab: 0 in lab)
+    rng = random.Random(pattern)
+    words = WORDS + ["".join(rng.choice("ab cxy12_é") for _ in range(rng.randint(0, 6))) for _ in range(300)]
+    for w in words:
+        state = dfa_state(dfa, w)
+        if state is None:  # a character outside the alphabet: such keys are never produced
+            continue
+        assert outs[state] == bool(re.search(pattern, w)), (pattern, w)
+
+
+def test_rewrites_keep_an_equivalent_schema():
+    out = normalize_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}
+    ).schema
+    assert len(out["anyOf"]) == 2
+    absent, present = out["anyOf"]
+    assert absent["properties"]["a"] is False and present["required"] == ["a", "b"]
+    out = normalize_schema(
+        {
+            "type": "object",
+            "properties": {"x1": {"minimum": 0}},
+            "patternProperties": {"^x": {"type": "integer"}},
+        }
+    ).schema
+    assert out["properties"]["x1"] == {"type": "integer", "minimum": 0}  # named property gets the pattern
+    assert out["patternProperties"] == {"^x": {"type": "integer"}}
+
+
+@pytest.mark.parametrize(
+    "schema,keyword,pointer",
+    [
+        ({"type": "object", "minProperties": 2}, "minProperties", "/minProperties"),
+        (
+            {"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "string"}}},
+            "patternProperties",
+            "/patternProperties/b$",
+        ),
+        (
+            {"type": "object", "dependentRequired": {k: ["z"] for k in "abcde"}},
+            "dependentRequired",
+            "/dependentRequired",
+        ),
+        ({"type": "object", "propertyNames": {"format": "email"}}, "propertyNames", "/propertyNames"),
+        (
+            {"type": "object", "patternProperties": {"(?i)^a": {}}},
+            "patternProperties",
+            "/patternProperties/(?i)^a",
+        ),
+        ({"type": "string", "pattern": "^[a-z]*x[a-z]*$", "maxLength": 5000}, "maxLength", "/maxLength"),
+    ],
+    ids=[
+        "minProperties-2-open",
+        "overlap",
+        "too-many-dependencies",
+        "propertyNames-format",
+        "ignorecase",
+        "long",
+    ],
+)
+def test_refusals_past_the_bounds(schema, keyword, pointer):
+    with pytest.raises(UnsupportedSchemaError) as e:
+        normalize_schema(schema)
+    assert (e.value.keyword, e.value.pointer) == (keyword, pointer)
+
+
+def test_indent_layout_refuses_own_object_grammar(tokenizer):
+    pretty = GrammarBackend(tokenizer, 49152, (STOP,), GrammarConfig(indent=2))
+    try:
+        with pytest.raises(ValueError, match="patternProperties"):
+            pretty.compile(
+                ConstraintSpec.json_schema(
+                    {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}
+                )
+            )
+    finally:
+        pretty.shutdown()
+
+
+@pytest.mark.parametrize(
+    "schema,expected",
+    [
+        ({"oneOf": [{"type": "string"}, {}]}, ["null", "boolean", "array", "object", "number"]),
+        ({"oneOf": [{"type": "number"}, {"type": "string"}, {}]}, ["null", "boolean", "array", "object"]),
+    ],
+)
+def test_one_of_by_whole_types(schema, expected):
+    out = normalize_schema(schema).schema
+    assert [b["type"] for b in out["anyOf"]] == expected
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # non-integral numbers only: no grammar
+        {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 3}]},  # needs a negation
+        {"not": {"type": "integer"}},
+        {"not": {"type": "string", "minLength": 2}},
+    ],
+)
+def test_one_of_and_not_refused_without_an_exact_form(schema):
+    """Each of these would need a negation (or a non-integral-number type) the grammar lacks."""
+    with pytest.raises(UnsupportedSchemaError):
+        normalize_schema(schema)
