@@ -57,12 +57,23 @@ async def sql_target(databases: SQLDatabases | None, sql: SQLConstraint) -> SQLT
 async def add_sql_checks(result: ServingResult, target: SQLTarget | None) -> ServingResult:
     """With a `sql` constraint, each choice of a complete chat/completions body gets a `sql_check`
     ({valid, error, stage, checked_database}: sqlglot in the dialect, the names in the schema, and
-    EXPLAIN on a named database; agentrt/sql/validate.py). Streams are not checked."""
+    EXPLAIN on a named database; agentrt/sql/validate.py). A choice that did not end (finish_reason
+    "length") is invalid with stage "length", even when its text happens to parse: the grammar
+    may have continued it (`LIMIT 10` cut from `LIMIT 100`). Streams are not checked."""
     if target is None or result.body is None:
         return result
     from agentrt.sql.validate import validate
 
     for choice in result.body["choices"]:
+        if choice.get("finish_reason") != "stop":
+            choice["sql_check"] = {
+                "valid": False,
+                "error": f"the query did not end within max_tokens (finish_reason "
+                f"{choice.get('finish_reason')!r}): it may be cut short",
+                "stage": "length",
+                "checked_database": False,
+            }
+            continue
         query = choice["message"]["content"] if "message" in choice else choice["text"]
         v = await asyncio.to_thread(validate, query or "", target.schema, target.dialect, target.engine)
         choice["sql_check"] = {
