@@ -295,8 +295,9 @@ def _subtract(ranges, cut):
     return out
 
 
-def _balanced_group(text: str) -> bool:
-    """Is `text` (EBNF) one parenthesized group (its first '(' closes at the end)?"""
+def ebnf_chars(text: str):
+    """(index, character, depth) of each character of EBNF `text` outside string literals,
+    character classes and escapes; depth: the parentheses open after it (a ')' is already closed)."""
     depth, in_str, in_cls, i = 0, False, False, 0
     while i < len(text):
         c = text[i]
@@ -311,14 +312,15 @@ def _balanced_group(text: str) -> bool:
             in_str = True
         elif c == "[":
             in_cls = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0 and i != len(text) - 1:
-                return False
+        else:
+            depth += (c == "(") - (c == ")")
+            yield i, c, depth
         i += 1
-    return True
+
+
+def _balanced_group(text: str) -> bool:
+    """Is `text` (EBNF) one parenthesized group (its first '(' closes at the end)?"""
+    return all(not (c == ")" and d == 0 and i != len(text) - 1) for i, c, d in ebnf_chars(text))
 
 
 class RegexToEBNF:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from agentrt.errors import ConstraintError
 from agentrt.grammars.json_schema.automata import DFA, alphabet, build, dfa_ebnf, minimize
-from agentrt.grammars.regex import esc_char
+from agentrt.grammars.regex import ebnf_chars, esc_char
 
 _MARKER = "AGENTRTNODE{}X"
 _CASE0 = re.compile(r'^(\w+)_case_0 ::= \(\("\\"AGENTRTNODE(\d+)X\\""\)\)$', re.MULTILINE)
@@ -187,30 +187,8 @@ def put_nodes(ebnf: str, nodes: list[_Node], ws: dict) -> str:
 
 def _alternatives(body: str) -> list[str]:
     """Top-level `|` alternatives of a printed EBNF body (quotes and classes skipped)."""
-    out, depth, start, i, in_str, in_cls = [], 0, 0, 0, False, False
-    while i < len(body):
-        c = body[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_str:
-            in_str = c != '"'
-        elif in_cls:
-            in_cls = c != "]"
-        elif c == '"':
-            in_str = True
-        elif c == "[":
-            in_cls = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            out.append(body[start:i].strip())
-            start = i + 1
-        i += 1
-    out.append(body[start:].strip())
-    return out
+    cuts = [i for i, c, depth in ebnf_chars(body) if c == "|" and depth == 0]
+    return [body[a + 1 : b].strip() for a, b in zip([-1, *cuts], [*cuts, len(body)], strict=True)]
 
 
 def _lit(text: str) -> str:
