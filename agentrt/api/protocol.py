@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from agentrt.api.errors import APIError
 from agentrt.grammars.spec import ConstraintSpec
-from agentrt.runtime.request import RequestOutput, SamplingParams
+from agentrt.runtime.request import MAX_LOGPROBS, RequestOutput, SamplingParams
 
 __all__ = [
     "APIError",
@@ -217,9 +217,15 @@ class _CommonRequest(SamplingFields):
             logit_bias=bias,
             max_tokens_policy=self.max_tokens_policy,
             speculative=self.speculative,
+            logprobs=self.num_logprobs(),
         )
 
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("top_logprobs",)
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs for this request (None: no logprobs). Raises APIError naming the
+        field for a value outside [0, MAX_LOGPROBS]."""
+        return None
+
+    unsupported_fields: ClassVar[tuple[str, ...]] = ()
     """Fields refused with a 400 naming them when given a value other than their default, or one
     of `unsupported_noop`'s values for that field (values that ask for nothing)."""
     unsupported_noop: ClassVar[dict[str, tuple]] = {}
@@ -378,8 +384,22 @@ class ChatCompletionRequest(_CommonRequest):
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     logprobs: bool | None = None
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call", "logprobs", "top_logprobs")
-    unsupported_noop: ClassVar[dict[str, tuple]] = {"logprobs": (False,)}
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call")
+
+    def num_logprobs(self) -> int | None:
+        """`logprobs: true` asks for each token's logprob, `top_logprobs` (0..20, OpenAI's limit) for
+        that many alternatives too; top_logprobs without logprobs: true is a 400 (as OpenAI)."""
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_CommonRequest):
@@ -390,8 +410,24 @@ class CompletionRequest(_CommonRequest):
     suffix: str | None = None
     response_format: ResponseFormat | None = None
     logprobs: int | None = None  # any value, 0 included, asks for logprobs
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix", "logprobs", "top_logprobs")
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("echo", "best_of", "suffix")
     unsupported_noop: ClassVar[dict[str, tuple]] = {"best_of": (1,)}
+
+    def num_logprobs(self) -> int | None:
+        """`logprobs: k` asks for each token's logprob and the k most likely tokens (OpenAI's legacy
+        limit is 5; up to 20 accepted, as chat's top_logprobs). `top_logprobs` is chat's field: a 400
+        naming it, pointing to `logprobs`."""
+        if self.top_logprobs is not None:
+            raise APIError(
+                "top_logprobs is not a completions field: ask with logprobs (an integer, the number of "
+                "alternatives)",
+                param="top_logprobs",
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", param="logprobs"
+            )
+        return self.logprobs
 
 
 def usage(*outs: RequestOutput) -> dict:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.logprobs import LogprobStream, TokenPieces, chat_logprobs, completion_logprobs
 from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import (
     ChatCompletionRequest,
@@ -141,6 +142,14 @@ class OpenAIServing:
         self.databases = databases
         limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
         self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
+        self._pieces: TokenPieces | None = None
+
+    @property
+    def pieces(self) -> TokenPieces:
+        """Token texts and bytes for logprobs (built at the first request that asks)."""
+        if self._pieces is None:
+            self._pieces = TokenPieces.of_engine(self.engine.engine)
+        return self._pieces
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
@@ -402,7 +411,12 @@ class OpenAIServing:
                         gen.request_id, created, self.model_name, gen.chat, gen.include_usage
                     )
                     parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in gens]
-                    events = stream_events(streams, firsts, writer, parsers, gen.api_error)
+                    logprobs = (
+                        [LogprobStream(self.pieces, gen.chat) for _ in gens]
+                        if gen.params.logprobs is not None
+                        else None
+                    )
+                    events = stream_events(streams, firsts, writer, parsers, gen.api_error, logprobs)
                 return ServingResult(events=events, headers=headers, streams=tuple(streams))
             lasts = [await _collect(stream, first) for stream, first in zip(streams, firsts)]
         except BaseException:
@@ -421,10 +435,15 @@ class OpenAIServing:
     def _body(
         self, gen: Generation, lasts: list[RequestOutput], created: int, not_enforced: list[str]
     ) -> dict:
-        """The non-streamed response of a finished request (one choice per output)."""
+        """The non-streamed response of a finished request (one choice per output). With logprobs,
+        every generated token's (the final stop token included, as counted in usage; with tool
+        calls, the tokens of the calls too, all under `content`, as vLLM does)."""
         choices = []
         for i, last in enumerate(lasts):
             choice: dict = {"index": i, "finish_reason": last.finish_reason, "logprobs": None}
+            if last.logprobs is not None:
+                make = chat_logprobs if gen.chat else completion_logprobs
+                choice["logprobs"] = make(self.pieces, last.logprobs)
             if gen.chat:
                 choice["message"], choice["finish_reason"] = _message(last, gen.tools)
             else:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from agentrt.api.errors import APIError
+from agentrt.api.logprobs import LogprobStream
 from agentrt.api.protocol import usage
 from agentrt.api.tools import ParseEvent, ToolCallParser
 from agentrt.errors import AgentrtError, InternalError
@@ -74,22 +75,26 @@ class ChunkWriter:
             }
         )
 
-    def text(self, delta_text: str | None, finish: str | None = None) -> str:
-        """A content delta, or (finish given, no text) the closing chunk."""
+    def text(self, delta_text: str | None, finish: str | None = None, logprobs: dict | None = None) -> str:
+        """A content delta, or (finish given, no text) the closing chunk; `logprobs`: the choice's
+        logprobs object for the tokens this chunk reports (None: not asked for, or none new)."""
         if not self.chat:
             return self.choice(
-                {"index": self.index, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+                {"index": self.index, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
             )
         delta = {} if finish is not None and not delta_text else {"content": delta_text}
-        return self.choice({"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": None})
+        return self.choice(
+            {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        )
 
-    def events(self, events: Iterable[ParseEvent]) -> list[str]:
+    def events(self, events: Iterable[ParseEvent], logprobs: dict | None = None) -> list[str]:
         """Chunks for tool-call parser events: content deltas, a call's start (id, name), argument
-        fragments."""
+        fragments; `logprobs` goes with the first chunk."""
         out = []
         for e in events:
+            lp, logprobs = logprobs, None
             if e.kind == "content":
-                out.append(self.text(e.text))
+                out.append(self.text(e.text, logprobs=lp))
                 continue
             if e.kind == "call":
                 tc = {
@@ -106,7 +111,7 @@ class ChunkWriter:
                         "index": self.index,
                         "delta": {"tool_calls": [tc]},
                         "finish_reason": None,
-                        "logprobs": None,
+                        "logprobs": lp,
                     }
                 )
             )
@@ -131,11 +136,14 @@ async def stream_events(
     writer: ChunkWriter,
     parsers: Sequence[ToolCallParser | None],
     to_error: Callable[[AgentrtError | None], APIError],
+    logprobs: Sequence[LogprobStream] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of one request's choices (one engine stream per choice), `firsts` (their
     first outputs, already received) included; the choices' chunks interleave as they come.
     parsers: per choice, turns the text into tool-call deltas (None: plain content); to_error: the
-    HTTP error of a failed output (its body is the error event, which ends the whole stream).
+    HTTP error of a failed output (its body is the error event, which ends the whole stream);
+    logprobs: per choice, when the request asked for them (each chunk carries those of the tokens
+    new since the last chunk that carried any).
     Closing the iterator early (client gone) aborts every choice's request."""
     writers = [replace(writer, index=i) for i in range(len(streams))]
     try:
@@ -149,7 +157,7 @@ async def stream_events(
                 yield sse(to_error(out.error).body())
                 break
             try:
-                chunks = _deltas(writers[i], parsers[i], out)
+                chunks = _deltas(writers[i], parsers[i], out, logprobs[i] if logprobs else None)
             except Exception as e:  # a parser fault fails this stream alone, with an error event
                 logger.exception("output parsing failed for %s", streams[i].request_id)
                 error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
@@ -204,16 +212,29 @@ async def merged_outputs(
             t.cancel()
 
 
-def _deltas(writer: ChunkWriter, parser: ToolCallParser | None, out: RequestOutput) -> list[str]:
+def _deltas(
+    writer: ChunkWriter, parser: ToolCallParser | None, out: RequestOutput, logprobs: LogprobStream | None
+) -> list[str]:
     """The chunks of one output: its new text (as content or tool-call deltas), and when it is the
-    last one, the rest of the parser's events and the closing chunk with finish_reason."""
+    last one, the rest of the parser's events and the closing chunk with finish_reason. The
+    logprobs of tokens not reported yet go with the first chunk (the closing one at the latest)."""
     chunks = []
+
+    def pending() -> dict | None:
+        return logprobs.pending(out) if logprobs is not None and not chunks else None
+
     if out.delta_text:
-        chunks += writer.events(parser.feed(out.delta_text)) if parser else [writer.text(out.delta_text)]
+        lp = pending()
+        if parser:
+            chunks += writer.events(parser.feed(out.delta_text), lp)
+        else:
+            chunks.append(writer.text(out.delta_text, logprobs=lp))
     if out.finished:
         finish = out.finish_reason
         if parser is not None:
             events, finish = parser.close(finish)
-            chunks += writer.events(events)
-        chunks.append(writer.text(None, finish))
+            chunks += writer.events(events, pending())
+        chunks.append(writer.text(None, finish, logprobs=pending()))
+    if chunks and logprobs is not None:
+        logprobs.commit(out)
     return chunks

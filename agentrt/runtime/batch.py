@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from agentrt.runtime.model_runner import SeqChunk
-from agentrt.runtime.request import Request
+from agentrt.runtime.request import Request, TokenLogprob
 
 
 class SampleRow(NamedTuple):
@@ -53,6 +53,8 @@ class ForwardOutput(NamedTuple):
 
 
 class SampleOutput(NamedTuple):
-    """token_ids[i]: the token sampled for `BatchPlan.sampled[i]` (-1 when every token was masked)."""
+    """token_ids[i]: the token sampled for `BatchPlan.sampled[i]` (-1 when every token was masked);
+    logprobs[i]: its TokenLogprob, for the rows whose request asked for logprobs."""
 
     token_ids: list[int]
+    logprobs: dict[int, TokenLogprob] | None = None

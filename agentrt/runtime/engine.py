@@ -42,10 +42,11 @@ from agentrt.runtime.isolation import (
     internal_error,
     plan_without,
 )
+from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.output_processor import OutputProcessor
-from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams
+from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample
 from agentrt.runtime.scheduler import ScheduledChunk, Scheduler
 
@@ -330,10 +331,11 @@ class Engine:
         if not sampled:
             return SampleOutput([])
         errors: dict[int, str] = {}
-        ids = sample(logits[[s.row for s in sampled]], [s.request for s in sampled], errors)
+        logprobs: dict[int, TokenLogprob] = {}
+        ids = sample(logits[[s.row for s in sampled]], [s.request for s in sampled], errors, logprobs)
         for i, why in errors.items():
             self._failed.setdefault(sampled[i].request, InternalError(f"internal error in sampling: {why}"))
-        return SampleOutput(ids)
+        return SampleOutput(ids, logprobs)
 
     def _process(self, plan: BatchPlan, fwd: ForwardOutput, sampled: SampleOutput) -> list[RequestOutput]:
         """Feed each request its new token(s) (sampled, or verified draft tokens + a bonus token);
@@ -341,21 +343,22 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.batch_sizes.append(plan.num_seqs)
         self.stats.prefill_sizes.append(plan.num_prefill_tokens)
-        tokens = iter(sampled.token_ids)
+        logprobs = sampled.logprobs or {}
+        num_sampled = 0  # index into sampled.token_ids of the next sampled row
         outputs, medusa = [], []
         for s in plan.rows:
             r = s.request
             last_row = None
+            i = num_sampled
+            num_sampled += not s.verify
             if r in self._failed:  # a fault in a batch-wide stage: this request alone fails
-                if not s.verify:
-                    next(tokens)
                 outputs.append(self._fail(r))
                 continue
             try:
                 if not s.verify:
-                    tok = next(tokens)
+                    tok = sampled.token_ids[i]
                     before = r.num_tokens
-                    out = [self._process_token(r, tok)]
+                    out = [self._process_token(r, tok, logprobs.get(i))]
                     if r.token_ids[before:] == [tok]:
                         last_row = s.row
                 else:
@@ -386,9 +389,16 @@ class Engine:
         (outputs, the logits row of the last token when every token went in unchanged, else None)."""
         spec = self.speculator
         tree = r.spec.draft
-        argmax, masked = torch.stack(
-            [torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()]
-        ).tolist()
+        flags = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()])
+        want = r.params.logprobs
+        if want is None:
+            argmax, masked = flags.tolist()
+        else:  # each node's token at its parent's row, every row's top: in the same host read
+            lt = logprob_tensors(logits, [p + 1 for p in tree.parents], tree.token_ids, want)
+            host, node_lp, top_values, top_ids, best = read_host(
+                flags, lt.chosen, lt.top_values, lt.top_ids, lt.best
+            )
+            argmax, masked = ([int(x) for x in row] for row in rows_of(host, 2))
         greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
         accepted, bonus = spec.verify(r, logits, greedy)
         spec.account(tree, accepted)
@@ -396,6 +406,18 @@ class Engine:
         base, node_slots = r.slots[:ctx], r.slots[ctx:]
         path = [0, *(1 + a for a in accepted)]
         seq = [*(tree.token_ids[a] for a in accepted), bonus]
+        lps: list[TokenLogprob | None] = [None] * len(seq)
+        if want is not None:  # the target's logprob of each token at the row it was drawn from
+            top_values, top_ids = rows_of(top_values, len(tree) + 1), rows_of(top_ids, len(tree) + 1)
+            for i, tok in enumerate(seq):
+                row = path[i]
+                if i < len(accepted):
+                    lp = node_lp[accepted[i]]
+                elif r.params.is_greedy or tok < 0:  # the bonus is the row's argmax
+                    lp = best[row]
+                else:  # a sampled bonus (this path already reads the host per draw)
+                    lp = float(torch.log_softmax(logits[row].float(), dim=-1)[tok])
+                lps[i] = token_logprob(tok, lp, top_values[row], top_ids[row], want)
         r.spec.draft = None
         outs, used, complete = [], 0, False
         try:
@@ -403,7 +425,7 @@ class Engine:
                 r.slots = base + [node_slots[j] for j in path[: i + 1]]
                 used = i + 1
                 before = r.num_tokens
-                outs.append(self._process_token(r, tok))
+                outs.append(self._process_token(r, tok, lps[i]))
                 if r.status is RequestStatus.FINISHED or r.token_ids[before:] != [tok]:
                     break
             else:
@@ -474,9 +496,13 @@ class Engine:
         return None
 
     # ---- per-token processing ------------------------------------------------------------------
-    def _process_token(self, r: Request, tok: int) -> RequestOutput | None:
+    def _process_token(
+        self, r: Request, tok: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput | None:
         """One new token for r: latency metrics, the grammar (closing guard, jump-forward), then the
-        output processor's stop checks, text and emission. Returns r's output (None: nothing new)."""
+        output processor's stop checks, text and emission. `logprob`: the sampled token's, when r
+        asked for logprobs (a token the length policy puts in its place, and jump-forward tokens,
+        get TokenLogprob.forced). Returns r's output (None: nothing new)."""
         if tok < 0:
             r.error = ConstraintError("the constraint admits no continuation here (every token is masked)")
             return self._finish(r, "error")
@@ -493,11 +519,13 @@ class Engine:
             if accepted is None:
                 r.error = InternalError(f"token {tok} was rejected by the grammar matcher")
                 return self._finish(r, "error")
+            if accepted.token_id != tok:  # the closing path's token replaced the sampled one
+                logprob = None
             tok = accepted.token_id
             self.stats.num_length_forced_tokens += accepted.forced
             if r.grammar.is_terminated():
                 reason = "stop"
-        r.append_output([tok])
+        r.append_output([tok], None if logprob is None else [logprob])
         self.stats.num_generated_tokens += 1
         if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
             ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)

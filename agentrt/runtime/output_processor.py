@@ -71,7 +71,8 @@ class OutputProcessor:
     def emit(r: Request, final: bool) -> RequestOutput | None:
         """The output to report for r now: the new text since the last report (None when there is
         none and r is not final). While running, an incomplete UTF-8 sequence, text not yet scanned
-        for stop strings and a possible start of a stop string before it are held back."""
+        for stop strings and a possible start of a stop string before it are held back. Token ids
+        and logprobs are the whole output so far (held-back text's tokens included)."""
         text = r.text
         upto = len(text)
         if not final:
@@ -94,6 +95,7 @@ class OutputProcessor:
             r.finish_reason,
             r.error,
             r.num_cached_tokens or 0,
+            list(r.logprobs) if r.logprobs is not None else None,
         )
 
 

@@ -6,7 +6,7 @@ import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from agentrt.errors import AgentrtError, InvalidRequestError
 from agentrt.grammars.spec import ConstraintSpec
@@ -24,6 +24,32 @@ GREEDY_TEMPERATURE = 1e-5
 
 MAX_STOP_CHARS = 1024
 """The longest stop string accepted (characters): each is searched at every token."""
+
+MAX_LOGPROBS = 20
+"""The most alternatives (`SamplingParams.logprobs`) a request may ask for: OpenAI's top_logprobs limit."""
+
+
+class TokenLogprob(NamedTuple):
+    """The log-probability (natural log) of one output token, and of the most likely tokens at its step.
+
+    Definition: log-softmax over the vocabulary of the logits after logit_bias and penalties and
+    after the grammar's bitmask (masked tokens are -inf), before temperature / top-k / top-p /
+    min-p. For a constrained request this is the model's distribution renormalised over the tokens
+    the grammar allowed. `top`: up to `SamplingParams.logprobs` (token_id, logprob) pairs, most
+    likely first, never a masked token (so fewer when fewer are allowed); empty when logprobs=0.
+    Tokens nobody sampled (jump-forward text, a closing-path token of max_tokens_policy "close")
+    have logprob 0.0 and top = that token alone; a step where the grammar allows one token gets
+    0.0 by the definition itself."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def forced(cls, token_id: int, num_top: int) -> TokenLogprob:
+        """A token the runtime forced (not sampled): logprob 0.0, top = that token alone (none when
+        num_top is 0)."""
+        return cls(token_id, 0.0, ((token_id, 0.0),) if num_top > 0 else ())
 
 
 @dataclass
@@ -44,6 +70,8 @@ class SamplingParams:
     speculative: use the engine's speculative decoding for this request (when the engine has it;
     requests with presence/frequency/repetition penalties never speculate: those depend on the
     tokens being verified).
+    logprobs: None = none; 0 = each output token's logprob; k in 1..MAX_LOGPROBS = also the k most
+    likely tokens at each step (`RequestOutput.logprobs`, TokenLogprob has the definition).
     Raises InvalidRequestError (a ValueError) with `param` naming the field on an invalid value
     (see `validate`).
     """
@@ -65,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     max_tokens_policy: str = "length"
     speculative: bool = True
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -110,6 +139,12 @@ class SamplingParams:
                 raise bad("logit_bias", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tid}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int)
+            and not isinstance(self.logprobs, bool)
+            and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for tid in self.stop_token_ids:
             if vocab_size is not None and not 0 <= tid < vocab_size:
                 raise bad("stop_token_ids", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
@@ -130,7 +165,9 @@ class RequestOutput:
     last report. finish_reason: None while running, else "stop" | "length" | "abort" | "error".
     error: with finish_reason "error", what went wrong as a typed error (agentrt.errors): an
     InvalidRequestError / ConstraintError when the request is at fault (e.g. a grammar that failed
-    to compile), ServiceUnavailableError at shutdown, InternalError for a fault while serving it."""
+    to compile), ServiceUnavailableError at shutdown, InternalError for a fault while serving it.
+    logprobs: with SamplingParams.logprobs set, one TokenLogprob per entry of `token_ids` (the whole
+    output so far, aligned 1:1, the final stop token included as in token_ids); else None."""
 
     request_id: str
     text: str
@@ -141,6 +178,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: AgentrtError | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -200,10 +238,12 @@ class Request:
     prompt_counted: bool = False
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
     spec: SpecState = field(default_factory=SpecState)
+    logprobs: list[TokenLogprob] | None = field(init=False)  # one per output token, when asked for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.logprobs = [] if self.params.logprobs is not None else None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -230,8 +270,16 @@ class Request:
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
-    def append_output(self, ids: list[int]) -> None:
-        """Append generated (or forced) tokens."""
+    def append_output(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append generated (or forced) tokens; `logprobs`: theirs, one each, when the request asked
+        for logprobs (None there: the tokens were forced, TokenLogprob.forced). Raises ValueError
+        when `logprobs` does not match `ids` (the output and its logprobs stay aligned)."""
+        if self.logprobs is not None:
+            if logprobs is None:
+                logprobs = [TokenLogprob.forced(t, self.params.logprobs) for t in ids]
+            if [lp.token_id for lp in logprobs] != list(ids):
+                raise ValueError(f"logprobs of {[lp.token_id for lp in logprobs]} given for tokens {ids}")
+            self.logprobs.extend(logprobs)
         self.token_ids.extend(ids)
 
     def cached_key(self) -> list[int]:

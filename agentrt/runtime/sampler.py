@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from agentrt.runtime.request import Request
+from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
+from agentrt.runtime.request import Request, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> dict[int, Exception]:
@@ -102,7 +103,12 @@ def _filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.
     return row
 
 
-def sample(logits: torch.Tensor, requests: list[Request], errors: dict[int, str] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    requests: list[Request],
+    errors: dict[int, str] | None = None,
+    logprobs: dict[int, TokenLogprob] | None = None,
+) -> list[int]:
     """logits [B, V] fp32 (penalties and masks applied) -> one token id per row.
 
     temperature 0 = greedy argmax. Raises nothing: a row with every token masked returns -1 (the
@@ -111,7 +117,10 @@ def sample(logits: torch.Tensor, requests: list[Request], errors: dict[int, str]
     its logits. A row holding NaN (a broken forward) or whose sampling raised also returns -1,
     with the reason in `errors[row]` when `errors` is given (the caller fails that request with an
     InternalError). Every row is computed on the logits' device and read back with one host sync
-    for the batch (the step's only one)."""
+    for the batch (the step's only one).
+    With `logprobs` given, the rows whose request asked (SamplingParams.logprobs not None) get
+    `logprobs[row]`: the sampled token's TokenLogprob (runtime/logprobs.py: log-softmax of these
+    logits, i.e. before temperature and the top-k/top-p/min-p filters), read back in that same sync."""
     greedy = torch.argmax(logits, dim=-1)
     tokens = greedy.clone()
     failed = torch.isneginf(logits).all(dim=-1)  # every token masked
@@ -131,7 +140,20 @@ def sample(logits: torch.Tensor, requests: list[Request], errors: dict[int, str]
             tokens[i] = torch.multinomial(torch.where(valid, probs, fallback), 1, generator=r.generator)[0]
         except Exception as e:  # noqa: BLE001 (one row's fault stays its own: runtime/isolation.py)
             raised[i] = f"sampling raised {type(e).__name__}: {e}"
-    ids, bad, nan = torch.stack([tokens, failed.long(), has_nan.long()]).tolist()
+    flags = torch.stack([tokens, failed.long(), has_nan.long()])
+    want = (
+        [i for i, r in enumerate(requests) if r.params.logprobs is not None] if logprobs is not None else []
+    )
+    if not want:
+        ids, bad, nan = flags.tolist()
+    else:  # the asked-for rows' logprobs travel with the sampled ids: still one host read
+        k = max(requests[i].params.logprobs for i in want)
+        lt = logprob_tensors(logits[want], list(range(len(want))), tokens[want], k)
+        host, chosen, values, top_ids = read_host(flags, lt.chosen, lt.top_values, lt.top_ids)
+        ids, bad, nan = ([int(x) for x in row] for row in rows_of(host, 3))
+        values, top_ids = rows_of(values, len(want)), rows_of(top_ids, len(want))
+        for j, i in enumerate(want):
+            logprobs[i] = token_logprob(ids[i], chosen[j], values[j], top_ids[j], requests[i].params.logprobs)
     for i, n in enumerate(nan):
         if n:
             raised.setdefault(i, "the logits hold NaN")

@@ -1,7 +1,7 @@
 """The HTTP perimeter on the fake runner: API keys on every route (both key sources, constant-time
 compare), the body limit on bytes received (chunked bodies against a real uvicorn server),
 disconnects visible to routes through the middleware, prompts refused before tokenizing, CORS,
-what is logged, HEAD /health, logprobs refused, the `model` field never touching the file system."""
+what is logged, HEAD /health, bad logprobs values refused, the `model` field never touching the file system."""
 
 from __future__ import annotations
 
@@ -383,22 +383,22 @@ def test_head_health(front):
 
 
 @pytest.mark.parametrize(
-    "path,extra",
+    "path,extra,param",
     [
-        ("/v1/completions", {"logprobs": 0}),
-        ("/v1/completions", {"logprobs": 5}),
-        ("/v1/completions", {"top_logprobs": 0}),
-        ("/v1/chat/completions", {"logprobs": True}),
-        ("/v1/chat/completions", {"top_logprobs": 2}),
-        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 0}),
-        ("/v1/chat/completions", {"logprobs": 1}),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"top_logprobs": 0}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
     ],
 )
-def test_logprobs_are_refused_naming_the_field(front, path, extra):
+def test_bad_logprobs_are_refused_naming_the_field(front, path, extra, param):
     body = {**(CHAT if "chat" in path else COMPLETION), **extra}
     with client_for(front) as c:
         err = _error(c.post(path, json=body), 400)
-    assert err["param"] in extra and err["param"] in err["message"]
+    assert err["param"] == param and param in err["message"]
     assert err["type"] == "invalid_request_error"
 
 
@@ -406,6 +406,19 @@ def test_chat_logprobs_false_asks_for_nothing(front):
     with client_for(front) as c:
         resp = c.post("/v1/chat/completions", json={**CHAT, "logprobs": False})
         assert resp.status_code == 200 and resp.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    "path,extra", [("/v1/completions", {"logprobs": 0}), ("/v1/chat/completions", {"logprobs": True})]
+)
+def test_logprobs_are_served(front, path, extra):
+    with client_for(front) as c:
+        resp = c.post(path, json={**(CHAT if "chat" in path else COMPLETION), **extra})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+    logprobs = body["choices"][0]["logprobs"]
+    num = len(logprobs["content"] if "chat" in path else logprobs["tokens"])
+    assert num == body["usage"]["completion_tokens"] > 0
 
 
 _AUDIT: dict = {"installed": False, "events": None}
