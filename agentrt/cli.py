@@ -1,4 +1,5 @@
-"""The `agentrt` command: `agentrt serve [MODEL] --host --port ...`."""
+"""The `agentrt` command: `agentrt serve [MODEL] --host --port ...`, `agentrt sql`, `agentrt extract`
+(agentrt/extract/cli.py), `agentrt train-medusa`."""
 
 from __future__ import annotations
 
@@ -496,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
     t.add_argument("--seed", type=int, default=0)
+    from agentrt.extract.cli import add_extract_parser
+
+    add_extract_parser(sub, add_engine_args)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -507,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "sql":
         return sql_command(config, args)
+    if args.command == "extract":
+        from agentrt.extract.cli import extract_command
+
+        return extract_command(config, args)
     if args.command == "train-medusa":
         from agentrt.train_medusa import train_medusa
 

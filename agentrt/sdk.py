@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrt.errors import IncompleteOutputError, InternalError
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from agentrt.extract.prompt import PromptTemplate
+    from agentrt.extract.types import ExtractInput, ExtractResult
 
 Messages = list[dict[str, str]]
 
@@ -144,6 +149,45 @@ class LLM:
             data = json.loads(out.text)
             results.append(model_cls.model_validate(data) if model_cls else data)
         return results[0] if single else results
+
+    def extract_batch(
+        self,
+        inputs: Iterable[str | ExtractInput],
+        schema: dict | type | None,
+        *,
+        sampling_params: SamplingParams | None = None,
+        max_in_flight: int | None = None,
+        prompt: PromptTemplate | str | None = None,
+        min_confidence: float | None = None,
+    ) -> Iterator[ExtractResult]:
+        """Extract `schema` from many documents, yielding one ExtractResult per input AS IT
+        COMPLETES (index/id, output dict, valid, error, finish_reason, usage, confidence); never
+        raises for one bad document (too long for the context, cut by max_tokens, failed): that is a
+        result with valid=False and the reason. inputs: document texts, conversations, or
+        ExtractInput (id, a per-document schema, ...), pulled lazily: at most `max_in_flight`
+        (default 2 x max_num_seqs) run at once, continuously batched (agentrt/extract/batch.py).
+        prompt: a PromptTemplate or template text with {text} and {schema} (default: the schema
+        in a system message, the text as the user message; agentrt/extract/prompt.py). Greedy with
+        max_tokens 512 unless `sampling_params` says otherwise. min_confidence: mark results whose
+        least confident field is below it (needs_review). Raises ValueError when `schema` is not a
+        JSON Schema (or pydantic model class), ConstraintError (keyword + JSON pointer) when it
+        cannot be compiled or enforced, InvalidRequestError for invalid sampling values: all before
+        any document runs. Closing the iterator early aborts the documents in flight."""
+        from agentrt.extract.batch import run_batch
+        from agentrt.extract.prompt import PromptTemplate
+
+        schema_dict = _schema_of(schema)[0] if schema is not None else None
+        template = PromptTemplate.parse(prompt) if isinstance(prompt, str) else prompt
+        return run_batch(
+            self.engine,
+            self._chat_ids,
+            inputs,
+            schema_dict,
+            sampling_params=sampling_params,
+            max_in_flight=max_in_flight,
+            prompt=template,
+            min_confidence=min_confidence,
+        )
 
     def sql(
         self,

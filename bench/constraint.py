@@ -170,7 +170,7 @@ def part1(tokenizer):
 def part2(model_dir: str, n_docs: int):
     from transformers import AutoTokenizer
 
-    from agentrt.extraction import extraction_messages
+    from agentrt.extract.prompt import extraction_messages
     from agentrt.grammars.spec import ConstraintSpec
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
     from agentrt.runtime.engine import Engine

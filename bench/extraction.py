@@ -26,7 +26,7 @@ from pathlib import Path
 import jsonschema
 from openai import OpenAI
 
-from agentrt.extraction import extraction_messages
+from agentrt.extract.prompt import extraction_messages
 from agentrt.testing import free_port, launch_server
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"

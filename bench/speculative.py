@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentrt.extraction import extraction_messages
+from agentrt.extract.prompt import extraction_messages
 
 DATA = ROOT.parent / "shared" / "testdata" / "extraction"
 

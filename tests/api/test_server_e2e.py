@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from agentrt.extraction import extraction_messages
+from agentrt.extract.prompt import extraction_messages
 from tests.helpers import shared_path
 
 MODEL = "smollm2-135m-instruct"

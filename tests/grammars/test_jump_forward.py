@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentrt.extraction import extraction_messages
+from agentrt.extract.prompt import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.runtime.request import SamplingParams
 from tests.helpers import chat_ids, shared_path

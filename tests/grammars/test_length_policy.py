@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from jsonschema.validators import validator_for
 
-from agentrt.extraction import extraction_messages
+from agentrt.extract.prompt import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
 from tests.helpers import SHARED, make_tiny_model, shared_path, sse_chunks

@@ -342,7 +342,7 @@ def test_shipped_medusa_heads_accept_over_1_5_tokens_per_pass_on_extraction(defa
     from tests.helpers import shared_path
 
     docs_path = shared_path("extraction", "docs.jsonl")
-    from agentrt.extraction import extraction_messages
+    from agentrt.extract.prompt import extraction_messages
 
     docs = [json.loads(line) for line in docs_path.read_text().splitlines()][1::2][:4]
     schemas = {p.stem: json.loads(p.read_text()) for p in (docs_path.parent / "schemas").glob("*.json")}

@@ -1,0 +1,247 @@
+"""`agentrt extract`: a resumable extraction job, JSON Lines / CSV / Parquet in, JSON Lines out.
+
+    agentrt extract --input docs.jsonl --output out.jsonl --schema schema.json
+    agentrt extract --input docs.jsonl --output out.jsonl --schema-field schema_name --schemas DIR
+    agentrt extract ... --server http://127.0.0.1:8000/v1 [--api-key KEY] [--model NAME]
+
+Exit status: 0 every row of the output is valid (or --allow-failures), 1 some row is not, 2 bad
+arguments (an invalid or unenforceable schema included, before anything runs; an output path that
+cannot be written), 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from agentrt.extract.job import EXIT_USAGE, JobPlan, run_job
+from agentrt.extract.types import DEFAULT_MAX_TOKENS
+
+
+def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
+    """Register the `extract` subcommand (engine flags from `add_engine_args`, as `agentrt serve`)."""
+    e = sub.add_parser(
+        "extract",
+        help="run a resumable JSON extraction job over a file of documents",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(e)
+    e.add_argument("--input", required=True, help="documents: .jsonl, .csv or .parquet (pyarrow)")
+    e.add_argument(
+        "--input-format", choices=["jsonl", "csv", "parquet"], default=None, help="default: by suffix"
+    )
+    e.add_argument("--output", required=True, help="JSON Lines output; an existing file is resumed")
+    g = e.add_mutually_exclusive_group(required=True)
+    g.add_argument("--schema", help="a JSON Schema file")
+    g.add_argument("--pydantic", metavar="MODULE:CLASS", help="a pydantic model class whose schema to use")
+    g.add_argument("--schemas", metavar="DIR", help="with --schema-field: NAME.json schema files")
+    e.add_argument("--schema-field", help="the row field naming its schema (a file NAME.json in --schemas)")
+    e.add_argument("--id-field", default="id", help="the row's id field (default %(default)s)")
+    e.add_argument("--text-field", default="text", help="the row's document field (default %(default)s)")
+    e.add_argument("--gold-field", default=None, help="expected outputs: adds field accuracy to the summary")
+    e.add_argument(
+        "--prompt",
+        metavar="FILE",
+        help="prompt template with {text} and {schema}; a line '---' splits system (above) from user "
+        "(below) message, else it is all the user message (default: the schema in a system message)",
+    )
+    e.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        help="mark rows with a field below this confidence (in [0, 1]) needs_review",
+    )
+    e.add_argument("--allow-failures", action="store_true", help="exit 0 even when some rows failed")
+    e.add_argument(
+        "--max-in-flight", type=int, default=None, help="documents in flight (default 2 x --max-num-seqs)"
+    )
+    e.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="output tokens per document (default %(default)s)",
+    )
+    e.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument(
+        "--server", metavar="URL", help="an OpenAI-compatible server (base URL, e.g. http://HOST:8000/v1)"
+    )
+    e.add_argument("--api-key", default=None, help="the server's API key (default $OPENAI_API_KEY)")
+    e.add_argument("--model", dest="model_name", default=None, help="model name: with --server, the server's")
+    # one job, not a server: its compiles need not yield to other requests, and may take longer
+    e.set_defaults(compile_nice=0, compile_timeout=120.0)
+    return e
+
+
+def _load_pydantic(spec: str) -> dict:
+    mod_name, _, cls_name = spec.partition(":")
+    if not mod_name or not cls_name:
+        raise ValueError(f"--pydantic must be MODULE:CLASS, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--pydantic {spec}: {e}") from None
+    if not hasattr(cls, "model_json_schema"):
+        raise ValueError(f"--pydantic {spec} is not a pydantic model class")
+    return cls.model_json_schema()
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what} {path}: {e}") from None
+
+
+def load_schemas(args: argparse.Namespace) -> dict[str | None, dict]:
+    """The job's schemas: {None: schema} or, with --schema-field, {name: schema} of --schemas DIR.
+    Raises ValueError (bad flags, unreadable files) and ConstraintError (not a JSON Schema)."""
+    from agentrt.grammars.spec import ConstraintSpec
+
+    if args.schemas is not None and not args.schema_field:
+        raise ValueError("--schemas needs --schema-field (the row field naming each row's schema)")
+    if args.schema_field and args.schemas is None:
+        raise ValueError("--schema-field needs --schemas DIR (where NAME.json schemas are)")
+    if args.schemas is not None:
+        files = sorted(Path(args.schemas).glob("*.json"))
+        if not files:
+            raise ValueError(f"--schemas {args.schemas}: no .json schema files there")
+        schemas: dict[str | None, dict] = {p.stem: _load_json(p, "schema") for p in files}
+    elif args.pydantic:
+        schemas = {None: _load_pydantic(args.pydantic)}
+    else:
+        schemas = {None: _load_json(Path(args.schema), "schema")}
+    for name, schema in schemas.items():
+        try:
+            ConstraintSpec.json_schema(schema, strict=True)
+        except ValueError as e:
+            raise ValueError(f"schema {name or args.schema or args.pydantic}: {e}") from None
+    return schemas
+
+
+def run_extract(argv: list[str], llm=None) -> int:
+    """`agentrt extract ARGV...` in this process; `llm`: an SDK LLM to run on instead of loading
+    the model of the engine flags (tests, notebooks). Returns the exit status."""
+    from agentrt.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser(prog="agentrt")
+    add_extract_parser(parser.add_subparsers(dest="command", required=True), add_engine_args)
+    args = parser.parse_args(["extract", *argv])
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        print(f"agentrt extract: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return extract_command(config, args, llm)
+
+
+def extract_command(config, args: argparse.Namespace, llm=None) -> int:
+    """Run `agentrt extract` with parsed flags and the engine config of the engine flags (or on
+    `llm`, an existing SDK LLM)."""
+    from agentrt.extract.prompt import PromptTemplate
+    from agentrt.extract.reader import InputReader
+    from agentrt.extract.writer import OutputWriter
+
+    def usage(msg: str) -> int:
+        print(f"agentrt extract: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+    if args.min_confidence is not None and not 0.0 <= args.min_confidence <= 1.0:
+        return usage(f"--min-confidence must be in [0, 1], got {args.min_confidence}")
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        return usage(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    try:
+        schemas = load_schemas(args)
+        template = PromptTemplate.load(args.prompt) if args.prompt else None
+        reader = InputReader(
+            args.input,
+            id_field=args.id_field,
+            text_field=args.text_field,
+            schema_field=args.schema_field,
+            gold_field=args.gold_field,
+            fmt=args.input_format,
+        )
+    except (OSError, ValueError) as e:
+        return usage(str(e))
+    try:
+        writer = OutputWriter.open(args.output)
+    except (OSError, ValueError) as e:
+        return usage(f"cannot write the output {args.output}: {e}")
+    plan = JobPlan(reader, writer, schemas, args.allow_failures, not args.no_progress, args.min_confidence)
+    try:
+        driver = (
+            _server_driver(args, template, schemas)
+            if args.server
+            else _engine_driver(config, args, template, schemas, llm)
+        )
+    except (OSError, ValueError) as e:  # ConstraintError / InvalidRequestError are ValueErrors
+        writer.close()
+        return usage(str(e))
+    return run_job(plan, driver, Path(f"{args.output}.summary.json"))
+
+
+def _engine_driver(config, args, template, schemas, llm=None):
+    """The in-process driver; every schema compiled before anything runs (ConstraintError)."""
+    from agentrt.extract.batch import SchemaRegistry, run_batch
+    from agentrt.runtime.request import SamplingParams
+    from agentrt.sdk import LLM
+
+    if llm is None:
+        if args.model_name:
+            from dataclasses import replace
+
+            config = replace(config, model=replace(config.model, model=args.model_name))
+        llm = LLM.from_config(config)
+    registry = SchemaRegistry(llm.engine)
+    for name, schema in schemas.items():
+        try:
+            registry.require(schema)
+        except ValueError as e:
+            raise ValueError(f"schema {name or args.schema or args.pydantic}: {e}") from None
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    params.validate(llm.engine.vocab_size)
+
+    def results_of(inputs):
+        return run_batch(
+            llm.engine,
+            llm._chat_ids,
+            inputs,
+            None,
+            sampling_params=params,
+            max_in_flight=args.max_in_flight,
+            prompt=template,
+            min_confidence=args.min_confidence,
+            registry=registry,
+        )
+
+    return results_of
+
+
+def _server_driver(args, template, schemas):
+    """The --server driver (schemas checked against their meta-schema only: enforcement is the
+    server's, and a schema it refuses fails each of its rows with the server's message)."""
+    from agentrt.extract.server import ServerExtractor, server_model
+
+    url = args.server.rstrip("/")
+    if not url.endswith("/v1"):
+        url += "/v1"
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    model = args.model_name or server_model(url, api_key)
+    extractor = ServerExtractor(
+        url,
+        model,
+        api_key=api_key,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        max_in_flight=args.max_in_flight or 8,
+        prompt=template,
+        min_confidence=args.min_confidence,
+    )
+    return lambda inputs: extractor.run(inputs)
