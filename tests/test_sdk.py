@@ -49,12 +49,16 @@ def test_extract_rejects_a_non_schema(llm):
 
 
 def test_extract_raises_the_typed_error_the_api_gives(llm):
-    # the schema is valid but `not` cannot be enforced: the error names the keyword and its pointer
-    schema = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "b"}}}}
-    with pytest.raises(ConstraintError, match="'not' at /properties/a/not") as e:
+    # the schema is valid but `uniqueItems` over strings cannot be enforced: the error names the
+    # keyword and its pointer
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    with pytest.raises(ConstraintError, match="'uniqueItems' at /properties/a/uniqueItems") as e:
         llm.extract("x", schema)
     assert isinstance(e.value, ValueError)
-    assert (e.value.keyword, e.value.pointer) == ("not", "/properties/a/not")
+    assert (e.value.keyword, e.value.pointer) == ("uniqueItems", "/properties/a/uniqueItems")
     with pytest.raises(IncompleteOutputError, match="finish_reason=length") as e:
         llm.extract("Lyon is a city in France.", City, SamplingParams(temperature=0, max_tokens=3))
     assert (

@@ -168,6 +168,95 @@ CASES = {
         ['{"a": 1}', '{"b": "x"}', '{"a": null, "c": 2}'],
         ['{"a": "s"}', '{"a": 1, "b": 2}'],
     ),
+    # issue 21, part 2: oneOf by negation, not of patterns/enums/properties, pattern beside format
+    "oneOf-by-required": (  # exactly one of a, b present
+        {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        ['{"a": 1}', '{"b": [2], "c": 3}'],
+        ["{}", '{"a": 1, "b": 2}', '{"c": 1}'],
+    ),
+    "oneOf-overlapping-lengths": (
+        {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 3}]},
+        ['"ab"', '""'],
+        ['"abc"', "1", "null"],
+    ),
+    "oneOf-beside-anyOf": (
+        {"anyOf": [{"type": "object"}, {"type": "string"}], "oneOf": [{"required": ["a"]}, {"minLength": 2}]},
+        ["{}", '"a"', '{"b": 1}'],
+        ['{"a": 1}', '"ab"', "1"],
+    ),
+    "oneOf-object-or-object-with-config": (  # JsonSchemaStore task.json's parameter default
+        {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "object", "properties": {"config": {"type": "string"}}, "required": ["config"]},
+                {"type": "object"},
+            ]
+        },
+        ['"s"', "{}", '{"config": 1}', '{"x": "y"}'],
+        ['{"config": "c"}', "1", "[]"],
+    ),
+    "not-pattern": (  # Github_ultra o65423: a name that is not only punctuation
+        {"type": "string", "minLength": 1, "not": {"pattern": "^[.,*\\\\\\-\\s{}()]+$"}},
+        ['"a."', '"x y"', '".a"'],
+        ['".."', '""', '"- ,"', '"{}"'],
+    ),
+    "not-enum": (
+        {"not": {"enum": ["a", "b c", 1, None]}},
+        ['"b"', "2", "true", "[]", '{"k": 1}', '"a "', "0.5"],
+        ['"a"', '"b c"', "1", "null"],
+    ),
+    "not-properties-required": (
+        {"type": "object", "not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}},
+        ['{"a": 1}', "{}", '{"b": "x"}'],
+        ['{"a": "x"}', '{"a": "", "b": 1}'],
+    ),
+    "not-length-and-bounds": (
+        {"not": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "number", "minimum": 5}]}},
+        ['"abc"', "4", "-1.5", "null", "[1]"],
+        ['"ab"', '""', "5", "7.5"],
+    ),
+    "pattern-and-format-date": (
+        {"type": "string", "format": "date", "pattern": "^2024"},
+        ['"2024-01-05"', '"2024-12-31"'],
+        ['"2023-01-05"', '"2024-13-01"', '"2024"'],
+    ),
+    "pattern-and-format-email": (  # JsonSchemaStore 0.5.2; format email as jsonschema checks it
+        {"type": "string", "format": "email", "pattern": "^[a-z]{1,4}(@[a-z]{1,4})?\\.[a-z]{2,3}$"},
+        ['"ab@cd.ef"', '"a@c.de"'],
+        ['"ab.cd"', '"ab@cd"', '"AB@cd.ef"'],
+    ),
+    "oneOf-recursive-disjoint-by-type": (  # Github_medium o17127: a branch is the root in progress
+        {
+            "type": "object",
+            "properties": {"sub": {"type": "array", "items": {"oneOf": [{"type": "string"}, {"$ref": "#"}]}}},
+            "additionalProperties": False,
+        },
+        ['{"sub": ["a", {"sub": []}]}', "{}"],
+        ['{"sub": [1]}', '{"x": 1}'],
+    ),
+    "ref-with-implied-sibling": (  # Github_ultra o39449: {"type": "object", "$ref": ...} recursion
+        {
+            "$defs": {
+                "n": {
+                    "type": "object",
+                    "properties": {"v": {"type": "integer"}, "next": {"type": "object", "$ref": "#/$defs/n"}},
+                    "additionalProperties": False,
+                }
+            },
+            "$ref": "#/$defs/n",
+        },
+        ['{"v": 1, "next": {"next": {}}}', "{}"],
+        ['{"next": {"v": "x"}}', '{"next": 1}'],
+    ),
+    "propertyNames-by-ref": (  # Github_hard o39233
+        {
+            "$defs": {"k": {"type": "string", "enum": ["x", "y"]}},
+            "type": "object",
+            "propertyNames": {"$ref": "#/$defs/k"},
+        },
+        ['{"x": 1}', '{"x": 1, "y": "z"}', "{}"],
+        ['{"z": 1}', '{"x": 1, "xx": 2}'],
+    ),
 }
 
 
@@ -175,7 +264,10 @@ CASES = {
 def test_verdicts_and_random_walks(backend, tokenizer, name):
     schema, valid, invalid = CASES[name]
     compiled = backend.compile(ConstraintSpec.json_schema(schema))
-    validator = jsonschema.Draft202012Validator(schema)
+    # formats are assertions in this runtime
+    validator = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
     normalized = normalize_schema(schema).schema
     for text in valid:  # fed in the grammar's key order (named properties in schema order)
         assert validator.is_valid(json.loads(text)), text  # the case itself is right
@@ -321,15 +413,74 @@ def test_one_of_by_whole_types(schema, expected):
 
 
 @pytest.mark.parametrize(
-    "schema",
+    "schema,keyword,pointer",
     [
-        {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # non-integral numbers only: no grammar
-        {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 3}]},  # needs a negation
-        {"not": {"type": "integer"}},
-        {"not": {"type": "string", "minLength": 2}},
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "/oneOf"),  # non-integral numbers
+        ({"not": {"type": "integer"}}, "not", "/not"),
+        ({"not": {"type": "object", "additionalProperties": False}}, "not", "/not"),
+        ({"not": {"type": "array", "items": {"type": "string"}}}, "not", "/not"),
+        (  # overlapping branches whose complement has no form here
+            {"oneOf": [{"type": "array"}, {"type": "array", "items": {"type": "string"}}]},
+            "oneOf",
+            "/oneOf",
+        ),
+        (  # the bound: each term "a branch and not the others" has 9 x 9 = 81 > 64 alternatives (one per missing name)
+            {"oneOf": [{"required": [f"{c}{i}" for i in range(9)]} for c in "abc"]},
+            "oneOf",
+            "/oneOf",
+        ),
+        ({"type": "string", "format": "email", "pattern": "(?=a)b"}, "pattern", "/pattern"),
+    ],
+    ids=[
+        "integer-vs-number",
+        "not-integer",
+        "not-closed-object",
+        "not-items",
+        "oneOf-items",
+        "oneOf-bound",
+        "lookahead",
     ],
 )
-def test_one_of_and_not_refused_without_an_exact_form(schema):
-    """Each of these would need a negation (or a non-integral-number type) the grammar lacks."""
-    with pytest.raises(UnsupportedSchemaError):
+def test_one_of_and_not_refused_without_an_exact_form(schema, keyword, pointer):
+    """Each of these would need a complement (or a non-integral-number type) the grammar lacks, or
+    goes past the bound on the size of the oneOf rewrite: refused naming keyword and pointer."""
+    with pytest.raises(UnsupportedSchemaError) as e:
         normalize_schema(schema)
+    assert (e.value.keyword, e.value.pointer) == (keyword, pointer)
+
+
+@pytest.mark.parametrize(
+    "schema,expected",
+    [
+        (
+            {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 3}]},
+            {"type": "string", "maxLength": 2},
+        ),
+        (
+            {"not": {"type": "string", "minLength": 2}},
+            ["null", "boolean", "number", "array", "object", ("string", {"maxLength": 1})],
+        ),
+        (
+            {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+            [("object", {"required": ["a"], "b": False}), ("object", {"required": ["b"], "a": False})],
+        ),
+    ],
+    ids=["oneOf-lengths", "not-minLength", "oneOf-required"],
+)
+def test_negation_rewrites(schema, expected):
+    """The complement rewrites (negation.py) and the oneOf built from them, read off the output."""
+    out = normalize_schema(schema).schema
+    if isinstance(expected, dict):
+        assert out == expected
+        return
+
+    def flat(s):
+        return [x for b in s["anyOf"] for x in (flat(b) if "anyOf" in b else [b])]
+
+    got = flat(out)
+    assert len(got) == len(expected)
+    for b, want in zip(got, expected):
+        ty, extra = want if isinstance(want, tuple) else (want, {})
+        assert b["type"] == ty
+        for k, v in extra.items():
+            assert (b.get(k) if k in ("maxLength", "required") else b["properties"][k]) == v

@@ -13,14 +13,17 @@ The pass walks the schema once (`normalize_schema`). Each keyword is
   "a string of at most 2 characters, or any non-string"); `allOf` merged into one schema;
   `$ref` siblings merged with the target; `enum`/`const` filtered by the whole subschema with
   `jsonschema` (so every other keyword beside an enum holds); `oneOf` turned into `anyOf` when its
-  branches are provably exclusive; `required` names missing from `properties` added with the
+  branches are provably exclusive, else into "branch i and not each overlapping branch j" when those
+  have complements (negation.py); `required` names missing from `properties` added with the
   `additionalProperties` schema; unanchored `pattern` made a search (`.*(?:p).*`); `pattern` with
   `minLength`/`maxLength` intersected when the pattern is one repeated character class
   (`^[a-z]+$` + maxLength 3 -> `^[a-z]{1,3}$`); `format: ipv4` as an exact pattern; draft-04/07
   forms (`exclusiveMinimum: true`, `items: [...]`/`additionalItems`, `definitions`) mapped to 2020-12;
   `propertyNames`/`minProperties`/`maxProperties` dropped when the schema already implies them;
   `dependentRequired`/`dependentSchemas` as one anyOf branch per choice of present trigger names;
-  `not` of a type set or of `required` as the positive complement;
+  `not` as its positive complement (negation.py: type, required, properties, scalar enum/const,
+  bounds, pattern, anyOf/allOf/not of those); a `pattern` beside a format that has a pattern (or
+  email) as one product automaton;
 - an annotation (`title`, `description`, `default`, `examples`, unknown keywords, formats no
   validator asserts such as `int64`): ignored, as the spec says;
 - unsupported: `UnsupportedSchemaError` naming the keyword and its JSON pointer, unless
@@ -43,19 +46,20 @@ Per keyword (docs: README "Constraints"):
   anyOf, $ref (local), prefixItems, items, minItems, maxItems, minLength, maxLength, pattern,
   minimum/maximum (and exclusive), multipleOf 1, unevaluatedProperties without in-place
   applicators, format (date, time, date-time, ipv4, hostname, email, uri, uuid, ...);
-- enforced with limits: oneOf (branches provably exclusive, or decided by whole types: the types
-  exactly one branch covers), not (of a type set, of `required`, of a boolean schema),
+- enforced with limits: oneOf (branches provably exclusive, decided by whole types, or rewritten
+  with the complements of overlapping branches, at most 64 alternatives per branch), not (of the
+  forms negation.py complements),
   minProperties (> 1 only on closed objects), maxProperties (a repeated key counts twice: stricter),
   pattern + length (product automaton of at most 4000 states), strings under maxLength take no
   escapes, keys matched by patterns or names use no escapes, quote, backslash or control
   characters (stricter), objects of our own grammar are refused with `indent` set;
 - refused: uniqueItems (over more than one item), contains/minContains/maxContains, if/then/else,
-  not of other schemas, multipleOf other than 1, unevaluatedItems, unevaluatedProperties beside
+  not of other schemas (items, additionalProperties, format, integers alone), multipleOf other than 1, unevaluatedItems, unevaluatedProperties beside
   applicators, remote/anchor $ref, $dynamicRef, custom metaschemas ($schema), lookaround and
   backreferences in patterns, case-insensitive key patterns.
 
 Modules: normalizer.py (the walk and its state), refs.py ($ref, allOf merging), combinators.py
-(enum/const, anyOf/oneOf), strings.py (lengths, pattern, formats), numbers.py, arrays.py,
+(enum/const, anyOf/oneOf), negation.py (complements for not/oneOf), strings.py (lengths, pattern, formats), numbers.py, arrays.py,
 objects.py, automata.py (regex -> DFA, products, complements), nodes.py (our EBNF for objects and
 strings xgrammar does not enforce exactly), keywords.py (vocabulary), values.py (JSON equality),
 errors.py (errors, JSON Pointers), canonical.py (the grammar's canonical text of a value). Regex

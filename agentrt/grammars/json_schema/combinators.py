@@ -6,20 +6,25 @@
 - `anyOf`: each branch merged with the sibling keywords and normalized; unsatisfiable branches drop.
 - `oneOf`: enforced as `anyOf` when its live branches are provably pairwise exclusive (disjoint
   types, disjoint enums, or a required property whose schemas are disjoint / that the other
-  branch's closed object forbids); otherwise refused: exactly-one has no grammar.
+  branch's closed object forbids); else, when the overlapping branches have complements
+  (negation.py), as the anyOf of "branch i and not each branch j that may overlap it" (at most
+  MAX_ONE_OF_TERMS alternatives per term); otherwise refused: exactly-one has no grammar.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from agentrt.grammars.json_schema.errors import ptr
+from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import KNOWN, UNSAT
-from agentrt.grammars.json_schema.refs import inline
+from agentrt.grammars.json_schema.refs import inline, resolve
 from agentrt.grammars.json_schema.values import json_equal, json_key, type_name, value_to_schema
 
 if TYPE_CHECKING:
     from agentrt.grammars.json_schema.normalizer import Normalizer
+
+MAX_ONE_OF_TERMS = 64
+_MAX_RELAX_DEPTH = 4  # alternatives of one "branch and not the others" term
 
 
 def norm_enum(n: Normalizer, s: dict, pointer: str):
@@ -52,13 +57,7 @@ def norm_enum(n: Normalizer, s: dict, pointer: str):
 
 
 def norm_alternatives(n: Normalizer, s: dict, pointer: str):
-    """`anyOf` or `oneOf` (both present: the `oneOf` moves into an `allOf`)."""
-    if "anyOf" in s and "oneOf" in s:
-        s = dict(s)
-        one = s.pop("oneOf")
-        n.rewrite("oneOf", ptr(pointer, "oneOf"))
-        s["allOf"] = [{"oneOf": one}]
-        return n.norm(s, pointer)
+    """`anyOf` or `oneOf` (both present: the `oneOf` stays beside each `anyOf` branch)."""
     kw = "anyOf" if "anyOf" in s else "oneOf"
     base = {k: v for k, v in s.items() if k != kw}
     branches = []
@@ -74,7 +73,9 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
     if kw == "oneOf" and len(live) > 1:
         if _pairwise_disjoint(n, live):
             n.rewrite("oneOf", ptr(pointer, "oneOf"))
-        elif (exact := _exactly_one_by_type(n, live)) is not None:
+        elif (exact := _exactly_one_by_type(n, live)) is not None or (
+            exact := _exactly_one_by_negation(n, s[kw], base, branches, pointer)
+        ) is not None:
             n.rewrite("oneOf", ptr(pointer, "oneOf"))
             live = exact
         else:
@@ -87,6 +88,43 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
     if not live:
         return UNSAT
     return live[0] if len(live) == 1 else {"anyOf": live}
+
+
+def _exactly_one_by_negation(n: Normalizer, raw: list, base: dict, branches: list, pointer: str):
+    """oneOf as the anyOf of "branch i and not branch j" for every j that may overlap branch i
+    (negation.py), when each such branch has a complement and each term stays within
+    MAX_ONE_OF_TERMS alternatives; the normalized terms, or None (refused by the caller)."""
+    live = [i for i, b in enumerate(branches) if b is not UNSAT]
+    negs: dict[int, Any] = {}
+    terms = []
+    for i in live:
+        parts, size = [base, raw[i]], 1
+        for j in live:
+            if j == i or disjoint(n, branches[i], branches[j]):
+                continue
+            if j not in negs:
+                negs[j] = n.negated(raw[j], ptr(pointer, "oneOf", j))
+            if negs[j] is None:
+                return None
+            if negs[j] is False:
+                parts = None  # branch j matches everything: branch i never matches alone
+                break
+            if negs[j] is not True:
+                size *= len(negs[j]["anyOf"]) if set(negs[j]) == {"anyOf"} else 1
+                parts.append(negs[j])
+        if parts is None:
+            continue
+        if size > MAX_ONE_OF_TERMS:
+            return None
+        terms.append((i, parts))
+    out = []
+    for i, parts in terms:
+        bp = ptr(pointer, "oneOf", i)
+        merged = inline(n, {"allOf": parts}, bp)
+        nb = UNSAT if merged is False else n.norm(merged, bp)
+        if nb is not UNSAT:
+            out.append(nb)
+    return out or [UNSAT]
 
 
 _ALL_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
@@ -120,6 +158,53 @@ def _deref(n: Normalizer, s):
             return None
         s = n.defs[name]
     return s
+
+
+def _busy_def(n: Normalizer, s):
+    """For a `$ref` to a `$defs` entry still being normalized (a recursive schema): a relaxation of
+    its raw target (`_relaxed`), enough to prove disjointness; anything else unchanged."""
+    if not (isinstance(s, dict) and set(s) == {"$ref"}):
+        return s
+    name = s["$ref"].rsplit("/", 1)[-1]
+    frag = next((f for f, d in n.def_names.items() if d == name), None)
+    if frag is None:
+        return s
+    try:
+        return _relaxed(n, resolve(n, "#" + frag, "")[1], 0)
+    except UnsupportedSchemaError:
+        return {}
+
+
+def _relaxed(n: Normalizer, s, depth: int):
+    """A schema in the normalized vocabulary that admits every instance raw `s` admits (keywords
+    left out only widen it): one `type`, `enum`/`const`, and for objects `required`, `properties`
+    (relaxed) and a closed `additionalProperties`. `disjoint` of two relaxations implies disjoint
+    originals."""
+    if s is False:
+        return {"enum": []}
+    if not isinstance(s, dict) or depth > _MAX_RELAX_DEPTH:
+        return {}
+    s = n.upgrade(dict(s), "")
+    if "$ref" in s:
+        try:
+            return _relaxed(n, resolve(n, s["$ref"], "")[1], depth + 1)
+        except UnsupportedSchemaError:
+            return {}
+    if "const" in s:
+        return {"enum": [s["const"]]}
+    if isinstance(s.get("enum"), list):
+        return {"enum": list(s["enum"])}
+    if not isinstance(s.get("type"), str):
+        return {}
+    out: dict = {"type": s["type"]}
+    if s["type"] == "object":
+        if isinstance(s.get("required"), list):
+            out["required"] = list(s["required"])
+        if isinstance(s.get("properties"), dict):
+            out["properties"] = {k: _relaxed(n, v, depth + 1) for k, v in s["properties"].items()}
+        if s.get("additionalProperties") is False and not s.get("patternProperties"):
+            out["additionalProperties"] = False
+    return out
 
 
 def _exactly_one_by_type(n: Normalizer, live: list):
@@ -187,7 +272,7 @@ def types_of(n: Normalizer, s) -> set | None:
 
 def disjoint(n: Normalizer, a, b) -> bool:
     """Provably no instance matches both normalized schemas (False: maybe some does)."""
-    a, b = _deref(n, a) or a, _deref(n, b) or b
+    a, b = _deref(n, a) or _busy_def(n, a), _deref(n, b) or _busy_def(n, b)
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
     ta, tb = types_of(n, a), types_of(n, b)

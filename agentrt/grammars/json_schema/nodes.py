@@ -1,6 +1,7 @@
 """EBNF of our own for the subschemas xgrammar's converter does not enforce exactly, spliced into
 its grammar: objects with `patternProperties`, `propertyNames`, forbidden properties (`"k": false`)
-or property counts on an open object, and strings whose `pattern` comes with a length range.
+or property counts on an open object, and strings whose `pattern` comes with a length range or
+that carry a `not` of patterns.
 
 Measured (xgrammar 0.2.9): its converter gives every additional key the `additionalProperties`
 schema even when the key matches a `patternProperties` pattern, ignores `propertyNames`, and drops
@@ -12,7 +13,8 @@ schema even when the key matches a `patternProperties` pattern, ignores `propert
   `additionalProperties`); a member counter enforces `maxProperties` (duplicated keys count twice:
   stricter, never wider) and `minProperties` of at most 1 (any member makes the parsed object
   non-empty; the normalizer refuses more on an open object, since a repeated key counts once);
-- string: the product DFA of the whole-string pattern and the length range.
+- string: the product DFA of the whole-string pattern, the length range and the patterns of a
+  `not` (negation.py; a string matching one of them is left out).
 
 Splicing: `take_nodes` swaps each such subschema for `{"anyOf": [{"const": MARKER}, *values]}`
 (its property and pattern values stay schemas xgrammar converts); `put_nodes` finds the rule whose
@@ -47,7 +49,30 @@ def needs_node(s: dict) -> bool:
             or any(v is False for v in s.get("properties", {}).values())
             or (open_ and ("minProperties" in s or "maxProperties" in s))
         )
-    return t == "string" and "pattern" in s and ("minLength" in s or "maxLength" in s)
+    return t == "string" and (
+        "not" in s or "allOf" in s or ("pattern" in s and ("minLength" in s or "maxLength" in s))
+    )
+
+
+def string_automaton(s: dict) -> tuple[DFA, object]:
+    """The DFA of a normalized string schema with `pattern` (whole-string), a length range, an
+    `allOf` of `{"pattern": p}` (searches, all must match: a format beside a pattern, strings.py)
+    and `not` patterns (searches, none may match: negation.not_patterns), and the test on a state's
+    label that says it accepts. Raises AutomatonError past the automaton bounds."""
+    from agentrt.grammars.json_schema.negation import not_patterns
+
+    comps: list = []
+    if "pattern" in s:
+        comps.append(("regex", s["pattern"]))
+    if "minLength" in s or "maxLength" in s:
+        comps.append(("length", (s.get("minLength", 0), s.get("maxLength"))))
+    comps += [("search", x["pattern"]) for x in s.get("allOf", [])]
+    must = frozenset(range(len(comps)))
+    nots = not_patterns(s.get("not"))
+    banned = frozenset(range(len(comps), len(comps) + len(nots)))
+    comps += [("search", p) for p in nots]
+    dfa = build(comps, alphabet(tuple(r for _kind, r in comps if _kind in ("regex", "search"))))
+    return dfa, lambda lab: must <= lab and not (banned & lab)
 
 
 def key_components(pn) -> list[tuple[str, object]]:
@@ -202,13 +227,11 @@ def _node_ebnf(node: _Node, values: list[str], name: str, ws: dict) -> tuple[str
 
 
 def _string_ebnf(s: dict, name: str) -> tuple[str, list[str]]:
-    comps = [("regex", s["pattern"]), ("length", (s.get("minLength", 0), s.get("maxLength")))]
-    dfa = build(comps, alphabet((s["pattern"],)))
-    both = frozenset({0, 1})
-    dfa, outs = minimize(dfa, lambda lab: '"\\""' if lab == both else None)
+    dfa, ok = string_automaton(s)
+    dfa, outs = minimize(dfa, lambda lab: '"\\""' if ok(lab) else None)
     lines, live = dfa_ebnf(dfa, outs, name)
     if not live:
-        raise ConstraintError("no string satisfies both the pattern and the length range")
+        raise ConstraintError("no string satisfies the pattern, length range and negated patterns")
     return f'("\\"" {name}_0)', lines
 
 

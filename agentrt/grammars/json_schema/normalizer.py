@@ -19,33 +19,11 @@ from agentrt.grammars.json_schema.arrays import norm_array
 from agentrt.grammars.json_schema.combinators import norm_alternatives, norm_enum
 from agentrt.grammars.json_schema.errors import UnsatisfiableSchemaError, UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import COUNT_KW, INT32_MAX, KNOWN, NUMBER_KW, TYPES, UNSAT
+from agentrt.grammars.json_schema.negation import is_not_pattern, negation
 from agentrt.grammars.json_schema.numbers import norm_integer, norm_number
 from agentrt.grammars.json_schema.objects import norm_object
-from agentrt.grammars.json_schema.refs import merge_all_of, norm_ref
+from agentrt.grammars.json_schema.refs import inline, merge_all_of, norm_ref, resolve
 from agentrt.grammars.json_schema.strings import norm_string
-
-
-def negation(sub):
-    """A positive schema equal to `{"not": sub}` for the forms that have one, else None: a boolean
-    schema, `{}`, `{"type": ...}` (not when it takes integers but not all numbers: the rest would be
-    the non-integral numbers), `{"required": [...]}` (a non-object, or an object lacking one name)."""
-    if sub is False:
-        return True
-    if sub is True or sub == {}:
-        return False
-    if not isinstance(sub, dict):
-        return None
-    if set(sub) == {"type"}:
-        t = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
-        if not t <= set(TYPES) or ("integer" in t and "number" not in t):
-            return None
-        rest = [x for x in TYPES if x not in t and not (x == "integer" and "number" in t)]
-        return {"type": rest} if rest else False
-    if set(sub) == {"required"} and isinstance(sub["required"], list) and sub["required"]:
-        names = list(dict.fromkeys(sub["required"]))
-        others = [x for x in TYPES if x != "object"]
-        return {"anyOf": [{"type": others}] + [{"type": "object", "properties": {k: False}} for k in names]}
-    return None
 
 
 @dataclass
@@ -166,6 +144,8 @@ class Normalizer:
             if {k for k in s if k in KNOWN} == {"$ref"}:
                 return norm_ref(self, s["$ref"], ptr(pointer, "$ref"))
             rest = {k: v for k, v in s.items() if k != "$ref"}
+            if self._implied_by_target(s["$ref"], rest, pointer):  # e.g. {"type": "object", "$ref": ...}
+                return norm_ref(self, s["$ref"], ptr(pointer, "$ref"))
             self.rewrite("$ref", ptr(pointer, "$ref"))
             return self.norm({"allOf": [{"$ref": s["$ref"]}, rest]}, pointer)
         if "enum" in s or "const" in s:
@@ -178,7 +158,11 @@ class Normalizer:
                 return self.norm(s, pointer)
             if "enum" in s or "const" in s:
                 return norm_enum(self, s, pointer)
-        if "not" in s and (neg := negation(s["not"])) is not None:
+        if (
+            "not" in s
+            and not is_not_pattern(s["not"])
+            and (neg := self.negated(s["not"], pointer)) is not None
+        ):
             self.rewrite("not", ptr(pointer, "not"))
             rest = {k: v for k, v in s.items() if k != "not"}
             return self.norm({"allOf": [rest, neg]} if neg is not True else rest, pointer)
@@ -186,6 +170,32 @@ class Normalizer:
         if "anyOf" in s or "oneOf" in s:
             return norm_alternatives(self, s, pointer)
         return self.norm_typed(s, pointer)
+
+    def _implied_by_target(self, ref, rest: dict, pointer: str) -> bool:
+        """Does the `$ref` target say every sibling keyword in `rest` itself (same value)? Then the
+        reference alone is equivalent, and a recursive target stays a `$defs` reference instead of
+        being merged (unrolled) level by level."""
+        from agentrt.grammars.json_schema.values import json_equal
+
+        try:
+            target = resolve(self, ref, ptr(pointer, "$ref"))[1]
+        except UnsupportedSchemaError:
+            return False
+        if not isinstance(target, dict):
+            return False
+        return all(k in target and json_equal(target[k], v) for k, v in rest.items() if k in KNOWN)
+
+    def negated(self, sub, pointer: str):
+        """`negation` of raw `sub` with its `$ref`s and `allOf`s inlined first; None when it has no
+        complement here (or cannot be inlined: a recursive reference)."""
+        neg = negation(sub)
+        if neg is None and isinstance(sub, dict) and ("$ref" in sub or "allOf" in sub):
+            try:
+                flat = inline(self, sub, ptr(pointer, "not"))
+            except UnsupportedSchemaError:
+                return None
+            neg = negation(flat if flat is not False else False)
+        return neg
 
     def _checked(self, s: dict, pointer: str) -> dict:
         """Refuse non-finite bounds; drop (or refuse) dynamic references."""
@@ -203,7 +213,7 @@ class Normalizer:
         """`not` (other than `negation`'s forms) and `if`/`then`/`else` have no grammar: refused
         (best-effort: dropped). A lone
         `if` asserts nothing and is dropped silently, as are `then`/`else` without `if`."""
-        if "not" in s:
+        if "not" in s and not is_not_pattern(s["not"]):
             self.unsupported("not", ptr(pointer, "not"), "negation cannot be expressed as a grammar")
             s.pop("not")
         if "if" in s:

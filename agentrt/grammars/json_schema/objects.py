@@ -163,6 +163,11 @@ def _property_names(n: Normalizer, s: dict, out: dict, pointer: str) -> None:
         out.pop("patternProperties", None)
         out["additionalProperties"] = False
         return
+    while isinstance(pn, dict) and set(pn) == {"$ref"}:  # a finished $defs entry: its schema
+        name = pn["$ref"].rsplit("/", 1)[-1]
+        if name not in n.defs or name in {n.def_names.get(f) for f in n.in_progress}:
+            break
+        pn = n.defs[name]
     pn = _string_part(pn)
     if pn == {}:
         return

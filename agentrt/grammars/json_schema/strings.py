@@ -7,8 +7,13 @@
   date-time and hostname become exact patterns (FORMAT_PATTERNS: RFC 3339 §5.6, RFC 1123 §2.1,
   RFC 2673 §3.2 dotted quads); formats jsonschema asserts that no grammar here enforces are
   refused (CHECKED_FORMATS); any other format is an annotation.
-- a length range beside `format`, or `pattern` beside `format`, is refused (best-effort: the
+- `pattern` beside a format that has a pattern (FORMAT_SEARCHES: the exact patterns, and email
+  as jsonschema checks it, a string with "@"): the product automaton of both and the length range
+  (nodes.py); otherwise a length range or `pattern` beside `format` is refused (best-effort: the
   format wins).
+- `not` of patterns (`{"not": {"pattern": p}}`, and what negation.py makes of a negated enum or
+  pattern): kept beside the rest, enforced by nodes.py's product DFA (a string matching a negated
+  pattern is left out); refused beside `format`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import TYPE_CHECKING
 from agentrt.grammars.json_schema.automata import AutomatonError, alphabet, build
 from agentrt.grammars.json_schema.errors import ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
+from agentrt.grammars.json_schema.negation import not_patterns
+from agentrt.grammars.json_schema.nodes import string_automaton
 from agentrt.grammars.regex import (
     as_fullmatch,
     bound_repetition,
@@ -76,6 +83,9 @@ FORMAT_PATTERNS = {
     "date-time": f"^{_DATE}T{_TIME}$",
     "hostname": HOSTNAME_PATTERN,
 }
+# a format as a pattern, for a product with a `pattern` beside it: the exact patterns, and email
+# as jsonschema's checker defines it (a string containing "@")
+FORMAT_SEARCHES = {**FORMAT_PATTERNS, "email": "@"}
 FORMAT_LENGTHS = {
     "ipv4": (7, 15),
     "date": (10, 10),
@@ -87,6 +97,36 @@ FORMAT_LENGTHS = {
 
 def norm_string(n: Normalizer, s: dict, pointer: str):
     """The string branch of subschema `s`."""
+    nots = not_patterns(s.get("not"))
+    if not nots:
+        return _norm_string(n, s, pointer)
+    out = _norm_string(n, {k: v for k, v in s.items() if k != "not"}, pointer)
+    return out if out is UNSAT else _with_not(n, out, nots, pointer)
+
+
+def _with_not(n: Normalizer, out: dict, nots: list[str], pointer: str):
+    """String schema `out` with the patterns of a `not` none may match (nodes.py's product DFA);
+    refused beside a format, for a pattern without an automaton, or past the automaton bounds."""
+    where = ptr(pointer, "not")
+    if "format" in out:
+        n.unsupported("not", where, "'not' beside format is not supported")
+        return out
+    kept = {
+        **out,
+        "not": {"pattern": nots[0]} if len(nots) == 1 else {"anyOf": [{"pattern": p} for p in nots]},
+    }
+    try:
+        dfa, ok = string_automaton(kept)
+    except AutomatonError as e:
+        n.unsupported("not", where, f"a negated pattern: {e}")
+        return out
+    if not any(ok(lab) for lab in dfa.labels):
+        return UNSAT
+    n.rewrite("not", where)
+    return kept
+
+
+def _norm_string(n: Normalizer, s: dict, pointer: str):
     lo, hi = n.count_bounds("minLength", s.get("minLength"), s.get("maxLength"), pointer)
     lo = int(lo) if lo is not None else None
     hi = int(hi) if hi is not None else None
@@ -94,6 +134,10 @@ def norm_string(n: Normalizer, s: dict, pointer: str):
         return UNSAT
     fmt = s.get("format")
     pattern = s.get("pattern")
+    if pattern is not None and fmt in FORMAT_SEARCHES:
+        got = _format_with_pattern(n, fmt, pattern, lo, hi, pointer)
+        if got is not None:
+            return got
     if fmt in FORMAT_PATTERNS:
         return _pattern_format(n, fmt, pattern, lo, hi, pointer)
     if fmt is not None and fmt not in GRAMMAR_FORMATS:
@@ -124,6 +168,31 @@ def _pattern_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str):
         kw = "minLength" if (lo or 0) > flo else "maxLength"
         n.unsupported(kw, ptr(pointer, kw), f"'{kw}' beside format '{fmt}' is not supported")
     return {"type": "string", "pattern": FORMAT_PATTERNS[fmt][1:-1]}
+
+
+def _format_with_pattern(n: Normalizer, fmt: str, pattern: str, lo, hi, pointer: str):
+    """`format` and `pattern` (and a length range) side by side: nodes.py's product automaton of
+    the format (as a pattern: FORMAT_SEARCHES), the pattern (`allOf` of searches) and the lengths.
+    None (the caller refuses as before) when the pattern has no automaton or it is too large."""
+    out: dict = {"type": "string", "allOf": [{"pattern": pattern}]}
+    whole = FORMAT_SEARCHES[fmt]
+    if whole.startswith("^") and whole.endswith("$"):
+        out["pattern"] = whole[1:-1]
+    else:
+        out["allOf"].append({"pattern": whole})
+    if lo:
+        out["minLength"] = lo
+    if hi is not None:
+        out["maxLength"] = hi
+    try:
+        dfa, ok = string_automaton(out)
+    except AutomatonError:
+        return None
+    if not any(ok(lab) for lab in dfa.labels):
+        return UNSAT
+    n.rewrite("format", ptr(pointer, "format"))
+    n.rewrite("pattern", ptr(pointer, "pattern"))
+    return out
 
 
 def _grammar_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str) -> dict:
