@@ -18,20 +18,32 @@ any fork: importing jsonschema alone takes ~2 s). For each compile it forks a ch
 single-threaded process is safe; forking the multi-threaded server is not: a child can inherit a
 lock another thread holds, and hang). The child receives the spec (kind, value, strict) and the
 JSON layout options, runs the pipeline, and sends back over its own socket, whose other end the
-zygote hands to the server (SCM_RIGHTS): the compiled grammar as xgrammar's JSON serialization
-with the keywords dropped under best effort and the forced-text bound; or the ConstraintError's
-fields (message, param, keyword, JSON pointer, tool index), raised here as they were; or the
-traceback of an unexpected exception (CompileChildError: a bug, not a 400). Past the deadline the
-server kills the child; its CPU time (/proc) tells an expensive constraint (400) from a starved
-one (503). The child lowers its priority to the calling compile thread's nice value.
+zygote hands to the server (SCM_RIGHTS): the grammar as EBNF text (xgrammar's own printing of
+it, which `Grammar.from_ebnf` reads back exactly) with the keywords dropped under best effort and
+the forced-text bound, once the child has compiled it (the proof that the compile ends within the
+deadline); or the ConstraintError's fields (message, param, keyword, JSON pointer, tool index),
+raised here as they were; or the traceback of an unexpected exception (CompileChildError: a bug,
+not a 400). Past the deadline the server kills the child; its CPU time (/proc) tells an expensive
+constraint (400) from a starved one (503). The child lowers its priority to the calling compile
+thread's nice value.
+
+Why the text and not the compiled grammar: the server compiles the grammar again from its text
+(xgrammar_backend.GrammarBackend: the same work the child just finished, so bounded by the same
+deadline; xgrammar releases the GIL while it compiles, measured: the event loop's longest pause
+5 ms during a 3 s compile). xgrammar's JSON serialization of a grammar is not proportional to it:
+measured on this box, the schema-aware SQL grammar of a 4-table Spider database (274 kB of EBNF,
+compiled in 1.0 s, 9 MB in memory) serialized to 1.1 GB of JSON in 87 s, a bounded variant of it
+ran out of memory (std::bad_alloc past 8 GB), and so did one JSONSchemaBench sample schema; another
+(0.1 s to compile, 0.6 MB) took 5.3 s to serialize and load. Its printed EBNF is 22 kB for a
+schema whose serialization is 18 MB, and reads back in 7 ms. Over a third of the JSONSchemaBench
+sample the compile and the serialize+load cost the same in total (13 s each), so compiling twice
+costs about what the transfer did, without its blow-ups.
 
 Costs, 2-core dev box, SmolLM2's 49k vocabulary: the zygote starts in ~5 s on an idle box
 (importing xgrammar imports torch), ~2 s more with the conversion's modules, and holds ~300 MB
 (measured on a loaded box, load ~5: 13.2 s and 305 MB RSS vs 8.1 s and 283 MB when it loaded
 xgrammar only); per compile a fork and the transfers (a small JSON Schema, same loaded box: 0.26 s
-in a child vs 0.13 s in process; the spec travels instead of the grammar, so this did not change),
-and for a 2 MB compiled grammar ~0.27 s to serialize (in the child) and ~0.14 s to deserialize
-(here), beside a 0.9 s compile. POSIX only; GrammarConfig.compile_in_child turns it off (the same
+in a child vs 0.13 s in process). POSIX only; GrammarConfig.compile_in_child turns it off (the same
 pipeline then runs on the compile thread, unkillable).
 """
 
@@ -64,10 +76,13 @@ _OK, _ERROR, _FAULT = b"O", b"E", b"F"
 
 class Built(NamedTuple):
     """What one constraint compiles to (xgrammar_backend.build_constraint), here or in a child:
-    the compiled grammar, the keywords dropped under best effort ("keyword at /pointer"), and the
-    bound on text the grammar can force (grammars/finite.py; None: unknown)."""
+    the compiled grammar (None when it comes from a child: compile `ebnf` again), the grammar's
+    EBNF text (xgrammar's printing, root rule "root"), the keywords dropped under best effort
+    ("keyword at /pointer"), and the bound on text the grammar can force (grammars/finite.py;
+    None: unknown)."""
 
-    grammar: xgr.CompiledGrammar
+    grammar: xgr.CompiledGrammar | None
+    ebnf: str
     not_enforced: list[str]
     forced_bound: ForcedBound | None
 
@@ -116,7 +131,8 @@ class Zygote:
     def compile(self, spec: ConstraintSpec, ws: dict, deadline: float, nice: int = 0) -> Built:
         """`xgrammar_backend.build_constraint(spec, ws, GrammarCompiler(info))` in a child at `nice`:
         all of it (JSON parsing, schema normalization and conversion, the finite check, the
-        compile) is bounded by `deadline`, time.monotonic() after which the child is killed.
+        compile) is bounded by `deadline`, time.monotonic() after which the child is killed. The
+        result's `grammar` is None: the caller compiles `ebnf` (see the module docstring).
         Raises CompileTimeout past the deadline; the ConstraintError the pipeline raised (message,
         param, keyword, pointer, tool_index as they were); RuntimeError when the child or the
         zygote died (or the result could not be loaded); CompileChildError on a bug in the child."""
@@ -150,15 +166,14 @@ class Zygote:
         return self._load(data)
 
     def _load(self, data: bytes) -> Built:
-        """The child's answer: _OK + JSON head line + xgrammar's serialized grammar, _ERROR + the
+        """The child's answer: _OK + JSON head line + the grammar's EBNF text, _ERROR + the
         ConstraintError's fields as JSON, _FAULT + a traceback."""
         kind, body = data[:1], data[1:]
         if kind == _OK:
-            head, _, grammar_json = body.partition(b"\n")
+            head, _, ebnf = body.partition(b"\n")
             meta = json.loads(head)
             bound = meta["forced_bound"]
-            grammar = xgr.CompiledGrammar.deserialize_json(grammar_json.decode(), self.info)
-            return Built(grammar, meta["not_enforced"], None if bound is None else ForcedBound(*bound))
+            return Built(None, ebnf.decode(), meta["not_enforced"], None if bound is None else ForcedBound(*bound))
         if kind == _ERROR:
             f = json.loads(body)
             raise ConstraintError(
@@ -323,7 +338,7 @@ def _run_job(info: xgr.TokenizerInfo, job_json: bytes) -> bytes:
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         built = build_constraint(spec, job["ws"], compiler)
         head = json.dumps({"not_enforced": built.not_enforced, "forced_bound": built.forced_bound})
-        return _OK + head.encode() + b"\n" + built.grammar.serialize_json().encode()
+        return _OK + head.encode() + b"\n" + built.ebnf.encode()
     except ConstraintError as e:
         fields = {
             "message": e.message,

@@ -211,8 +211,9 @@ def build_constraint(spec: ConstraintSpec, ws: dict, compiler: xgr.GrammarCompil
         grammar = spec_grammar(spec, not_enforced, ws)
         if grammar is None:
             raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
-        bound = check_finite(str(grammar), "root")
-        return Built(compiler.compile_grammar(grammar), not_enforced, bound)
+        ebnf = str(grammar)
+        bound = check_finite(ebnf, "root")
+        return Built(compiler.compile_grammar(grammar), ebnf, not_enforced, bound)
     except (RuntimeError, ValueError, TypeError) as e:
         raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
@@ -252,9 +253,10 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         # the whole pipeline (spec -> grammar -> finite check -> compile) in killable child
         # processes (grammars/compile_child.py); they meet their own deadline, the queue's limit is
-        # a backstop for the work around them here (sending the spec, loading the result)
+        # a backstop for the work around them here (sending the spec, compiling the grammar again
+        # from its text: as long as the child's compile at most, hence the grace of one more limit)
         self._zygote = Zygote(info) if config.compile_in_child and hasattr(os, "fork") else None
-        grace = 0.5 * config.compile_timeout_s if self._zygote is not None else 0.0
+        grace = 1.5 * config.compile_timeout_s if self._zygote is not None else 0.0
         self._queue = CompileQueue(self._compile, config, grace)
         # mask overlap: bitmasks are filled on this thread while the engine runs the forward pass
         # (xgrammar releases the GIL; the rows of a batch are filled by its own thread pool)
@@ -308,6 +310,9 @@ class GrammarBackend:
             nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             try:
                 built = self._zygote.compile(spec, ws, deadline, nice)
+                # the child's compile proved this one ends in time; its grammar comes as EBNF text
+                # (compile_child: xgrammar's serialization of a compiled grammar can take GBs)
+                grammar = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(built.ebnf))
             except CompileTimeout as e:  # killed at the deadline: 400, or 503 when it was starved
                 cpu = e.cpu_s + time.thread_time() - cpu_start
                 raise compile_timeout_error(spec.kind, cfg.compile_timeout_s, cpu) from None
@@ -315,6 +320,7 @@ class GrammarBackend:
                 raise ConstraintError(
                     f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}"
                 ) from None
+            built = built._replace(grammar=grammar)
         return CompiledConstraint(
             built.grammar, built.not_enforced, time.perf_counter() - t0, built.forced_bound
         )

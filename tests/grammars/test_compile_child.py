@@ -207,3 +207,45 @@ def test_a_bug_in_the_child_is_not_answered_as_a_refusal(backend, in_process):
         in_process.compile(spec)
     with pytest.raises(CompileChildError, match="KeyError: 'tools'"):
         backend.compile(spec)
+
+
+def _sql_spec() -> ConstraintSpec:
+    from agentrt.sql.schema import load_schema
+    from agentrt.sql.service import sql_constraint
+
+    ddl = 'CREATE TABLE "my singer" (id INTEGER PRIMARY KEY, name TEXT, age INTEGER);'
+    return sql_constraint(load_schema(ddl, "sqlite"), "sqlite")
+
+
+KINDS = {
+    "json_schema": (
+        ConstraintSpec.json_schema(
+            {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        ),
+        ['{"n": 5}', '{"n": -12}'],
+        ['{"n": "5"}', '{"m": 5}'],
+    ),
+    "regex": (ConstraintSpec.regex("[a-z]{3}-[0-9]{2}"), ["abc-12"], ["abc-1x", "ab-12"]),
+    "lark": (ConstraintSpec.lark('start: "a"+ "b"'), ["ab", "aaab"], ["b", "aba"]),
+    "choice": (ConstraintSpec.choice(["yes", "no"]), ["yes", "no"], ["ye", "maybe"]),
+    "tool_calls": (
+        _tools({"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}),
+        ['<tool_call>\n{"name": "bad", "arguments": {"x": "hi"}}\n</tool_call>'],
+        ['<tool_call>\n{"name": "bad", "arguments": {"x": 1}}\n</tool_call>'],
+    ),
+    "sql": (_sql_spec(), ['SELECT name FROM "my singer"'], ["DELETE FROM singer", "SELECT nom FROM singer"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_child_sends_the_grammar_as_text_that_compiles_to_the_same_grammar(backend, in_process, kind):
+    """The child returns the grammar's EBNF (xgrammar's serialization of a compiled grammar can take
+    GBs: compile_child's docstring); compiled again here it is the grammar compiled in process, for
+    every constraint kind, tool calls' structural tags and a schema-aware SQL grammar included."""
+    spec, good, bad = KINDS[kind]
+    there, here = backend.compile(spec), in_process.compile(spec)
+    assert str(there.grammar.grammar) == str(here.grammar.grammar)
+    for text in good:
+        assert accepts(backend, there, text) and accepts(in_process, here, text), text
+    for text in bad:
+        assert not accepts(backend, there, text) and not accepts(in_process, here, text), text
