@@ -129,7 +129,9 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Sampling fields every route that samples takes with the same meaning (chat, completions and
     the Responses API, whose request passes them through): OpenAI's seed, stop and penalties and
-    agentrt's top_k, min_p, repetition_penalty, cache_salt, max_tokens_policy and speculative."""
+    agentrt's top_k, min_p, repetition_penalty, cache_salt, max_tokens_policy, speculative and
+    repetition_repair (opt-in: with a JSON constraint, close a string value or array that repeats
+    itself; the closed values' JSON pointers come back as the choice's `agentrt_repaired`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     seed: int | None = None
@@ -142,6 +144,7 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     max_tokens_policy: Literal["length", "close"] = "length"
     speculative: bool = True
+    repetition_repair: bool = False
 
 
 class _CommonRequest(SamplingFields):
@@ -215,9 +218,10 @@ class _CommonRequest(SamplingFields):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logit_bias=bias,
-            max_tokens_policy=self.max_tokens_policy,
+            max_tokens_policy=self._max_tokens_policy(),
             speculative=self.speculative,
             logprobs=self.num_logprobs(),
+            repetition_repair=self.repetition_repair,
         )
 
     def num_logprobs(self) -> int | None:
@@ -225,17 +229,29 @@ class _CommonRequest(SamplingFields):
         field for a value outside [0, MAX_LOGPROBS]."""
         return None
 
+    def _max_tokens_policy(self) -> str:
+        """The request's max_tokens_policy; with a `sql` constraint and no policy given, "close":
+        the bounded SQL grammar (agentrt/sql/grammar.py) then always ends its query within
+        max_tokens, where "length" would cut it (measured: docs/benchmarks.md, Spider)."""
+        if getattr(self, "sql", None) is not None and "max_tokens_policy" not in self.model_fields_set:
+            return "close"
+        return self.max_tokens_policy
+
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     """Fields refused with a 400 naming them when given a value other than their default, or one
     of `unsupported_noop`'s values for that field (values that ask for nothing)."""
     unsupported_noop: ClassVar[dict[str, tuple]] = {}
 
     def constraint(
-        self, response_format: ResponseFormat | None = None, sql: ConstraintSpec | None = None
+        self,
+        response_format: ResponseFormat | None = None,
+        sql: ConstraintSpec | None = None,
+        max_bytes: int | None = None,
     ) -> RequestConstraint:
         """The request's one constraint (spec None when it has none), from agentrt's own fields or
         the vLLM / SGLang aliases (`constraint_fields`); `sql`: the grammar the server built for the
-        request's `sql` field. Raises APIError (400) naming the field when the constraint is
+        request's `sql` field; `max_bytes`: a JSON Schema larger than this (compact JSON) is refused
+        before its meta-schema check. Raises APIError (400) naming the field when the constraint is
         invalid, or naming all of them when several are given."""
         given = self.constraint_fields(response_format)
         if len(given) > 1:
@@ -260,10 +276,10 @@ class _CommonRequest(SamplingFields):
                     )
                 param = "response_format.json_schema.schema"
                 spec = ConstraintSpec.json_schema(
-                    response_format.json_schema.schema_, strict=response_format.json_schema.strict
+                    response_format.json_schema.schema_, response_format.json_schema.strict, max_bytes
                 )
             elif kind == "json_schema":  # vLLM's and SGLang's xgrammar backends close objects
-                spec = ConstraintSpec.json_schema(value, strict=True)
+                spec = ConstraintSpec.json_schema(value, strict=True, max_bytes=max_bytes)
             else:
                 make = {
                     "regex": ConstraintSpec.regex,

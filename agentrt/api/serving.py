@@ -142,6 +142,8 @@ class OpenAIServing:
         self.databases = databases
         limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
         self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
+        # a JSON Schema over the compile limit is refused before its (costly) meta-schema check
+        self._max_constraint_bytes = engine.engine.config.grammar.max_constraint_bytes
         self._pieces: TokenPieces | None = None
 
     @property
@@ -300,7 +302,7 @@ class OpenAIServing:
             constrained=req.tool_call_constraint,
         )
         if plan is not None:
-            check_tool_schemas(plan)
+            check_tool_schemas(plan, self._max_constraint_bytes)
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
@@ -319,7 +321,9 @@ class OpenAIServing:
         """The request's sampling params and its one constraint (response_format / regex / sql /
         ... or the tool-call grammar). Raises APIError naming the field."""
         params = req.sampling_params(max_tokens)
-        chosen = req.constraint(req.response_format, sql.spec if sql is not None else None)
+        chosen = req.constraint(
+            req.response_format, sql.spec if sql is not None else None, self._max_constraint_bytes
+        )
         constraint, constraint_param = chosen.spec, chosen.param
         calls = plan if plan is not None and plan.calls else None
         if calls is not None:
@@ -448,6 +452,8 @@ class OpenAIServing:
                 choice["message"], choice["finish_reason"] = _message(last, gen.tools)
             else:
                 choice["text"] = last.text
+            if gen.params.repetition_repair:  # agentrt's extension: the values closed as runaways
+                choice["agentrt_repaired"] = list(last.repaired)
             choices.append(choice)
         body = {
             "id": gen.request_id,

@@ -29,9 +29,12 @@ from agentrt.runtime.request import RequestOutput, SamplingParams
 
 
 def extraction_params(sampling_params: SamplingParams | None) -> SamplingParams:
-    """The sampling parameters of an extraction: greedy with DEFAULT_MAX_TOKENS unless given, and
-    token logprobs of the sampled token (for confidence)."""
-    params = sampling_params or SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)
+    """The sampling parameters of an extraction: greedy with DEFAULT_MAX_TOKENS and runaway-value
+    repair (repetition_repair) unless given, and token logprobs of the sampled token (for
+    confidence)."""
+    params = sampling_params or SamplingParams(
+        temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS, repetition_repair=True
+    )
     if params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)
     return params
@@ -171,7 +174,13 @@ def _submit(engine, chat_ids, index, inp, default, registry, params, prompt, in_
 def _result(engine, index, inp, entry, registry, out: RequestOutput, min_confidence) -> ExtractResult:
     usage = Usage(out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
     res = ExtractResult(
-        index, inp.id, finish_reason=out.finish_reason, usage=usage, text=out.text, gold=inp.gold
+        index,
+        inp.id,
+        finish_reason=out.finish_reason,
+        usage=usage,
+        text=out.text,
+        gold=inp.gold,
+        repaired=list(out.repaired),
     )
     if out.finish_reason == "error":
         res.error = str(out.error) if out.error is not None else "the request failed without a reason"

@@ -58,7 +58,8 @@ class ExtractResult:
     None when it never ran; usage: tokens; confidence: JSON pointer -> probability of each leaf
     value (agentrt/extract/confidence.py), None when no token logprobs were available;
     needs_review: some confidence is below the job's min_confidence (None when none was set); text:
-    the raw output text; gold: ExtractInput.gold."""
+    the raw output text; gold: ExtractInput.gold; repaired: JSON pointers of the values the engine
+    closed because they repeated themselves (SamplingParams.repetition_repair; empty: none or off)."""
 
     index: int
     id: Any
@@ -72,6 +73,7 @@ class ExtractResult:
     needs_review: bool | None = None
     text: str = ""
     gold: Any = None
+    repaired: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         """The output row of `agentrt extract` (one JSON Lines record)."""
@@ -83,6 +85,7 @@ class ExtractResult:
             "finish_reason": self.finish_reason,
             "usage": self.usage.as_dict(),
             "confidence": self.confidence,
+            "repaired": self.repaired,
         }
         if self.needs_review is not None:
             row["needs_review"] = self.needs_review

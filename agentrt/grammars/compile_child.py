@@ -173,7 +173,9 @@ class Zygote:
             head, _, ebnf = body.partition(b"\n")
             meta = json.loads(head)
             bound = meta["forced_bound"]
-            return Built(None, ebnf.decode(), meta["not_enforced"], None if bound is None else ForcedBound(*bound))
+            return Built(
+                None, ebnf.decode(), meta["not_enforced"], None if bound is None else ForcedBound(*bound)
+            )
         if kind == _ERROR:
             f = json.loads(body)
             raise ConstraintError(

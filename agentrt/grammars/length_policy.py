@@ -89,9 +89,11 @@ class ClosingPlanner:
                 self.candidates.append((c, self.text_to_id[c]))
         self.probes = [ct for ct in self.candidates if ct[0] in '"}],0aA@. -:/']
 
-    def closing_path(self, matcher) -> ClosingPath | None:
+    def closing_path(self, matcher, until=None) -> ClosingPath | None:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
-        window of at least `max_chars`). None when no path is found."""
+        window of at least `max_chars`). None when no path is found. `until`: a callable given each
+        piece of text as it is chosen; True ends the path there, before the grammar can end (e.g.
+        once the current JSON string is closed: runtime/repetition.py)."""
         text, ids = [], []
         run_char, run, escapes, last_escape = "", 0, 0, 0
         self._fills = 0
@@ -125,6 +127,8 @@ class ClosingPlanner:
                 ids.append(tid)
                 run = run + 1 if c == run_char else 1
                 run_char = c
+                if until is not None and until(c):
+                    break
         finally:
             if ids:
                 matcher.rollback(len(ids))

@@ -62,6 +62,18 @@ class ConstraintState:
         self._count(token_id)
         return Accepted(token_id, self.closing.num_forced > before)
 
+    def force(self, token_ids: list[int]) -> bool:
+        """Advance by tokens the runtime chose instead of sampling (a repair's closing text,
+        runtime/repetition.py). Returns False, the matcher unchanged, when one is rejected."""
+        for i, t in enumerate(token_ids):
+            if not self.matcher.accept_token(t):
+                if i:
+                    self.matcher.rollback(i)
+                return False
+        for t in token_ids:
+            self._count(t)
+        return True
+
     def jump_forward(self, tokenizer, last_id: int, left: int) -> list[int]:
         """Tokens of the text the grammar forces next (SGLang's jump-forward, see
         grammars/jump_forward.py), already accepted by the matcher; [] when none or unsafe.

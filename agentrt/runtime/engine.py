@@ -46,6 +46,7 @@ from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.output_processor import OutputProcessor
+from agentrt.runtime.repetition import REPAIRABLE_KINDS, RepetitionConfig, RepetitionGuard, vocab_bytes
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample
 from agentrt.runtime.scheduler import ScheduledChunk, Scheduler
@@ -76,6 +77,7 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, self.stop_ids, self.max_model_len)
         self._ids = itertools.count()
         self._failed: dict[Request, AgentrtError] = {}  # this step's requests failed by a fault
+        self._vocab_bytes: list[bytes] | None = None  # token bytes for runaway repair, on first use
         self.speculator = None
         if self.config.speculative.method is not None:
             from agentrt.runtime.speculation import Speculator
@@ -492,6 +494,11 @@ class Engine:
                     param="max_tokens",
                 )
                 return self._finish(r, "error")
+        if r.params.repetition_repair and r.constraint.kind in REPAIRABLE_KINDS:
+            if self._vocab_bytes is None:
+                info = self.grammar.info
+                self._vocab_bytes = vocab_bytes(info.decoded_vocab, info.special_token_ids)
+            r.repetition = RepetitionGuard(RepetitionConfig(), self._vocab_bytes, self.grammar.planner)
         self.scheduler.add(r)
         return None
 
@@ -501,8 +508,9 @@ class Engine:
     ) -> RequestOutput | None:
         """One new token for r: latency metrics, the grammar (closing guard, jump-forward), then the
         output processor's stop checks, text and emission. `logprob`: the sampled token's, when r
-        asked for logprobs (a token the length policy puts in its place, and jump-forward tokens,
-        get TokenLogprob.forced). Returns r's output (None: nothing new)."""
+        asked for logprobs (a token the length policy puts in its place, jump-forward tokens and
+        the closing tokens of a runaway-value repair get TokenLogprob.forced). Returns r's output
+        (None: nothing new)."""
         if tok < 0:
             r.error = ConstraintError("the constraint admits no continuation here (every token is masked)")
             return self._finish(r, "error")
@@ -527,6 +535,17 @@ class Engine:
                 reason = "stop"
         r.append_output([tok], None if logprob is None else [logprob])
         self.stats.num_generated_tokens += 1
+        if r.repetition is not None and reason is None:  # a runaway value: force it closed
+            left = r.max_tokens - r.num_output_tokens
+            drop, ids = r.repetition.check(r.token_ids, r.num_prompt_tokens, r.grammar, left)
+            if ids:  # forced like jump-forward text: their KV is computed with the next step's chunk
+                if drop:  # the last token, not emitted yet, is replaced (its KV is not computed)
+                    del r.token_ids[-1]
+                    if r.logprobs is not None:
+                        del r.logprobs[-1]
+                r.append_output(ids)
+                r.pending_jump_forward += len(ids) - drop
+                tok = ids[-1]
         if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
             ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)
             if ids:  # their KV is computed with the next step's chunk

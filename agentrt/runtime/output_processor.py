@@ -96,6 +96,7 @@ class OutputProcessor:
             r.error,
             r.num_cached_tokens or 0,
             list(r.logprobs) if r.logprobs is not None else None,
+            list(r.repetition.repaired) if r.repetition is not None else [],
         )
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from agentrt.prefix_cache.radix_tree import TreeNode
     from agentrt.runtime.constraint_state import ConstraintState
     from agentrt.runtime.detokenizer import IncrementalDetokenizer
+    from agentrt.runtime.repetition import RepetitionGuard
     from agentrt.speculative.tree import DraftTree
 
 GREEDY_TEMPERATURE = 1e-5
@@ -72,6 +73,10 @@ class SamplingParams:
     tokens being verified).
     logprobs: None = none; 0 = each output token's logprob; k in 1..MAX_LOGPROBS = also the k most
     likely tokens at each step (`RequestOutput.logprobs`, TokenLogprob has the definition).
+    repetition_repair: with a JSON constraint (json_schema / json_object), end a string value that
+    degenerates into repeating itself by forcing the string closed under the grammar (forced tokens,
+    TokenLogprob.forced); the values closed are listed in `RequestOutput.repaired`
+    (runtime/repetition.py). No effect with other constraints or none.
     Raises InvalidRequestError (a ValueError) with `param` naming the field on an invalid value
     (see `validate`).
     """
@@ -94,6 +99,7 @@ class SamplingParams:
     max_tokens_policy: str = "length"
     speculative: bool = True
     logprobs: int | None = None
+    repetition_repair: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -145,6 +151,8 @@ class SamplingParams:
             and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.repetition_repair, bool):
+            raise bad("repetition_repair", f"must be a boolean, got {self.repetition_repair!r}")
         for tid in self.stop_token_ids:
             if vocab_size is not None and not 0 <= tid < vocab_size:
                 raise bad("stop_token_ids", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
@@ -167,7 +175,9 @@ class RequestOutput:
     InvalidRequestError / ConstraintError when the request is at fault (e.g. a grammar that failed
     to compile), ServiceUnavailableError at shutdown, InternalError for a fault while serving it.
     logprobs: with SamplingParams.logprobs set, one TokenLogprob per entry of `token_ids` (the whole
-    output so far, aligned 1:1, the final stop token included as in token_ids); else None."""
+    output so far, aligned 1:1, the final stop token included as in token_ids); else None.
+    repaired: with SamplingParams.repetition_repair, the JSON pointers (RFC 6901) of the string
+    values that were closed because they repeated themselves, in order (empty: none)."""
 
     request_id: str
     text: str
@@ -179,6 +189,7 @@ class RequestOutput:
     error: AgentrtError | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    repaired: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -238,6 +249,7 @@ class Request:
     prompt_counted: bool = False
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
     spec: SpecState = field(default_factory=SpecState)
+    repetition: RepetitionGuard | None = None  # runaway-value repair (SamplingParams.repetition_repair)
     logprobs: list[TokenLogprob] | None = field(init=False)  # one per output token, when asked for
 
     def __post_init__(self) -> None:

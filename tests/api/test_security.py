@@ -456,3 +456,41 @@ def test_the_model_field_never_reaches_the_file_system(front, model):
     with _file_events() as events, contextlib.suppress(OSError):
         open("/nonexistent/passwd")  # noqa: SIM115
     assert events and events[0][0] == "open"
+
+
+# ---- schemas over the constraint limit -----------------------------------------------------------
+def test_a_schema_over_the_limit_is_refused_before_its_meta_schema_check(monkeypatch):
+    """The meta-schema check costs ~0.4 ms per property in the server process: a schema over
+    max_constraint_bytes is refused by its size first, for response_format and for tools."""
+    import jsonschema
+
+    from agentrt.grammars.spec import GrammarConfig
+    from agentrt.runtime.config import EngineConfig
+
+    checked: list[int] = []
+    real = jsonschema.Draft202012Validator.check_schema
+
+    def spy(schema):
+        checked.append(len(schema.get("properties", {})) if isinstance(schema, dict) else 0)
+        return real(schema)
+
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", spy)
+    limit = 20_000
+    front = AsyncEngine(engine=fake_engine(EngineConfig(grammar=GrammarConfig(max_constraint_bytes=limit))))
+    props = {f"p{i}": {"type": "string"} for i in range(limit // 20)}
+    big = {"type": "object", "properties": props}
+    small = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tool = lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}}
+    try:
+        with client_for(front) as c:
+            rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}
+            err = _error(c.post("/v1/chat/completions", json={**CHAT, "response_format": rf}), 400)
+            assert err["param"] == "response_format.json_schema.schema", err
+            assert f"over the {limit}-byte limit" in err["message"], err
+            tools = [tool("a", small), tool("b", big)]
+            err = _error(c.post("/v1/chat/completions", json={**CHAT, "tools": tools}), 400)
+            assert err["param"] == "tools[1].function.parameters", err
+            assert f"over the {limit}-byte limit" in err["message"], err
+    finally:
+        front.shutdown()
+    assert checked and all(n < len(props) for n in checked), checked  # the big schema never reached it

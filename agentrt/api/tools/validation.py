@@ -166,13 +166,22 @@ def _named_tool(choice: dict, specs: list[dict]) -> dict:
     return chosen[0]
 
 
-def check_tool_schemas(plan: ToolPlan) -> None:
+def check_tool_schemas(plan: ToolPlan, max_bytes: int | None = None) -> None:
     """Check every tool's parameters against the JSON Schema meta-schema (as for response_format) and
-    replace them by their canonical form (in place). Raises APIError naming
-    `tools[i].function.parameters`."""
+    replace them by their canonical form (in place). `max_bytes`: the most bytes of compact JSON one
+    tool's parameters may take (checked before its meta-schema check), and all of them together.
+    Raises APIError naming `tools[i].function.parameters`."""
+    total = 0
     for i, t in enumerate(plan.all_tools):
         try:
-            t["parameters"] = json.loads(ConstraintSpec.json_schema(t["parameters"]).value)
+            value = ConstraintSpec.json_schema(t["parameters"], max_bytes=max_bytes).value
+            total += len(value.encode())
+            if max_bytes is not None and total > max_bytes:
+                raise ValueError(
+                    f"the tools' parameters up to this one are {total} bytes together, over the "
+                    f"{max_bytes}-byte limit of a constraint"
+                )
+            t["parameters"] = json.loads(value)
         except ValueError as e:
             where = f"tools[{i}].function.parameters"
             raise APIError(f"{where}: {e}", param=where) from None

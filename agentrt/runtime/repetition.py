@@ -1,0 +1,350 @@
+"""Runaway-value repair (`SamplingParams.repetition_repair`): end a JSON string value or array that
+has started repeating itself, under the grammar, instead of letting it run to max_tokens.
+
+Small models under a JSON Schema fall into loops that only max_tokens ends, losing the whole row:
+inside a string value (`"order_id": "2023-01-01T12:30:00Z-2023-01-01T12:30:00Z-...`) or as identical
+array elements (`"line_items": [{...}, {...}, {...}, ...`), both measured on the extraction workload
+(bench/runaway.py; numbers in the README, "Runaway values"). This module watches the output of a JSON-constrained request
+(constraint kinds json_schema and json_object) token by token:
+
+- `JsonPointerTracker` lexes the output bytes (the grammar guarantees they are a prefix of one JSON
+  text, RFC 8259): whether the output is inside a string *value* (not a key), the open objects and
+  arrays, and the JSON pointer (RFC 6901) of each. It works on bytes: the structural characters
+  (`"` `\\` `{` `[` `:` `,`) never occur inside a multi-byte UTF-8 sequence, so partial-UTF-8
+  tokens are safe.
+- `TailRepeats` counts, for every unit length n, how long the tail of the output's token ids has
+  been n-periodic (O(max_n) per token). A unit of n tokens repeated k times in a row at the tail,
+  with n in [min_n, max_n] and k >= max(min_repeats, ceil(min_tokens / n)), is degenerate.
+- `RepetitionGuard` (per request) picks the value that holds the whole repetition (the innermost
+  string value or array open before it began; `RepetitionGuard._target`) and asks the closing-path
+  planner (grammars/length_policy.py) for the shortest text that closes it (usually `"` or `]`;
+  more under minLength, a pattern or minItems). The engine appends those tokens as forced tokens
+  (logprob 0.0) and the model continues the object freely. Text already emitted is kept (it may
+  have been streamed); only an array's last token, not yet emitted, may be replaced when it ran
+  past the element boundary (`},` is one token in byte-level BPE vocabularies). The value's pointer
+  is recorded (`RequestOutput.repaired`).
+
+Each value is repaired at most once (after the close the output is no longer in it). Not repaired:
+loops in arrays of numbers or literals (no safe point to cut: `[1, 1, 1` might go on `11`), in
+object keys, and loops whose items differ (a model inventing new array elements is not a repeat).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agentrt.grammars.length_policy import ClosingPlanner
+
+if TYPE_CHECKING:
+    from agentrt.runtime.constraint_state import ConstraintState
+
+REPAIRABLE_KINDS = ("json_schema", "json_object")
+"""Constraint kinds whose output is one JSON text (the tracker's assumption); other kinds are never
+repaired."""
+
+
+@dataclass(frozen=True)
+class RepetitionConfig:
+    """Detection thresholds (measured on the extraction workload with bench/runaway.py; README,
+    "Runaway values"). A unit of n tokens (min_n <= n <= max_n) repeated k times consecutively at the end of a
+    string value, k >= max(min_repeats, ceil(min_tokens / n)), is degenerate. Raises ValueError on
+    inconsistent values."""
+
+    min_n: int = 1
+    max_n: int = 64
+    min_repeats: int = 3
+    min_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={self.min_n} max_n={self.max_n}")
+        if self.min_repeats < 2 or self.min_tokens < 2:
+            raise ValueError(
+                f"min_repeats and min_tokens must be >= 2, got {self.min_repeats}, {self.min_tokens}"
+            )
+
+    def repeats_needed(self, n: int) -> int:
+        """Consecutive copies of an n-token unit that count as degenerate."""
+        return max(self.min_repeats, -(-self.min_tokens // n))
+
+
+class TailRepeats:
+    """Periodicity of the tail of a token sequence. `runs[n]`: how many of the last tokens t[i] equal
+    t[i - n] in a row, so the last runs[n] + n tokens are n-periodic (runs[n] // n + 1 copies)."""
+
+    def __init__(self, config: RepetitionConfig):
+        self.config = config
+        self.ids: list[int] = []  # the last tokens (at least max_n + 1 of them)
+        self.runs = [0] * (config.max_n + 1)
+
+    def push(self, token_id: int) -> int | None:
+        """Append a token; returns the smallest unit length n whose repetition at the tail is
+        degenerate (config), or None."""
+        ids, runs, cfg = self.ids, self.runs, self.config
+        ids.append(token_id)
+        if len(ids) > 4 * cfg.max_n + 4:
+            del ids[: len(ids) - cfg.max_n - 1]
+        m = len(ids)
+        found = None
+        for n in range(1, min(cfg.max_n, m - 1) + 1):
+            runs[n] = runs[n] + 1 if ids[m - 1 - n] == token_id else 0
+            if found is None and n >= cfg.min_n and runs[n] >= n * (cfg.repeats_needed(n) - 1):
+                found = n
+        return found
+
+    def span(self, n: int) -> int:
+        """Tokens at the tail that are n-periodic."""
+        return self.runs[n] + n
+
+
+class _Frame:
+    """An open object or array: where it opened (output token index), its key / element index, and
+    for arrays whether a complete string, object or array element was the last thing in it."""
+
+    __slots__ = ("after_element", "expecting_key", "is_object", "opened", "where")
+
+    def __init__(self, is_object: bool, opened: int):
+        self.is_object, self.opened = is_object, opened
+        self.where: str | int | None = None if is_object else 0
+        self.expecting_key = is_object
+        self.after_element = False
+
+    def copy(self) -> _Frame:
+        f = _Frame(self.is_object, self.opened)
+        f.where, f.expecting_key, f.after_element = self.where, self.expecting_key, self.after_element
+        return f
+
+
+class JsonPointerTracker:
+    """Incremental lexer over the bytes of a JSON text prefix (assumed valid: a grammar's output).
+
+    `in_value_string`: the output is inside a string that is a value (an object member's value, an
+    array element, or the top-level value), not a key; `string_opened`: the index of the token that
+    opened it. `stack`: the open objects and arrays. `pointer(depth)`: the JSON pointer (RFC 6901) of
+    the value being written at that depth (default: the innermost)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+        self.in_string = False
+        self.string_is_key = False
+        self.string_opened = -1
+        self.escape = False
+        self.key_bytes = bytearray()
+        self.boundary: tuple[int, int] | None = None
+
+    @property
+    def in_value_string(self) -> bool:
+        return self.in_string and not self.string_is_key
+
+    def copy(self) -> JsonPointerTracker:
+        t = JsonPointerTracker()
+        t.stack = [f.copy() for f in self.stack]
+        t.in_string, t.string_is_key, t.escape = self.in_string, self.string_is_key, self.escape
+        t.string_opened, t.key_bytes = self.string_opened, bytearray(self.key_bytes)
+        return t
+
+    def feed(self, data: bytes, token_index: int = -1) -> None:
+        """Advance over the bytes of one token (`token_index`: its index in the output). Sets
+        `boundary`: (depth of the array, bytes of `data` up to and including the end of the last
+        string / object / array element completed in it), or None."""
+        self.boundary = None
+        for i, b in enumerate(data):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif b == 0x5C:  # backslash
+                    self.escape = True
+                elif b == 0x22:  # closing quote
+                    self.in_string = False
+                    if self.string_is_key:
+                        self._set_key()
+                    elif self.stack and not self.stack[-1].is_object:
+                        self.stack[-1].after_element = True
+                        self.boundary = (len(self.stack) - 1, i + 1)
+                    continue
+                if self.string_is_key:
+                    self.key_bytes.append(b)
+                continue
+            top = self.stack[-1] if self.stack else None
+            if b == 0x22:
+                self.in_string, self.string_opened = True, token_index
+                self.string_is_key = top is not None and top.is_object and top.expecting_key
+                self.key_bytes.clear()
+            elif b in (0x7B, 0x5B):  # { [
+                self.stack.append(_Frame(b == 0x7B, token_index))
+            elif b in (0x7D, 0x5D):  # } ]
+                if self.stack:
+                    self.stack.pop()
+                if self.stack and not self.stack[-1].is_object:
+                    self.stack[-1].after_element = True
+                    self.boundary = (len(self.stack) - 1, i + 1)
+            elif b == 0x3A and top is not None and top.is_object:  # : after a key
+                top.expecting_key = False
+            elif b == 0x2C and top is not None:  # ,
+                if top.is_object:
+                    top.expecting_key = True
+                else:
+                    top.where += 1
+                    top.after_element = False
+
+    def _set_key(self) -> None:
+        raw = bytes(self.key_bytes)
+        try:
+            key = json.loads(b'"' + raw + b'"')
+        except ValueError:
+            key = raw.decode("utf-8", "replace")
+        if self.stack:
+            self.stack[-1].where = key
+
+    def pointer(self, depth: int | None = None) -> str:
+        """The JSON pointer of the value being written inside the first `depth` open containers
+        (default: all of them; "" is the top-level value)."""
+        parts = []
+        for f in self.stack[:depth]:
+            s = (f.where or "") if f.is_object else str(f.where)
+            parts.append(s.replace("~", "~0").replace("/", "~1"))
+        return "".join("/" + p for p in parts)
+
+
+class RepetitionGuard:
+    """Per-request state of runaway repair (engine thread only).
+
+    config: thresholds; token_bytes: each token id's bytes (b"" for special tokens); planner: the
+    tokenizer's ClosingPlanner. `repaired`: JSON pointers of the values closed so far, in order.
+
+    Which value is closed: the innermost string value or array that was already open when the
+    repeating tail began (so the whole repetition lies inside it). A string is closed at once; an
+    array once the output stands right after one of its complete string / object / array elements
+    (so no element is cut: the loop goes on until then); an array of numbers or literals, or a
+    repetition whose innermost container is an object, is left alone."""
+
+    def __init__(self, config: RepetitionConfig, token_bytes: list[bytes], planner: ClosingPlanner):
+        self.config, self.token_bytes, self.planner = config, token_bytes, planner
+        self.tracker = JsonPointerTracker()
+        self.tail = TailRepeats(config)
+        self.num_seen = 0  # output tokens fed to the tracker
+        self.repaired: list[str] = []
+        self._before = self.tracker  # the tracker before the last token
+        self._last = b""  # the last token's bytes
+
+    def push(self, token_id: int) -> int | None:
+        """Feed one output token. Returns the depth of the value to close now (see `_target`) when
+        it ends a degenerate repetition inside a string value or an array (the class docstring),
+        else None. Changes no matcher."""
+        self._before = self.tracker.copy()
+        data = self.token_bytes[token_id] if 0 <= token_id < len(self.token_bytes) else b""
+        self.tracker.feed(data, self.num_seen)
+        self.num_seen += 1
+        self._last = data
+        unit = self.tail.push(token_id)
+        return None if unit is None else self._target(self.num_seen - self.tail.span(unit))
+
+    def feed(self, token_ids: list[int], start: int) -> int | None:
+        """`push` the output tokens not seen yet (`token_ids[start:]`: the whole output so far, e.g.
+        Request.token_ids after the prompt's `start` tokens); the last one's result."""
+        depth = None
+        for tok in token_ids[start + self.num_seen :]:
+            depth = self.push(tok)
+        return depth
+
+    def check(
+        self, token_ids: list[int], start: int, state: ConstraintState, left: int
+    ) -> tuple[int, list[int]]:
+        """`feed`, then when a value is to be closed: find the shortest text closing it, move
+        `state` (the request's ConstraintState) onto it and return (tokens to drop from the end of
+        the output, tokens to append); else (0, []). Dropping happens when the last token ran past
+        the array element where the array is closed (`},` is one token): it is replaced by its part
+        up to the element's end (only the last token, which the caller has not emitted yet).
+        The value's pointer goes to `repaired`. `left`: output tokens the budget allows after the
+        last token; a close needing more than left - 1 (one stays for the model) is not made, nor
+        one while a max_tokens_policy "close" path is being followed. Never raises for a grammar
+        it cannot close: it returns (0, []) and the request goes on."""
+        depth = self.feed(token_ids, start)
+        if depth is None or (state.closing is not None and state.closing.plan):
+            return 0, []
+        drop, tracker, keep = 0, self.tracker, ""
+        string = tracker.in_value_string and depth == len(tracker.stack)
+        if not string and not tracker.stack[depth].after_element:  # replace the last token
+            try:
+                keep = self._last[: tracker.boundary[1]].decode()
+            except UnicodeDecodeError:
+                return 0, []
+            drop, tracker = 1, self._before.copy()
+            tracker.feed(keep.encode())
+        matcher = state.matcher
+        if drop:
+            matcher.rollback(1)
+        ids = self._closing_ids(matcher, tracker, depth, keep)
+        if ids and len(ids) <= left - 1 + drop and state.force(ids):
+            pointer = tracker.pointer(depth)
+            self.num_seen -= drop
+            self.tracker = self._before if drop else self.tracker
+            for t in ids:
+                self.push(t)
+            self.tail = TailRepeats(self.config)
+            self.repaired.append(pointer)
+            return drop, ids
+        if drop:  # undo: the matcher back on the sampled token
+            matcher.accept_token(token_ids[-1])
+        return 0, []
+
+    def _target(self, span_start: int) -> int | None:
+        """Which value to close now for a repetition starting at output token `span_start`, as a
+        depth: len(stack) for the string value being written (closed: out of the string), d for the
+        array stack[d] (closed: the stack back to d containers); None: nothing to close now. An
+        array is closed where the output stands right after one of its elements, or where the last
+        token went on from there with "," and whitespace only (`tracker.boundary`)."""
+        t = self.tracker
+        if t.in_value_string and t.string_opened < span_start:
+            return len(t.stack)  # the string inside the innermost container
+        for d in range(len(t.stack) - 1, -1, -1):
+            f = t.stack[d]
+            if f.opened < span_start:  # the innermost container holding the whole repetition
+                if f.is_object or d != len(t.stack) - 1 or t.in_string:
+                    return None
+                if f.after_element:
+                    return d
+                b = t.boundary
+                rest = self._last[b[1] :] if b is not None and b[0] == d else None
+                return d if rest is not None and not rest.strip(b", \t\n\r") else None
+        return None
+
+    def _closing_ids(self, matcher, tracker: JsonPointerTracker, depth: int, keep: str) -> list[int]:
+        """Tokens of `keep` (text the matcher accepts first) and then of the shortest text found
+        that closes the string at stack depth `depth` (when `tracker` is in a string there) or the
+        container stack[depth]; the matcher is left unchanged."""
+        probe = tracker.copy()
+        string = probe.in_string and depth == len(probe.stack)
+        planner = self.planner
+        kept: list[int] = []
+        if keep:
+            kept = planner.encode(keep)
+            if "".join(planner.token_texts[i] or "\0" for i in kept) != keep:
+                return []
+            for i, t in enumerate(kept):
+                if not matcher.accept_token(t):
+                    if i:
+                        matcher.rollback(i)
+                    return []
+
+        def closed(piece: str) -> bool:
+            probe.feed(piece.encode())
+            return not probe.in_string if string else len(probe.stack) <= depth
+
+        try:
+            path = planner.closing_path(matcher, until=closed)
+        finally:
+            if kept:
+                matcher.rollback(len(kept))
+        if path is None or (probe.in_string if string else len(probe.stack) > depth):
+            return []
+        return kept + path.token_ids
+
+
+def vocab_bytes(decoded_vocab: list[bytes], special_ids) -> list[bytes]:
+    """Each token id's bytes for the tracker (`decoded_vocab`: xgrammar's TokenizerInfo.decoded_vocab);
+    special tokens are b"" (they are never JSON text)."""
+    special = set(special_ids)
+    return [b"" if i in special else bytes(b) for i, b in enumerate(decoded_vocab)]

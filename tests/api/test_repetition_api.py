@@ -1,0 +1,55 @@
+"""The opt-in `repetition_repair` request field (agentrt/runtime/repetition.py) on chat and text
+completions over the fake model runner: a value forced to loop (logit_bias) is closed and reported as
+the choice's `agentrt_repaired`; without the field nothing changes and no such key is returned."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"],
+    "additionalProperties": False,
+}
+
+
+def _body(tokenizer, chat: bool, **extra) -> dict:
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    body = {
+        "model": "smollm2-135m-instruct",
+        "temperature": 0,
+        "max_tokens": 120,
+        "logit_bias": {str(a): 100},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+        **extra,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Extract."}]
+    else:
+        body["prompt"] = "Extract."
+    return body
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_repair_opt_in(fake_client, tokenizer, chat):
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    on = fake_client.post(url, json=_body(tokenizer, chat, repetition_repair=True))
+    assert on.status_code == 200, on.text
+    choice = on.json()["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    assert choice["finish_reason"] == "stop"
+    obj = json.loads(text)
+    jsonschema.validate(obj, SCHEMA)
+    looped = [f"/{k}" for k in ("name", "city") if "a" * 24 in obj[k]]  # the values that looped
+    assert looped and choice["agentrt_repaired"] == looped, text
+    off = fake_client.post(url, json=_body(tokenizer, chat)).json()["choices"][0]
+    assert off["finish_reason"] == "length" and "agentrt_repaired" not in off
+
+
+def test_repair_must_be_a_boolean(fake_client, tokenizer):
+    r = fake_client.post("/v1/chat/completions", json=_body(tokenizer, True, repetition_repair="yes"))
+    assert r.status_code == 400 and "repetition_repair" in r.text
