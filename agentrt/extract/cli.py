@@ -3,6 +3,7 @@
     agentrt extract --input docs.jsonl --output out.jsonl --schema schema.json
     agentrt extract --input docs.jsonl --output out.jsonl --schema-field schema_name --schemas DIR
     agentrt extract ... --server http://127.0.0.1:8000/v1 [--api-key KEY] [--model NAME]
+    agentrt extract ... --ray [--ray-address ADDR] --num-workers N [--cpus-per-worker C]
 
 Exit status: 0 every row of the output is valid (or --allow-failures), 1 some row is not, 2 bad
 arguments (an invalid or unenforceable schema included, before anything runs; an output path that
@@ -67,12 +68,33 @@ def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
         help="output tokens per document (default %(default)s)",
     )
     e.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    e.add_argument(
+        "--no-repair",
+        action="store_true",
+        help="do not close values that repeat themselves (runaway repair is on by default; the "
+        "closed values are listed in the row's 'repaired')",
+    )
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument(
         "--server", metavar="URL", help="an OpenAI-compatible server (base URL, e.g. http://HOST:8000/v1)"
     )
     e.add_argument("--api-key", default=None, help="the server's API key (default $OPENAI_API_KEY)")
     e.add_argument("--model", dest="model_name", default=None, help="model name: with --server, the server's")
+    e.add_argument(
+        "--ray", action="store_true", help="run on Ray Data, one engine actor per worker (agentrt[ray])"
+    )
+    e.add_argument(
+        "--ray-address", default=None, help="with --ray: the cluster (default: RAY_ADDRESS or local)"
+    )
+    e.add_argument(
+        "--num-workers", type=int, default=1, help="with --ray: engine actors (default %(default)s)"
+    )
+    e.add_argument(
+        "--cpus-per-worker",
+        type=int,
+        default=None,
+        help="with --ray on CPUs: CPUs (and torch threads) per actor (default: cluster CPUs / workers)",
+    )
     # one job, not a server: its compiles need not yield to other requests, and may take longer
     e.set_defaults(compile_nice=0, compile_timeout=120.0)
     return e
@@ -157,6 +179,17 @@ def extract_command(config, args: argparse.Namespace, llm=None) -> int:
         return usage(f"--min-confidence must be in [0, 1], got {args.min_confidence}")
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return usage(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    if args.ray:
+        from agentrt.extract.ray_job import import_ray
+
+        if args.server:
+            return usage("--ray and --server cannot be used together")
+        try:
+            import_ray()
+        except ImportError as e:
+            return usage(str(e))
+    elif args.ray_address or args.cpus_per_worker is not None or args.num_workers != 1:
+        return usage("--ray-address, --num-workers and --cpus-per-worker need --ray")
     try:
         schemas = load_schemas(args)
         template = PromptTemplate.load(args.prompt) if args.prompt else None
@@ -176,11 +209,12 @@ def extract_command(config, args: argparse.Namespace, llm=None) -> int:
         return usage(f"cannot write the output {args.output}: {e}")
     plan = JobPlan(reader, writer, schemas, args.allow_failures, not args.no_progress, args.min_confidence)
     try:
-        driver = (
-            _server_driver(args, template, schemas)
-            if args.server
-            else _engine_driver(config, args, template, schemas, llm)
-        )
+        if args.ray:
+            driver = _ray_driver(config, args, template, schemas)
+        elif args.server:
+            driver = _server_driver(args, template, schemas)
+        else:
+            driver = _engine_driver(config, args, template, schemas, llm)
     except (OSError, ValueError) as e:  # ConstraintError / InvalidRequestError are ValueErrors
         writer.close()
         return usage(str(e))
@@ -205,7 +239,9 @@ def _engine_driver(config, args, template, schemas, llm=None):
             registry.require(schema)
         except ValueError as e:
             raise ValueError(f"schema {name or args.schema or args.pydantic}: {e}") from None
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, repetition_repair=not args.no_repair
+    )
     params.validate(llm.engine.vocab_size)
 
     def results_of(inputs):
@@ -222,6 +258,31 @@ def _engine_driver(config, args, template, schemas, llm=None):
         )
 
     return results_of
+
+
+def _ray_driver(config, args, template, schemas):
+    """The --ray driver (agentrt/extract/ray_job.py); schemas compiled on the driver first."""
+    from dataclasses import replace
+
+    from agentrt.extract.ray_job import RayJobOptions, WorkerPlan, ray_driver
+    from agentrt.runtime.request import SamplingParams
+
+    if args.model_name:
+        config = replace(config, model=replace(config.model, model=args.model_name))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, repetition_repair=not args.no_repair
+    )
+    plan = WorkerPlan(
+        config,
+        schemas,
+        params,
+        args.max_in_flight,
+        template,
+        args.min_confidence,
+        None,
+    )
+    opts = RayJobOptions(args.num_workers, args.cpus_per_worker, args.ray_address)
+    return ray_driver(config, plan, opts, args.schema or args.pydantic)
 
 
 def _server_driver(args, template, schemas):

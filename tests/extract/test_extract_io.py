@@ -62,10 +62,15 @@ def test_csv_rows_and_parquet_message(tmp_path):
     assert [(r.id, r.text) for r in rows] == [("1", "Line one\nline two"), ("2", "second")]
     assert rows[0].gold == {"name": "X"}
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow as pa
+        import pyarrow.parquet as pq
     except ImportError:
         with pytest.raises(ValueError, match="pip install pyarrow"):
             InputReader(tmp_path / "in.parquet")
+    else:  # (pyarrow comes with the ray extra)
+        pq.write_table(pa.table({"doc_id": ["a", "b"], "body": ["first", "second"]}), tmp_path / "in.parquet")
+        reader = InputReader(tmp_path / "in.parquet", id_field="doc_id", text_field="body")
+        assert [(r.id, r.text) for r in reader] == [("a", "first"), ("b", "second")]
     with pytest.raises(ValueError, match="cannot tell the format"):
         InputReader(tmp_path / "in.txt")
 
