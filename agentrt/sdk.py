@@ -235,7 +235,9 @@ class LLM:
                 schema = load_schema(database, dialect)
                 d = dialect_name(dialect or schema.dialect or "sqlite")
             spec = sql_constraint(schema, d)
-            params = sampling_params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            params = sampling_params or SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, max_tokens_policy="close"
+            )
             out = self._run([(self._chat_ids(sql_messages(question, schema, d)), params, spec)])[0]
             if out.finish_reason != "stop":
                 return SQLResult(

@@ -48,11 +48,18 @@ def test_llm_sql_returns_a_checked_query_and_its_rows(engine, music_db):
 
 
 def test_llm_sql_reports_a_query_cut_by_max_tokens_as_invalid(engine, music_db):
+    from agentrt.errors import InvalidRequestError
+    from agentrt.runtime.request import SamplingParams
     from agentrt.sdk import LLM
 
-    result = LLM.from_engine(engine).sql(QUESTION, music_db, max_tokens=3)
+    llm = LLM.from_engine(engine)
+    cut = SamplingParams(temperature=0.0, max_tokens=3)  # max_tokens_policy "length": the query is cut
+    result = llm.sql(QUESTION, music_db, sampling_params=cut)
     assert (result.valid, result.stage) == (False, "length"), result
     assert "did not end within 3 tokens" in result.error
+    # the default policy, "close", refuses a budget too small to end any query, naming it
+    with pytest.raises(InvalidRequestError, match="max_tokens 3 is below"):
+        llm.sql(QUESTION, music_db, max_tokens=3)
 
 
 def test_llm_sql_bad_database_is_a_clear_error(engine, tmp_path):

@@ -4,7 +4,8 @@ finish the grammar, and spend the last of it on a path to a valid end.
 At each step of a request under this policy the engine asks for a *closing path* from the matcher's
 current state: a short string the grammar accepts that ends where the grammar may stop. It is
 found greedily over the vocabulary's single-character tokens, preferring closers (`"`, `}`, `]`, `)`),
-then separators (`,` `:` `;` space), digits, letters and the rest. After 6 repeats of one character
+then separators (`:` `;` space `*` `,`: a comma extends a list, so it comes late, and `*` makes
+the shortest SQL select list), digits, letters and the rest. After 6 repeats of one character
 (free text: a key, an email local part), the next step instead takes the character after
 which the grammar allows the fewest candidates, which moves toward structure (`@` in an email,
 the closing quote) rather than more free text. The path's canonical
@@ -29,12 +30,12 @@ from dataclasses import dataclass, field
 
 _PREFERENCE = (
     '"}])'
-    + ",:; "
+    + ":; *,"  # a comma extends a list (SQL select items), a space can end it; `SELECT *` is short
     + string.digits
     + string.ascii_lowercase
     + string.ascii_uppercase
     + "\n-.+_/"
-    + "".join(c for c in string.punctuation if c not in '"}]),:;-.+_/')
+    + "".join(c for c in string.punctuation if c not in '"}]),:;*-.+_/')
     + "\t"
 )
 

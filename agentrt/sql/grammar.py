@@ -34,6 +34,30 @@ Not in the subset: correlated subqueries (a subquery sees only its own FROM), wi
 functions, CAST, output aliases (`AS name`), `T1.*`, RIGHT/FULL/CROSS/NATURAL joins, USING,
 joins of four or more tables, recursive CTEs, CTEs other than the filtered-table form above.
 
+## Bounded length
+
+Every repetition has a bound (`GrammarOptions`), so the language is finite and a model that
+starts repeating itself is led back to the end of the query. Measured before the bounds: the
+135M default model wrote `SELECT Theme, Theme, Theme, ...` and `SUBSTRING(SUBSTRING(...` until
+max_tokens cut the query (6 of 8 Spider trial queries). Bounds (defaults): select items (6),
+conditions joined by AND/OR in a WHERE, HAVING, ON or parenthesised group (3; a group holds
+[NOT] predicates, so parentheses do not nest), GROUP BY / ORDER BY keys (3), IN-list literals
+(8), WHEN branches (3), terms of an arithmetic chain (3), blocks of a set operation (3), string
+literals (`rules.MAX_TEXT_CHARS`, 64 characters) and numbers (15 digits, 6 decimals). Calls
+nest one level: a call's argument is an arithmetic chain of columns, aggregates and scalar
+subqueries (`ROUND(AVG(x), 2)`, `ABS(a - b)`, not `UPPER(TRIM(x))`), and a CASE branch's
+condition and values are built from those too. Subqueries nest `max_subquery_depth` deep
+(default 1: a subquery holds no subquery); each level is another copy of the scope rules, over
+the first `max_subquery_scopes` scopes (default 16), which bounds the cost. All 50 Spider gold
+queries of the sample are inside these bounds (tests/sql). The bound on a sentence's length
+(`Rules.max_bytes`) is finite but multiplicative (about 10^15 bytes on a Spider database), so it
+is no max_tokens to give. What ends every query within max_tokens is `max_tokens_policy:
+"close"` (grammars/length_policy.py; the default of the `sql` constraint and of LLM.sql): its
+closing-path search gave up on the unbounded grammar (past its limit of bitmask fills) and
+finds a path on this one (measured: docs/benchmarks.md, Spider). The bounds cost compile time:
+larger caps compile slower (measured on concert_singer, same run: the caps above 7.3 s, caps
+8/4/4/16/4/4 11.2 s, on a loaded 2-core box), hence these defaults.
+
 ## Column-to-table scoping (enforced, not measured)
 
 The grammar is split into *scopes*: a scope is one FROM clause shape (a table, a table with
@@ -103,9 +127,27 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from agentrt.sql.dialect import dialect_name, quote_ident, strict_types
+from agentrt.sql.rules import (
+    CMP,
+    DATE,
+    JOINS,
+    LIKE_TEXT,
+    LIMIT_N,
+    NUM,
+    NUM_NONZERO,
+    SETOPS,
+    SMALL_INT,
+    TEXT,
+    Lit,
+    Rep,
+    Rules,
+    fn_call,
+    joined,
+    optional,
+)
 from agentrt.sql.schema import Schema, SchemaError, Table, fold_name
+from agentrt.sql.scopes import Scope, scopes_of
 
-ALIASES = ("T1", "T2", "T3")
 DEFAULT_MAX_SCOPES = {"sqlite": 64, "duckdb": 48, "postgres": 48}
 """FROM shapes per grammar by default: a strictly typed dialect's scope is about twice the
 grammar of a SQLite one, and xgrammar's compile time grows faster than linearly with size."""
@@ -117,29 +159,31 @@ class GrammarOptions:
     `DEFAULT_MAX_SCOPES` of the dialect);
     max_join_tables: 1 (no joins), 2 or 3; join_on_shared_names: also join tables that share a
     column name; max_set_width: widest set operation / typed subquery list (None: 4 on SQLite, 1
-    on PostgreSQL/DuckDB); with_cte: allow the filtered-table WITH form."""
+    on PostgreSQL/DuckDB); with_cte: allow the filtered-table WITH form.
+
+    Length bounds (module docstring, "Bounded length"): max_items select items; max_conditions
+    conditions joined by AND/OR in one WHERE, HAVING, ON or parenthesised group; max_keys GROUP BY
+    and ORDER BY keys; max_in_list literals in an IN list; max_whens WHEN branches; max_terms
+    terms of an arithmetic chain; max_set_members blocks in a set operation;
+    max_subquery_depth subqueries inside subqueries (0: no subqueries; each level adds a copy of
+    the scope rules, so the grammar grows linearly with it); max_subquery_scopes: the FROM shapes
+    a subquery may use (the first of the top level's, in its order: single tables, then joins
+    along foreign keys)."""
 
     max_scopes: int | None = None
     max_join_tables: int = 3
     join_on_shared_names: bool = True
     max_set_width: int | None = None
     with_cte: bool = True
-
-
-@dataclass(frozen=True)
-class Binding:
-    table: Table
-    alias: str | None  # None: the table is written bare and qualifies its columns by its name
-
-
-@dataclass(frozen=True)
-class Scope:
-    """One FROM clause shape: its tables with their aliases, in FROM order."""
-
-    bindings: tuple[Binding, ...]
-
-    def describe(self) -> str:
-        return ", ".join(b.table.name + (f" AS {b.alias}" if b.alias else "") for b in self.bindings)
+    max_items: int = 6
+    max_conditions: int = 3
+    max_keys: int = 3
+    max_in_list: int = 8
+    max_whens: int = 3
+    max_terms: int = 3
+    max_set_members: int = 3
+    max_subquery_depth: int = 1
+    max_subquery_scopes: int = 16
 
 
 @dataclass
@@ -168,231 +212,7 @@ class SQLGrammar:
         return ConstraintSpec.lark(self.lark) if lark else ConstraintSpec.grammar(self.ebnf)
 
 
-# ---- symbols ---------------------------------------------------------------------------------
-
-
-class Lit(str):
-    """A literal terminal."""
-
-
-class Re(str):
-    """A regular-expression terminal (Python syntax, as Lark writes /.../)."""
-
-
-def _lark_string(text: str) -> str:
-    """`text` as a Lark string literal: printable ASCII as is, everything else (quote, backslash,
-    non-ASCII) as \\uXXXX / \\UXXXXXXXX escapes, which Lark decodes exactly."""
-    out = []
-    for ch in text:
-        o = ord(ch)
-        if 0x20 <= o < 0x7F and ch not in '"\\':
-            out.append(ch)
-        elif o <= 0xFFFF:
-            out.append(f"\\u{o:04x}")
-        else:
-            out.append(f"\\U{o:08x}")
-    return '"' + "".join(out) + '"'
-
-
-NUM = Re(r"-?(0|[1-9][0-9]{0,14})(\.[0-9]{1,6})?")
-NUM_NONZERO = Re(r"-?[1-9][0-9]{0,14}(\.[0-9]{1,6})?")
-SMALL_INT = Re(r"[1-9][0-9]{0,2}")
-TEXT = Re(r"'([^'\x00-\x1f\x7f]|'')*'")
-LIKE_TEXT = Re(r"'([^'\\\x00-\x1f\x7f]|'')*'")
-DATE = Re(r"'[12][0-9]{3}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])'")
-LIMIT_N = Re(r"(0|[1-9][0-9]{0,5})")
-
-CMP = [" = ", " <> ", " != ", " < ", " > ", " <= ", " >= "]
-SETOPS = [" UNION ", " UNION ALL ", " INTERSECT ", " EXCEPT "]
-JOINS = [" JOIN ", " INNER JOIN ", " LEFT JOIN "]
-
-
-class _Rules:
-    """Rules as {name: [alternative: [symbol]]}; a symbol is a rule name (str), Lit or Re."""
-
-    def __init__(self):
-        self.rules: dict[str, list[list]] = {}
-
-    def add(self, name: str, alts: list[list]) -> str:
-        self.rules.setdefault(name, []).extend(alts)
-        return name
-
-    def prune(self, start: str) -> None:
-        """Drop alternatives that use rules deriving nothing, then rules unreachable from start."""
-        productive: set[str] = set()
-        changed = True
-        while changed:
-            changed = False
-            for name, alts in self.rules.items():
-                if name in productive:
-                    continue
-                if any(all(self._ok(s, productive) for s in alt) for alt in alts):
-                    productive.add(name)
-                    changed = True
-        if start not in productive:
-            raise SchemaError("the schema gives no query at all (no table with a usable column)")
-        for name in list(self.rules):
-            if name not in productive:
-                del self.rules[name]
-            else:
-                self.rules[name] = [a for a in self.rules[name] if all(self._ok(s, productive) for s in a)]
-        seen, todo = {start}, [start]
-        while todo:
-            for alt in self.rules[todo.pop()]:
-                for s in alt:
-                    if type(s) is str and s not in seen:
-                        seen.add(s)
-                        todo.append(s)
-        for name in list(self.rules):
-            if name not in seen:
-                del self.rules[name]
-
-    @staticmethod
-    def _ok(sym, productive: set[str]) -> bool:
-        return type(sym) is not str or sym in productive
-
-    def lark(self) -> str:
-        lines = []
-        for name, alts in self.rules.items():
-            body = " | ".join(" ".join(_sym(s) for s in alt) if alt else '""' for alt in alts)
-            lines.append(f"{name}: {body}")
-        return "\n".join(lines) + "\n"
-
-    def ebnf(self, start: str) -> str:
-        """The same rules as xgrammar EBNF (root rule `root`), literals and regular expressions
-        written by agentrt's own converters (grammars/lark_grammar.py, grammars/regex.py)."""
-        from agentrt.grammars.lark_grammar import _literal
-        from agentrt.grammars.regex import RegexToEBNF
-
-        terms: dict[str, str] = {}
-
-        def sym(x) -> str:
-            if isinstance(x, Lit):
-                return _literal(str(x))
-            if isinstance(x, Re):
-                if x not in terms:
-                    terms[x] = f"re{len(terms)}"
-                return terms[x]
-            return x
-
-        lines = [f"root ::= {start}"]
-        for name, alts in self.rules.items():
-            body = " | ".join("(" + (" ".join(sym(s) for s in alt) if alt else '""') + ")" for alt in alts)
-            lines.append(f"{name} ::= {body}")
-        for pattern, name in terms.items():
-            lines.append(f"{name} ::= {RegexToEBNF(name).convert(str(pattern), False)}")
-        return "\n".join(lines) + "\n"
-
-
-def _sym(s) -> str:
-    if isinstance(s, Lit):
-        return _lark_string(str(s))
-    if isinstance(s, Re):
-        return "/" + str(s).replace("/", "\\/") + "/"
-    return s
-
-
-# ---- scopes -----------------------------------------------------------------------------------
-
-
-def _scopes(schema: Schema, opts: GrammarOptions, dropped: list[str]) -> list[Scope]:
-    """The FROM shapes, in priority order, cut at opts.max_scopes (module docstring)."""
-    tables = schema.tables
-    n = len(tables)
-    budget = (
-        opts.max_scopes if opts.max_scopes is not None else DEFAULT_MAX_SCOPES[schema.dialect or "sqlite"]
-    )
-    if budget < 1:
-        raise SchemaError("max_scopes must be at least 1")
-    if n > budget:
-        raise SchemaError(
-            f"the schema has {n} tables, more than the grammar's limit of {budget} FROM shapes "
-            "(GrammarOptions.max_scopes); give the tables the question needs (Schema.subset)"
-        )
-    idx = {id(t): i for i, t in enumerate(tables)}
-    fk_adj: dict[int, set[int]] = defaultdict(set)
-    for t in tables:
-        for fk in t.foreign_keys:
-            a, b = idx[id(t)], idx[id(schema.table(fk.ref_table))]
-            fk_adj[a].add(b)
-            fk_adj[b].add(a)
-    name_adj: dict[int, set[int]] = defaultdict(set)
-    score: dict[tuple[int, int], int] = {}
-    if opts.join_on_shared_names:
-        fold = (lambda s: s) if schema.case_sensitive else fold_name
-        cols = [{fold(c.name) for c in t.columns} for t in tables]
-        pks = [{fold(c) for c in t.primary_key} for t in tables]
-        for a, b in itertools.combinations(range(n), 2):
-            shared = cols[a] & cols[b]
-            if shared and b not in fk_adj[a]:
-                name_adj[a].add(b)
-                name_adj[b].add(a)
-                # a shared key column is a likelier join than a shared "name" or "key" column
-                score[a, b] = score[b, a] = max(
-                    2 if c in pks[a] or c in pks[b] else 1 if c.endswith(("id", "code", "_no")) else 0
-                    for c in shared
-                )
-    joins = opts.max_join_tables >= 2
-    fk_pairs = [(a, b) for a in range(n) for b in sorted(fk_adj[a])] if joins else []
-    name_pairs = [(a, b) for a in range(n) for b in sorted(name_adj[a])] if joins else []
-    name_pairs.sort(key=lambda p: -score[p])  # stable: table order within a score
-    triples: list[list[tuple[int, int, int]]] = [[], [], []]  # by foreign-key links: 2, 1, 0
-    if opts.max_join_tables >= 3:
-        for a, b in fk_pairs + name_pairs:
-            for c in sorted(fk_adj[a] | fk_adj[b] | name_adj[a] | name_adj[b]):
-                links = (b in fk_adj[a]) + (c in fk_adj[a] or c in fk_adj[b])
-                names = score.get((a, b), 0) + max(score.get((a, c), 0), score.get((b, c), 0))
-                triples[2 - links].append((-names, len(triples[2 - links]), (a, b, c)))
-        triples = [[t for _, _, t in sorted(group)] for group in triples]
-    scopes = [Scope((Binding(t, None),)) for t in tables]
-    pair = lambda ps: [[(i, "T1"), (j, "T2")] for i, j in ps]
-    triple = lambda ts: [list(zip(t, ALIASES)) for t in ts]
-    keyed = [p for p in name_pairs if score[p] > 0]
-    for what, seqs in (
-        ("joins of two tables linked by a foreign key", pair(fk_pairs)),
-        ("joins of two tables sharing a key column name", pair(keyed)),
-        ("joins of three tables linked by foreign keys", triple(triples[0])),
-        ("single tables with an alias (`t AS T1`)", [[(i, "T1")] for i in range(n)]),
-        ("joins of three tables with one foreign-key link", triple(triples[1])),
-        ("joins of two tables sharing another column name", pair([p for p in name_pairs if score[p] == 0])),
-        ("joins of three tables sharing column names", triple(triples[2])),
-    ):
-        room = max(budget - len(scopes), 0)
-        if len(seqs) > room:
-            dropped.append(f"{what}: {len(seqs) - room} of {len(seqs)} left out by max_scopes={budget}")
-            seqs = seqs[:room]
-        for seq in seqs:
-            scopes.append(Scope(tuple(Binding(tables[i], alias) for i, alias in seq)))
-    return scopes
-
-
 # ---- the generator ----------------------------------------------------------------------------
-
-
-def _call(fn: str, *args) -> list:
-    seq: list = [Lit(fn + "(")]
-    for i, x in enumerate(args):
-        if i:
-            seq.append(Lit(", "))
-        seq.append(x)
-    return seq + [Lit(")")]
-
-
-def _opt(*parts: list) -> list[list]:
-    """Every combination of optional parts (each part: a list of symbols, present or absent)."""
-    out = [[]]
-    for part in parts:
-        out = [o + extra for o in out for extra in ([], part)]
-    return out
-
-
-def _seq(items: list, sep: str = ", ") -> list:
-    out: list = []
-    for i, x in enumerate(items):
-        if i:
-            out.append(Lit(sep))
-        out.append(x)
-    return out
 
 
 class _Gen:
@@ -415,12 +235,26 @@ class _Gen:
         else:
             self.sigs = []
             self.widths = {f"w{w}": w for w in range(1, self.width + 1)}
-        self.r = _Rules()
+        self.r = Rules()
         self.tidx = {id(t): i for i, t in enumerate(schema.tables)}
         self.fold = (lambda s: s) if schema.case_sensitive else fold_name
         self.cte = self._cte_name()
         self.cores: dict[str, list[str]] = defaultdict(list)
         self.blks: dict[str, list[str]] = defaultdict(list)
+        self.depth = opts.max_subquery_depth
+        self.level = self.depth  # the level being built (module docstring, "Bounded length")
+
+    def sp(self, si: int) -> str:
+        """The rule-name prefix of scope `si` at the current level."""
+        return f"s{si}_" if self.level == self.depth else f"s{si}l{self.level}_"
+
+    def qn(self, name: str) -> str:
+        """A query rule's name (`q_any`, `q1_num`, `blk_any`, ...) at the current level."""
+        return name if self.level == self.depth else f"l{self.level}{name}"
+
+    def sub(self, name: str) -> str | None:
+        """A query rule's name one level down (a subquery), None at level 0 (no subqueries)."""
+        return f"l{self.level - 1}{name}" if self.level > 0 else None
 
     def q(self, name: str) -> Lit:
         return Lit(quote_ident(name, self.d))
@@ -457,7 +291,7 @@ class _Gen:
             r.add("aop_any", [[Lit(o)] for o in (" + ", " - ", " * ", " / ", " || ")])
         for k in self.kinds:
             if k != "bool":
-                r.add("inl_" + k, [["lit_" + k], ["lit_" + k, Lit(", "), "inl_" + k]])
+                r.bounded("inl_" + k, "lit_" + k, [", "], self.opts.max_in_list)
         r.add("limit", [[Lit(" LIMIT "), LIMIT_N], [Lit(" LIMIT "), LIMIT_N, Lit(" OFFSET "), LIMIT_N]])
         r.add("dir", [[Lit(" ASC")], [Lit(" DESC")]])
         r.add("setop", [[Lit(s)] for s in SETOPS])
@@ -467,7 +301,7 @@ class _Gen:
 
     # -- per scope
     def scope(self, si: int, s: Scope) -> None:
-        r, P = self.r, f"s{si}_"
+        r, P = self.r, self.sp(si)
         single = len(s.bindings) == 1
         counts: dict[str, int] = defaultdict(int)
         for b in s.bindings:
@@ -493,6 +327,7 @@ class _Gen:
                 frm += [Lit(" ON "), self.on_rule(s, k)]
         r.add(P + "from", [frm])
         r.add(P + "fw", [[Lit(" FROM "), P + "from"], [Lit(" FROM "), P + "from", Lit(" WHERE "), P + "c_p"]])
+        self.when_conditions(P)
         for m in self.modes:
             self.conditions(P, m)
             for kind in self.kinds if m != "u" else self.pure_kinds:
@@ -517,8 +352,7 @@ class _Gen:
             )
             preds.append([qc, Lit(" = "), qc])
         self.r.add(key + "_p", preds)
-        self.r.add(key, [[key + "_p"], [key + "_p", Lit(" AND "), key], [key + "_p", Lit(" OR "), key]])
-        return key
+        return self.r.bounded(key, key + "_p", [" AND ", " OR "], self.opts.max_conditions)
 
     def v(self, P: str, m: str, kind: str) -> str:
         return f"{P}v_{m}_{kind}"
@@ -527,13 +361,19 @@ class _Gen:
         return f"{P}r_{m}_{kind}"
 
     def conditions(self, P: str, m: str) -> None:
-        """c (AND/OR of n), n (NOT n | predicate | (c)) and predicates of scope P in mode m
-        (p: no aggregates; a: SQLite, aggregates and columns; u: strict, columns only inside
+        """c (1..max_conditions of n joined by AND/OR), n ([NOT] predicate, or [NOT] a
+        parenthesised group of [NOT] predicates) and predicates of scope P in mode m (p: no
+        aggregates; a: SQLite, aggregates and columns; u: strict, columns only inside
         aggregates). AND/OR precedence is left to the database: the text is the same."""
-        r = self.r
+        r, k = self.r, self.opts.max_conditions
         c, n, pr = P + "c_" + m, P + "n_" + m, P + "pr_" + m
-        r.add(c, [[n], [n, Lit(" AND "), c], [n, Lit(" OR "), c]])
-        r.add(n, [[Lit("NOT "), n], [pr], [Lit("("), c, Lit(")")]])
+        g, gn = P + "g_" + m, P + "gn_" + m
+        r.bounded(c, n, [" AND ", " OR "], k)
+        r.add(n, [[Lit("NOT "), pr], [pr], [Lit("("), g, Lit(")")], [Lit("NOT ("), g, Lit(")")]])
+        r.add(gn, [[Lit("NOT "), pr], [pr]])
+        r.bounded(g, gn, [" AND ", " OR "], k)
+        q_any = self.sub("q_any")
+        q1 = lambda kind: self.sub("q1_" + kind)
         if m != "p":  # HAVING: comparisons of aggregates (a smaller set keeps the grammar small)
             preds: list[list] = []
             for kind in self.kinds if m != "u" else self.pure_kinds:
@@ -542,11 +382,12 @@ class _Gen:
                     [v, "cmp", rr],
                     [v, Lit(" BETWEEN "), rr, Lit(" AND "), rr],
                     [v, Lit(" IN ("), "inl_" + kind, Lit(")")],
-                    [v, Lit(" IN ("), "q1_" + kind, Lit(")")],
                 ]
+                if q_any:
+                    preds.append([v, Lit(" IN ("), q1(kind), Lit(")")])
             r.add(pr, preds)
             return
-        preds = [[Lit("EXISTS ("), "q_any", Lit(")")], [Lit("EXISTS("), "q_any", Lit(")")]]
+        preds = [[Lit("EXISTS ("), q_any, Lit(")")], [Lit("EXISTS("), q_any, Lit(")")]] if q_any else []
         for kind in self.kinds:
             v, rr = self.v(P, m, kind), self.rhs(P, m, kind)
             preds += [[v, Lit(" IS NULL")], [v, Lit(" IS NOT NULL")]]
@@ -557,9 +398,10 @@ class _Gen:
             for neg in ("", " NOT"):
                 preds += [
                     [v, Lit(neg + " IN ("), "inl_" + kind, Lit(")")],
-                    [v, Lit(neg + " IN ("), "q1_" + kind, Lit(")")],
                     [v, Lit(neg + " BETWEEN "), rr, Lit(" AND "), rr],
                 ]
+                if q_any:
+                    preds.append([v, Lit(neg + " IN ("), q1(kind), Lit(")")])
                 if kind in ("text", "any"):
                     preds.append([v, Lit(neg + " LIKE "), LIKE_TEXT])
         if self.strict and m == "p":
@@ -567,57 +409,87 @@ class _Gen:
             preds += [[oc, Lit(" IS NULL")], [oc, Lit(" IS NOT NULL")]]
         r.add(pr, preds)
 
+    def when_conditions(self, P: str) -> str:
+        """Rule: the condition of a CASE WHEN branch in scope P: 1..2 predicates over values
+        without calls or CASE (`w`), joined by AND/OR."""
+        r, pw = self.r, P + "pw"
+        preds: list[list] = []
+        for kind in self.kinds:
+            w, rw = f"{P}w_p_{kind}", f"{P}rw_p_{kind}"
+            preds += [[w, Lit(" IS NULL")], [w, Lit(" IS NOT NULL")]]
+            if kind == "bool":
+                preds.append([w])
+                continue
+            preds += [[w, "cmp", rw], [w, Lit(" IN ("), "inl_" + kind, Lit(")")]]
+            if kind in ("text", "any"):
+                preds.append([w, Lit(" LIKE "), LIKE_TEXT])
+        r.add(pw, preds)
+        return r.bounded(P + "cw", pw, [" AND ", " OR "], 2)
+
     def values(self, P: str, m: str, kind: str) -> None:
-        """v (a value: an atom, or an arithmetic chain headed by an atom), r (v or a literal)
-        and a (atoms) of one kind in scope P, mode m."""
+        """Values of one kind in scope P, mode m, two levels deep so that the grammar stays
+        finite: b (a column, an aggregate, a scalar subquery), w (an arithmetic chain of b: the
+        argument of a call), a (b, a call of w, (w), CASE over w), v (an arithmetic chain of a)
+        and r (v or a literal); chains have at most max_terms terms, and a literal never heads a
+        chain or divides (no constant-folding errors at plan time)."""
         r, d = self.r, self.d
         v, a, rr = self.v(P, m, kind), f"{P}a_{m}_{kind}", self.rhs(P, m, kind)
-        vk = lambda k: self.v(P, m, k)
-        rk = lambda k: self.rhs(P, m, k)
-        atoms: list[list] = []
+        b, w, rw = f"{P}b_{m}_{kind}", f"{P}w_{m}_{kind}", f"{P}rw_{m}_{kind}"
+        wk = lambda k: f"{P}w_{m}_{k}"
+        rwk = lambda k: f"{P}rw_{m}_{k}" if k != "date" else wk(k)
+        base: list[list] = []
         if m != "u":
-            atoms.append([P + "col_" + kind])
+            base.append([P + "col_" + kind])
         if m != "p":
-            atoms.append([P + "agg_" + kind])
-        atoms += [[Lit("("), "q1_" + kind, Lit(")")], [Lit("("), v, Lit(")")]]
+            base.append([P + "agg_" + kind])
+        q1 = self.sub("q1_" + kind)
+        if q1:
+            base.append([Lit("("), q1, Lit(")")])
+        r.add(b, base)
+        atoms: list[list] = [[b], [Lit("("), w, Lit(")")]]
         if kind in ("num", "any"):
-            atoms += [_call("ABS", vk(kind)), _call("ROUND", vk(kind))]
+            atoms += [fn_call("ABS", wk(kind)), fn_call("ROUND", wk(kind))]
             if d != "postgres":  # PostgreSQL has round(numeric, int) only, not for double precision
-                atoms.append(_call("ROUND", vk(kind), SMALL_INT))
+                atoms.append(fn_call("ROUND", wk(kind), SMALL_INT))
             if m != "u" or not self.strict:
-                atoms.append(_call("LENGTH", vk("text" if self.strict else "any")))
+                atoms.append(fn_call("LENGTH", wk("text" if self.strict else "any")))
             elif "text" in self.pure_kinds:
-                atoms.append(_call("LENGTH", vk("text")))
+                atoms.append(fn_call("LENGTH", wk("text")))
         if kind in ("text", "any"):
-            atoms += [_call(fn, vk(kind)) for fn in ("UPPER", "LOWER", "TRIM")]
-            atoms += [_call(fn, vk(kind), SMALL_INT, SMALL_INT) for fn in ("SUBSTR", "SUBSTRING")]
-        atoms.append(_call("COALESCE", vk(kind), rk(kind) if kind != "date" else vk(kind)))
+            atoms += [fn_call(fn, wk(kind)) for fn in ("UPPER", "LOWER", "TRIM")]
+            atoms += [fn_call(fn, wk(kind), SMALL_INT, SMALL_INT) for fn in ("SUBSTR", "SUBSTRING")]
+        atoms.append(fn_call("COALESCE", wk(kind), rwk(kind)))
         if m == "p":  # CASE (a date literal in a THEN branch would be text on PostgreSQL)
-            branch = rk(kind) if kind != "date" else vk(kind)
             whens = f"{P}cw_{kind}"
-            when = [Lit(" WHEN "), P + "c_p", Lit(" THEN "), branch]
-            r.add(whens, [when, when + [whens]])
+            r.add(whens + "_1", [[Lit(" WHEN "), P + "cw", Lit(" THEN "), rwk(kind)]])
+            r.bounded(whens, whens + "_1", [""], self.opts.max_whens)
             atoms += [
                 [Lit("CASE"), whens, Lit(" END")],
-                [Lit("CASE"), whens, Lit(" ELSE "), branch, Lit(" END")],
+                [Lit("CASE"), whens, Lit(" ELSE "), rwk(kind), Lit(" END")],
             ]
         r.add(a, atoms)
-        # arithmetic: a literal never heads a chain or divides (no constant-folding errors at plan time)
-        alts = [[a]]
-        if kind in ("num", "any", "text"):
-            op, lit = "aop_" + kind, "lit_" + kind
-            alts += [[a, op, v], [a, op, lit], [a, op, lit, op, v]]
-        if kind == "num":
-            alts += [[a, Lit(" / "), v], [a, Lit(" / "), NUM_NONZERO]]
-        r.add(v, alts)
+        hi = self.opts.max_terms - 1
+        for chain, head in ((v, a), (w, b)):
+            tail = []
+            if kind in ("num", "any", "text"):
+                op, lit = "aop_" + kind, "lit_" + kind
+                tail += [[op, head], [op, lit]]
+            if kind == "num":
+                tail += [[Lit(" / "), head], [Lit(" / "), NUM_NONZERO]]
+            if tail and hi > 0:
+                r.add(chain + "_t", tail)
+                r.add(chain, [[head, Rep(chain + "_t", 0, hi)]])
+            else:
+                r.add(chain, [[head]])
         r.add(rr, [[v], ["lit_" + kind]])
+        r.add(rw, [[w], ["lit_" + kind]])
 
     def aggregates(self, P: str) -> None:
         """Aggregates of a scope; their arguments are plain values (no nested aggregates)."""
         r = self.r
 
         def call(fn, arg):
-            return [_call(fn, arg), [Lit(fn + "(DISTINCT "), arg, Lit(")")]]
+            return [fn_call(fn, arg), [Lit(fn + "(DISTINCT "), arg, Lit(")")]]
 
         if not self.strict:
             alts = [[Lit("COUNT(*)")]]
@@ -625,7 +497,7 @@ class _Gen:
                 alts += call(fn, P + "v_p_any")
             r.add(P + "agg_any", alts)
             return
-        alts = [[Lit("COUNT(*)")], _call("COUNT", P + "col_other")]  # no DISTINCT: json has no equality
+        alts = [[Lit("COUNT(*)")], fn_call("COUNT", P + "col_other")]  # no DISTINCT: json has no equality
         for k in self.kinds:
             alts += call("COUNT", P + "v_p_" + k)
         for fn in ("SUM", "AVG", "MIN", "MAX"):
@@ -640,20 +512,22 @@ class _Gen:
         """SQLite blocks: items may mix columns and aggregates; ORDER BY may use aggregates only
         after GROUP BY (SQLite: "misuse of aggregate" in ORDER BY of a query it does not
         already treat as aggregated)."""
-        r = self.r
+        r, keys = self.r, self.opts.max_keys
         it, pv = P + "v_a_any", P + "v_p_any"
-        r.add(P + "gl", [[pv], [pv, Lit(", "), P + "gl"]])
+        r.bounded(P + "gl", pv, [", "], keys)
         r.add(
             P + "gb",
             [[Lit(" GROUP BY "), P + "gl"], [Lit(" GROUP BY "), P + "gl", Lit(" HAVING "), P + "c_a"]],
         )
-        r.add(P + "ol", [[it], [it, "dir"], [it, Lit(", "), P + "ol"], [it, "dir", Lit(", "), P + "ol"]])
-        r.add(P + "olp", [[pv], [pv, "dir"], [pv, Lit(", "), P + "olp"], [pv, "dir", Lit(", "), P + "olp"]])
-        r.add(P + "tp", [o for o in _opt([Lit(" ORDER BY "), P + "olp"], ["limit"]) if o])
-        r.add(P + "ta", [o for o in _opt([Lit(" ORDER BY "), P + "ol"], ["limit"]) if o])
-        r.add(P + "items", [[it], [it, Lit(", "), P + "items"]])
+        r.add(P + "oi", [[it], [it, "dir"]])
+        r.bounded(P + "ol", P + "oi", [", "], keys)
+        r.add(P + "oip", [[pv], [pv, "dir"]])
+        r.bounded(P + "olp", P + "oip", [", "], keys)
+        r.add(P + "tp", [o for o in optional([Lit(" ORDER BY "), P + "olp"], ["limit"]) if o])
+        r.add(P + "ta", [o for o in optional([Lit(" ORDER BY "), P + "ol"], ["limit"]) if o])
+        r.bounded(P + "items", it, [", "], self.opts.max_items)
         lists = {"any": [[Lit("*")], [P + "items"]]}
-        lists.update({f"w{w}": [_seq([it] * w)] for w in range(1, self.width + 1)})
+        lists.update({f"w{w}": [joined([it] * w)] for w in range(1, self.width + 1)})
         for key, items in lists.items():
             heads = [[*pre, *li, P + "fw"] for li in items for pre in ([], ["distinct"])]
             core = f"{P}core_{key}"
@@ -667,43 +541,34 @@ class _Gen:
     def strict_blocks(self, P: str) -> None:
         """Blocks of a strictly typed, strictly grouped dialect: plain (no aggregates), DISTINCT
         (ORDER BY position only), aggregate-only, or grouped by position (keys first)."""
-        r = self.r
+        r, keys, n = self.r, self.opts.max_keys, self.opts.max_items
         keyk = [P + "v_p_" + k for k in self.kinds]
         r.add(P + "key", [[x] for x in keyk])
         r.add(P + "it", [[x] for x in keyk] + [[P + "col_other"]])
         r.add(P + "pit", [[P + "v_u_" + k] for k in self.pure_kinds])
-        r.add(P + "items", [[P + "it"], [P + "it", Lit(", "), P + "items"]])
-        r.add(P + "ditems", [[P + "key"], [P + "key", Lit(", "), P + "ditems"]])
-        r.add(P + "pitems", [[P + "pit"], [P + "pit", Lit(", "), P + "pitems"]])
-        r.add(
-            P + "ol",
-            [[P + "key", *dr, *more] for dr in ([], ["dir"]) for more in ([], [Lit(", "), P + "ol"])],
-        )
-        r.add(
-            P + "oa",
-            [
-                [x, *dr, *more]
-                for x in (P + "pit", Lit("1"))
-                for dr in ([], ["dir"])
-                for more in ([], [Lit(", "), P + "oa"])
-            ],
-        )
-        r.add(P + "gl", [[P + "key"], [P + "key", Lit(", "), P + "gl"]])
+        r.bounded(P + "items", P + "it", [", "], n)
+        r.bounded(P + "ditems", P + "key", [", "], n)
+        r.bounded(P + "pitems", P + "pit", [", "], n)
+        r.add(P + "oi", [[P + "key", *dr] for dr in ([], ["dir"])])
+        r.bounded(P + "ol", P + "oi", [", "], keys)
+        r.add(P + "oai", [[x, *dr] for x in (P + "pit", Lit("1")) for dr in ([], ["dir"])])
+        r.bounded(P + "oa", P + "oai", [", "], keys)
+        r.bounded(P + "gl", P + "key", [", "], keys)
         r.add(
             P + "gbx",
             [[Lit(" GROUP BY "), P + "gl"], [Lit(" GROUP BY "), P + "gl", Lit(" HAVING "), P + "c_u"]],
         )
         fw = P + "fw"
         # optional tails as rules of their own (every combination spelled out would triple the size)
-        r.add(P + "tp", [o for o in _opt([Lit(" ORDER BY "), P + "ol"], ["limit"]) if o])
-        r.add(P + "ta", [o for o in _opt([Lit(" ORDER BY "), P + "oa"], ["limit"]) if o])
+        r.add(P + "tp", [o for o in optional([Lit(" ORDER BY "), P + "ol"], ["limit"]) if o])
+        r.add(P + "ta", [o for o in optional([Lit(" ORDER BY "), P + "oa"], ["limit"]) if o])
         r.add(P + "th", [[Lit(" HAVING "), P + "c_u"], [Lit(" HAVING "), P + "c_u", P + "ta"], [P + "ta"]])
         if "tpos" not in r.rules:
             r.add(
                 "tpos",
                 [
                     o
-                    for o in _opt([Lit(" ORDER BY 1")], ["dir"], ["limit"])
+                    for o in optional([Lit(" ORDER BY 1")], ["dir"], ["limit"])
                     if o and o != ["dir"] and o != ["dir", "limit"]
                 ],
             )
@@ -733,7 +598,7 @@ class _Gen:
 
         grouped = []
         for g in (1, 2, 3):
-            keys = _seq([P + "key"] * g)
+            keys = joined([P + "key"] * g)
             grouped += [(keys, [], g), (keys, [Lit(", "), P + "pitems"], g)]
         core, blk = kinds_of_block([P + "items"] + [], [P + "ditems"], [P + "pitems"], grouped)
         core.append([Lit("*"), fw])
@@ -744,8 +609,8 @@ class _Gen:
         self.blks["any"].append(P + "blk_any")
         for sig in self.sigs:
             key = "__".join(sig)
-            plain = _seq([P + "v_p_" + k for k in sig])
-            pure = _seq([P + ("v_u_" if k in self.pure_kinds else "v_p_") + k for k in sig])
+            plain = joined([P + "v_p_" + k for k in sig])
+            pure = joined([P + ("v_u_" if k in self.pure_kinds else "v_p_") + k for k in sig])
             if any(k not in self.pure_kinds for k in sig):
                 pure = None
             grouped = []
@@ -753,8 +618,8 @@ class _Gen:
                 if all(k in self.pure_kinds for k in sig[g:]):
                     grouped.append(
                         (
-                            _seq([P + "v_p_" + k for k in sig[:g]]),
-                            [Lit(", ")] * (g < len(sig)) + _seq([P + "v_u_" + k for k in sig[g:]]),
+                            joined([P + "v_p_" + k for k in sig[:g]]),
+                            [Lit(", ")] * (g < len(sig)) + joined([P + "v_u_" + k for k in sig[g:]]),
                             g,
                         )
                     )
@@ -767,45 +632,57 @@ class _Gen:
     # -- queries
     def build(self, scopes: list[Scope]) -> tuple[str, str]:
         self.shared()
-        for si, s in enumerate(scopes):
-            self.scope(si, s)
+        # level 0 first: its queries are the subqueries of level 1, and so on up to the top
+        for level in range(self.depth + 1):
+            self.level = level
+            self.cores, self.blks = defaultdict(list), defaultdict(list)
+            inner = scopes[: self.opts.max_subquery_scopes] if level < self.depth else scopes
+            for si, s in enumerate(inner):
+                self.scope(si, s)
+            self.queries()
         r = self.r
-        # a block is "SELECT " then one scope's rest: the scope is chosen after the shared keyword,
-        # so a subquery's entry point does not fan out into every scope (compile time)
-        alias = Lit(") AS T1") if self.d == "postgres" else Lit(")")
-        derived_count = [Lit("COUNT(*) FROM ("), "q_any", alias]
-        derived_star = [Lit("* FROM ("), "q_any", alias]
-        count_key = "num" if self.strict else "w1"
-        for key in ["any", *self.widths]:
-            cores = [[c] for c in self.cores.get(key, [])] + ([derived_count] if key == count_key else [])
-            r.add("cs_" + key, cores)
-            r.add("core_" + key, [[Lit("SELECT "), "cs_" + key]])
-            if key == "any" or key == count_key or self.blks.get(key):
-                blks = [[b] for b in self.blks.get(key, [])]
-                blks += [derived_count] if key == count_key else []
-                blks += [derived_count, derived_star] if key == "any" else []
-                r.add("bs_" + key, blks)
-                r.add("blk_" + key, [[Lit("SELECT "), "bs_" + key]])
-            if key == "any":
-                continue
-            w = self.widths[key]
-            if f"ordw{w}" not in r.rules:
-                r.add(f"ordw{w}", [[Lit(str(i))] for i in range(1, w + 1)])
-                r.add(f"cob{w}", [[Lit(" ORDER BY "), f"ordw{w}"], [Lit(" ORDER BY "), f"ordw{w}", "dir"]])
-            chain = f"chain_{key}"
-            r.add(chain, [["setop", "core_" + key], ["setop", "core_" + key, chain]])
-            r.add(f"cmp_{key}", [["core_" + key, chain, *o] for o in _opt([f"cob{w}"], ["limit"])])
-        # width-1 queries for IN (...) and scalar subqueries
-        for kind in self.kinds:
-            key = kind if self.strict else "w1"
-            r.add("q1_" + kind, [["blk_" + key], ["cmp_" + key]])
-        r.add("q_any", [["blk_any"]] + [[f"cmp_{k}"] for k in self.widths])
         top: list[list] = [["q_any"]]
         if self.opts.with_cte:
             top += self.ctes(scopes)
         r.add("start", top)
         r.prune("start")
         return r.lark(), r.ebnf("start")
+
+    def queries(self) -> None:
+        """The query rules of the current level: blocks of every scope, set operations (at most
+        max_set_members blocks), derived tables, width-1 queries (IN, scalar subqueries)."""
+        r, qn = self.r, self.qn
+        # a block is "SELECT " then one scope's rest: the scope is chosen after the shared keyword,
+        # so a subquery's entry point does not fan out into every scope (compile time)
+        alias = Lit(") AS T1") if self.d == "postgres" else Lit(")")
+        sub_any = self.sub("q_any")
+        derived_count = [[Lit("COUNT(*) FROM ("), sub_any, alias]] if sub_any else []
+        derived_star = [[Lit("* FROM ("), sub_any, alias]] if sub_any else []
+        count_key = "num" if self.strict else "w1"
+        for key in ["any", *self.widths]:
+            cores = [[c] for c in self.cores.get(key, [])] + (derived_count if key == count_key else [])
+            r.add(qn("cs_" + key), cores)
+            r.add(qn("core_" + key), [[Lit("SELECT "), qn("cs_" + key)]])
+            if key == "any" or key == count_key or self.blks.get(key):
+                blks = [[b] for b in self.blks.get(key, [])]
+                blks += derived_count if key == count_key else []
+                blks += derived_count + derived_star if key == "any" else []
+                r.add(qn("bs_" + key), blks)
+                r.add(qn("blk_" + key), [[Lit("SELECT "), qn("bs_" + key)]])
+            if key == "any" or self.opts.max_set_members < 2:
+                continue
+            w = self.widths[key]
+            if f"ordw{w}" not in r.rules:
+                r.add(f"ordw{w}", [[Lit(str(i))] for i in range(1, w + 1)])
+                r.add(f"cob{w}", [[Lit(" ORDER BY "), f"ordw{w}"], [Lit(" ORDER BY "), f"ordw{w}", "dir"]])
+            member = r.add(qn(f"member_{key}"), [["setop", qn("core_" + key)]])
+            chain = [qn("core_" + key), Rep(member, 1, self.opts.max_set_members - 1)]
+            r.add(qn(f"cmp_{key}"), [[*chain, *o] for o in optional([f"cob{w}"], ["limit"])])
+        # width-1 queries for IN (...) and scalar subqueries
+        for kind in self.kinds:
+            key = kind if self.strict else "w1"
+            r.add(qn("q1_" + kind), [[qn("blk_" + key)], [qn("cmp_" + key)]])
+        r.add(qn("q_any"), [[qn("blk_any")]] + [[qn(f"cmp_{k}")] for k in self.widths])
 
     def ctes(self, scopes: list[Scope]) -> list[list]:
         """WITH cte AS (SELECT * FROM t [WHERE ...] [ORDER BY ...] [LIMIT n]) then a block over
@@ -831,7 +708,7 @@ class _Gen:
             order = P + ("ol" if self.strict else "olp")  # plain ORDER BY: no aggregates
             body = [
                 head + o + [Lit(") ")]
-                for o in _opt([Lit(" WHERE "), P + "c_p"], [Lit(" ORDER BY "), order], ["limit"])
+                for o in optional([Lit(" WHERE "), P + "c_p"], [Lit(" ORDER BY "), order], ["limit"])
             ]
             r.add(f"cteh{si}", body)
             fw = f"{A}fwc"
@@ -851,7 +728,12 @@ class _Gen:
             if n in seen or not n.startswith(prefix) or n not in self.r.rules:
                 return False
             seen.add(n)
-            return any(type(x) is str and reaches(x, seen) for alt in self.r.rules[n] for x in alt)
+            return any(
+                reaches(x.rule if type(x) is Rep else x, seen)
+                for alt in self.r.rules[n]
+                for x in alt
+                if type(x) in (str, Rep)
+            )
 
         def copy(n: str) -> str:
             if n == old:
@@ -861,12 +743,17 @@ class _Gen:
                     memo[n] = n
                 else:
                     memo[n] = n + "_c"
-                    self.r.rules[n + "_c"] = [
-                        [copy(x) if type(x) is str else x for x in alt] for alt in self.r.rules[n]
-                    ]
+                    self.r.rules[n + "_c"] = [[_copied(x, copy) for x in alt] for alt in self.r.rules[n]]
             return memo[n]
 
         return copy(name)
+
+
+def _copied(sym, copy):
+    """`sym` with its rule name (a rule, or a Rep's rule) replaced by copy(name)."""
+    if type(sym) is Rep:
+        return Rep(copy(sym.rule), sym.lo, sym.hi)
+    return copy(sym) if type(sym) is str else sym
 
 
 def sql_grammar(
@@ -884,7 +771,10 @@ def sql_grammar(
     if opts.max_set_width is not None and not 1 <= opts.max_set_width <= 8:
         raise SchemaError("max_set_width must be between 1 and 8")
     dropped: list[str] = []
-    scopes = _scopes(schema, opts, dropped)
+    budget = opts.max_scopes if opts.max_scopes is not None else DEFAULT_MAX_SCOPES[d]
+    if budget < 1:
+        raise SchemaError("max_scopes must be at least 1")
+    scopes = scopes_of(schema, opts, budget, dropped)
     gen = _Gen(schema, d, opts)
     lark, ebnf = gen.build(scopes)
     stats = {

@@ -110,3 +110,27 @@ def test_sql_errors_name_the_field(sql_client, sql, extra, param, pattern):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and pattern in err["message"], err
+
+
+def test_sql_bad_input_leaves_the_server_serving(sql_client):
+    """A schema with more tables than the grammar's scope budget (6,000 columns), one with
+    thousands of columns that the grammar can hold, and a question over the context: each is a
+    clear answer (400, or a query) for that request only; the next request is served."""
+    too_many = {f"t{i}": {f"c{j}": "INTEGER" for j in range(60)} for i in range(100)}
+    resp = _chat(sql_client, {"schema": too_many})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "sql.schema" and "Schema.subset" in err["message"], err
+
+    wide = {f"t{i}": {f"t{i}_id": "INTEGER"} | {f"c{i}_{j}": "TEXT" for j in range(150)} for i in range(20)}
+    resp = _chat(sql_client, {"schema": wide}, max_tokens=64)
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:  # over the compile limit: said so, naming the constraint
+        assert "compile" in resp.json()["error"]["message"], resp.text
+
+    resp = _chat(sql_client, {"database": "music"}, question="singers " * 20000)
+    assert resp.status_code == 400, resp.text
+    assert "context" in resp.json()["error"]["message"] or "tokens" in resp.json()["error"]["message"]
+
+    resp = _chat(sql_client, {"database": "music"})
+    assert resp.status_code == 200 and isinstance(resp.json()["choices"][0]["sql_check"]["valid"], bool)

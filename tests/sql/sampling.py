@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from agentrt.sql import grammar as g
+from agentrt.sql import rules as g
 
 _TEXT_CHARS = "abcXYZ 019_%'.-" + "éü日本" + '"\\'
 
@@ -32,6 +32,12 @@ def _regex_sample(pattern: str, rng: random.Random) -> str:
     raise AssertionError(f"no sampler for regex {pattern!r}")
 
 
+def _cost(sym, best: dict) -> float:
+    if type(sym) is g.Rep:
+        return sym.lo * best[sym.rule] if sym.lo else 0
+    return best[sym] if type(sym) is str else 1
+
+
 def _min_lengths(rules: dict) -> dict[str, int]:
     """Symbols in the shortest derivation of each rule (a fixpoint)."""
     inf = float("inf")
@@ -41,7 +47,7 @@ def _min_lengths(rules: dict) -> dict[str, int]:
         changed = False
         for name, alts in rules.items():
             for alt in alts:
-                n = sum(best[s] if type(s) is str else 1 for s in alt)
+                n = sum(_cost(s, best) for s in alt)
                 if n < best[name]:
                     best[name] = n
                     changed = True
@@ -65,9 +71,13 @@ def sample(grammar, rng: random.Random, max_depth: int = 6) -> str:
         if isinstance(sym, g.Re):
             out.append(_regex_sample(str(sym), rng))
             continue
+        if isinstance(sym, g.Rep):
+            count = sym.lo if depth >= max_depth else rng.randint(sym.lo, sym.hi)
+            stack += [(sym.rule, depth + 1)] * count
+            continue
         alts = rules[sym]
         if depth >= max_depth:
-            cost = [sum(best[s] if type(s) is str else 1 for s in a) for a in alts]
+            cost = [sum(_cost(s, best) for s in a) for a in alts]
             alt = alts[cost.index(min(cost))]
         else:
             alt = rng.choice(alts)

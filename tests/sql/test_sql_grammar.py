@@ -263,3 +263,54 @@ def test_two_thousand_columns_compile(sql_backend):
     compiled = sql_backend.compile(grammar.spec())
     assert accepts(sql_backend, compiled, "SELECT c3_5, COUNT(*) FROM t3 GROUP BY c3_5")
     assert not accepts(sql_backend, compiled, "SELECT c3_5 FROM t4")
+
+
+def test_sentences_are_bounded_in_length(sql_backend):
+    """The language is finite (no rule reaches itself: `Rules.max_bytes` would raise), and each
+    repetition the small model loops on stops at its GrammarOptions bound: select items, AND/OR
+    chains, IN lists, arithmetic terms, nested calls, string literals, set operations and
+    subqueries inside subqueries."""
+    from agentrt.sql.rules import MAX_TEXT_CHARS, Rules
+
+    schema = schema_from_json(
+        {
+            "singer": {"id": "INTEGER", "name": "TEXT", "age": "INTEGER"},
+            "song": {"id": "INTEGER", "title": "TEXT"},
+        }
+    )
+    opts = GrammarOptions(max_items=3, max_conditions=2, max_in_list=3, max_terms=2, max_set_members=2)
+    grammar = sql_grammar(schema, options=opts)
+    table = Rules()
+    table.rules = grammar.rules
+    assert 0 < table.max_bytes("start") < float("inf")
+    c = sql_backend.compile(grammar.spec())
+    bounded = [  # (at the bound: accepted, one past it: refused)
+        ("SELECT name, age, id FROM singer", "SELECT name, age, id, name FROM singer"),
+        (
+            "SELECT name FROM singer WHERE age > 1 AND id = 2",
+            "SELECT name FROM singer WHERE age > 1 AND id = 2 OR id = 3",
+        ),
+        ("SELECT name FROM singer WHERE id IN (1, 2, 3)", "SELECT name FROM singer WHERE id IN (1, 2, 3, 4)"),
+        ("SELECT age + 1 FROM singer", "SELECT age + 1 + 2 FROM singer"),
+        ("SELECT UPPER(name) FROM singer", "SELECT UPPER(LOWER(name)) FROM singer"),
+        ("SELECT ABS(age - id) FROM singer", "SELECT ABS(ABS(age)) FROM singer"),
+        (
+            f"SELECT id FROM singer WHERE name = '{'x' * MAX_TEXT_CHARS}'",
+            f"SELECT id FROM singer WHERE name = '{'x' * (MAX_TEXT_CHARS + 1)}'",
+        ),
+        (
+            "SELECT id FROM singer UNION SELECT id FROM song",
+            "SELECT id FROM singer UNION SELECT id FROM song UNION SELECT id FROM song",
+        ),
+        (
+            "SELECT name FROM singer WHERE id IN (SELECT id FROM song)",
+            "SELECT name FROM singer WHERE id IN (SELECT id FROM song WHERE id IN (SELECT id FROM singer))",
+        ),
+    ]
+    for ok, no in bounded:
+        assert accepts(sql_backend, c, ok), ok
+        assert not accepts(sql_backend, c, no), no
+    deeper = sql_backend.compile(sql_grammar(schema, options=GrammarOptions(max_subquery_depth=2)).spec())
+    assert accepts(sql_backend, deeper, bounded[-1][1])
+    flat = sql_backend.compile(sql_grammar(schema, options=GrammarOptions(max_subquery_depth=0)).spec())
+    assert not accepts(sql_backend, flat, bounded[-1][0])
