@@ -32,7 +32,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
     p.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="run dtype: auto = bf16 on CUDA; on CPU bf16 only with native bf16 (avx512_bf16/amx_bf16), "
+        "else float32 (the start line says which and why)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="weight-only quantization of the linear layers: int8 (per channel) or int4 (group-wise "
+        "scales); CPU: torch's packed kernels, cached under AGENTRT_CACHE; CUDA: torchao's kernels",
+    )
+    p.add_argument(
+        "--quant-group-size",
+        type=int,
+        choices=[32, 64, 128, 256],
+        default=ModelConfig.quant_group_size,
+        help="int4 input columns per scale and zero (default %(default)s)",
+    )
+    p.add_argument(
+        "--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept dense)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: $OMP_NUM_THREADS when set, else the physical cores; with "
+        "several engines on one machine give each its share, e.g. OMP_NUM_THREADS=cores/engines)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument(
@@ -168,6 +196,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model=args.model,
             device=args.device,
             dtype=args.dtype,
+            quantization=args.quantization,
+            quant_group_size=args.quant_group_size,
+            quantize_lm_head=args.quantize_lm_head,
+            threads=args.threads,
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
@@ -341,7 +373,8 @@ def serve(args: argparse.Namespace) -> int:
     runner = engine.runner
     graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
     print(
-        f"agentrt: {args.model} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}), attention "
+        f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
+        f"{runner.num_threads} threads, attention "
         f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "
         f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
         f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}",

