@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -173,20 +174,11 @@ def _save_quantized(model: LlamaForCausalLM, target: Path) -> None:
     """Write the quantized state dict (tied weights once) atomically: a temporary directory renamed."""
     from safetensors.torch import save_file
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with atomic_cache_dir(target) as tmp:
         state = model.state_dict()
         if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.embed_tokens.weight:
             state.pop("lm_head.weight")  # tied: safetensors stores a tensor once
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process wrote it first
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_quantized(
@@ -264,3 +256,21 @@ def load_model(
     model.eval()
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))
     return model, WeightFormat(**{**fmt.__dict__, "bytes": sizes})
+
+
+@contextlib.contextmanager
+def atomic_cache_dir(target: Path):
+    """A temporary directory beside `target` to write a cache entry into, renamed to `target` when
+    the block ends without an exception (a concurrent writer that renamed first wins; its
+    `model.safetensors` must then be there, else OSError), removed in every case."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process wrote it first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

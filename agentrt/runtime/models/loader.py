@@ -15,15 +15,12 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from agentrt.runtime.models.formats import choose_dtype
+from agentrt.runtime.models.formats import atomic_cache_dir, choose_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +97,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     d, f = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with atomic_cache_dir(target) as tmp:
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
@@ -113,13 +108,6 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.to_json_file(str(tmp / "generation_config.json"))
         tokenizer.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process converted it first
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
