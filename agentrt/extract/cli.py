@@ -304,5 +304,6 @@ def _server_driver(args, template, schemas):
         max_in_flight=args.max_in_flight or 8,
         prompt=template,
         min_confidence=args.min_confidence,
+        repetition_repair=not args.no_repair,
     )
     return lambda inputs: extractor.run(inputs)

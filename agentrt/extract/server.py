@@ -7,7 +7,10 @@ an asyncio loop on a helper thread; results come back through a queue, in comple
 the same ExtractResult the in-process driver yields, judged the same way (jsonschema with format
 checking). Token logprobs (`logprobs: true`) are asked for, for per-field confidence; a server that
 refuses the field (a 400 whose `param` is "logprobs") is asked again without it, and the job
-continues without confidence. Closing the iterator cancels the requests in flight.
+continues without confidence. Runaway-value repair (`repetition_repair`, agentrt's extension
+field, on unless `--no-repair`) is asked for the same way and dropped for a server that refuses it;
+an agentrt server reports the closed values (`agentrt_repaired`) as the row's `repaired`. Closing
+the iterator cancels the requests in flight.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ServerExtractor:
         prompt: PromptTemplate | None = None,
         min_confidence: float | None = None,
         timeout_s: float = 600.0,
+        repetition_repair: bool = False,
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -77,6 +81,8 @@ class ServerExtractor:
         self.timeout_s = timeout_s
         self.validators = SchemaValidators()
         self.logprobs = True
+        # agentrt's runaway-value repair (an extension field): dropped for a server that refuses it
+        self.repetition_repair = repetition_repair
 
     def run(self, inputs: Iterable[ExtractInput], schema: dict | None = None) -> Iterator[ExtractResult]:
         """Results in completion order (the driver's contract: one per input, never raising for a
@@ -178,13 +184,18 @@ class ServerExtractor:
         while True:
             try:
                 resp = await client.chat.completions.create(
-                    **kwargs, **({"logprobs": True} if self.logprobs else {})
+                    **kwargs,
+                    **({"logprobs": True} if self.logprobs else {}),
+                    **({"extra_body": {"repetition_repair": True}} if self.repetition_repair else {}),
                 )
                 break
             except openai.BadRequestError as e:
                 body = e.body if isinstance(e.body, dict) else {}
                 if self.logprobs and body.get("param") == "logprobs":
                     self.logprobs = False  # this server has no logprobs: go on without confidence
+                    continue
+                if self.repetition_repair and body.get("param") == "repetition_repair":
+                    self.repetition_repair = False  # not an agentrt server: go on without repair
                     continue
                 code = body.get("code")
                 res.error = f"the server refused the request: {body.get('message') or e.message}"
@@ -201,6 +212,7 @@ class ServerExtractor:
                 return res
         choice = resp.choices[0]
         res.text = choice.message.content or ""
+        res.repaired = list(getattr(choice, "agentrt_repaired", None) or [])
         res.finish_reason = choice.finish_reason
         if resp.usage is not None:
             details = getattr(resp.usage, "prompt_tokens_details", None)
