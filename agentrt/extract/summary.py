@@ -57,6 +57,7 @@ class JobSummary:
         self.rows = self.valid = 0
         self.failures: Counter[str] = Counter()
         self.needs_review = 0
+        self.repaired_rows = 0  # rows with a value closed by runaway-value repair
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.fields: dict[str, list[int]] = {}  # pointer -> [exact matches, rows with gold there]
 
@@ -66,6 +67,7 @@ class JobSummary:
         if not r.valid:
             self.failures[r.failure or "error"] += 1
         self.needs_review += bool(r.needs_review)
+        self.repaired_rows += bool(r.repaired)
         self.prompt_tokens += r.usage.prompt_tokens
         self.completion_tokens += r.usage.completion_tokens
         self.cached_tokens += r.usage.cached_tokens
@@ -95,6 +97,7 @@ class JobSummary:
             "valid": self.valid,
             "failed": self.rows - self.valid,
             "failed_by_reason": dict(sorted(self.failures.items())),
+            "repaired_rows": self.repaired_rows,
             "wall_s": round(wall_s, 3),
             "docs_per_s": round(self.rows / wall, 4),
             "valid_docs_per_s": round(self.valid / wall, 4),
@@ -117,7 +120,7 @@ class JobSummary:
         failed = ", ".join(f"{k} {v}" for k, v in d["failed_by_reason"].items()) or "none"
         hit = d["prefix_cache_hit_share"]
         out = [
-            f"rows {d['rows']}: valid {d['valid']}, failed {d['failed']} ({failed})",
+            f"rows {d['rows']}: valid {d['valid']}, failed {d['failed']} ({failed}), repaired {d['repaired_rows']}",
             f"wall {d['wall_s']:.1f} s, {d['docs_per_s']:.2f} docs/s, {d['completion_tokens_per_s']:.1f} "
             f"completion tokens/s, prefix-cache hit share " + (f"{hit:.1%}" if hit is not None else "n/a"),
         ]

@@ -133,11 +133,12 @@ def test_summary_field_accuracy_and_failures():
     gold = {"name": "A", "tags": ["x", "y"], "n": 1, "ok": True, "none": None}
     assert set(gold_leaves(gold)) == {"/name", "/tags/0", "/tags/1", "/n", "/ok", "/none"}
     good = {"name": "A", "tags": ["x", "z"], "n": 1.0, "ok": 1, "none": None}
-    s.add(ExtractResult(0, "a", output=good, valid=True, gold=gold))
+    s.add(ExtractResult(0, "a", output=good, valid=True, gold=gold, repaired=["/tags"]))
     s.add(ExtractResult(1, "b", failure="length", gold=gold))
     s.add(ExtractResult(2, "c", failure="input"))
     d = s.as_dict(2.0)
     assert (d["rows"], d["valid"], d["failed_by_reason"]) == (3, 1, {"input": 1, "length": 1})
+    assert d["repaired_rows"] == 1 and "repaired 1" in s.lines(d)[0]
     acc = d["field_accuracy"]["per_field"]
     assert acc == {"/n": 0.5, "/name": 0.5, "/none": 0.5, "/ok": 0.0, "/tags/0": 0.5, "/tags/1": 0.0}
 
