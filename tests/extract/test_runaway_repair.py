@@ -59,6 +59,7 @@ def test_runaway_value_is_closed_with_repair_and_runs_to_length_without(llm):
     assert on.logprobs[k].logprob == 0.0
 
 
+@pytest.mark.slow  # ~50 s: the engine-level test above covers the repair in the default suite
 def test_extract_job_repairs_by_default_and_reports_the_field(llm, tmp_path):
     doc, schema = _doc()
     (tmp_path / "docs.jsonl").write_text(json.dumps({"id": doc["id"], "text": doc["text"]}) + "\n")
