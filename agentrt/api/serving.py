@@ -412,7 +412,12 @@ class OpenAIServing:
                     events = shape.events(gen, streams[0], firsts[0], created)
                 else:
                     writer = ChunkWriter(
-                        gen.request_id, created, self.model_name, gen.chat, gen.include_usage
+                        gen.request_id,
+                        created,
+                        self.model_name,
+                        gen.chat,
+                        gen.include_usage,
+                        repair=gen.params.repetition_repair,
                     )
                     parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in gens]
                     logprobs = (

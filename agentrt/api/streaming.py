@@ -39,7 +39,9 @@ def sse(data: dict) -> str:
 class ChunkWriter:
     """Builds the SSE chunks of one response: `chat` (chat.completion.chunk) or a text completion;
     `include_usage` adds `"usage": null` to every chunk and a final usage chunk (stream_options);
-    `index`: the choice the chunks belong to (requests with `n` > 1 have one writer per choice)."""
+    `index`: the choice the chunks belong to (requests with `n` > 1 have one writer per choice);
+    `repair`: the request asked for runaway repair, so the closing chunk carries the JSON pointers of
+    the values closed as `agentrt_repaired` (agentrt's extension, as on the non-streamed choice)."""
 
     stream_id: str
     created: int
@@ -47,6 +49,7 @@ class ChunkWriter:
     chat: bool
     include_usage: bool
     index: int = 0
+    repair: bool = False
 
     @property
     def object(self) -> str:
@@ -75,17 +78,29 @@ class ChunkWriter:
             }
         )
 
-    def text(self, delta_text: str | None, finish: str | None = None, logprobs: dict | None = None) -> str:
+    def text(
+        self,
+        delta_text: str | None,
+        finish: str | None = None,
+        logprobs: dict | None = None,
+        repaired: list[str] | None = None,
+    ) -> str:
         """A content delta, or (finish given, no text) the closing chunk; `logprobs`: the choice's
-        logprobs object for the tokens this chunk reports (None: not asked for, or none new)."""
+        logprobs object for the tokens this chunk reports (None: not asked for, or none new);
+        `repaired`: on the closing chunk of a request with `repair`, the values closed as runaways."""
         if not self.chat:
-            return self.choice(
-                {"index": self.index, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
-            )
-        delta = {} if finish is not None and not delta_text else {"content": delta_text}
-        return self.choice(
-            {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        )
+            choice = {
+                "index": self.index,
+                "text": delta_text or "",
+                "finish_reason": finish,
+                "logprobs": logprobs,
+            }
+        else:
+            delta = {} if finish is not None and not delta_text else {"content": delta_text}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        if finish is not None and self.repair:
+            choice["agentrt_repaired"] = list(repaired or [])
+        return self.choice(choice)
 
     def events(self, events: Iterable[ParseEvent], logprobs: dict | None = None) -> list[str]:
         """Chunks for tool-call parser events: content deltas, a call's start (id, name), argument
@@ -234,7 +249,7 @@ def _deltas(
         if parser is not None:
             events, finish = parser.close(finish)
             chunks += writer.events(events, pending())
-        chunks.append(writer.text(None, finish, logprobs=pending()))
+        chunks.append(writer.text(None, finish, logprobs=pending(), repaired=out.repaired))
     if chunks and logprobs is not None:
         logprobs.commit(out)
     return chunks

@@ -53,3 +53,31 @@ def test_repair_opt_in(fake_client, tokenizer, chat):
 def test_repair_must_be_a_boolean(fake_client, tokenizer):
     r = fake_client.post("/v1/chat/completions", json=_body(tokenizer, True, repetition_repair="yes"))
     assert r.status_code == 400 and "repetition_repair" in r.text
+
+
+def _stream(client, url: str, body: dict) -> list[dict]:
+    with client.stream("POST", url, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    return [json.loads(ln[len("data: ") :]) for ln in lines]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_repair_streamed(fake_client, tokenizer, chat):
+    """Streamed, the closing chunk (the one with finish_reason) carries `agentrt_repaired`, equal to
+    the non-streamed choice's; other chunks and requests without the field carry no such key."""
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    whole = fake_client.post(url, json=_body(tokenizer, chat, repetition_repair=True)).json()["choices"][0]
+    chunks = _stream(fake_client, url, _body(tokenizer, chat, repetition_repair=True))
+    closing = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(closing) == 1 and closing[0]["finish_reason"] == "stop"
+    assert whole["agentrt_repaired"] and closing[0]["agentrt_repaired"] == whole["agentrt_repaired"]
+    assert sum("agentrt_repaired" in c["choices"][0] for c in chunks if c["choices"]) == 1
+    text = "".join(
+        (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or "")
+        for c in chunks
+        if c["choices"]
+    )
+    assert text == (whole["message"]["content"] if chat else whole["text"])
+    off = _stream(fake_client, url, _body(tokenizer, chat))
+    assert not any("agentrt_repaired" in c["choices"][0] for c in off if c["choices"])
