@@ -387,7 +387,7 @@ class Speculator:
     def medusa_candidates(self, reqs: list[Request], hidden: torch.Tensor) -> None:
         """hidden [len(reqs), hidden_size]: the state at each request's last sampled token; sets
         r.spec.medusa_topk = top-k token ids per head ([heads][topk])."""
-        logits = self.heads(hidden, self.runner.model.lm_head.weight)  # [K, B, V]
+        logits = self.heads(hidden, self.runner.model.lm_head)  # [K, B, V] (a quantized head too)
         top = torch.topk(logits, self.topk, dim=-1).indices.permute(1, 0, 2).tolist()  # [B, K, topk]
         for r, ids in zip(reqs, top):
             r.spec.medusa_topk = ids

@@ -42,9 +42,10 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """forward(hidden [B, hidden_size], lm_head_weight [vocab, hidden_size]) -> logits
-    [num_heads, B, vocab] fp32. `lm_head_weight` is used by heads without their own LM head
-    (shared_lm_head)."""
+    """forward(hidden [B, hidden_size], lm_head) -> logits [num_heads, B, vocab] fp32. `lm_head`, used
+    by heads without their own LM head (shared_lm_head), is the target's LM head: its weight
+    [vocab, hidden_size] or the module itself (a quantized LM head has no dense weight: the module
+    maps [..., hidden_size] to [..., vocab] in its input's dtype)."""
 
     def __init__(
         self,
@@ -68,14 +69,16 @@ class MedusaHeads(nn.Module):
             else nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
         )
 
-    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head: torch.Tensor | nn.Module | None = None) -> torch.Tensor:
         outs = []
         for k, block in enumerate(self.blocks):
             h = block(hidden)
             if self.lm_heads is not None:
                 outs.append(self.lm_heads[k](h).float())
+            elif isinstance(lm_head, torch.Tensor):
+                outs.append(F.linear(h, lm_head).float())
             else:
-                outs.append(F.linear(h, lm_head_weight).float())
+                outs.append(lm_head(h).float())
         return torch.stack(outs)
 
     # ---- checkpoint ------------------------------------------------------------------------

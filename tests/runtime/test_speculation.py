@@ -247,6 +247,41 @@ def test_sampling_distribution_matches_non_speculative(peaked_tiny_model, method
         assert two_sample_p([b[i] for b in base], [g[i] for g in got]) > 1e-3, f"position {i}"
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_medusa_over_a_quantized_lm_head(peaked_tiny_model, tmp_path, quantization):
+    """With --quantize-lm-head the target's LM head is a packed-weight module with no dense weight;
+    shared-head Medusa drafts through the module itself, and greedy decoding stays token-identical
+    to the same quantized model without speculation."""
+    path, heads = peaked_tiny_model
+
+    def run(spec: SpecConfig):
+        eng = Engine(
+            EngineConfig(
+                model=ModelConfig(
+                    model=str(path),
+                    device="cpu",
+                    dtype="float32",
+                    quantization=quantization,
+                    quant_group_size=32,
+                    quantize_lm_head=True,
+                    cache_dir=tmp_path,
+                ),
+                cache=CacheConfig(kv_cache_bytes=16 << 20),
+                speculative=spec,
+            )
+        )
+        prompts = [[1000, 2000, 3000, 1000, 2000, 3000, 1000], [7, 8, 9, 10, 7, 8, 9]]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        outs = eng.generate([(p, params, None) for p in prompts])
+        eng.grammar.shutdown()
+        return [o.token_ids for o in outs], eng.stats
+
+    plain, _ = run(SpecConfig())
+    medusa, stats = run(SpecConfig(method="medusa", medusa_heads=str(heads)))
+    assert medusa == plain
+    assert stats.num_spec_steps > 0
+
+
 # ---- configuration, CLI, API field, training ------------------------------------------------------
 
 
