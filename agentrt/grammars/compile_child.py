@@ -53,6 +53,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -62,6 +63,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import NamedTuple
 
 import xgrammar as xgr
@@ -104,11 +106,14 @@ class Zygote:
     """The compile helper process for one TokenizerInfo (started on first use, restarted when it
     dies). Thread-safe: compiles from several threads run in parallel children."""
 
-    def __init__(self, info: xgr.TokenizerInfo):
+    def __init__(self, info: xgr.TokenizerInfo, memory_bytes: int | None = None):
         """Starts the zygote now, on the calling thread (it inherits that thread's nice value,
         which bounds its children's: create it on an unniced thread); it loads while the server
-        starts. A restart after it died happens on a compile thread."""
+        starts. A restart after it died happens on a compile thread. `memory_bytes`: how far each
+        child's address space may grow past the zygote's (RLIMIT_AS; None: no limit); a compile
+        that needs more fails with a ConstraintError naming the limit."""
         self.info = info
+        self.memory_bytes = memory_bytes
         self._info_json: bytes | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -137,7 +142,8 @@ class Zygote:
         param, keyword, pointer, tool_index as they were); RuntimeError when the child or the
         zygote died (or the result could not be loaded); CompileChildError on a bug in the child."""
         job = {"kind": spec.kind, "value": spec.value, "strict": spec.strict, "ws": ws}
-        request = json.dumps({"nice": nice}).encode() + b"\n" + json.dumps(job, ensure_ascii=False).encode()
+        head = {"nice": nice, "memory": self.memory_bytes}
+        request = json.dumps(head).encode() + b"\n" + json.dumps(job, ensure_ascii=False).encode()
         waited = time.monotonic()
         with self._lock:
             try:
@@ -290,7 +296,8 @@ def _zygote_main(fd: int) -> None:
             if pid == 0:
                 sock.close()
                 parent_end.close()
-                _child(info, json.loads(head)["nice"], job, child_end)
+                limits = json.loads(head)
+                _child(info, limits["nice"], limits["memory"], job, child_end)
             child_end.close()
             socket.send_fds(sock, [str(pid).encode()], [parent_end.fileno()])
             parent_end.close()
@@ -315,14 +322,20 @@ def _warm_up() -> None:
         spec_grammar(ConstraintSpec("json_schema", schema), [], {"any_whitespace": False, "indent": None})
 
 
-def _child(info: xgr.TokenizerInfo, nice: int, job_json: bytes, out: socket.socket) -> None:
+def _child(
+    info: xgr.TokenizerInfo, nice: int, memory: int | None, job_json: bytes, out: socket.socket
+) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if nice:
             with contextlib.suppress(OSError):
                 os.nice(nice)
-        out.sendall(_run_job(info, job_json))
+        if memory is not None:  # the address space it has (the zygote's, shared) plus the budget
+            vm = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(resource.RLIMIT_AS, (vm + memory, resource.RLIM_INFINITY))
+        out.sendall(_run_job(info, job_json, memory))
         code = 0
     finally:
         with contextlib.suppress(BaseException):
@@ -330,8 +343,9 @@ def _child(info: xgr.TokenizerInfo, nice: int, job_json: bytes, out: socket.sock
         os._exit(code)
 
 
-def _run_job(info: xgr.TokenizerInfo, job_json: bytes) -> bytes:
-    """The answer to one compile job (the format Zygote._load reads)."""
+def _run_job(info: xgr.TokenizerInfo, job_json: bytes, memory: int | None = None) -> bytes:
+    """The answer to one compile job (the format Zygote._load reads). Running out of the memory
+    budget (MemoryError: Python's, or xgrammar's std::bad_alloc) is the constraint's error."""
     from agentrt.grammars.xgrammar_backend import build_constraint  # (loaded by _warm_up)
 
     try:
@@ -342,6 +356,8 @@ def _run_job(info: xgr.TokenizerInfo, job_json: bytes) -> bytes:
         head = json.dumps({"not_enforced": built.not_enforced, "forced_bound": built.forced_bound})
         return _OK + head.encode() + b"\n" + built.ebnf.encode()
     except ConstraintError as e:
+        if "bad_alloc" in e.message:  # xgrammar's std::bad_alloc, wrapped by build_constraint
+            return _memory_refusal(memory)
         fields = {
             "message": e.message,
             "param": e.param,
@@ -350,8 +366,19 @@ def _run_job(info: xgr.TokenizerInfo, job_json: bytes) -> bytes:
             "tool_index": e.tool_index,
         }
         return _ERROR + json.dumps(fields, default=str).encode()
+    except MemoryError:
+        return _memory_refusal(memory)
     except Exception as e:  # noqa: BLE001 (a bug: its traceback goes to the server's log)
         return _FAULT + "".join(traceback.format_exception(e)).encode(errors="replace")
+
+
+def _memory_refusal(memory: int | None) -> bytes:
+    """The answer to a compile that ran out of its memory budget (a 400 naming the limit)."""
+    gc.collect()
+    limit = f"{memory / (1 << 20):.0f} MiB" if memory is not None else "the memory available"
+    message = f"the constraint needs more memory to compile than the compile limit ({limit})"
+    return _ERROR + json.dumps({"message": message, "param": None, "keyword": None, "pointer": None,
+                                "tool_index": None}).encode()  # fmt: skip
 
 
 if __name__ == "__main__":

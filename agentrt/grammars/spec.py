@@ -38,6 +38,10 @@ class GrammarConfig:
     pipeline, conversion and finite check included, runs in the child). Off (the
     library default; `agentrt serve` turns it on), a compile past its limit keeps its thread
     until it ends.
+    compile_memory_bytes: with compile_in_child, how far a compile child's address space may grow
+    (RLIMIT_AS over the helper's; None: no limit): a constraint whose compile needs more is refused
+    (400) instead of taking the machine's memory (xgrammar has run out of memory past 8 GB on
+    one schema-aware SQL grammar's serialization).
     compile_relief_s: a compile still waiting after this long moves to a relief worker at the
     process's own priority (None: never), so a saturated engine cannot starve compiles.
     max_constraint_bytes: a schema/regex/grammar text longer than this is refused (400).
@@ -55,6 +59,7 @@ class GrammarConfig:
     compile_queue_timeout_s: float = 30.0
     compile_relief_s: float | None = 5.0
     compile_in_child: bool = False
+    compile_memory_bytes: int | None = 4 << 30
     jump_forward: bool = True
     max_constraint_bytes: int = 1 << 20
 

@@ -255,7 +255,11 @@ class GrammarBackend:
         # processes (grammars/compile_child.py); they meet their own deadline, the queue's limit is
         # a backstop for the work around them here (sending the spec, compiling the grammar again
         # from its text: as long as the child's compile at most, hence the grace of one more limit)
-        self._zygote = Zygote(info) if config.compile_in_child and hasattr(os, "fork") else None
+        self._zygote = (
+            Zygote(info, config.compile_memory_bytes)
+            if config.compile_in_child and hasattr(os, "fork")
+            else None
+        )
         grace = 1.5 * config.compile_timeout_s if self._zygote is not None else 0.0
         self._queue = CompileQueue(self._compile, config, grace)
         # mask overlap: bitmasks are filled on this thread while the engine runs the forward pass

@@ -249,3 +249,29 @@ def test_the_child_sends_the_grammar_as_text_that_compiles_to_the_same_grammar(b
         assert accepts(backend, there, text) and accepts(in_process, here, text), text
     for text in bad:
         assert not accepts(backend, there, text) and not accepts(in_process, here, text), text
+
+
+def test_a_compile_past_its_memory_limit_is_a_clear_refusal(tokenizer):
+    """compile_memory_bytes bounds each compile child's address space (RLIMIT_AS): a constraint
+    whose compile needs more (an enum of 20,000 strings: ~100 s and far more than 16 MiB unbounded)
+    is refused naming the limit, and the next constraint compiles."""
+    b = GrammarBackend(
+        tokenizer,
+        49152,
+        (2,),
+        GrammarConfig(
+            compile_in_child=True, compile_timeout_s=60, compile_nice=0, compile_memory_bytes=16 << 20
+        ),
+    )
+    try:
+        b._zygote.wait_ready()
+        big = {"enum": [f"value-{i:06d}-" + "abcdefghij" * 2 for i in range(20000)]}
+        with pytest.raises(
+            ConstraintError, match=r"more memory to compile than the compile limit \(16 MiB\)"
+        ):
+            b.compile(ConstraintSpec.json_schema(big))
+        compiled = b.compile(ConstraintSpec.regex("[a-z]{3}"))
+        assert accepts(b, compiled, "abc") and not accepts(b, compiled, "abcd")
+        assert _children(b) == []
+    finally:
+        b.shutdown()
