@@ -89,7 +89,9 @@ def main() -> None:
                 f"sqlite:///{SHARED / 'databases' / (r['db_id'] + '.sqlite')}"
             )
             schemas[r["db_id"]] = introspect(engines[r["db_id"]])
-    llm = LLM(grammar=GrammarConfig(compile_timeout_s=600))
+    # every database's grammar stays cached (up to ~10 MB each) and a compile may wait its turn:
+    # the runs below submit each grammar's requests at once
+    llm = LLM(grammar=GrammarConfig(compile_timeout_s=600, compile_queue_timeout_s=3600, cache_bytes=2 << 30))
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print(f"{len(rows)} questions over {len(engines)} databases, greedy, max_tokens {args.max_tokens}")
 
