@@ -77,10 +77,14 @@ class DraftModelProposer:
         self.model, self.kv, self.device = model, kv, device
 
     def propose(
-        self, reqs: list[Request], ks: dict[Request, int], grammar
+        self, reqs: list[Request], ks: dict[Request, int], grammar, failed: dict | None = None
     ) -> dict[Request, tuple[DraftTree, object]]:
         """Drafts (chains, with q_probs when sampling) and, for constrained requests, the bitmask
-        rows [len + 1, words] filled along the way. Requests whose KV does not fit get none."""
+        rows [len + 1, words] filled along the way. Requests whose KV does not fit get none.
+        Faults stay where they arise: a request whose own part raises (its matcher, sampling) gets
+        no draft and goes into `failed` (request -> InternalError: its matcher's state is unknown,
+        so it must fail; raised when `failed` is None); a draft forward that raises ends drafting
+        for this step (logged; matchers rolled back, drafts finished so far kept)."""
         active, chunks = [], []
         for r in reqs:
             seq = r.token_ids
@@ -98,46 +102,77 @@ class DraftModelProposer:
         out: dict[Request, tuple[DraftTree, object]] = {}
         step = 0
         while active:
-            logits = run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device)
+            try:
+                logits = run_chunks(self.model, self.kv.k, self.kv.v, chunks, self.device)
+            except Exception:  # drafts are an optimisation: this step goes on without the rest
+                logger.exception("the draft model's forward failed; no drafts for %d requests", len(active))
+                for st in active:
+                    st["tokens"], st["q"] = self._abandon(st), []
+                return out
             nxt_active, nxt_chunks = [], []
             for i, st in enumerate(active):
-                r = st["r"]
-                row = logits[i : i + 1]
-                if st["bitmask"] is not None:
-                    r.grammar.matcher.fill_next_token_bitmask(st["bitmask"], step)
-                    apply_bitmask(row, st["bitmask"][step : step + 1], [0], grammar)
-                if r.params.is_greedy:
-                    tok = sample(row, [r])[0]
-                    q = None
-                else:
-                    q = target_probs(row, r.params)[0]
-                    tok = (
-                        int(torch.multinomial(q, 1, generator=r.generator).item())
-                        if float(q.sum()) > 0
-                        else -1
+                try:
+                    done = self._draft_token(st, logits[i : i + 1], step, ks, grammar)
+                except Exception as e:
+                    if failed is None:
+                        raise
+                    r = st["r"]
+                    logger.exception("drafting for %s failed", r.request_id)
+                    failed[r] = InternalError(
+                        f"internal error in speculative drafting: {type(e).__name__}: {e}"
                     )
-                ok = tok >= 0 and (r.grammar is None or r.grammar.matcher.accept_token(tok))
-                if ok:
-                    st["tokens"].append(tok)
-                    if q is not None:
-                        st["q"].append(q)
-                done = (
-                    not ok
-                    or len(st["tokens"]) >= ks[r]
-                    or tok in (r.params.stop_token_ids or ())
-                    or (r.grammar is not None and r.grammar.matcher.is_terminated())
-                )
+                    self.kv.free(st["spare"])
+                    st["spare"] = []
+                    continue
                 if not done:
-                    slot = st["spare"].pop(0)
-                    r.spec.draft_slots.append(slot)
-                    r.spec.draft_fed.append(tok)
                     nxt_active.append(st)
-                    nxt_chunks.append(SeqChunk([tok], len(r.spec.draft_slots) - 1, list(r.spec.draft_slots)))
+                    r = st["r"]
+                    nxt_chunks.append(
+                        SeqChunk([st["tokens"][-1]], len(r.spec.draft_slots) - 1, list(r.spec.draft_slots))
+                    )
                 else:
                     self._finish_draft(st, out)
             active, chunks = nxt_active, nxt_chunks
             step += 1
         return out
+
+    def _draft_token(self, st: dict, row: torch.Tensor, step: int, ks: dict, grammar) -> bool:
+        """Sample one draft token for st's request from its logits row [1, V] (masked by its
+        grammar), feed it to the matcher; True when its draft is done."""
+        r = st["r"]
+        if st["bitmask"] is not None:
+            r.grammar.matcher.fill_next_token_bitmask(st["bitmask"], step)
+            apply_bitmask(row, st["bitmask"][step : step + 1], [0], grammar)
+        if r.params.is_greedy:
+            tok = sample(row, [r])[0]
+            q = None
+        else:
+            q = target_probs(row, r.params)[0]
+            tok = int(torch.multinomial(q, 1, generator=r.generator).item()) if float(q.sum()) > 0 else -1
+        ok = tok >= 0 and (r.grammar is None or r.grammar.matcher.accept_token(tok))
+        if ok:
+            st["tokens"].append(tok)
+            if q is not None:
+                st["q"].append(q)
+        done = (
+            not ok
+            or len(st["tokens"]) >= ks[r]
+            or tok in (r.params.stop_token_ids or ())
+            or (r.grammar is not None and r.grammar.matcher.is_terminated())
+        )
+        if not done:
+            slot = st["spare"].pop(0)
+            r.spec.draft_slots.append(slot)
+            r.spec.draft_fed.append(tok)
+        return done
+
+    def _abandon(self, st: dict) -> list:
+        """Give back what st's draft holds (spare slots; its matcher's draft tokens rolled back)."""
+        self.kv.free(st["spare"])
+        st["spare"] = []
+        if st["bitmask"] is not None and st["tokens"]:
+            st["r"].grammar.matcher.rollback(len(st["tokens"]))
+        return []
 
     def _finish_draft(self, st: dict, out: dict) -> None:
         r, tokens = st["r"], st["tokens"]
@@ -287,13 +322,13 @@ class Speculator:
         the requests proposed to (each needs `settle` after the step). With n-gram or Medusa drafts,
         a request whose drafting raises (its matcher, while the draft is fitted to its grammar) gets
         no draft and goes into `failed` (request -> InternalError; its matcher's state is unknown,
-        so it must fail); the others draft as usual. A draft model drafts the batch in one forward:
-        an exception there is raised (the step fails)."""
+        so it must fail); the others draft as usual. The same holds for a draft model, whose forward
+        failing leaves the step without drafts (DraftModelProposer.propose)."""
         ks = {r: k for r in running if (k := self._budget(r, max_model_len)) > 0}
         if not ks:
             return []
         if self.draft is not None:
-            for r, (tree, bitmask) in self.draft.propose(list(ks), ks, self.grammar).items():
+            for r, (tree, bitmask) in self.draft.propose(list(ks), ks, self.grammar, failed).items():
                 r.spec.draft, r.spec.draft_bitmask = tree, bitmask
             return list(ks)
         for r, k in ks.items():

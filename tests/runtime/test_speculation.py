@@ -282,6 +282,86 @@ def test_medusa_over_a_quantized_lm_head(peaked_tiny_model, tmp_path, quantizati
     assert stats.num_spec_steps > 0
 
 
+def _draft_engine(path) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=16 << 20, enable_prefix_cache=False),
+            speculative=SpecConfig(method="draft", num_speculative_tokens=3, draft_layers=1),
+        )
+    )
+
+
+_FAULT_PROMPTS = [
+    [1000, 2000, 3000, 1000, 2000],
+    [2000, 3000, 1000, 2000, 3000],
+    [3000, 1000, 2000, 3000, 1000],
+]
+
+
+def _constrained(eng: Engine):
+    spec = ConstraintSpec.regex("[a-c]{4,60}")
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = eng.generate([(p, params, spec) for p in _FAULT_PROMPTS])
+    return outs
+
+
+def test_a_draft_model_fault_fails_that_request_alone(peaked_tiny_model):
+    """A draft model drafts the batch together; one request's drafting raising (its matcher, its
+    sampling) fails that request alone, and the others finish exactly as without the fault."""
+    path, _ = peaked_tiny_model
+    clean_eng = _draft_engine(path)
+    clean = _constrained(clean_eng)
+    clean_eng.grammar.shutdown()
+    eng = _draft_engine(path)
+    draft_token, calls = eng.speculator.draft._draft_token, []
+
+    def draft_or_raise(st, *a, **kw):
+        if st["r"].prompt_ids == _FAULT_PROMPTS[1]:
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("injected matcher fault")
+        return draft_token(st, *a, **kw)
+
+    eng.speculator.draft._draft_token = draft_or_raise
+    faulty = _constrained(eng)
+    assert faulty[1].finish_reason == "error" and "speculative drafting" in faulty[1].error.message
+    for i in (0, 2):
+        assert faulty[i].error is None and faulty[i].token_ids == clean[i].token_ids
+    assert eng.stats.num_spec_steps > 0
+    assert not eng.has_work() and eng.runner.kv.num_free == eng.runner.kv.num_slots
+    assert eng.speculator.draft.kv.num_free == eng.speculator.draft.kv.num_slots
+    eng.grammar.shutdown()
+
+
+def test_a_failing_draft_forward_leaves_the_step_without_drafts(peaked_tiny_model, monkeypatch):
+    """The draft model's forward raising ends drafting for that step (matchers rolled back); every
+    request still finishes with the tokens it has without the fault."""
+    from agentrt.runtime import speculation
+
+    path, _ = peaked_tiny_model
+    clean_eng = _draft_engine(path)
+    clean = _constrained(clean_eng)
+    clean_eng.grammar.shutdown()
+    real, calls = speculation.run_chunks, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) % 4 == 3:
+            raise RuntimeError("injected draft forward fault")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(speculation, "run_chunks", flaky)
+    eng = _draft_engine(path)
+    outs = _constrained(eng)
+    assert len(calls) >= 3
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.token_ids for o in outs] == [o.token_ids for o in clean]
+    assert not eng.has_work() and eng.runner.kv.num_free == eng.runner.kv.num_slots
+    assert eng.speculator.draft.kv.num_free == eng.speculator.draft.kv.num_slots
+    eng.grammar.shutdown()
+
+
 # ---- configuration, CLI, API field, training ------------------------------------------------------
 
 
