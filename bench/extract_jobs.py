@@ -67,7 +67,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (job and serve)")
     ap.add_argument("--llama-server", help="a llama.cpp llama-server binary (same GGUF)")
-    ap.add_argument("--modes", nargs="+", default=["in-process", "server", "llama-server"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["in-process", "server", "llama-server"],
+        help="in-process, server, llama-server, or in-process:FLAGS (an in-process job with extra engine "
+        "flags, e.g. in-process:--quantization=int8,--quantize-lm-head)",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="extract-jobs-"))
@@ -80,9 +86,10 @@ def main() -> None:
     engine = ["--device", "cpu", "--max-num-seqs", str(args.max_in_flight), *args.engine_arg]
     rows = []
     for mode in args.modes:
-        out = tmp / f"{mode}.jsonl"
-        if mode == "in-process":
-            d = run_job([args.model, *job, *engine], out)
+        out = tmp / f"{mode.replace('/', '_')}.jsonl"
+        if mode.startswith("in-process"):
+            extra = [f for f in mode.partition(":")[2].split(",") if f]
+            d = run_job([args.model, *job, *engine, *extra], out)
             d["server_rss_mb"] = None
         elif mode in ("server", "llama-server"):
             if mode == "server":
@@ -107,6 +114,11 @@ def main() -> None:
                 d["server_rss_mb"] = peak_rss_mb(server.proc.pid)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
+        d["outputs"] = {
+            (row := json.loads(line))["id"]: row["output"]
+            for line in out.read_text().splitlines()
+            if line.strip()
+        }
         rows.append((mode, d))
         print(f"{mode}: done in {d['total_s']:.1f} s", flush=True)
 
@@ -116,9 +128,10 @@ def main() -> None:
     )
     print(
         "| mode | docs/s | valid | valid docs/s | field acc | completion tok/s | prefix-cache hits "
-        "| model process peak RSS MiB | job client peak RSS MiB | job wall s |"
+        "| model process peak RSS MiB | job client peak RSS MiB | job wall s | outputs identical to the first row |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    first = rows[0][1]["outputs"] if rows else {}
     for mode, d in rows:
         acc = (d.get("field_accuracy") or {}).get("overall")
         hits = d.get("prefix_cache_hit_share")
@@ -127,7 +140,8 @@ def main() -> None:
         print(
             f"| {mode} | {d['docs_per_s']:.3f} | {d['valid']}/{d['rows']} | {d['valid_docs_per_s']:.3f} | "
             f"{(f'{acc:.1%}' if acc is not None else 'n/a')} | {d['completion_tokens_per_s']:.1f} | "
-            f"{(f'{hits:.1%}' if hits is not None else 'n/a')} | {model_rss:.0f} | {client_rss} | {d['wall_s']:.1f} |"
+            f"{(f'{hits:.1%}' if hits is not None else 'n/a')} | {model_rss:.0f} | {client_rss} | {d['wall_s']:.1f} | "
+            f"{sum(first.get(k) == v for k, v in d['outputs'].items())}/{len(d['outputs'])} |"
         )
 
 
