@@ -10,7 +10,7 @@ JSONSchemaBench schema's first valid instance. Part 2 (default model): decode to
 and the share of output tokens forced by jump-forward. Part 3 (model-free): cost of the
 finite-output check (grammars/finite.py) on each JSONSchemaBench schema's EBNF.
 
-    python bench/constraint.py [--part 1|2|3|all] [--docs 16]
+    python bench/constraint.py [--part 1|2|3|all] [--docs 16] [--compile-timeout 30]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _splits():
     return [("JSONSchemaBench sample", bench), ("JSON-Schema-Test-Suite groups", suite)]
 
 
-def part1(tokenizer):
+def part1(tokenizer, compile_timeout_s: float = 30.0):
     import xgrammar as xgr
 
     from agentrt.grammars.conformance import Counts, check_schema
@@ -91,7 +91,8 @@ def part1(tokenizer):
     from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
     from agentrt.grammars.xgrammar_backend import GrammarBackend
 
-    backend = GrammarBackend(tokenizer, 49152, (2,), GrammarConfig(compile_threads=1, cache_size=4))
+    config = GrammarConfig(compile_threads=1, cache_size=4, compile_timeout_s=compile_timeout_s)
+    backend = GrammarBackend(tokenizer, 49152, (2,), config)
     raw = xgr.GrammarCompiler(backend.info, max_threads=1, cache_enabled=False)
     llg = _llguidance(tokenizer)
     print(
@@ -288,6 +289,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
     ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=30.0,
+        help="part 1: seconds a compile may take before it counts as refused (the server's default: 30)",
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -296,7 +303,7 @@ def main():
 
     model_dir = str(resolve_model_dir("smollm2-135m-instruct", default_cache_dir()))
     if args.part in ("1", "all"):
-        part1(AutoTokenizer.from_pretrained(model_dir))
+        part1(AutoTokenizer.from_pretrained(model_dir), args.compile_timeout)
     if args.part in ("2", "all"):
         part2(model_dir, args.docs)
     if args.part in ("3", "all"):

@@ -21,9 +21,11 @@ The pass walks the schema once (`normalize_schema`). Each keyword is
   forms (`exclusiveMinimum: true`, `items: [...]`/`additionalItems`, `definitions`) mapped to 2020-12;
   `propertyNames`/`minProperties`/`maxProperties` dropped when the schema already implies them;
   `dependentRequired`/`dependentSchemas` as one anyOf branch per choice of present trigger names;
-  `not` as its positive complement (negation.py: type, required, properties, scalar enum/const,
-  bounds, pattern, anyOf/allOf/not of those); a `pattern` beside a format that has a pattern (or
-  email) as one product automaton;
+  `not` as its positive complement (negation.py: type, required, properties, items, contains, scalar
+  enum/const, bounds, pattern, anyOf/allOf/not of those); a `pattern` beside a format that has a
+  pattern (or email) as one product automaton; `if`/`then`/`else` as alternatives
+  (conditionals.py); `contains` with the items schema merged in; under drafts 4 to 7, keywords
+  beside `$ref` dropped (those drafts ignore them);
 - an annotation (`title`, `description`, `default`, `examples`, unknown keywords, formats no
   validator asserts such as `int64`): ignored, as the spec says;
 - unsupported: `UnsupportedSchemaError` naming the keyword and its JSON pointer, unless
@@ -34,32 +36,41 @@ Output subset (all enforced exactly, checked by the test suite): every subschema
 (a `false` one: forbidden), `required`, `additionalProperties`, `patternProperties`,
 `propertyNames` (a string pattern, length range or enum), `minProperties` (at most 1 on an object
 that admits other keys) and `maxProperties`; arrays with `prefixItems`/`items`/`minItems`/
-`maxItems`; strings with `minLength`/`maxLength`, `pattern` (with or without a length range) or
-`format`; numbers with bounds. xgrammar's converter enforces most of it; objects it gets wrong
-(patterns, names, forbidden keys, counts on open objects) and patterns with a length range get
-grammars of our own (nodes.py over automata.py), spliced into its output.
+`maxItems`, `uniqueItems` (items of a few scalars) or `contains`/`minContains` (the items schema
+merged in); strings with `minLength`/`maxLength`, `pattern` (with or without a length range) or
+`format`; numbers with bounds and `multipleOf`. xgrammar's converter enforces most of it; objects
+it gets wrong (patterns, names, forbidden keys, counts on open objects), patterns with a length
+range, `format: regex`, multiples, unique items and `contains` get grammars of our own (nodes.py
+over automata.py and decimals.py), spliced into its output.
 
 Per keyword (docs: README "Constraints"):
 - enforced: type, enum, const, properties, required, additionalProperties, patternProperties
   (overlapping patterns need equal schemas), propertyNames (string pattern / length / enum),
   dependentRequired and dependentSchemas (at most 4 trigger names: 2^4 anyOf branches), allOf,
   anyOf, $ref (local), prefixItems, items, minItems, maxItems, minLength, maxLength, pattern,
-  minimum/maximum (and exclusive), multipleOf 1, unevaluatedProperties without in-place
-  applicators, format (date, time, date-time, ipv4, hostname, email, uri, uuid, ...);
+  minimum/maximum (and exclusive), unevaluatedProperties without in-place applicators, format
+  (date, time, date-time, ipv4, hostname, email, uri, uuid, ...);
 - enforced with limits: oneOf (branches provably exclusive, decided by whole types, or rewritten
-  with the complements of overlapping branches, at most 64 alternatives per branch), not (of the
-  forms negation.py complements),
+  with the complements of overlapping branches, at most 64 alternatives per branch; closed-object
+  branches complemented within their names), not (of the forms negation.py complements),
+  multipleOf (exact decimal residue automaton, decimals.py: at most 4000 states, no exponents),
+  uniqueItems (items of at most 1024 sets of scalar values), contains/minContains (counting
+  grammar of at most 256 rules, not beside prefixItems), if/then/else (an `if` with a complement,
+  at most 3 together, or any number testing one property's value), format regex (a subset ECMA-262
+  and Python both compile: narrower),
   minProperties (> 1 only on closed objects), maxProperties (a repeated key counts twice: stricter),
   pattern + length (product automaton of at most 4000 states), strings under maxLength take no
   escapes, keys matched by patterns or names use no escapes, quote, backslash or control
   characters (stricter), objects of our own grammar are refused with `indent` set;
-- refused: uniqueItems (over more than one item), contains/minContains/maxContains, if/then/else,
-  not of other schemas (items, additionalProperties, format, integers alone), multipleOf other than 1, unevaluatedItems, unevaluatedProperties beside
-  applicators, remote/anchor $ref, $dynamicRef, custom metaschemas ($schema), lookaround and
-  backreferences in patterns, case-insensitive key patterns.
+- refused: uniqueItems over strings, numbers or objects in general, maxContains below the length
+  bound, if without a complement, not of other schemas (additionalProperties, patternProperties,
+  format, uniqueItems, integers alone), multipleOf past its automaton bound, unevaluatedItems,
+  unevaluatedProperties beside applicators, remote/anchor $ref, $dynamicRef, custom metaschemas
+  ($schema), lookaround and backreferences in patterns, case-insensitive key patterns.
 
 Modules: normalizer.py (the walk and its state), refs.py ($ref, allOf merging), combinators.py
-(enum/const, anyOf/oneOf), negation.py (complements for not/oneOf), strings.py (lengths, pattern, formats), numbers.py, arrays.py,
+(enum/const, anyOf/oneOf), negation.py (complements for not/oneOf), conditionals.py (if/then/else),
+strings.py (lengths, pattern, formats), numbers.py, decimals.py (multipleOf automaton), arrays.py,
 objects.py, automata.py (regex -> DFA, products, complements), nodes.py (our EBNF for objects and
 strings xgrammar does not enforce exactly), keywords.py (vocabulary), values.py (JSON equality),
 errors.py (errors, JSON Pointers), canonical.py (the grammar's canonical text of a value). Regex

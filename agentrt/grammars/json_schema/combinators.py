@@ -7,7 +7,8 @@
 - `oneOf`: enforced as `anyOf` when its live branches are provably pairwise exclusive (disjoint
   types, disjoint enums, or a required property whose schemas are disjoint / that the other
   branch's closed object forbids); else, when the overlapping branches have complements
-  (negation.py), as the anyOf of "branch i and not each branch j that may overlap it" (at most
+  (negation.py; within a closed-object branch i, the complement of branch j relative to i's names:
+  `negation_within`), as the anyOf of "branch i and not each branch j that may overlap it" (at most
   MAX_ONE_OF_TERMS alternatives per term); otherwise refused: exactly-one has no grammar.
 """
 
@@ -104,14 +105,15 @@ def _exactly_one_by_negation(n: Normalizer, raw: list, base: dict, branches: lis
                 continue
             if j not in negs:
                 negs[j] = n.negated(raw[j], ptr(pointer, "oneOf", j))
-            if negs[j] is None:
+            neg = negs[j] if negs[j] is not None else negation_within(n, branches[i], branches[j])
+            if neg is None:
                 return None
-            if negs[j] is False:
-                parts = None  # branch j matches everything: branch i never matches alone
+            if neg is False:
+                parts = None  # branch j matches all of branch i: branch i never matches alone
                 break
-            if negs[j] is not True:
-                size *= len(negs[j]["anyOf"]) if set(negs[j]) == {"anyOf"} else 1
-                parts.append(negs[j])
+            if neg is not True:
+                size *= len(neg["anyOf"]) if set(neg) == {"anyOf"} else 1
+                parts.append(neg)
         if parts is None:
             continue
         if size > MAX_ONE_OF_TERMS:
@@ -125,6 +127,45 @@ def _exactly_one_by_negation(n: Normalizer, raw: list, base: dict, branches: lis
         if nb is not UNSAT:
             out.append(nb)
     return out or [UNSAT]
+
+
+def negation_within(n: Normalizer, a, b):
+    """The instances of normalized schema `a` that fail normalized schema `b`, as a raw schema to
+    merge with `a` (False: none), when `a` is a closed object (additionalProperties false, no
+    patterns): within its names, `b` fails by a missing required name, a present name `b` closes
+    out, or a shared name whose value fails `b`'s (negation.py). None when `b` has other object
+    keywords, `a` is not closed, or a value has no complement."""
+    from agentrt.grammars.json_schema.negation import negation
+
+    a, b = _deref(n, a), _deref(n, b)
+    if not (isinstance(a, dict) and isinstance(b, dict)) or a.get("type") != "object":
+        return None
+    if a.get("additionalProperties") is not False or a.get("patternProperties"):
+        return None
+    if b.get("type") != "object" or not set(b) <= {"type", "properties", "required", "additionalProperties"}:
+        return None
+    b_closed = b.get("additionalProperties") is False
+    if not (b_closed or b.get("additionalProperties", {}) == {}):
+        return None
+    names_a = [k for k, v in a.get("properties", {}).items() if v is not False]
+    pb = b.get("properties", {})
+    alts = [{"type": "object", "properties": {r: False}} for r in b.get("required", [])]
+    pa = a.get("properties", {})
+    for k in names_a:
+        if k not in pb:
+            if b_closed:
+                alts.append({"type": "object", "required": [k]})
+            continue
+        if json_equal(pa[k], pb[k]):  # a's value there always passes b's
+            continue
+        neg = negation(pb[k])
+        if neg is None:
+            return None
+        if neg is not False:
+            alts.append({"type": "object", "required": [k], "properties": {k: neg}})
+    if not alts:
+        return False
+    return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
 _ALL_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")

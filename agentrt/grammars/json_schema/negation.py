@@ -15,6 +15,8 @@ value of that keyword's type that fails it":
   strings that do not match the listed words (a string `not` pattern, enforced by nodes.py);
 - `minLength`/`maxLength`, `minimum`/`maximum` (and exclusive), `minItems`/`maxItems`,
   `minProperties`/`maxProperties`: the values past the bound;
+- `items` S: an array containing an item in `not S`; `contains` C: an array whose items are all in
+  `not C` (with no `minContains`/`maxContains` beside it);
 - `pattern`: the strings it does not match (`{"type": "string", "not": {"pattern": p}}`, kept for
   strings.py and nodes.py);
 - `anyOf`: the allOf of the complements; `allOf`: their anyOf; `not`: the inner schema;
@@ -45,7 +47,19 @@ _BOUNDS = {
     "exclusiveMaximum": ("number", "minimum", 0),
 }
 _ANNOTATION_OK = frozenset(
-    {"type", "required", "properties", "enum", "const", "pattern", "anyOf", "allOf", "not"}
+    {
+        "type",
+        "required",
+        "properties",
+        "enum",
+        "const",
+        "pattern",
+        "anyOf",
+        "allOf",
+        "not",
+        "items",
+        "contains",
+    }
 )
 MAX_NEGATION_DEPTH = 8
 
@@ -118,6 +132,17 @@ def _keyword_negation(kw: str, v, allowed: set, depth: int):
             if neg is not False:
                 out.append({"type": "object", "required": [k], "properties": {k: neg}})
         return out
+    if kw in ("items", "contains"):  # some item fails `items` / no item matches `contains`
+        if isinstance(v, list):
+            return None  # draft-04 tuple items (upgraded to prefixItems before a negation)
+        if not _typed("array", allowed):
+            return []
+        neg = negation(v, depth + 1)
+        if neg is None:
+            return None
+        if kw == "items":
+            return [] if neg is False else [{"type": "array", "contains": neg}]
+        return [{"type": "array", "items": neg}] if neg is not True else [{"type": "array"}]
     if kw == "pattern":
         if not isinstance(v, str):
             return None

@@ -1,7 +1,7 @@
 """EBNF of our own for the subschemas xgrammar's converter does not enforce exactly, spliced into
 its grammar: objects with `patternProperties`, `propertyNames`, forbidden properties (`"k": false`)
 or property counts on an open object, and strings whose `pattern` comes with a length range or
-that carry a `not` of patterns.
+that carry a `not` of patterns, and numbers with `multipleOf` (decimals.py's residue automaton).
 
 Measured (xgrammar 0.2.9): its converter gives every additional key the `additionalProperties`
 schema even when the key matches a `patternProperties` pattern, ignores `propertyNames`, and drops
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from agentrt.errors import ConstraintError
 from agentrt.grammars.json_schema.automata import DFA, alphabet, build, dfa_ebnf, minimize
-from agentrt.grammars.regex import ebnf_chars, esc_char
+from agentrt.grammars.json_schema.decimals import number_dfa
+from agentrt.grammars.regex import _merge, ebnf_chars, esc_char
 
 _MARKER = "AGENTRTNODE{}X"
 _CASE0 = re.compile(r'^(\w+)_case_0 ::= \(\("\\"AGENTRTNODE(\d+)X\\""\)\)$', re.MULTILINE)
@@ -49,8 +50,15 @@ def needs_node(s: dict) -> bool:
             or any(v is False for v in s.get("properties", {}).values())
             or (open_ and ("minProperties" in s or "maxProperties" in s))
         )
+    if t in ("number", "integer"):
+        return "multipleOf" in s
+    if t == "array":
+        return s.get("uniqueItems") is True or "contains" in s
     return t == "string" and (
-        "not" in s or "allOf" in s or ("pattern" in s and ("minLength" in s or "maxLength" in s))
+        s.get("format") == "regex"
+        or "not" in s
+        or "allOf" in s
+        or ("pattern" in s and ("minLength" in s or "maxLength" in s))
     )
 
 
@@ -94,7 +102,7 @@ def key_components(pn) -> list[tuple[str, object]]:
 
 @dataclass
 class _Node:
-    kind: str  # "object" | "string"
+    kind: str  # "object" | "array" | "string" | "number" | "integer"
     schema: dict  # the normalized subschema (values replaced by their indices)
     num_values: int
 
@@ -113,14 +121,15 @@ def take_nodes(schema, ws: dict):
         for k, v in s.items():
             if k in ("properties", "patternProperties", "$defs"):
                 out[k] = {name: walk(sub) for name, sub in v.items()}
-            elif k in ("additionalProperties", "items", "prefixItems", "anyOf", "propertyNames"):
+            elif k in ("additionalProperties", "items", "prefixItems", "anyOf", "propertyNames", "contains"):
                 out[k] = walk(v)
             else:
                 out[k] = v
         if not needs_node(out):
             return out
         if ws.get("indent") is not None:
-            kw = "patternProperties" if out["type"] == "object" else "pattern"
+            kw = {"object": "patternProperties", "array": "uniqueItems"}.get(out["type"], "pattern")
+            kw = "multipleOf" if "multipleOf" in out else "format" if out.get("format") else kw
             raise ConstraintError(
                 f"JSON Schema keyword '{kw}' with an object layout of its own cannot be enforced "
                 "with an indented layout (indent)",
@@ -158,6 +167,9 @@ def take_nodes(schema, ws: dict):
                 "additionalProperties": ap_i,
                 "trivial": trivial,
             }
+        elif out["type"] == "array" and "contains" in out:
+            values = [out.get("items", {}), out["contains"]]
+            layout = out
         else:
             layout = out
         nodes.append(_Node(out["type"], layout, len(values)))
@@ -223,16 +235,135 @@ def _lit(text: str) -> str:
 def _node_ebnf(node: _Node, values: list[str], name: str, ws: dict) -> tuple[str, list[str]]:
     if node.kind == "string":
         return _string_ebnf(node.schema, name)
+    if node.kind in ("number", "integer"):
+        return _number_ebnf(node.schema, name)
+    if node.kind == "array" and "contains" in node.schema:
+        return _contains_ebnf(node.schema, values, name, ws)
+    if node.kind == "array":
+        return _unique_ebnf(node.schema, name, ws)
     return _object_ebnf(node.schema, values, name, ws)
 
 
 def _string_ebnf(s: dict, name: str) -> tuple[str, list[str]]:
+    if s.get("format") == "regex":
+        return _regex_format_ebnf(name)
     dfa, ok = string_automaton(s)
     dfa, outs = minimize(dfa, lambda lab: '"\\""' if ok(lab) else None)
     lines, live = dfa_ebnf(dfa, outs, name)
     if not live:
         raise ConstraintError("no string satisfies the pattern, length range and negated patterns")
     return f'("\\"" {name}_0)', lines
+
+
+REGEX_FORMAT_DEPTH = 8
+
+
+def regex_format_text(depth: int = REGEX_FORMAT_DEPTH) -> str:
+    r"""A regex (Python syntax) for the JSON text, between the quotes, of the `format: regex`
+    strings we produce: a subset of the regexes both ECMA-262 (the spec's dialect) and Python's
+    `re` (what `jsonschema` checks) compile. Literals other than the syntax characters, `.`, the
+    escapes \d \w \s (and negations), \n \t \r \f \v and escaped syntax characters, classes of such
+    characters and the ranges a-z, A-Z, 0-9, groups `(...)` and `(?:...)` nested at most `depth`
+    deep, `|`, the anchors ^ and $ (never quantified), and the quantifiers * + ? {n} {n,} (n of
+    at most 3 digits), each optionally lazy. In the text a regex backslash is an escaped one (two
+    backslashes). Narrower than the format (no lookaround, backreferences, flags, other ranges,
+    deeper nesting ...), and regular, so it is a DFA (fast masks)."""
+    bs = r"\\\\"
+    esc = bs + r"(?:[dDwWsSntrfv.*+?()\[\]{}|^$/]|" + bs + ")"
+    lit = r'[^\x00-\x1f"\\^$.|?*+()\[\]{}]'
+    cls = r'\[\^?(?:[^\x00-\x1f"\\^\[\]\-&~|]|' + esc + r"|a-z|A-Z|0-9)+\]"
+    quant = r"(?:[*+?]|\{[0-9]{1,3},?\})\??"
+    body = ""
+    for _ in range(depth + 1):
+        group = r"|\((?:\?:)?" + body + r"\)" if body else ""
+        atom = f"(?:{lit}|\\.|{esc}|{cls}{group})"
+        body = f"(?:{atom}(?:{quant})?|\\^|\\$|\\|)*"
+    return body
+
+
+def _regex_format_ebnf(name: str) -> tuple[str, list[str]]:
+    """`format: regex`: the DFA of `regex_format_text` over the JSON text (backslash included)."""
+    sigma = tuple(_merge([*alphabet(()), (0x5C, 0x5C)]))
+    dfa = build([("regex", regex_format_text())], sigma)
+    dfa, outs = minimize(dfa, lambda lab: '"\\""' if lab else None)
+    lines, _live = dfa_ebnf(dfa, outs, name)
+    return f'("\\"" {name}_0)', lines
+
+
+def _array_layout(ws: dict) -> tuple[str, str, str]:
+    if ws.get("any_whitespace"):
+        gap = f"[ \\n\\t]{{0,{int(ws.get('max_whitespace_cnt', 2))}}}"
+        return f'"[" {gap}', f'{gap} "]"', f'{gap} "," {gap}'
+    return '"["', '"]"', '", "'
+
+
+def _contains_ebnf(s: dict, values: list[str], name: str, ws: dict) -> tuple[str, list[str]]:
+    """An array whose items match values[0] (the items schema) with at least `minContains` (1)
+    of them matching values[1] (items and `contains` merged): rule `{name}_{t}_{c}` continues after
+    t items (capped where the bounds stop telling counts apart) of which c (capped at k) matched.
+    An item matching both may count or not: the grammar is ambiguous, its language exact."""
+    item, hit = values
+    k = s.get("minContains", 1)
+    lo, hi = s.get("minItems", 0), s.get("maxItems")
+    cap = hi if hi is not None else max(lo, k)
+    open_, close, sep = _array_layout(ws)
+
+    def productive(t: int, c: int) -> bool:  # enough room left for the matches still missing
+        return hi is None or k - c <= hi - t
+
+    rules = []
+    for t in range(cap + 1):
+        for c in range(min(t, k) + 1):
+            if not productive(t, c):
+                continue
+            alts = ['""'] if t >= lo and c >= k else []
+            if hi is None or t < hi:
+                lead = "" if t == 0 else f"{sep} "
+                t2 = min(t + 1, cap)
+                if productive(t2, c):
+                    alts.append(f"({lead}{item} {name}_{t2}_{c})")
+                alts.append(f"({lead}{hit} {name}_{t2}_{min(c + 1, k)})")
+            rules.append(f"{name}_{t}_{c} ::= " + " | ".join(alts))
+    return f"({open_} {name}_0_0 {close})", rules
+
+
+def _unique_ebnf(s: dict, name: str, ws: dict) -> tuple[str, list[str]]:
+    """An array of distinct items drawn from a few scalars (arrays.unique_values): rule
+    `{name}_{mask}` continues an array whose values so far are the bits of `mask`, so no value
+    repeats; `minItems`/`maxItems` are the set sizes that may close or grow."""
+    from agentrt.grammars.json_schema.arrays import unique_values
+
+    values = [_lit(json.dumps(v, ensure_ascii=False)) for v in unique_values(s)]
+    lo, hi = s.get("minItems", 0), min(s.get("maxItems", len(values)), len(values))
+    open_, close, sep = _array_layout(ws)
+    rules, todo, seen = [], [0], {0}
+    while todo:
+        mask = todo.pop()
+        size = mask.bit_count()
+        alts = ['""'] if size >= lo else []
+        if size < hi:
+            lead = "" if mask == 0 else f"{sep} "
+            for i, v in enumerate(values):
+                if not mask >> i & 1:
+                    nxt = mask | 1 << i
+                    alts.append(f"({lead}{v} {name}_{nxt})")
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+        rules.append(f"{name}_{mask} ::= " + " | ".join(alts))
+    return f"({open_} {name}_0 {close})", rules
+
+
+def _number_ebnf(s: dict, name: str) -> tuple[str, list[str]]:
+    """A number with `multipleOf` and bounds: decimals.py's residue automaton, minimized."""
+    from agentrt.grammars.json_schema.numbers import _bounds
+
+    dfa = number_dfa(s["multipleOf"], **_bounds(s), integer=s["type"] == "integer")
+    dfa, outs = minimize(dfa, lambda lab: '""' if lab else None)
+    lines, live = dfa_ebnf(dfa, outs, name)
+    if not live:
+        raise ConstraintError("no number satisfies multipleOf and the bounds", keyword="multipleOf")
+    return f"{name}_0", lines
 
 
 def _object_ebnf(s: dict, values: list[str], name: str, ws: dict) -> tuple[str, list[str]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from agentrt.grammars.json_schema.arrays import norm_array
 from agentrt.grammars.json_schema.combinators import norm_alternatives, norm_enum
+from agentrt.grammars.json_schema.conditionals import conditionals_schema, take_conditional
 from agentrt.grammars.json_schema.errors import UnsatisfiableSchemaError, UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import COUNT_KW, INT32_MAX, KNOWN, NUMBER_KW, TYPES, UNSAT
 from agentrt.grammars.json_schema.negation import is_not_pattern, negation
@@ -73,6 +74,13 @@ class Normalizer:
         )
         # formats are assertions here, whatever the draft (draft-04's checker lacks `date`, ...)
         self.validator = cls(root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        # drafts 3 to 7 ignore every keyword beside `$ref` (draft-07 core §8.3); 2019-09 on apply them
+        self.ref_alone = cls in (
+            jsonschema.Draft3Validator,
+            jsonschema.Draft4Validator,
+            jsonschema.Draft6Validator,
+            jsonschema.Draft7Validator,
+        )
         self.defs: dict[str, Any] = {}  # output $defs by name ("d0", ...)
         self.def_names: dict[str, str] = {}  # input fragment -> output $defs name
         self.in_progress: set[str] = set()  # fragments being normalized (recursion)
@@ -166,6 +174,19 @@ class Normalizer:
             self.rewrite("not", ptr(pointer, "not"))
             rest = {k: v for k, v in s.items() if k != "not"}
             return self.norm({"allOf": [rest, neg]} if neg is not True else rest, pointer)
+        if "if" in s and ("then" in s or "else" in s):
+            cond = None
+            try:
+                if "unevaluatedProperties" in s or "unevaluatedItems" in s:
+                    raise UnsupportedSchemaError(
+                        "if", ptr(pointer, "if"), "not supported beside unevaluated*"
+                    )
+                cond = conditionals_schema(self, [take_conditional(s, pointer)])
+            except UnsupportedSchemaError as e:
+                self.unsupported(e.keyword, e.pointer, e.reason)  # best-effort: dropped
+            else:
+                self.rewrite("if", ptr(pointer, "if"))
+                return UNSAT if cond is False else self.norm({"allOf": [s, cond]}, pointer)
         self._drop_conditionals(s, pointer)
         if "anyOf" in s or "oneOf" in s:
             return norm_alternatives(self, s, pointer)
@@ -210,22 +231,25 @@ class Normalizer:
         return s
 
     def _drop_conditionals(self, s: dict, pointer: str) -> None:
-        """`not` (other than `negation`'s forms) and `if`/`then`/`else` have no grammar: refused
-        (best-effort: dropped). A lone
-        `if` asserts nothing and is dropped silently, as are `then`/`else` without `if`."""
+        """`not` (other than `negation`'s forms) has no grammar: refused (best-effort: dropped).
+        What is left of `if`/`then`/`else` after `_norm`'s rewrite (conditionals.py) is dropped: a
+        lone `if` asserts nothing, nor do `then`/`else` without `if`, and a refused conditional
+        was reported there."""
         if "not" in s and not is_not_pattern(s["not"]):
             self.unsupported("not", ptr(pointer, "not"), "negation cannot be expressed as a grammar")
             s.pop("not")
-        if "if" in s:
-            if "then" in s or "else" in s or "unevaluatedProperties" in s or "unevaluatedItems" in s:
-                self.unsupported("if", ptr(pointer, "if"), "conditional subschemas are not supported")
-            s.pop("if")
-        s.pop("then", None)
-        s.pop("else", None)
+        lone = "if" in s and "then" not in s and "else" not in s
+        if lone and ("unevaluatedProperties" in s or "unevaluatedItems" in s):  # its annotations count
+            self.unsupported("if", ptr(pointer, "if"), "'if' beside unevaluated* is not supported")
+        for k in ("if", "then", "else"):  # a lone `if` asserts nothing; refusals were made in _norm
+            s.pop(k, None)
 
-    @staticmethod
-    def upgrade(s: dict, pointer: str) -> dict:
-        """Draft-04/06/07 spellings -> 2020-12 (in place; returns `s`)."""
+    def upgrade(self, s: dict, pointer: str) -> dict:
+        """Draft-04/06/07 spellings -> 2020-12 (in place; returns `s`). Under drafts 3 to 7 the
+        keywords beside a `$ref` are dropped: those drafts ignore them."""
+        if self.ref_alone and "$ref" in s:
+            for k in [k for k in s if k in KNOWN and k != "$ref"]:
+                del s[k]
         for ex, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
             if isinstance(s.get(ex), bool):
                 if s[ex] and bound in s:

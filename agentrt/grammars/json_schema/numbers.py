@@ -3,7 +3,9 @@
 Integer bounds are rounded inward and clamped to 64 bits (the backend's range); a range wholly
 outside 64 bits is refused. Number bounds with more than 6 decimals, or a range narrower than
 1e-6, are refused (measured: the backend's decimal range grammar loses them). `multipleOf` 1
-makes a number an integer; other multiples are refused.
+makes a number an integer; other divisors with a finite decimal expansion stay beside the bounds
+and nodes.py prints the number's residue automaton (decimals.py: exact decimal arithmetic, as the
+spec says), refused past that automaton's bound.
 """
 
 from __future__ import annotations
@@ -35,8 +37,35 @@ def norm_number(n: Normalizer, s: dict, pointer: str, integer: bool = False):
             return out
         n.rewrite("multipleOf", ptr(pointer, "multipleOf"))
         return norm_number(n, {**s, "multipleOf": 1}, pointer, integer=True)
-    n.unsupported("multipleOf", ptr(pointer, "multipleOf"), "multiples other than 1 are not supported")
-    return out
+    return _multiple_of(n, out, m, pointer, integer)
+
+
+def _multiple_of(n: Normalizer, out: dict, m, pointer: str, integer: bool):
+    """`multipleOf` m (not 1) beside the bounds in `out`: kept for nodes.py, which prints the
+    residue automaton of decimals.py; refused past its bound, UNSAT when no number is left."""
+    from agentrt.grammars.json_schema.automata import AutomatonError, live_states
+    from agentrt.grammars.json_schema.decimals import number_dfa
+
+    kept = {**out, "multipleOf": int(m) if is_int(m) else m}
+    try:
+        dfa = number_dfa(m, **_bounds(kept), integer=integer)
+    except AutomatonError as e:
+        n.unsupported("multipleOf", ptr(pointer, "multipleOf"), str(e))
+        return out
+    if not live_states(dfa, [bool(lab) for lab in dfa.labels])[0]:
+        return UNSAT
+    return kept
+
+
+def _bounds(s: dict) -> dict:
+    """number_dfa's bound arguments from a normalized number schema."""
+    names = {
+        "minimum": "minimum",
+        "maximum": "maximum",
+        "exclusiveMinimum": "exclusive_minimum",
+        "exclusiveMaximum": "exclusive_maximum",
+    }
+    return {arg: s[k] for k, arg in names.items() if k in s}
 
 
 def _integer_bounds(n: Normalizer, s: dict, pointer: str):

@@ -3,9 +3,10 @@
 
 Merging follows the meaning of each keyword (JSON Schema 2020-12 validation §6): bounds take the
 tighter value, `required` the union, `type` the intersection (integer within number), `enum` the
-common values, subschema-valued keywords nest as `allOf`; a property named on one side is checked
+common values, `multipleOf` the least common multiple, subschema-valued keywords nest as `allOf`; a property named on one side is checked
 against the other side's `additionalProperties`, and likewise a `prefixItems` position against the
-other side's `items`. What cannot be merged raises UnsupportedSchemaError naming `allOf` (or the
+other side's `items`; `patternProperties` beside a closed object (`additionalProperties: false`, no
+patterns) apply to its named properties only and fold into them. What cannot be merged raises UnsupportedSchemaError naming `allOf` (or the
 keyword) and its pointer.
 """
 
@@ -15,6 +16,7 @@ import re
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
+from agentrt.grammars.json_schema.conditionals import conditionals_schema, take_conditional
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import KNOWN, UNSAT
 from agentrt.grammars.json_schema.values import json_equal
@@ -115,13 +117,24 @@ def inline(n: Normalizer, s, pointer: str, depth: int = 0):
     if isinstance(s, dict) and "allOf" in s:
         parts = s.pop("allOf")
         acc = s
+        # conditionals of the parts are rewritten together (conditionals.py), then merged in
+        conds = [c] if (c := take_conditional(acc, pointer)) else []
         for i, part in enumerate(parts):
             part = inline(n, part, ptr(pointer, "allOf", i), depth + 1)
             if part is False:
                 return False
+            if isinstance(part, dict) and (c := take_conditional(part, ptr(pointer, "allOf", i))):
+                conds.append(c)
             acc = merge(acc, part, ptr(pointer, "allOf", i))
             if acc is False:
                 return False
+        if conds:
+            try:
+                cond = conditionals_schema(n, conds)
+            except UnsupportedSchemaError as e:
+                n.unsupported(e.keyword, e.pointer, e.reason)  # raises unless best-effort: dropped
+                return acc
+            return False if cond is False else merge(acc, cond, pointer)
         return acc
     return s
 
@@ -138,6 +151,15 @@ def merge(a: dict, b: dict, pointer: str):
         b.pop("prefixItems", None)
     if "properties" in a or "properties" in b:
         out["properties"] = _merged_properties(a, b)
+    for x, y in ((a, b), (b, a)):
+        if x.get("patternProperties") and _closed(y):
+            # y admits only the names it lists: x's patterns apply to those names alone, so their
+            # schemas fold into the named properties and the patterns themselves drop
+            for k in y.get("properties", {}):
+                hits = [v for p, v in x["patternProperties"].items() if _search(p, k)]
+                if hits:
+                    out["properties"][k] = {"allOf": [out["properties"][k], *hits]}
+            x.pop("patternProperties")
     for x, y in ((a, b), (b, a)):
         # keys a pattern of x matches that y does not name get y's additionalProperties
         if x.get("patternProperties") and not json_equal(x["patternProperties"], y.get("patternProperties")):
@@ -171,7 +193,7 @@ def _refuse_unmergeable(a: dict, b: dict, pointer: str) -> None:
             "allOf", pointer, "merging two different patternProperties in one allOf is not supported"
         )
     for x, y in ((a, b), (b, a)):
-        if x.get("patternProperties") and _restricts(y.get("additionalProperties")):
+        if x.get("patternProperties") and _restricts(y.get("additionalProperties")) and not _closed(y):
             for k in y.get("properties", {}):
                 if _matching(x, k):
                     raise UnsupportedSchemaError(
@@ -202,13 +224,22 @@ def _restricts(ap) -> bool:
     return ap is not None and ap is not True and ap != {}
 
 
+def _closed(side: dict) -> bool:
+    """Does `side` admit only the property names it lists (additionalProperties false, no patterns)?"""
+    return side.get("additionalProperties") is False and not side.get("patternProperties")
+
+
+def _search(pattern: str, k: str) -> bool:
+    try:
+        return re.search(pattern, k) is not None
+    except re.error:
+        raise UnsupportedSchemaError("patternProperties", "", "a pattern Python cannot parse") from None
+
+
 def _matching(side: dict, k: str) -> bool:
     """Does a patternProperties pattern of `side` match name `k` (then its additionalProperties
     does not apply to k)?"""
-    try:
-        return any(re.search(p, k) for p in side.get("patternProperties") or {})
-    except re.error:
-        raise UnsupportedSchemaError("patternProperties", "", "a pattern Python cannot parse") from None
+    return any(_search(p, k) for p in side.get("patternProperties") or {})
 
 
 def _merged_properties(a: dict, b: dict) -> dict:
@@ -243,7 +274,9 @@ def _merged_value(k: str, va, vb, pointer: str):
         return list(dict.fromkeys(list(va) + list(vb)))
     if k in _TIGHTER:
         return _TIGHTER[k](va, vb)
-    if k in ("additionalProperties", "items", "propertyNames", "contains"):
+    if k == "contains":  # two items may match one each: no single schema says both
+        raise UnsupportedSchemaError("allOf", ptr(pointer, k), "two different 'contains' in one allOf")
+    if k in ("additionalProperties", "items", "propertyNames"):
         return {"allOf": [va, vb]}
     if k == "not":
         return {"anyOf": [va, vb]}
@@ -251,6 +284,17 @@ def _merged_value(k: str, va, vb, pointer: str):
         return [v for v in va if any(json_equal(v, w) for w in vb)]
     if k == "uniqueItems":
         return va or vb
+    if k == "multipleOf":  # the multiples of both are the multiples of their least common multiple
+        from agentrt.grammars.json_schema.decimals import multiple_lcm
+
+        m = multiple_lcm(va, vb)
+        if m is None:
+            raise UnsupportedSchemaError(
+                "allOf",
+                ptr(pointer, k),
+                "the least common multiple of these multipleOf values has no exact float",
+            )
+        return m
     if k == "anyOf":
         return [{"allOf": [x, {k: vb}]} for x in va]
     if k == "oneOf":

@@ -5,8 +5,9 @@
   maxLength 3 -> `[a-z]{1,3}`) or when every match already has an allowed length.
 - `format`: the formats xgrammar enforces pass through (GRAMMAR_FORMATS); ipv4, date, time,
   date-time and hostname become exact patterns (FORMAT_PATTERNS: RFC 3339 §5.6, RFC 1123 §2.1,
-  RFC 2673 §3.2 dotted quads); formats jsonschema asserts that no grammar here enforces are
-  refused (CHECKED_FORMATS); any other format is an annotation.
+  RFC 2673 §3.2 dotted quads); `regex` gets nodes.py's grammar of a regex subset that both
+  ECMA-262 and Python compile (NODE_FORMATS: narrower); formats jsonschema asserts that no grammar
+  here enforces are refused (CHECKED_FORMATS); any other format is an annotation.
 - `pattern` beside a format that has a pattern (FORMAT_SEARCHES: the exact patterns, and email
   as jsonschema checks it, a string with "@"): the product automaton of both and the length range
   (nodes.py); otherwise a length range or `pattern` beside `format` is refused (best-effort: the
@@ -51,7 +52,9 @@ GRAMMAR_FORMATS = frozenset(
     }
 )
 # formats jsonschema's FormatChecker asserts that the grammar does not: refused (unless best-effort)
-CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+CHECKED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference"})
+# formats nodes.py prints a grammar for (regex: a subset both ECMA-262 and Python's re compile)
+NODE_FORMATS = frozenset({"regex"})
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 IPV4_PATTERN = rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"
 # RFC 3339 dates/times as exact patterns: xgrammar's date-time admits 1990-02-31. February stops at
@@ -140,7 +143,7 @@ def _norm_string(n: Normalizer, s: dict, pointer: str):
             return got
     if fmt in FORMAT_PATTERNS:
         return _pattern_format(n, fmt, pattern, lo, hi, pointer)
-    if fmt is not None and fmt not in GRAMMAR_FORMATS:
+    if fmt is not None and fmt not in GRAMMAR_FORMATS | NODE_FORMATS:
         if fmt in CHECKED_FORMATS:
             n.unsupported("format", ptr(pointer, "format"), f"format '{fmt}' is not supported")
         fmt = None  # an annotation
