@@ -1,4 +1,4 @@
-"""Decode speed and quality per weight format (fp32 / bf16 / int8 / int4), eager, on the default model.
+"""Decode speed and quality per weight format (fp32 / bf16 / int8 / int4), eager or compiled, on the default model.
 
     python bench/decode_formats.py                       # speed: step times at batch 1 and 16, A/B/A rounds
     python bench/decode_formats.py --profile             # torch.profiler top ops + cProfile of Engine.step
@@ -6,6 +6,12 @@
                                                          # greedy, runaway repair): valid, field accuracy,
                                                          # share of outputs token-identical to fp32
     python bench/decode_formats.py --start               # start time cold (empty cache) vs warm per format
+    python bench/decode_formats.py --compiled            # each format eager and compiled (compile_decode,
+                                                         # runtime/compiled_decode.py), side by side; with
+                                                         # --start: cold = the build, warm = loading it
+
+The compiled engines build their graphs into the normal cache (AGENTRT_CACHE) on first use (minutes on
+2 cores; the build time is printed), so run once before timing if the cache is cold.
 
 Speed: each format's decode step (ModelRunner.execute of B one-token chunks at context 128: the forward
 and the logits, no host work around it) timed as the median of `--steps` steps, formats interleaved over
@@ -56,17 +62,43 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
-def make_engine(fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 256 << 20) -> Engine:
+def make_engine(
+    fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 256 << 20, compiled: bool = False
+) -> Engine:
     dtype, quant, head = FORMATS[fmt]
     extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
-    return Engine(
+    t = time.perf_counter()
+    engine = Engine(
         EngineConfig(
             model=ModelConfig(
-                device="cpu", dtype=dtype, quantization=quant, quantize_lm_head=head, threads=threads, **extra
+                device="cpu",
+                dtype=dtype,
+                quantization=quant,
+                quantize_lm_head=head,
+                threads=threads,
+                compile_decode=compiled,
+                **extra,
             ),
             cache=CacheConfig(kv_cache_bytes=kv, enable_prefix_cache=False),
         )
     )
+    if compiled:
+        c = engine.runner.compiled
+        print(f"{fmt} compiled: {c.describe()}; engine start {time.perf_counter() - t:.1f} s", flush=True)
+        if not c.active:
+            raise SystemExit(f"{fmt}: the compiled decode step is off ({c.failure})")
+    return engine
+
+
+def variants(args) -> list[tuple[str, str, bool]]:
+    """(label, format, compiled) of every engine to measure: each format eager, then compiled with
+    --compiled."""
+    out = []
+    for f in args.formats:
+        out.append((f, f, False))
+        if args.compiled:
+            out.append((f"{f} compiled", f, True))
+    return out
 
 
 def copy_bandwidth() -> float:
@@ -115,10 +147,12 @@ def stream_tokens_per_s(engine: Engine, new_tokens: int = 32) -> float:
 def speed(args) -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), load {load1():.2f}", flush=True)
-    engines = {f: make_engine(f, args.threads) for f in args.formats}
-    rows: dict[str, dict[str, list]] = {f: {"b1": [], "b16": [], "stream": []} for f in args.formats}
+    labels = variants(args)
+    engines = {label: make_engine(f, args.threads, compiled=c) for label, f, c in labels}
+    names = [label for label, _, _ in labels]
+    rows: dict[str, dict[str, list]] = {f: {"b1": [], "b16": [], "stream": []} for f in names}
     for r in range(args.rounds):
-        for f in args.formats if r % 2 == 0 else reversed(args.formats):
+        for f in names if r % 2 == 0 else reversed(names):
             e = engines[f]
             b1, l1 = step_time(e, 1, args.steps), load1()
             b16, l16 = step_time(e, 16, args.steps), load1()
@@ -127,17 +161,17 @@ def speed(args) -> None:
             rows[f]["b16"].append((b16, l16))
             rows[f]["stream"].append((st, ls))
             print(
-                f"round {r} {f:10s} step b1 {b1 * 1e3:6.1f} ms (load {l1:.1f})  b16 {b16 * 1e3:6.1f} ms "
+                f"round {r} {f:19s} step b1 {b1 * 1e3:6.1f} ms (load {l1:.1f})  b16 {b16 * 1e3:6.1f} ms "
                 f"(load {l16:.1f})  stream {st:5.1f} tok/s (load {ls:.1f})",
                 flush=True,
             )
-    print(f"\nthreads {engines[args.formats[0]].runner.num_threads}; best of {args.rounds} rounds")
+    print(f"\nthreads {engines[names[0]].runner.num_threads}; best of {args.rounds} rounds")
     print(
         "| format | weights MB | read bound b1 ms (tok/s) | step b1 ms | b1 / bound | step b16 ms | b16 tok/s "
         "| single stream tok/s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for f in args.formats:
+    for f in names:
         w = engines[f].runner.weights_bytes
         bound = w / (bw / 2)  # weights read once; bw counts read + write
         b1 = min(x for x, _ in rows[f]["b1"])
@@ -154,7 +188,7 @@ def profile(args) -> None:
     from torch.profiler import profile as tprofile
 
     for f in args.formats:
-        e = make_engine(f, args.threads)
+        e = make_engine(f, args.threads, compiled=args.compiled)
         for batch in (1, 16):
             step_time(e, batch, 3)
             runner = e.runner
@@ -237,12 +271,14 @@ def start(args) -> None:
             # the converted GGUF comes from the normal cache; only the quantized weights start cold
             for link in default_cache_dir().glob("gguf-*"):
                 (cache / link.name).symlink_to(link)
-            times = []
-            for _ in range(2):
-                t = time.perf_counter()
-                make_engine(f, args.threads, cache, kv=64 << 20)
-                times.append(time.perf_counter() - t)
-            print(f"| {f} | {times[0]:.1f} s | {times[1]:.1f} s | load {load1():.1f}", flush=True)
+            for compiled in (False, True) if args.compiled else (False,):
+                times = []
+                for _ in range(2):
+                    t = time.perf_counter()
+                    make_engine(f, args.threads, cache, kv=64 << 20, compiled=compiled)
+                    times.append(time.perf_counter() - t)
+                label = f"{f} compiled" if compiled else f
+                print(f"| {label} | {times[0]:.1f} s | {times[1]:.1f} s | load {load1():.1f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quality", type=int, default=0, help="extraction documents per format (0 = off)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--start", action="store_true", help="start time, cold vs warm quantized cache")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="each format eager and compiled (compile_decode); --profile: compiled",
+    )
     args = p.parse_args(argv)
     if args.profile:
         profile(args)

@@ -33,7 +33,11 @@ class ModelConfig:
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
     attention_backend: `auto` (Triton kernels on CUDA, torch on CPU), `torch`, `triton` (on CPU
         only under TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
-    enforce_eager: never capture CUDA graphs.
+    enforce_eager: never capture CUDA graphs, never compile the decode step.
+    compile_decode: on CPU (torch attention), run plain decode steps of up to max_num_seqs sequences
+        through AOTInductor-compiled graphs (runtime/compiled_decode.py), built at start and cached
+        under cache_dir (a first start builds for minutes, later ones load in seconds); eager on any
+        build failure. Ignored on CUDA, where decode runs from CUDA graphs.
     cuda_graph_batch_sizes: decode batch sizes captured as CUDA graphs (a batch is padded up to
         the next size; a larger one runs eagerly).
     """
@@ -49,6 +53,7 @@ class ModelConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    compile_decode: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
     def __post_init__(self) -> None:

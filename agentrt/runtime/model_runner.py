@@ -122,7 +122,8 @@ class ModelRunner:
     execute(chunks) runs one forward over all chunks and returns logits [N, vocab] fp32 for the
     last new token of each chunk with need_logits (N of them, in order). Weights load straight to
     the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
-    kernels on CUDA (decode batches replayed from CUDA graphs) and torch SDPA on CPU.
+    kernels on CUDA (decode batches replayed from CUDA graphs) and torch SDPA on CPU (decode batches
+    through the compiled graphs of compiled_decode.py with compile_decode).
     `max_num_seqs` sizes the slot table and the memory plan's activation reserve. With a draft
     model (`spec_config`), an automatic KV budget is shared: a self-draft of n of L layers leaves
     this pool L / (L + n) of it (the draft pool, sized in proportion, takes the rest); a separate
@@ -225,8 +226,21 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(
                 model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.num_sms
             )
+        self.compiled = None  # CompiledDecode on CPU with compile_decode (see compiled_decode.py)
+        decode = "decode eager"
+        if model_config.compile_decode and backend == "torch" and self.device.type == "cpu":
+            if model_config.enforce_eager:
+                decode = "decode eager (enforce_eager)"
+            else:
+                from agentrt.runtime.compiled_decode import CompiledDecode
+
+                self.compiled = CompiledDecode(
+                    model, self.kv.k, self.kv.v, max_num_seqs, model_config.cache_dir, self.num_threads
+                )
+                self.compiled.start()
+                decode = self.compiled.describe()
         logger.info(
-            "model %s on %s, weights %s, %d threads (%s), attention %s, context %d; %s",
+            "model %s on %s, weights %s, %d threads (%s), attention %s, context %d, %s; %s",
             self.model_dir,
             self.device,
             self.weight_format.describe(),
@@ -234,6 +248,7 @@ class ModelRunner:
             threads_reason,
             backend,
             self.max_model_len,
+            decode,
             self.memory_plan.describe(),
         )
 
@@ -243,6 +258,10 @@ class ModelRunner:
         with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
         if self.graphs is not None and not return_hidden and self.graphs.accepts(chunks):
             return self.graphs.run(chunks)
+        if self.compiled is not None and not return_hidden and self.compiled.accepts(chunks):
+            logits = self.compiled.run(chunks)
+            if logits is not None:  # None: the compiled step failed and is off now; run it eagerly
+                return logits
         return run_chunks(
             self.model,
             self.kv.k,
