@@ -84,7 +84,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: Triton kernels on CUDA, torch SDPA on CPU",
     )
-    p.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="do not capture CUDA graphs or compile the decode step"
+    )
+    p.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action=argparse.BooleanOptionalAction,
+        default=ModelConfig.compile_decode,
+        help="CPU: run decode steps through AOTInductor-compiled graphs, built at start (minutes the first "
+        "time) and cached under AGENTRT_CACHE (later starts load them in seconds); ignored on CUDA "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)"
     )
@@ -142,6 +153,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile grammars on threads of this process instead of killable child processes "
         "(saves the ~260 MB helper process; a compile past --compile-timeout then keeps running)",
+    )
+    p.add_argument(
+        "--compile-memory-bytes",
+        type=int,
+        default=GrammarConfig.compile_memory_bytes,
+        help="memory one grammar compile child may allocate; a constraint that needs more is refused "
+        "(400) (default %(default)s; 0: no limit)",
     )
     p.add_argument(
         "--grammar-cache-bytes",
@@ -203,6 +221,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            compile_decode=args.compile_decode,
         ),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_bytes,
@@ -222,6 +241,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cache_bytes=args.grammar_cache_bytes,
             compile_nice=args.compile_nice,
             compile_in_child=not args.compile_in_process,
+            compile_memory_bytes=args.compile_memory_bytes or None,
         ),
         speculative=SpecConfig(
             method=args.speculative_method,
@@ -332,7 +352,50 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    """`agentrt serve`'s scale-out flags: replicas on Ray Serve (agentrt/scaleout/)."""
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas on Ray Serve behind one ingress with prefix-aware routing (pip install "
+        '"agentrt[ray]"); 1 without --ray-address: the plain single-process server (default)',
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (e.g. HEAD:6379) for the replicas (default: RAY_ADDRESS, else a new "
+        "local cluster)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=["prefix", "round_robin", "least_loaded"],
+        default=None,
+        help="how the ingress picks a replica: prefix (default: the replica already sent the longest "
+        "prefix, unless it is loaded), round_robin, least_loaded",
+    )
+    p.add_argument(
+        "--cpus-per-replica",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPUs each CPU replica reserves and its torch threads (default: the cluster's CPUs / replicas)",
+    )
+
+
 def serve(args: argparse.Namespace) -> int:
+    if args.replicas != 1 or args.ray_address is not None:
+        from agentrt.scaleout.deploy import serve_replicas
+
+        return serve_replicas(args)
+    if args.routing is not None or args.cpus_per_replica is not None:
+        print(
+            "agentrt: error: --routing and --cpus-per-replica need --replicas N > 1 or --ray-address",
+            file=sys.stderr,
+        )
+        return 2
     import uvicorn
 
     from agentrt.api.app import create_app
@@ -347,7 +410,7 @@ def serve(args: argparse.Namespace) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     from agentrt.sql.schema import SchemaError
-    from agentrt.sql.service import SQLDatabases, parse_database_args
+    from agentrt.sql.service import SQLDatabases, parse_database_args, table_limit_warning
 
     try:
         databases = SQLDatabases(parse_database_args(args.database))
@@ -362,6 +425,8 @@ def serve(args: argparse.Namespace) -> int:
             f"{db.schema.num_columns} columns",
             flush=True,
         )
+        if table_limit_warning(db):
+            print(table_limit_warning(db), file=sys.stderr, flush=True)
     try:
         admission = AdmissionConfig(
             max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout
@@ -439,18 +504,38 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum (else argparse's usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def sql_command(config, args: argparse.Namespace) -> int:
     """`agentrt sql`: print the query (and its rows with --execute). Exit 0 when the query passed
     its checks (and ran), 1 when it did not (the reason on stderr), 2 on bad arguments or a
     database that cannot be read."""
     from agentrt.sdk import LLM
-    from agentrt.sql.schema import SchemaError
+    from agentrt.sql.schema import SchemaError, load_schema
 
-    try:
+    tables = [t.strip() for t in args.tables.split(",") if t.strip()] if args.tables is not None else None
+    try:  # the database (reachable, its tables) before the model loads: a bad URL fails in seconds
+        schema = load_schema(args.database)
+        if tables is not None:
+            schema.subset(tables)
         llm = LLM.from_config(config)
         result = llm.sql(
             args.question,
             args.database,
+            tables=tables,
             execute=args.execute,
             max_rows=args.max_rows,
             max_tokens=args.max_tokens,
@@ -495,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_server_args(p)
     add_admission_args(p)
+    add_replica_args(p)
     p.add_argument(
         "--database",
         action="append",
@@ -509,11 +595,22 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--database", required=True, help="sqlite:///PATH, duckdb:///PATH or postgresql://... (read-only)"
     )
+    q.add_argument(
+        "--tables",
+        default=None,
+        metavar="A,B",
+        help="only these tables (a database over the grammar's limit)",
+    )
     q.add_argument("--execute", action="store_true", help="run the query (read-only) and print the rows")
     q.add_argument(
-        "--max-rows", type=int, default=20, help="rows printed with --execute (default %(default)s)"
+        "--max-rows",
+        type=_int_at_least(0),
+        default=20,
+        help="rows printed with --execute (default %(default)s)",
     )
-    q.add_argument("--max-tokens", type=int, default=256, help="query tokens at most (default %(default)s)")
+    q.add_argument(
+        "--max-tokens", type=_int_at_least(1), default=256, help="query tokens at most (default %(default)s)"
+    )
     # one job, not a server: its compile need not yield to other requests, and may take longer
     q.set_defaults(compile_nice=0, compile_timeout=120.0)
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")

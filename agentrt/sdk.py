@@ -24,8 +24,9 @@ Messages = list[dict[str, str]]
 class SQLResult:
     """What `LLM.sql` gives back. query: the generated SQL; valid: it passed every check run;
     error / stage: why not ("length": it did not end within max_tokens; else a stage of
-    agentrt/sql/validate.Validation: "parse", "read_only", "schema", "database"); checked_database:
-    the database itself checked it (EXPLAIN); rows: the result (agentrt.sql.validate.QueryResult:
+    agentrt/sql/validate.Validation: "parse", "read_only", "schema", "database", or "connection":
+    the database could not be reached, no verdict on the query); checked_database: the database
+    itself checked it (EXPLAIN); rows: the result (agentrt.sql.validate.QueryResult:
     columns, rows, truncated) with execute=True, else None."""
 
     query: str
@@ -195,6 +196,7 @@ class LLM:
         database: Any,
         *,
         dialect: str | None = None,
+        tables: list[str] | None = None,
         execute: bool = False,
         max_rows: int = 1000,
         timeout_s: float = 10.0,
@@ -210,10 +212,15 @@ class LLM:
         database: a URL (sqlite:///PATH, duckdb:///PATH, postgresql://...) or a SQLAlchemy Engine
         (introspected, opened read-only), or a schema without a connection (CREATE TABLE text, JSON
         {table: {column: type}} as a dict or text; `dialect` says its dialect, default SQLite).
+        tables: only these tables of it (Schema.subset: foreign keys among them kept), for a
+        database over the grammar's table limit or to keep the prompt short.
         execute: run the query read-only on the database (at most `max_rows` rows, `timeout_s`
         seconds); needs a live database. Greedy decoding unless `sampling_params` says otherwise.
-        Raises SchemaError (a ValueError) for a schema or database that cannot be read or used, and
-        ValueError for execute without a database."""
+        A database that cannot be reached for the check or the run gives stage "connection" with
+        checked_database False (no verdict on the query).
+        Raises SchemaError (a ValueError) for a schema or database that cannot be read or used, or
+        a table in `tables` it lacks, and ValueError for execute without a database or a negative
+        max_rows, before anything is generated."""
         from agentrt.sql.dialect import dialect_name
         from agentrt.sql.introspect import dialect_of, introspect, open_database
         from agentrt.sql.schema import load_schema
@@ -221,6 +228,8 @@ class LLM:
         from agentrt.sql.validate import QueryError, validate
         from agentrt.sql.validate import execute as run_query
 
+        if max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0, got {max_rows}")
         owned = isinstance(database, str) and database.strip().split("\n", 1)[0].count("://") == 1
         owned = owned and not database.strip().upper().startswith("CREATE")
         engine = open_database(database.strip()) if owned else None
@@ -234,6 +243,8 @@ class LLM:
             else:
                 schema = load_schema(database, dialect)
                 d = dialect_name(dialect or schema.dialect or "sqlite")
+            if tables is not None:
+                schema = schema.subset(list(tables))
             spec = sql_constraint(schema, d)
             params = sampling_params or SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, max_tokens_policy="close"
@@ -249,7 +260,8 @@ class LLM:
             try:
                 rows = run_query(out.text, engine, schema, max_rows=max_rows, timeout_s=timeout_s)
             except QueryError as e:
-                return SQLResult(out.text, False, e.message, e.stage or "database", True)
+                stage = e.stage or "database"
+                return SQLResult(out.text, False, e.message, stage, stage != "connection")
             return SQLResult(out.text, True, None, None, True, rows)
         finally:
             if owned:

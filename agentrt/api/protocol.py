@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import regex
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from agentrt.api.errors import APIError
 from agentrt.grammars.spec import ConstraintSpec
@@ -113,13 +113,16 @@ class SQLConstraint(BaseModel):
     """agentrt's `sql` constraint: read-only SQL naming only a schema's tables and columns
     (agentrt/sql/). Exactly one of `database` (a name the server was started with, `--database
     NAME=URL`; `refresh`: introspect it again first) and `schema` (CREATE TABLE text or JSON
-    {table: {column: type}}, in `dialect`, default SQLite). Never a connection URL."""
+    {table: {column: type}}, in `dialect`, default SQLite). Never a connection URL. `tables`: only
+    these tables of it (Schema.subset: foreign keys among them kept), for a schema over the
+    grammar's table limit."""
 
     model_config = ConfigDict(extra="forbid")
     dialect: Literal["sqlite", "duckdb", "postgres", "postgresql"] | None = None
     schema_: str | dict[str, Any] | None = Field(None, alias="schema")
     database: str | None = None
     refresh: StrictBool = False
+    tables: list[StrictStr] | None = Field(None, min_length=1, max_length=1000)
 
 
 class StreamOptions(BaseModel):

@@ -110,6 +110,27 @@ class ResponsesRequest(SamplingFields):
     prompt_cache_options: Any = None
     context_management: Any = None
     moderation: Any = None
+    # the chat/completions constraint fields (agentrt's, vLLM's, SGLang's): refused here, never
+    # silently dropped (this API's own constraint is text.format)
+    sql: Any = None
+    regex: Any = None
+    grammar: Any = None
+    lark: Any = None
+    choice: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+
+_CHAT_CONSTRAINTS = (
+    "sql", "regex", "grammar", "lark", "choice", "ebnf", "json_schema", "response_format", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+)  # fmt: skip
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest, gone: ClientGone) -> ServingResult:
@@ -153,6 +174,14 @@ def to_chat_request(req: ResponsesRequest, model_name: str) -> tuple[ChatComplet
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     """400 naming the first field that asks for what this server cannot do."""
+    for name in _CHAT_CONSTRAINTS:
+        if getattr(req, name) is not None:
+            hint = "text.format (json_schema) on this API, or " if name != "sql" else ""
+            raise APIError(
+                f"{name} is not supported on /v1/responses: use {hint}/v1/chat/completions or "
+                "/v1/completions, which enforce it",
+                param=name,
+            )
     for name in ("previous_response_id", "conversation"):
         if getattr(req, name) is not None:
             raise APIError(f"{name} {STATELESS}", param=name)

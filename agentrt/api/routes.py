@@ -34,7 +34,8 @@ def agentrt_version() -> str:
 
 def build_router() -> APIRouter:
     """The API's routes: /health (GET, HEAD), /metrics, /v1/models, /v1/chat/completions,
-    /v1/completions, /v1/responses, and vLLM's utility routes /tokenize, /detokenize, /version."""
+    /v1/completions, /v1/responses, /v1/sql/databases, and vLLM's utility routes /tokenize,
+    /detokenize, /version."""
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
     # load balancers probe with HEAD; one operation per method keeps OpenAPI operation ids unique
@@ -48,6 +49,7 @@ def build_router() -> APIRouter:
     router.add_api_route("/tokenize", tokenize, methods=["POST"])
     router.add_api_route("/detokenize", detokenize, methods=["POST"])
     router.add_api_route("/version", version, methods=["GET"])
+    router.add_api_route("/v1/sql/databases", sql_databases, methods=["GET"])
     return router
 
 
@@ -72,6 +74,13 @@ async def metrics(raw: Request) -> Response:
 
 async def models(raw: Request) -> dict:
     return _serving(raw).models()
+
+
+async def sql_databases(raw: Request) -> dict:
+    """The named databases of `sql` constraints, with their schema as the SQL prompt shows it."""
+    from agentrt.api.sql_constraint import sql_databases_listing
+
+    return await sql_databases_listing(_serving(raw).databases)
 
 
 async def version() -> dict:

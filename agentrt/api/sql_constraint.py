@@ -29,10 +29,12 @@ class SQLTarget(NamedTuple):
 
 async def sql_target(databases: SQLDatabases | None, sql: SQLConstraint) -> SQLTarget:
     """The schema, dialect, database (when named) and grammar of a request's `sql` field, from the
-    server's `databases`; the schema work runs off the event loop. Raises APIError (400) naming the
-    field: both or neither of schema and database, an unknown database, a schema that is empty,
-    unparsable or too large, a dialect that disagrees with the named database's."""
-    from agentrt.sql.schema import SchemaError
+    server's `databases`, restricted to `sql.tables` when given; the schema work runs off the event
+    loop. Raises APIError (400) naming the field: both or neither of schema and database, an
+    unknown database, a schema that is empty, unparsable or too large, a dialect that disagrees
+    with the named database's, a table `tables` names that the schema lacks; 503 (the server's
+    side, retryable) when a named database asked to `refresh` cannot be reached."""
+    from agentrt.sql.schema import DatabaseUnreachableError, SchemaError
     from agentrt.sql.service import schema_from_request, sql_constraint
 
     if (sql.schema_ is None) == (sql.database is None):
@@ -48,10 +50,47 @@ async def sql_target(databases: SQLDatabases | None, sql: SQLConstraint) -> SQLT
             dialect = dialect_name(sql.dialect or "sqlite")
             schema = await asyncio.to_thread(schema_from_request, sql.schema_, dialect)
             engine = None
+        if sql.tables is not None:
+            try:
+                schema = schema.subset(sql.tables)
+            except SchemaError as e:
+                raise APIError(f"sql.tables: {e.message}", param="sql.tables") from None
         spec = await asyncio.to_thread(sql_constraint, schema, dialect)
+    except DatabaseUnreachableError as e:
+        raise APIError(f"{param}: {e.message}", status=503, type_="server_error") from None
     except SchemaError as e:
         raise APIError(f"{param}: {e.message}", param=param) from None
     return SQLTarget(spec, schema, dialect, engine)
+
+
+async def sql_databases_listing(databases: SQLDatabases | None) -> dict:
+    """GET /v1/sql/databases: the databases the server was started with (`--database NAME=URL`),
+    each with what a client needs to build the prompt `LLM.sql` and `agentrt sql` use: `name`,
+    `dialect`, `num_tables`, `num_columns`, `tables` (names), `max_tables` (the grammar's limit:
+    over it, a request must choose `sql.tables`), `ddl` (Schema.to_ddl in the dialect) and
+    `system_prompt` (agentrt/sql/service.py's SQL_SYSTEM_PROMPT filled in). Never the URL."""
+    from agentrt.sql.grammar import DEFAULT_MAX_SCOPES
+    from agentrt.sql.service import sql_messages
+
+    def listing() -> list[dict]:
+        out = []
+        for name in databases.names if databases else []:
+            db = databases.get(name)
+            out.append(
+                {
+                    "name": name,
+                    "dialect": db.dialect,
+                    "num_tables": len(db.schema.tables),
+                    "num_columns": db.schema.num_columns,
+                    "tables": [t.name for t in db.schema.tables],
+                    "max_tables": DEFAULT_MAX_SCOPES[db.dialect],
+                    "ddl": db.schema.to_ddl(db.dialect),
+                    "system_prompt": sql_messages("", db.schema, db.dialect)[0]["content"],
+                }
+            )
+        return out
+
+    return {"object": "list", "data": await asyncio.to_thread(listing)}
 
 
 async def add_sql_checks(result: ServingResult, target: SQLTarget | None) -> ServingResult:

@@ -18,8 +18,16 @@ longer path (the greedy search is not monotone: after `12:00:00.` it prefers six
 
 This is a heuristic shortest path (greedy, not a search over all token sequences): it can be longer
 than the true shortest completion, which only makes the policy close earlier than necessary.
-When no path is found within `max_chars` (a grammar that needs characters with no single-character
-token), the policy cannot guarantee validity and the request behaves as under the default policy.
+When no path is found within `max_chars` from a request's start, the policy cannot guarantee
+validity and the engine refuses the request under it (a 400 naming max_tokens_policy and
+`failure`: runtime/engine.py).
+
+A character no token spells alone (an emoji, U+202E, U+200B, a BOM in an SQL name: byte-level
+vocabularies split it into tokens of partial UTF-8, whose text is None here) is spelled with those
+fragment tokens: when no token with text is allowed, the planner takes an allowed fragment token
+(lowest id first; the grammar decides which bytes may follow). Such a path's text holds U+FFFD for
+each fragment, `until` is not called for them, and its token_ids are the tokens taken, never a
+re-tokenization of the text.
 """
 
 from __future__ import annotations
@@ -97,6 +105,7 @@ class ClosingPlanner:
         once the current JSON string is closed: runtime/repetition.py)."""
         text, ids = [], []
         run_char, run, escapes, last_escape = "", 0, 0, 0
+        fragments = False  # a token of partial UTF-8 was taken: the ids are kept as taken
         self._fills = 0
         self.failure = ""
         try:
@@ -111,9 +120,9 @@ class ClosingPlanner:
                     if escapes > self.max_escapes:
                         self.failure = f"it gave up after {len(text)} characters in a repeating part"
                         return None
-                pick = (
-                    self._least_free(matcher) if stuck else self._first(matcher, run_char if run >= 8 else "")
-                )
+                pick = self._least_free(matcher) if stuck else None
+                if pick is None:  # (in free text of fragments only, no candidate is allowed)
+                    pick = self._first(matcher, run_char if run >= 8 else "")
                 if stuck:
                     last_escape = len(text) + 1
                 if pick is None:
@@ -124,8 +133,13 @@ class ClosingPlanner:
                     )
                     return None
                 c, tid = pick
-                text.append(c)
                 ids.append(tid)
+                if c is None:  # a fragment of a character: no text, and no run or cycle
+                    fragments = True
+                    text.append("\ufffd")
+                    run_char, run, last_escape = "", 0, len(text)
+                    continue
+                text.append(c)
                 run = run + 1 if c == run_char else 1
                 run_char = c
                 if until is not None and until(c):
@@ -134,11 +148,13 @@ class ClosingPlanner:
             if ids:
                 matcher.rollback(len(ids))
         joined = "".join(text)
-        return ClosingPath(joined, self._tokenize(joined, ids))
+        return ClosingPath(joined, ids if fragments else self._tokenize(joined, ids))
 
     def _first(self, matcher, last_resort: str):
         """Accept the first candidate the grammar allows (`last_resort` tried last): accept
-        attempts for the first 8, then one bitmask fill to find the first allowed of the rest."""
+        attempts for the first 8, then one bitmask fill to find the first allowed of the rest, then
+        the shortest allowed token with text, then an allowed token of partial UTF-8 (returned as
+        (None, id)). None when nothing is allowed."""
         order = self.candidates
         if last_resort:
             order = [ct for ct in order if ct[0] != last_resort] + [
@@ -171,6 +187,10 @@ class ClosingPlanner:
         for _n, tid in sorted(texts)[:8]:
             if matcher.accept_token(tid):
                 return self.token_texts[tid], tid
+        # a character no token spells alone (an emoji, U+202E): a token of its partial UTF-8
+        for tid in [int(i) for i in allowed if self.token_texts[i] is None][:8]:
+            if matcher.accept_token(tid):
+                return None, tid
         return None
 
     def _num_allowed(self, matcher) -> int:

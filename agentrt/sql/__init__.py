@@ -2,8 +2,9 @@
 columns a database has, in its dialect.
 
 Modules:
-- schema.py: the table/column model (Schema, Table, Column, ForeignKey), read from CREATE TABLE
-  text (sqlglot) or JSON `{table: {column: type}}`; limits; SchemaError.
+- schema.py: the table/column model (Schema, Table, Column, ForeignKey), read from JSON
+  `{table: {column: type}}`; limits; SchemaError.
+- ddl.py: the model read from CREATE TABLE text (sqlglot, names as the dialect makes them).
 - introspect.py: the model of a live database through SQLAlchemy's inspector (SQLite, DuckDB via
   duckdb-engine, PostgreSQL via psycopg 3); read-only engines (`open_database`).
 - dialect.py: dialect names, identifier quoting, string literals, the reserved words.
@@ -26,6 +27,7 @@ Requires the `sql` extra: sqlalchemy (<= 2.0.44 for DuckDB reflection, see intro
 sqlglot, duckdb + duckdb-engine, psycopg[binary].
 """
 
+from agentrt.sql.ddl import schema_from_ddl
 from agentrt.sql.dialect import DIALECTS, dialect_name, quote_ident, quote_string
 from agentrt.sql.grammar import GrammarOptions, SQLGrammar, sql_grammar
 from agentrt.sql.introspect import introspect, open_database
@@ -37,10 +39,10 @@ from agentrt.sql.schema import (
     SchemaError,
     Table,
     load_schema,
-    schema_from_ddl,
     schema_from_json,
 )
 from agentrt.sql.validate import (
+    DatabaseConnectionError,
     QueryError,
     QueryResult,
     QueryTimeoutError,
@@ -53,6 +55,7 @@ from agentrt.sql.validate import (
 __all__ = [
     "DIALECTS",
     "Column",
+    "DatabaseConnectionError",
     "DatabaseUnreachableError",
     "ForeignKey",
     "GrammarOptions",

@@ -5,7 +5,8 @@ SQLite (the standard library driver), DuckDB (`duckdb-engine`) and PostgreSQL (p
 
 `open_database(url)` opens an engine that cannot write where the driver allows it:
 - SQLite: the file is opened read-only (`file:PATH?mode=ro&uri=true`; a missing file is an error,
-  never created) and every connection runs `PRAGMA query_only = ON`;
+  never created; a URL that is itself a `file:` URI, `sqlite:///file:PATH?mode=rwc&uri=true`,
+  gets the same: its `mode` is replaced by `ro`) and every connection runs `PRAGMA query_only = ON`;
 - DuckDB: `read_only=True` (an in-memory database cannot be opened read-only: it has nothing
   to protect);
 - PostgreSQL: every transaction is READ ONLY (`default_transaction_read_only=on`) with
@@ -29,6 +30,8 @@ SchemaError for an unsupported dialect, a missing driver, an empty database or a
 
 from __future__ import annotations
 
+import os
+
 from agentrt.sql.schema import (
     MAX_COLUMNS,
     MAX_TABLES,
@@ -50,7 +53,8 @@ def open_database(url: str, read_only: bool = True):
     """A SQLAlchemy Engine for `url` (sqlite:///PATH, duckdb:///PATH, postgresql+psycopg://...;
     "postgresql://" is read as psycopg 3), read-only as the module docstring says unless
     read_only is False. Nothing is connected yet. Raises SchemaError for a URL that is not one
-    of these or whose driver is not installed."""
+    of these or whose driver is not installed, DatabaseUnreachableError for a read-only SQLite
+    file that does not exist."""
     import sqlalchemy as sa
     from sqlalchemy import event
 
@@ -62,8 +66,16 @@ def open_database(url: str, read_only: bool = True):
     kwargs: dict = {}
     if backend == "sqlite":
         db = u.database or ""
-        if read_only and db and db != ":memory:" and not db.startswith("file:"):
-            u = u.set(database=f"file:{db}", query={**u.query, "mode": "ro", "uri": "true"})
+        if read_only and db and db != ":memory:":
+            # a path, or a file: URI (`sqlite:///file:PATH?mode=rwc&uri=true`) whose mode is
+            # overridden: both open the existing file read-only, never create one
+            path = _sqlite_uri_path(db) if db.startswith("file:") else db
+            if not os.path.isfile(path):
+                raise DatabaseUnreachableError(
+                    f"no SQLite database file at {path!r} (a read-only database is never created)"
+                )
+            uri = db if db.startswith("file:") else f"file:{db}"
+            u = u.set(database=uri, query={**u.query, "mode": "ro", "uri": "true"})
     elif backend == "duckdb":
         if read_only and u.database not in (None, "", ":memory:"):
             kwargs["connect_args"] = {"read_only": True}
@@ -74,6 +86,7 @@ def open_database(url: str, read_only: bool = True):
         if read_only:
             args["options"] = "-c default_transaction_read_only=on"
         kwargs["connect_args"] = args
+        kwargs["pool_pre_ping"] = True  # a server restarted since: reconnect, not a failed query
     else:
         raise SchemaError(f"unsupported database {backend!r}: expected sqlite, duckdb or postgresql")
     try:
@@ -90,6 +103,20 @@ def open_database(url: str, read_only: bool = True):
             dbapi_conn.execute("PRAGMA query_only = ON")
 
     return engine
+
+
+def _sqlite_uri_path(uri: str) -> str:
+    """The file path of an SQLite `file:` URI (https://sqlite.org/uri.html): `file:PATH`,
+    `file:///PATH` or `file://localhost/PATH`, percent-decoded, without its query."""
+    from urllib.parse import unquote
+
+    rest = uri[len("file:") :].split("?", 1)[0].split("#", 1)[0]
+    if rest.startswith("//"):
+        authority, _, path = rest[2:].partition("/")
+        if authority not in ("", "localhost"):
+            raise SchemaError(f"an SQLite file: URI with the host {authority!r} is not a local file")
+        rest = "/" + path
+    return unquote(rest)
 
 
 def dialect_of(engine) -> str:

@@ -1,5 +1,5 @@
-"""The table/column model of a database, and two of its sources: `CREATE TABLE` text (parsed with
-sqlglot) and JSON `{table: {column: type}}`. The third source, a live database, is
+"""The table/column model of a database, and one of its sources, JSON `{table: {column: type}}`.
+The others: `CREATE TABLE` text (parsed with sqlglot) is `agentrt.sql.ddl`, a live database
 `agentrt.sql.introspect`.
 
 Model: `Schema(tables)`, each `Table(name, columns, primary_key, foreign_keys)`, each
@@ -10,19 +10,25 @@ which decides what the grammar lets a query do with it on a strictly typed datab
 timestamps) or "other" (time of day, interval, blob, JSON, UUID, enum, arrays, unknown).
 
 Limits (work bounded before it is done, refused with SchemaError naming the limit):
-`MAX_TABLES` tables, `MAX_COLUMNS` columns over all tables, `MAX_SCHEMA_BYTES` of DDL/JSON text,
-`MAX_NAME_CHARS` characters per name. A schema over these limits, one with no table, a table with
+`MAX_TABLES` tables, `MAX_COLUMNS` columns over all tables, `MAX_SCHEMA_BYTES` of JSON text,
+`MAX_DDL_BYTES` of CREATE TABLE text (sqlglot's parse costs ~50 us per token, under the GIL: see
+there), `MAX_NAME_CHARS` characters per name, `MAX_TYPE_CHARS` characters per JSON column type. A schema over these limits, one with no table, a table with
 no column, duplicate names, a foreign key naming a missing table/column, text that is neither
 valid JSON nor parsable DDL: SchemaError (a ValueError via InvalidRequestError; `param` is None,
 the API layer names the request field).
 
 Name lookup (`Schema.table`, `Table.column`) is case-insensitive on SQLite and DuckDB (their
-identifiers are) and exact on PostgreSQL.
+identifiers are) and exact on PostgreSQL. CREATE TABLE text names the way the database would:
+on PostgreSQL an unquoted name folds to lower case (`CREATE TABLE Users (Name text)` is
+users(name)), a quoted one keeps its case (sqlglot's normalize_identifiers in the dialect); JSON
+keys are catalog names as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,9 +42,24 @@ MAX_TABLES = 1000
 MAX_COLUMNS = 10_000
 """The most columns over all tables of a schema."""
 MAX_SCHEMA_BYTES = 1 << 20
-"""The longest DDL or JSON schema text (bytes of UTF-8)."""
+"""The longest JSON schema text (bytes of UTF-8)."""
+MAX_DDL_BYTES = 64 << 10
+"""The longest CREATE TABLE text `schema_from_ddl` parses by default (bytes of UTF-8): sqlglot parses
+in Python, holding the GIL, at ~30-50 us per token, so a server's other requests wait while it
+runs (1 MiB of `DEFAULT (1+1+...)` took 40 s and stalled a plain chat request for 109 s). Measured at
+the cap (`schema_from_ddl`, sqlglot 30.30, 2-core box under load 5-7, two runs each): the
+pathological `CREATE TABLE t (a int DEFAULT (1+1+...1))` 2.6-3.1 s, a `CHECK (a>1 AND ...)` chain
+1.6 s, 5,900 columns of one table 1.8-1.9 s, 2,000 small CREATE TABLEs 1.2-1.8 s (then refused:
+over MAX_TABLES), 1,000 two-column tables (35 kB) 1.2-1.7 s, 32k nested parentheses 1.0-1.1 s
+(refused: too deep). Larger schemas: JSON (`MAX_SCHEMA_BYTES`), or a database the server was
+started with. The cap bounds the stall, it does not remove it: that needs the parse in a killable
+child process with a deadline, as grammar compiles run (grammars/compile_child.py)."""
 MAX_NAME_CHARS = 128
 """The longest table or column name (characters)."""
+MAX_TYPE_CHARS = 128
+"""The longest column type text of a JSON schema (characters). With `kind_of_type`'s shape check
+this bounds a JSON schema's type parsing: 10,000 distinct type names measured 3.9 s (load ~6); a
+1 MiB type of `1+1+...` took 22 s before."""
 
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
@@ -121,13 +142,16 @@ class Schema:
         return None
 
     def subset(self, names: list[str]) -> Schema:
-        """This schema restricted to the tables `names` (foreign keys to other tables dropped).
-        Raises SchemaError naming an unknown table."""
-        keep = []
+        """This schema restricted to the tables `names`, in that order (names matched as
+        `table()` does; foreign keys among them kept, those to other tables dropped). Raises
+        SchemaError naming an unknown table or one named twice."""
+        keep: list[Table] = []
         for n in names:
             t = self.table(n)
             if t is None:
                 raise SchemaError(f"no table {n!r} in the schema")
+            if any(k is t for k in keep):
+                raise SchemaError(f"table {n!r} is named twice")
             keep.append(t)
         kept = {t.name for t in keep}
         return Schema(
@@ -245,11 +269,23 @@ def _check_name(name: str, what: str) -> None:
 # ---- type kinds -------------------------------------------------------------------------------
 
 
+_TYPE_SHAPE = re.compile(r"[A-Za-z_][A-Za-z0-9_ .]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?[A-Za-z0-9_ ]*(\[\d*\])*")
+_TYPE_ARGS = re.compile(r"\(\s*\d+\s*(,\s*\d+\s*)?\)")
+
+
 def kind_of_type(type_text: str, dialect: str = "sqlite") -> TypeKind:
     """The kind of an SQL type written as text (parsed with sqlglot in `dialect`); "other" for
-    an empty or unknown type."""
-    if not type_text or not type_text.strip():
+    an empty or unknown type, and for text not shaped like a type name (words, an optional
+    `(n)` / `(p, s)`, array brackets), which is never given to sqlglot: a JSON schema's types are
+    10,000 parses at most, each of a short name. The kind does not depend on the numbers in
+    parentheses, so it is computed once per (name without them, dialect)."""
+    if not type_text or not type_text.strip() or not _TYPE_SHAPE.fullmatch(type_text.strip()):
         return "other"
+    return _kind_of_type_name(" ".join(_TYPE_ARGS.sub(" ", type_text).lower().split()), dialect)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind_of_type_name(type_text: str, dialect: str) -> TypeKind:
     from sqlglot import exp
     from sqlglot.errors import SqlglotError
 
@@ -257,10 +293,11 @@ def kind_of_type(type_text: str, dialect: str = "sqlite") -> TypeKind:
         dt = exp.DataType.build(type_text, dialect=dialect, udt=True)
     except (SqlglotError, ValueError, TypeError):
         return "other"
-    return _kind_of_datatype(dt)
+    return kind_of_datatype(dt)
 
 
-def _kind_of_datatype(dt) -> TypeKind:
+def kind_of_datatype(dt) -> TypeKind:
+    """The kind of a sqlglot exp.DataType."""
     from sqlglot import exp
 
     T = exp.DataType.Type
@@ -348,125 +385,14 @@ def schema_from_json(obj, dialect: str | None = None) -> Schema:
                 raise SchemaError(
                     f"column {name}.{cname}: the type must be a string, got {type(ctype).__name__}"
                 )
+            if len(ctype) > MAX_TYPE_CHARS:
+                raise SchemaError(
+                    f"column {name}.{cname}: the type is {len(ctype)} characters, over the limit of "
+                    f"{MAX_TYPE_CHARS}"
+                )
             columns.append(Column(cname, ctype.strip(), kind_of_type(ctype, d or "sqlite")))
         tables.append(Table(name, tuple(columns), case_sensitive=d == "postgres"))
     return Schema(tuple(tables), d)
-
-
-def schema_from_ddl(text: str, dialect: str = "sqlite") -> Schema:
-    """A Schema from `CREATE TABLE` statements in `dialect` (parsed with sqlglot): columns and
-    their types (SQLite's typeless columns too), column- and table-level PRIMARY KEY and FOREIGN
-    KEY/REFERENCES; other table constraints (UNIQUE, CHECK) are read past. Other statements
-    (INSERT, CREATE INDEX/VIEW, PRAGMA, ...) are skipped. Raises SchemaError when the
-    text does not parse, holds no CREATE TABLE, or breaks a limit."""
-    import sqlglot
-    from sqlglot import exp
-    from sqlglot.errors import SqlglotError
-
-    from agentrt.sql.dialect import dialect_name
-
-    d = dialect_name(dialect)
-    if not isinstance(text, str):
-        raise SchemaError(f"DDL must be a string, got {type(text).__name__}")
-    if len(text.encode()) > MAX_SCHEMA_BYTES:
-        raise SchemaError(f"the DDL is {len(text.encode())} bytes, over the limit of {MAX_SCHEMA_BYTES}")
-    try:
-        statements = sqlglot.parse(text, read=d)
-    except SqlglotError as e:
-        raise SchemaError(f"the DDL does not parse as {d}: {_first_line(e)}") from None
-    except RecursionError:
-        raise SchemaError("the DDL is nested too deeply to parse") from None
-    tables = []
-    cs = d == "postgres"
-    for st in statements:
-        if not isinstance(st, exp.Create) or str(st.args.get("kind", "")).upper() != "TABLE":
-            continue
-        target = st.this
-        if not isinstance(target, exp.Schema) or not isinstance(target.this, exp.Table):
-            raise SchemaError(f"CREATE TABLE without a column list is not supported: {st.sql(d)[:80]!r}")
-        name = target.this.name
-        columns, pk, fks = [], [], []
-        for item in target.expressions:
-            if isinstance(item, exp.ColumnDef):
-                kind = item.args.get("kind")
-                # the dialect's spelling, except SQLite's (it writes affinities: BOOLEAN -> INTEGER)
-                type_text = "" if kind is None else kind.sql() if d == "sqlite" else kind.sql(d)
-                columns.append(
-                    Column(item.name, type_text, _kind_of_datatype(kind) if kind is not None else "other")
-                )
-                for cons in item.args.get("constraints") or []:
-                    ck = cons.args.get("kind")
-                    if isinstance(ck, exp.PrimaryKeyColumnConstraint):
-                        pk.append(item.name)
-                    elif isinstance(ck, exp.Reference):
-                        fks.append(_reference(ck, (item.name,)))
-            elif isinstance(item, exp.Identifier):  # SQLite: a column declared without a type
-                columns.append(Column(item.name, "", "other"))
-            elif isinstance(item, exp.PrimaryKey):
-                pk.extend(_names(item.expressions))
-            elif isinstance(item, exp.ForeignKey):
-                fks.append(_reference(item.args["reference"], tuple(_names(item.expressions))))
-            elif isinstance(item, exp.Constraint):
-                for sub in item.expressions:
-                    if isinstance(sub, exp.PrimaryKey):
-                        pk.extend(_names(sub.expressions))
-                    elif isinstance(sub, exp.ForeignKey):
-                        fks.append(_reference(sub.args["reference"], tuple(_names(sub.expressions))))
-        tables.append(Table(name, tuple(columns), tuple(pk), tuple(f for f in fks if f is not None), cs))
-        if len(tables) > MAX_TABLES:
-            raise SchemaError(f"the DDL creates more than {MAX_TABLES} tables (the limit)")
-    if not tables:
-        raise SchemaError("the DDL holds no CREATE TABLE statement")
-    tables = _resolve_fk_columns(tables)
-    return Schema(tuple(tables), d)
-
-
-def _names(items) -> list[str]:
-    from sqlglot import exp
-
-    out = []
-    for x in items:
-        if isinstance(x, exp.Ordered):
-            x = x.this
-        out.append(x.name)
-    return out
-
-
-def _reference(ref, columns: tuple[str, ...]) -> ForeignKey | None:
-    """A ForeignKey from sqlglot's Reference (`REFERENCES t(c, ...)`); ref_columns () when the
-    DDL names none (the referenced table's primary key, filled in by _resolve_fk_columns)."""
-    from sqlglot import exp
-
-    target = ref.this
-    if isinstance(target, exp.Schema):
-        return ForeignKey(columns, target.this.name, tuple(_names(target.expressions)))
-    if isinstance(target, exp.Table):
-        return ForeignKey(columns, target.name, ())
-    return None
-
-
-def _resolve_fk_columns(tables: list[Table]) -> list[Table]:
-    """Fill the referenced columns of `REFERENCES t` (no column list: t's primary key)."""
-    by_name = {fold_name(t.name): t for t in tables}
-    out = []
-    for t in tables:
-        fks = []
-        for fk in t.foreign_keys:
-            if not fk.ref_columns:
-                ref = by_name.get(fold_name(fk.ref_table))
-                if ref is None or len(ref.primary_key) != len(fk.columns):
-                    raise SchemaError(
-                        f"foreign key of table {t.name!r} references {fk.ref_table!r} without naming "
-                        "columns, and that table has no matching primary key"
-                    )
-                fk = ForeignKey(fk.columns, fk.ref_table, ref.primary_key)
-            fks.append(fk)
-        out.append(Table(t.name, t.columns, t.primary_key, tuple(fks), t.case_sensitive))
-    return out
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
 
 
 def load_schema(source, dialect: str | None = None) -> Schema:
@@ -492,6 +418,8 @@ def load_schema(source, dialect: str | None = None) -> Schema:
             if dialect is not None and dialect_name(dialect) != s.dialect:
                 raise SchemaError(f"the database is {s.dialect}, not {dialect}")
             return s
+        from agentrt.sql.ddl import schema_from_ddl
+
         return schema_from_ddl(text, dialect or "sqlite")
     try:
         import sqlalchemy

@@ -37,7 +37,8 @@ def scopes_of(schema: Schema, opts, budget: int, dropped: list[str]) -> list[Sco
     if n > budget:
         raise SchemaError(
             f"the schema has {n} tables, more than the grammar's limit of {budget} FROM shapes "
-            "(GrammarOptions.max_scopes); give the tables the question needs (Schema.subset)"
+            "(GrammarOptions.max_scopes); give the tables the question needs (the sql constraint's "
+            '"tables": [...], LLM.sql(tables=...), agentrt sql --tables, or Schema.subset)'
         )
     idx = {id(t): i for i, t in enumerate(tables)}
     fk_adj: dict[int, set[int]] = defaultdict(set)

@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agentrt.grammars.spec import ConstraintSpec
+from agentrt.sql.ddl import schema_from_ddl
 from agentrt.sql.dialect import dialect_name
 from agentrt.sql.grammar import sql_grammar
-from agentrt.sql.schema import Schema, SchemaError, schema_from_ddl, schema_from_json
+from agentrt.sql.schema import Schema, SchemaError, schema_from_json
 
 SQL_SYSTEM_PROMPT = (
     "You write {dialect} queries. The database has these tables:\n\n{ddl}\n"
@@ -80,6 +81,22 @@ class Database:
     engine: object
     dialect: str
     schema: Schema
+
+
+def table_limit_warning(db: Database) -> str | None:
+    """The line `agentrt serve` prints for a named database with more tables than the grammar's
+    default limit (grammar.DEFAULT_MAX_SCOPES for its dialect): every request naming it must
+    then choose its tables (`"tables"`). None when it is within the limit."""
+    from agentrt.sql.grammar import DEFAULT_MAX_SCOPES
+
+    limit = DEFAULT_MAX_SCOPES[db.dialect]
+    if len(db.schema.tables) <= limit:
+        return None
+    return (
+        f"agentrt: warning: database {db.name}: {len(db.schema.tables)} tables, more than the grammar's "
+        f'limit of {limit}: each request must name the tables it needs, {{"sql": {{"database": '
+        f'"{db.name}", "tables": ["...", "..."]}}}}'
+    )
 
 
 def parse_database_args(specs: list[str] | None) -> dict[str, str]:

@@ -15,13 +15,17 @@ validate(query, schema, dialect, engine=None) runs, in order, stopping at the fi
 4. "database" (with a SQLAlchemy engine): the database plans it, `EXPLAIN <query>`, in a
    read-only way (SQLite: PRAGMA query_only on that connection; PostgreSQL: a READ ONLY
    transaction with statement_timeout; DuckDB: a transaction rolled back), within `timeout_s`.
+   A database that cannot be reached, or whose connection breaks during the check (SQLAlchemy's
+   `dialect.is_disconnect` decides), is no verdict on the query: stage "connection",
+   `checked_database` False.
 
 execute(query, engine, max_rows, timeout_s) validates steps 1-3 against the engine's own schema
 (given or introspected), then runs the query with the same read-only guards and a time limit
 (SQLite: a progress handler that aborts the statement; DuckDB: `interrupt()` from a timer;
 PostgreSQL: `statement_timeout`), and fetches at most max_rows rows (`QueryResult.truncated`
 says more were there). A failure raises QueryError (a ValueError) with the stage and the
-database's message; a timeout raises QueryTimeoutError.
+database's message; a timeout raises QueryTimeoutError; a database that cannot be reached or
+drops the connection raises DatabaseConnectionError (stage "connection").
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ DEFAULT_MAX_ROWS = 1000
 @dataclass(frozen=True)
 class Validation:
     """ok: the query passed every stage run; error: why not (None when ok); stage: the stage
-    that failed ("parse" | "read_only" | "schema" | "database"), None when ok; checked_database:
-    whether the database itself was asked (an engine was given)."""
+    that failed ("parse" | "read_only" | "schema" | "database"), or "connection" when the
+    database could not be asked (unreachable, connection lost: no verdict on the query), None
+    when ok; checked_database: whether the database itself answered on the query."""
 
     ok: bool
     error: str | None = None
@@ -92,6 +97,14 @@ class QueryError(InvalidRequestError):
 
 class QueryTimeoutError(QueryError):
     """The query ran past its time limit and was stopped."""
+
+
+class DatabaseConnectionError(QueryError):
+    """The database could not be connected to, or the connection broke while the query ran: no
+    verdict on the query (stage "connection")."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "connection")
 
 
 def _sqlglot():
@@ -269,6 +282,8 @@ def validate(
         return Validation(True)
     try:
         _run(engine, "EXPLAIN " + query, timeout_s, max_rows=None)
+    except DatabaseConnectionError as e:
+        return Validation(False, e.message, "connection", False)
     except QueryError as e:
         return Validation(False, e.message, "database", True)
     return Validation(True, checked_database=True)
@@ -283,8 +298,9 @@ def execute(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> QueryResult:
     """Run a read-only query on `engine` (module docstring) and return at most `max_rows` rows.
-    Raises QueryError (stage "parse" | "read_only" | "schema" | "database") or
-    QueryTimeoutError; SchemaError/DatabaseUnreachableError when the database cannot be read."""
+    Raises QueryError (stage "parse" | "read_only" | "schema" | "database"), QueryTimeoutError,
+    DatabaseConnectionError (stage "connection"); SchemaError/DatabaseUnreachableError when the
+    database cannot be read for its schema."""
     from agentrt.sql.introspect import dialect_of, introspect
 
     if max_rows < 0:
@@ -314,16 +330,17 @@ def _run(engine, sql: str, timeout_s: float, max_rows: int | None) -> QueryResul
     timed_out = threading.Event()
     try:
         conn_cm = engine.connect()
-    except sa.exc.SQLAlchemyError as e:  # the pool connects here: an unreachable database
-        raise QueryError(
-            f"cannot connect to {describe(engine)}: {_first_line(getattr(e, 'orig', e))}", "database"
+    except Exception as e:  # noqa: BLE001 (the pool connects here: an unreachable database; duckdb's
+        # own IOException is not wrapped by SQLAlchemy)
+        raise DatabaseConnectionError(
+            f"cannot connect to {describe(engine)}: {_first_line(getattr(e, 'orig', None) or e)}"
         ) from None
     with conn_cm as conn:
         try:
             raw = conn.connection.dbapi_connection
         except sa.exc.SQLAlchemyError as e:
-            raise QueryError(
-                f"cannot connect to {describe(engine)}: {_first_line(getattr(e, 'orig', e))}", "database"
+            raise DatabaseConnectionError(
+                f"cannot connect to {describe(engine)}: {_first_line(getattr(e, 'orig', None) or e)}"
             ) from None
         timer = None
         restore = None
@@ -370,6 +387,10 @@ def _run(engine, sql: str, timeout_s: float, max_rows: int | None) -> QueryResul
                 raise QueryTimeoutError(
                     f"the query ran past its {timeout_s:g} s limit and was stopped", "database"
                 ) from None
+            if _is_disconnect(engine, e, raw):
+                raise DatabaseConnectionError(
+                    f"lost the connection to {describe(engine)}: {_first_line(e)}"
+                ) from None
             raise QueryError(f"the database refused the query: {_first_line(e)}", "database") from None
         finally:
             if timer is not None:
@@ -386,6 +407,17 @@ def _run(engine, sql: str, timeout_s: float, max_rows: int | None) -> QueryResul
                         raw.rollback()
             except Exception:  # noqa: BLE001 (a broken connection: dropped from the pool)
                 conn.invalidate()
+
+
+def _is_disconnect(engine, e: BaseException, raw) -> bool:
+    """The driver error `e` means the connection is gone (SQLAlchemy's per-dialect
+    `is_disconnect`: psycopg's "server closed the connection unexpectedly", a closed SQLite
+    handle), not that the database refused the query."""
+    try:
+        gone = engine.dialect.is_disconnect(e, raw, None)
+    except Exception:  # noqa: BLE001 (a dialect that cannot tell: read the connection itself)
+        gone = False
+    return bool(gone or getattr(raw, "broken", False) is True or getattr(raw, "closed", False) is True)
 
 
 def _is_timeout(e: BaseException) -> bool:

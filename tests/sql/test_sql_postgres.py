@@ -139,3 +139,79 @@ def test_postgres_execution_is_read_only_with_a_timeout(pg_url, pg_awkward):
         execute(ENDLESS, autocommit, schema, timeout_s=0.5)
     assert execute('SELECT COUNT(*) FROM "Clients"', autocommit, schema).rows == [(2,)]
     autocommit.dispose()
+
+
+@pytest.fixture(scope="module")
+def pg_db(pg_url):
+    """A second, empty database on the server (the awkward one's model stays as it is): its URL."""
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql("CREATE DATABASE second")
+    admin.dispose()
+    return pg_url.replace("/postgres?", "/second?")
+
+
+def test_postgres_ddl_names_are_the_databases_own(pg_db):
+    """Unquoted names in CREATE TABLE text fold to lower case as PostgreSQL folds them, so the
+    grammar's names are the ones the database has (the check found `"Users"` generated for
+    `CREATE TABLE Users`, which then failed on the database)."""
+    import sqlalchemy as sa
+
+    from agentrt.sql import schema_from_ddl
+
+    ddl = (
+        'CREATE TABLE Users (Id int PRIMARY KEY, Name text, "Mixed" int);\n'
+        "CREATE TABLE Orders (Id int PRIMARY KEY, Uid int REFERENCES USERS (ID), Total numeric);"
+    )
+    engine = sa.create_engine(pg_db)
+    with engine.begin() as conn:
+        for statement in ddl.split(";\n"):
+            conn.exec_driver_sql(statement)
+    live = introspect(engine)
+    parsed = schema_from_ddl(ddl, "postgres")
+    assert model(parsed) == model(live)
+    grammar = sql_grammar(parsed)
+    rng = random.Random(3)
+    for q in [sample(grammar, rng) for _ in range(100)]:
+        result = validate(q, parsed, engine=engine)
+        assert result.ok and result.checked_database, (result, q)
+    engine.dispose()
+
+
+def test_postgres_outage_is_no_verdict_on_the_query(pg_db):
+    """A connection the server closes while the query runs (here: pg_terminate_backend) and a
+    server that does not answer are stage "connection", never the database's verdict."""
+    import threading
+    import time
+
+    import sqlalchemy as sa
+
+    from agentrt.sql.validate import DatabaseConnectionError, _run
+
+    engine = open_database(pg_db)
+    admin = sa.create_engine(pg_db, isolation_level="AUTOCOMMIT")
+
+    def terminate():
+        time.sleep(1.0)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE starts_with(query, 'SELECT pg_sleep') AND pid <> pg_backend_pid()"
+            )
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    with pytest.raises(DatabaseConnectionError, match="lost the connection") as e:
+        _run(engine, "SELECT pg_sleep(20)", timeout_s=30, max_rows=1)
+    killer.join()
+    assert e.value.stage == "connection"
+    # the pool recovers: the next query gets a new connection
+    assert _run(engine, "SELECT 1", timeout_s=5, max_rows=1).rows == [(1,)]
+    engine.dispose()
+    admin.dispose()
+    schema = introspect(pg_db)
+    down = open_database(pg_db.split("?")[0] + f"?host=127.0.0.1&port={free_port()}")
+    result = validate("SELECT id FROM users", schema, engine=down)
+    assert not result.ok and result.stage == "connection" and not result.checked_database, result

@@ -154,7 +154,7 @@ def test_limits_are_refused_before_the_work():
 
 def test_unreachable_and_empty_databases_are_clear_errors(tmp_path):
     missing = tmp_path / "missing.sqlite"
-    with pytest.raises(DatabaseUnreachableError, match="cannot read the database"):
+    with pytest.raises(DatabaseUnreachableError, match="no SQLite database file at .*never created"):
         introspect(f"sqlite:///{missing}")
     assert not missing.exists()  # opened read-only: never created
     with pytest.raises(DatabaseUnreachableError):
@@ -197,6 +197,37 @@ def test_open_database_cannot_write(tmp_path):
     engine.dispose()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///file:{path}?mode=rwc&uri=true",
+        "sqlite:///file:{path}?mode=rw",
+        "sqlite:///file://{path}?uri=true",
+        "sqlite:///file://localhost{path}?mode=memory&uri=true",
+    ],
+)
+def test_sqlite_file_uri_is_opened_read_only_and_never_created(tmp_path, url):
+    """A URL that is itself an SQLite file: URI gets what a path gets: the file must exist and its
+    `mode` becomes ro (the check found `mode=rwc` creating a new empty file)."""
+    import sqlalchemy as sa
+
+    missing = tmp_path / "created.sqlite"
+    with pytest.raises(DatabaseUnreachableError, match="no SQLite database file"):
+        open_database(url.format(path=missing))
+    assert not missing.exists()
+    path = tmp_path / "there.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (a INTEGER)")
+    engine = open_database(url.format(path=path))
+    assert dict(engine.url.query)["mode"] == "ro"
+    assert [t.name for t in introspect(engine).tables] == ["t"]
+    with engine.connect() as c, pytest.raises(sa.exc.OperationalError, match="readonly|read-only"):
+        c.exec_driver_sql("INSERT INTO t VALUES (1)")
+    engine.dispose()
+    with pytest.raises(SchemaError, match="not a local file"):
+        open_database(f"sqlite:///file://otherhost{path}?uri=true")
+
+
 def test_subset_keeps_keys_inside_it():
     schema = schema_from_ddl(ddl("sqlite"), "sqlite")
     sub = schema.subset(["Order Items", "clients"])
@@ -206,6 +237,8 @@ def test_subset_keeps_keys_inside_it():
     assert only.table("日本").foreign_keys == ()
     with pytest.raises(SchemaError, match="no table"):
         schema.subset(["nope"])
+    with pytest.raises(SchemaError, match="named twice"):
+        schema.subset(["clients", "Clients"])
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "duckdb"])

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentrt.sql import QueryError, QueryTimeoutError, execute, introspect, normalize, open_database, validate
-from agentrt.sql.validate import _run
+from agentrt.sql.validate import DatabaseConnectionError, _is_disconnect, _run
 from tests.sql.awkward import ENDLESS, make_awkward
 
 
@@ -70,14 +70,38 @@ def test_the_database_is_asked(db):
     assert validate(None, schema).stage == "parse"
 
 
-def test_an_unreachable_database_is_reported(tmp_path):
+def test_an_unreachable_database_is_no_verdict_on_the_query(tmp_path):
+    """A database that went away after the engine was opened: stage "connection", not checked by
+    the database (the check found an outage reported as stage "database", checked_database true)."""
     engine = make_awkward("sqlite", tmp_path)
     schema = introspect(engine)
-    gone = open_database(f"sqlite:///{tmp_path / 'gone.sqlite'}")
+    path = tmp_path / "gone.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.executescript('CREATE TABLE "Clients" (id INTEGER)')
+    gone = open_database(f"sqlite:///{path}")
+    assert validate("SELECT id FROM Clients", schema, engine=gone).checked_database
+    gone.dispose()  # the pooled connection would still read the unlinked file
+    path.unlink()
     result = validate("SELECT id FROM Clients", schema, engine=gone)
-    assert not result.ok and result.stage == "database" and "cannot connect" in result.error
-    with pytest.raises(QueryError, match="cannot connect"):
+    assert not result.ok and result.stage == "connection" and not result.checked_database, result
+    assert "cannot connect" in result.error
+    with pytest.raises(DatabaseConnectionError, match="cannot connect") as e:
         execute("SELECT id FROM Clients", gone, schema)
+    assert e.value.stage == "connection"
+
+
+def test_a_broken_connection_is_told_from_a_refused_query():
+    """SQLAlchemy's dialect decides what a lost connection looks like (psycopg's "server closed the
+    connection unexpectedly" in tests/sql/test_sql_postgres.py; a closed SQLite handle here)."""
+    engine = sa.create_engine("sqlite://")
+    raw = sqlite3.connect(":memory:")
+    raw.close()
+    with pytest.raises(sqlite3.ProgrammingError) as closed:
+        raw.execute("SELECT 1")
+    assert _is_disconnect(engine, closed.value, raw)
+    assert not _is_disconnect(
+        engine, sqlite3.OperationalError("no such table: x"), sqlite3.connect(":memory:")
+    )
 
 
 def test_strict_types_are_the_databases_verdict(tmp_path):
