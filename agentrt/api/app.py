@@ -17,10 +17,9 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 
 from agentrt.api.errors import install_error_handlers
-from agentrt.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, ServerOptions
+from agentrt.api.middleware import ServerOptions, install_middleware
 from agentrt.api.routes import build_router
 from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools import ToolPrompt
@@ -63,18 +62,7 @@ def create_app(
     app.state.options = options
     install_error_handlers(app)
     app.include_router(build_router())
-    # the last added runs first: CORS, then the key check, then the body limit
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_body_bytes)
-    if options.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=options.open_paths())
-    if options.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(options.allowed_origins),
-            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
-            allow_headers=["*"],
-            expose_headers=["Retry-After", "X-Agentrt-Not-Enforced"],
-        )
+    install_middleware(app, options)
     return app
 
 

@@ -18,8 +18,10 @@ import hmac
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentrt.api.errors import APIError
@@ -168,3 +170,20 @@ class BodyLimitMiddleware:
 async def _too_large(e: BodyTooLargeError, scope: Scope, receive: Receive, send: Send) -> None:
     # the rest of the body is never read: the server closes the connection after this answer
     await APIError(str(e.detail), status=413).response(scope["path"])(scope, receive, send)
+
+
+def install_middleware(app: Starlette, options: ServerOptions, expose_headers: tuple[str, ...] = ()) -> None:
+    """The server's middleware from `options`: the body limit, API keys, CORS (exposing
+    Retry-After, X-Agentrt-Not-Enforced and `expose_headers`). The last added runs first: CORS,
+    then the key check, then the body limit. (Shared with the scale-out ingress.)"""
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_body_bytes)
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=options.open_paths())
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "X-Agentrt-Not-Enforced", *expose_headers],
+        )

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.middleware.cors import CORSMiddleware
 
+from agentrt.api.app import install_middleware
 from agentrt.api.errors import install_error_handlers, is_messages_path, to_api_error
-from agentrt.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, ServerOptions
+from agentrt.api.middleware import ServerOptions
 from agentrt.errors import ServiceUnavailableError
 from agentrt.scaleout.metrics import merge_replica_metrics
 from agentrt.scaleout.policy import RoutingTable
@@ -115,18 +115,7 @@ class IngressCore:
         install_error_handlers(app)
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/{path:path}", self.forward, methods=_METHODS)
-        options = self.options
-        app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_body_bytes)
-        if options.api_keys:
-            app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys, open_paths=options.open_paths())
-        if options.allowed_origins:
-            app.add_middleware(
-                CORSMiddleware,
-                allow_origins=list(options.allowed_origins),
-                allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
-                allow_headers=["*"],
-                expose_headers=["Retry-After", "X-Agentrt-Not-Enforced", REPLICA_HEADER],
-            )
+        install_middleware(app, self.options, expose_headers=(REPLICA_HEADER,))
         return app
 
     # ---- forwarding -------------------------------------------------------------------------

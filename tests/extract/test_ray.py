@@ -14,29 +14,12 @@ from agentrt.extract.cli import run_extract
 from agentrt.extract.ray_job import RAY_INSTALL_HINT, blocks, decode_result, encode_result
 from agentrt.extract.types import ExtractResult, Usage
 from tests.extract.test_extract_jobs import PERSON, people_docs, read_rows, write_jsonl
-
-
-def start_ray():
-    """A local Ray cluster of 2 CPUs, or a skip naming why (Ray missing, or its raylet did not come
-    up: on a loaded 2-core machine its agents can miss the raylet's fixed 15 s start-up window)."""
-    ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "agentrt[ray]"')
-    pytest.importorskip("ray.data", reason='Ray Data is not installed: pip install "agentrt[ray]"')
-    errors = []
-    for _ in range(3):
-        try:
-            ray.init(
-                num_cpus=2, object_store_memory=500 << 20, include_dashboard=False, logging_level="WARNING"
-            )
-            return ray
-        except Exception as e:  # noqa: BLE001 (Ray raises a bare Exception when its node times out)
-            errors.append(str(e))
-            ray.shutdown()
-    pytest.skip(f"the local Ray cluster did not start in 3 tries: {errors[-1]}")
+from tests.helpers import start_local_ray
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = start_ray()
+    ray = start_local_ray("ray.data")
     yield ray
     ray.shutdown()
 

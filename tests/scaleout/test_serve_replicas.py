@@ -42,7 +42,7 @@ from agentrt.scaleout.ingress import REPLICA_HEADER
 from agentrt.scaleout.policy import RoutingConfig
 from agentrt.scaleout.replica import ReplicaSpec
 from agentrt.testing import free_port
-from tests.helpers import make_tiny_model
+from tests.helpers import make_tiny_model, start_local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -51,27 +51,10 @@ TRIES = 6
 """ray.init attempts (each up to ~60 s on a loaded machine) before the tests skip."""
 
 
-def start_ray():
-    """A local Ray cluster of 2 CPUs, or a skip naming why."""
-    ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "agentrt[ray]"')
-    pytest.importorskip("ray.serve", reason='Ray Serve is not installed: pip install "agentrt[ray]"')
-    errors = []
-    for _ in range(TRIES):
-        try:
-            ray.init(
-                num_cpus=2, object_store_memory=300 << 20, include_dashboard=False, logging_level="WARNING"
-            )
-            return ray
-        except Exception as e:  # noqa: BLE001 (Ray raises a bare Exception when its node times out)
-            errors.append(str(e))
-            ray.shutdown()
-    pytest.skip(f"the local Ray cluster did not start in {TRIES} tries: {errors[-1]}")
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """(ray, base URL of Serve's proxy)."""
-    ray = start_ray()
+    ray = start_local_ray("ray.serve", tries=TRIES, object_store_bytes=300 << 20)
     from ray import serve
 
     port = free_port()
