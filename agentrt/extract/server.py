@@ -16,6 +16,7 @@ the iterator cancels the requests in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import re
 import threading
@@ -121,7 +122,8 @@ class ServerExtractor:
         finally:
             loop, task = state.get("loop"), state.get("task")
             if thread.is_alive() and loop is not None and task is not None:
-                loop.call_soon_threadsafe(task.cancel)
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: the thread is ending
+                    loop.call_soon_threadsafe(task.cancel)
                 while thread.is_alive():  # drain so a blocked put cannot hold the thread
                     try:
                         out.get(timeout=0.1)
