@@ -87,6 +87,7 @@ class Built(NamedTuple):
     ebnf: str
     not_enforced: list[str]
     forced_bound: ForcedBound | None
+    unique_plan: list | None = None  # the unique-strings check's plan (grammars/unique_items.py)
 
 
 class CompileChildError(Exception):
@@ -180,7 +181,11 @@ class Zygote:
             meta = json.loads(head)
             bound = meta["forced_bound"]
             return Built(
-                None, ebnf.decode(), meta["not_enforced"], None if bound is None else ForcedBound(*bound)
+                None,
+                ebnf.decode(),
+                meta["not_enforced"],
+                None if bound is None else ForcedBound(*bound),
+                meta.get("unique_plan"),
             )
         if kind == _ERROR:
             f = json.loads(body)
@@ -353,7 +358,13 @@ def _run_job(info: xgr.TokenizerInfo, job_json: bytes, memory: int | None = None
         spec = ConstraintSpec(job["kind"], job["value"], job["strict"])
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         built = build_constraint(spec, job["ws"], compiler)
-        head = json.dumps({"not_enforced": built.not_enforced, "forced_bound": built.forced_bound})
+        head = json.dumps(
+            {
+                "not_enforced": built.not_enforced,
+                "forced_bound": built.forced_bound,
+                "unique_plan": built.unique_plan,
+            }
+        )
         return _OK + head.encode() + b"\n" + built.ebnf.encode()
     except ConstraintError as e:
         if "bad_alloc" in e.message:  # xgrammar's std::bad_alloc, wrapped by build_constraint

@@ -115,15 +115,31 @@ def _at_least(name: str, lo: int) -> str:
     return f"{name}{{{lo - 1}, {lo - 1}}} {name}_any+" if lo > 1 else f"{name}_any+"
 
 
-def _schema_ebnf(schema, strict: bool | None, not_enforced: list[str], ws: dict) -> str:
+def _schema_ebnf(
+    schema, strict: bool | None, not_enforced: list[str], ws: dict, plans: list | None = None
+) -> str:
     """EBNF (root rule `root`) of a JSON Schema through the faithful pipeline: normalize (refuse or,
     with strict False, drop what cannot be enforced, appending "keyword at pointer" to
-    `not_enforced`), xgrammar's converter, then our bounded strings and patterns. Raises
-    ConstraintError (UnsupportedSchemaError / UnsatisfiableSchemaError from the normalizer) or
-    xgrammar's RuntimeError."""
-    norm = normalize_schema(schema, best_effort=strict is False, close_objects=strict is True)
+    `not_enforced`), xgrammar's converter, then our bounded strings and patterns. With `plans` (a
+    list), `uniqueItems` over free strings is kept and its matcher check's plan appended there
+    (grammars/unique_items.py; None appended when the schema has none); without, it is refused.
+    Raises ConstraintError (UnsupportedSchemaError / UnsatisfiableSchemaError from the normalizer)
+    or xgrammar's RuntimeError."""
+    best_effort = strict is False
+    norm = normalize_schema(
+        schema, best_effort=best_effort, close_objects=strict is True, unique_strings=plans is not None
+    )
     not_enforced.extend(norm.not_enforced)
-    schema, nodes = take_nodes(norm.schema, ws)  # subschemas with grammars of our own (json_schema/nodes.py)
+    schema = norm.schema
+    if plans is not None:
+        from agentrt.grammars.unique_items import has_marks, strip_marks, unique_plan
+
+        plan = None
+        if has_marks(schema):
+            plan = unique_plan(schema, best_effort, not_enforced)
+            schema = strip_marks(schema)
+        plans.append(plan)
+    schema, nodes = take_nodes(schema, ws)  # subschemas with grammars of our own (json_schema/nodes.py)
     schema, patterns = _take_patterns(schema)
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), strict_mode=False, **ws)
     return put_nodes(_put_patterns(_fix_bounded_strings(str(grammar)), patterns), nodes, ws)
@@ -158,12 +174,17 @@ def whitespace_options(config: GrammarConfig) -> dict:
     return ws
 
 
-def spec_grammar(spec: ConstraintSpec, not_enforced: list[str], ws: dict) -> xgr.Grammar | None:
+def spec_grammar(
+    spec: ConstraintSpec, not_enforced: list[str], ws: dict, plans: list | None = None
+) -> xgr.Grammar | None:
     """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind).
-    Dropped keywords (best effort) are appended to `not_enforced`. Raises ConstraintError, or
-    xgrammar's RuntimeError / ValueError (build_constraint turns them into ConstraintError)."""
+    Dropped keywords (best effort) are appended to `not_enforced`; a json_schema spec's
+    unique-strings plan to `plans` when given (see `_schema_ebnf`; tool arguments never get one).
+    Raises ConstraintError, or xgrammar's RuntimeError / ValueError (build_constraint turns them
+    into ConstraintError)."""
     if spec.kind == "json_schema":
-        return xgr.Grammar.from_ebnf(_schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws))
+        ebnf = _schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws, plans)
+        return xgr.Grammar.from_ebnf(ebnf)
     if spec.kind == "tool_calls":
         from agentrt.grammars.tool_calls import structural_tag
 
@@ -207,13 +228,15 @@ def build_constraint(spec: ConstraintSpec, ws: dict, compiler: xgr.GrammarCompil
     "<kind> constraint cannot be compiled: <reason>", keeping the keyword, JSON pointer and tool
     index of a schema error."""
     not_enforced: list[str] = []
+    plans: list = []
     try:
-        grammar = spec_grammar(spec, not_enforced, ws)
+        grammar = spec_grammar(spec, not_enforced, ws, plans)
         if grammar is None:
             raise ConstraintError(f"unknown constraint kind '{spec.kind}'")
         ebnf = str(grammar)
         bound = check_finite(ebnf, "root")
-        return Built(compiler.compile_grammar(grammar), ebnf, not_enforced, bound)
+        plan = plans[0] if plans else None
+        return Built(compiler.compile_grammar(grammar), ebnf, not_enforced, bound, plan)
     except (RuntimeError, ValueError, TypeError) as e:
         raise _refusal(f"{spec.kind} constraint cannot be compiled: {_clean_error(e)}", e) from None
 
@@ -229,6 +252,7 @@ class CompiledConstraint:
     not_enforced: list[str] = field(default_factory=list)
     compile_s: float = 0.0
     forced_bound: ForcedBound | None = None
+    unique_plan: list | None = None  # the matcher's unique-strings check (grammars/unique_items.py)
 
 
 class GrammarBackend:
@@ -249,6 +273,7 @@ class GrammarBackend:
         self._tokenizer = tokenizer
         self._planner = None
         self._jump_finder = None
+        self._vocab_bytes = None  # unique_items.VocabBytes, built on first use
         # one xgrammar thread per compile worker: compile concurrency is the worker count
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         # the whole pipeline (spec -> grammar -> finite check -> compile) in killable child
@@ -326,7 +351,7 @@ class GrammarBackend:
                 ) from None
             built = built._replace(grammar=grammar)
         return CompiledConstraint(
-            built.grammar, built.not_enforced, time.perf_counter() - t0, built.forced_bound
+            built.grammar, built.not_enforced, time.perf_counter() - t0, built.forced_bound, built.unique_plan
         )
 
     def new_matcher(
@@ -335,9 +360,16 @@ class GrammarBackend:
         """A fresh per-request matcher; every model stop id and `extra_stop_ids` is allowed only
         where the grammar may end."""
         stops = sorted(set(self.stop_ids) | set(extra_stop_ids))
-        return xgr.GrammarMatcher(
+        matcher = xgr.GrammarMatcher(
             compiled.grammar, override_stop_tokens=stops, max_rollback_tokens=max_rollback_tokens
         )
+        if compiled.unique_plan is None:
+            return matcher
+        from agentrt.grammars.unique_items import UniqueItemsMatcher, VocabBytes
+
+        if self._vocab_bytes is None:
+            self._vocab_bytes = VocabBytes(self.info.decoded_vocab, self.info.special_token_ids)
+        return UniqueItemsMatcher(matcher, compiled.unique_plan, self._vocab_bytes)
 
     @property
     def planner(self):
@@ -381,7 +413,11 @@ class GrammarBackend:
         bitmask = self.allocate_bitmask(batch)
 
         def fill() -> torch.Tensor:
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            inner = [getattr(m, "inner", m) for m in matchers]  # unique_items.UniqueItemsMatcher
+            self._batch_matcher.batch_fill_next_token_bitmask(inner, bitmask, rows)
+            for m, bare, row in zip(matchers, inner, rows):
+                if m is not bare:  # the unique-strings check after xgrammar's mask
+                    m.restrict(bitmask, row)
             return bitmask
 
         return self._mask_pool.submit(fill)

@@ -31,10 +31,10 @@ object keys, and loops whose items differ (a model inventing new array elements 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentrt.grammars.json_lexer import JsonPointerTracker
 from agentrt.grammars.length_policy import ClosingPlanner
 
 if TYPE_CHECKING:
@@ -97,115 +97,6 @@ class TailRepeats:
     def span(self, n: int) -> int:
         """Tokens at the tail that are n-periodic."""
         return self.runs[n] + n
-
-
-class _Frame:
-    """An open object or array: where it opened (output token index), its key / element index, and
-    for arrays whether a complete string, object or array element was the last thing in it."""
-
-    __slots__ = ("after_element", "expecting_key", "is_object", "opened", "where")
-
-    def __init__(self, is_object: bool, opened: int):
-        self.is_object, self.opened = is_object, opened
-        self.where: str | int | None = None if is_object else 0
-        self.expecting_key = is_object
-        self.after_element = False
-
-    def copy(self) -> _Frame:
-        f = _Frame(self.is_object, self.opened)
-        f.where, f.expecting_key, f.after_element = self.where, self.expecting_key, self.after_element
-        return f
-
-
-class JsonPointerTracker:
-    """Incremental lexer over the bytes of a JSON text prefix (assumed valid: a grammar's output).
-
-    `in_value_string`: the output is inside a string that is a value (an object member's value, an
-    array element, or the top-level value), not a key; `string_opened`: the index of the token that
-    opened it. `stack`: the open objects and arrays. `pointer(depth)`: the JSON pointer (RFC 6901) of
-    the value being written at that depth (default: the innermost)."""
-
-    def __init__(self) -> None:
-        self.stack: list[_Frame] = []
-        self.in_string = False
-        self.string_is_key = False
-        self.string_opened = -1
-        self.escape = False
-        self.key_bytes = bytearray()
-        self.boundary: tuple[int, int] | None = None
-
-    @property
-    def in_value_string(self) -> bool:
-        return self.in_string and not self.string_is_key
-
-    def copy(self) -> JsonPointerTracker:
-        t = JsonPointerTracker()
-        t.stack = [f.copy() for f in self.stack]
-        t.in_string, t.string_is_key, t.escape = self.in_string, self.string_is_key, self.escape
-        t.string_opened, t.key_bytes = self.string_opened, bytearray(self.key_bytes)
-        return t
-
-    def feed(self, data: bytes, token_index: int = -1) -> None:
-        """Advance over the bytes of one token (`token_index`: its index in the output). Sets
-        `boundary`: (depth of the array, bytes of `data` up to and including the end of the last
-        string / object / array element completed in it), or None."""
-        self.boundary = None
-        for i, b in enumerate(data):
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif b == 0x5C:  # backslash
-                    self.escape = True
-                elif b == 0x22:  # closing quote
-                    self.in_string = False
-                    if self.string_is_key:
-                        self._set_key()
-                    elif self.stack and not self.stack[-1].is_object:
-                        self.stack[-1].after_element = True
-                        self.boundary = (len(self.stack) - 1, i + 1)
-                    continue
-                if self.string_is_key:
-                    self.key_bytes.append(b)
-                continue
-            top = self.stack[-1] if self.stack else None
-            if b == 0x22:
-                self.in_string, self.string_opened = True, token_index
-                self.string_is_key = top is not None and top.is_object and top.expecting_key
-                self.key_bytes.clear()
-            elif b in (0x7B, 0x5B):  # { [
-                self.stack.append(_Frame(b == 0x7B, token_index))
-            elif b in (0x7D, 0x5D):  # } ]
-                if self.stack:
-                    self.stack.pop()
-                if self.stack and not self.stack[-1].is_object:
-                    self.stack[-1].after_element = True
-                    self.boundary = (len(self.stack) - 1, i + 1)
-            elif b == 0x3A and top is not None and top.is_object:  # : after a key
-                top.expecting_key = False
-            elif b == 0x2C and top is not None:  # ,
-                if top.is_object:
-                    top.expecting_key = True
-                else:
-                    top.where += 1
-                    top.after_element = False
-
-    def _set_key(self) -> None:
-        raw = bytes(self.key_bytes)
-        try:
-            key = json.loads(b'"' + raw + b'"')
-        except ValueError:
-            key = raw.decode("utf-8", "replace")
-        if self.stack:
-            self.stack[-1].where = key
-
-    def pointer(self, depth: int | None = None) -> str:
-        """The JSON pointer of the value being written inside the first `depth` open containers
-        (default: all of them; "" is the top-level value)."""
-        parts = []
-        for f in self.stack[:depth]:
-            s = (f.where or "") if f.is_object else str(f.where)
-            parts.append(s.replace("~", "~0").replace("/", "~1"))
-        return "".join("/" + p for p in parts)
 
 
 class RepetitionGuard:

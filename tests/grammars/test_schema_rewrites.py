@@ -106,7 +106,7 @@ def test_number_automaton_bound_and_divisors():
             "uniqueItems",
             "/uniqueItems",
         ),
-        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
+        ({"type": "array", "items": {"type": "number"}, "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
         (
             {"type": "array", "contains": {"type": "integer"}, "minContains": 20, "maxItems": 30},
             "contains",
@@ -125,7 +125,7 @@ def test_number_automaton_bound_and_divisors():
     ids=[
         "multipleOf-bound",
         "unique-enum-bound",
-        "unique-strings",
+        "unique-numbers",
         "contains-count-bound",
         "contains-prefixItems",
         "maxContains",

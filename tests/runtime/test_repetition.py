@@ -9,9 +9,10 @@ import json
 import jsonschema
 import pytest
 
+from agentrt.grammars.json_lexer import JsonPointerTracker
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.config import EngineConfig, SpecConfig
-from agentrt.runtime.repetition import JsonPointerTracker, RepetitionConfig, TailRepeats
+from agentrt.runtime.repetition import RepetitionConfig, TailRepeats
 from agentrt.runtime.request import SamplingParams, TokenLogprob
 from agentrt.testing import fake_engine
 

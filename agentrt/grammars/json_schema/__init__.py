@@ -54,7 +54,8 @@ Per keyword (docs: README "Constraints"):
   with the complements of overlapping branches, at most 64 alternatives per branch; closed-object
   branches complemented within their names), not (of the forms negation.py complements),
   multipleOf (exact decimal residue automaton, decimals.py: at most 4000 states, no exponents),
-  uniqueItems (items of at most 1024 sets of scalar values), contains/minContains (counting
+  uniqueItems (items of at most 1024 sets of scalar values; over free strings checked by the
+  matcher at string completion, grammars/unique_items.py), contains/minContains (counting
   grammar of at most 256 rules, not beside prefixItems), if/then/else (an `if` with a complement,
   at most 3 together, or any number testing one property's value), format regex (a subset ECMA-262
   and Python both compile: narrower),
@@ -62,7 +63,8 @@ Per keyword (docs: README "Constraints"):
   pattern + length (product automaton of at most 4000 states), strings under maxLength take no
   escapes, keys matched by patterns or names use no escapes, quote, backslash or control
   characters (stricter), objects of our own grammar are refused with `indent` set;
-- refused: uniqueItems over strings, numbers or objects in general, maxContains below the length
+- refused: uniqueItems over numbers, objects or constrained strings (and over free strings in tool
+  arguments or in ambiguous places, unique_items.unique_plan), maxContains below the length
   bound, if without a complement, not of other schemas (additionalProperties, patternProperties,
   format, uniqueItems, integers alone), multipleOf past its automaton bound, unevaluatedItems,
   unevaluatedProperties beside applicators, remote/anchor $ref, $dynamicRef, custom metaschemas

@@ -18,6 +18,9 @@ from agentrt.grammars.json_schema.values import json_equal
 if TYPE_CHECKING:
     from agentrt.grammars.json_schema.normalizer import Normalizer
 
+UNIQUE_STRINGS = "x-agentrt-unique-strings"
+"""Output marker of an array of distinct free strings (value: the `uniqueItems` pointer). Not a
+grammar keyword: grammars/unique_items.py builds the matcher's check from it and strips it."""
 MAX_UNIQUE_SETS = 1024  # rules of the unique-items grammar: one per set of values used so far
 MAX_CONTAINS_RULES = 256  # rules of the contains grammar: (items so far, matches so far)
 
@@ -112,9 +115,20 @@ def _contains(n: Normalizer, s: dict, out: dict, pointer: str):
 
 def _unique(n: Normalizer, out: dict, pointer: str):
     """`uniqueItems` over more than one item: kept when every item is one of a few scalars (nodes.py
-    enumerates the sets of values used), else refused; UNSAT when minItems exceeds the values."""
+    enumerates the sets of values used); over free strings (items exactly `{"type": "string"}`,
+    no prefixItems) marked with UNIQUE_STRINGS (its value: the keyword's pointer) for the matcher's
+    check (grammars/unique_items.py), when `n.unique_strings`; else refused. UNSAT when minItems
+    exceeds the values."""
     values = unique_values(out)
     where = ptr(pointer, "uniqueItems")
+    if (
+        values is None
+        and n.unique_strings
+        and out.get("items") == {"type": "string"}
+        and "prefixItems" not in out
+    ):
+        n.rewrite("uniqueItems", where)
+        return {**out, UNIQUE_STRINGS: where}
     if values is None:
         n.unsupported("uniqueItems", where, "unique array items are supported over an enum of scalars only")
         return out

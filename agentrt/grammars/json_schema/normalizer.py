@@ -39,16 +39,20 @@ class NormalizedSchema:
 
 
 def normalize_schema(
-    schema: Any, *, best_effort: bool = False, close_objects: bool = False
+    schema: Any, *, best_effort: bool = False, close_objects: bool = False, unique_strings: bool = True
 ) -> NormalizedSchema:
     """Rewrite `schema` (a dict or bool, already meta-validated) into the enforced subset.
 
     best_effort: drop unsupported keywords and list them in `not_enforced` instead of raising.
     close_objects: objects without `additionalProperties` get `false` (OpenAI strict mode) instead
     of the spec's default (any additional property allowed).
+    unique_strings: `uniqueItems` over free strings is kept, as the marker UNIQUE_STRINGS on the
+    array, for the matcher's check at string completion (grammars/unique_items.py); False (tool
+    arguments, where no such check runs) refuses it as before.
     Raises UnsupportedSchemaError (keyword + JSON pointer) or UnsatisfiableSchemaError (ValueErrors).
     """
     n = Normalizer(copy.deepcopy(schema), best_effort, close_objects)
+    n.unique_strings = unique_strings
     try:
         out = n.run()
     except RecursionError:
@@ -67,6 +71,7 @@ class Normalizer:
         self.root = root
         self.best_effort = best_effort
         self.close_objects = close_objects
+        self.unique_strings = True  # uniqueItems over free strings kept as a marker (arrays._unique)
         cls = (
             validator_for(root, default=jsonschema.Draft202012Validator)
             if isinstance(root, dict)

@@ -1,0 +1,276 @@
+"""`uniqueItems` over free strings, enforced exactly by the matcher at string completion.
+
+No context-free grammar tells distinct unbounded strings apart, so the grammar admits any array of
+strings there and this module refuses, token by token, the tokens that would complete an element
+equal to an earlier element of the same array (issue 21, "an exact check when a value completes").
+
+- Schema side (`unique_plan`): the normalizer marks such arrays (json_schema/arrays.UNIQUE_STRINGS:
+  items exactly `{"type": "string"}`). The plan maps a place in the instance to its subschema by
+  object keys (`properties`, else `additionalProperties`), array positions (`prefixItems`, else
+  `items`), `$ref`, and `anyOf` branches told apart by container type (an object or an array).
+  A marked array reachable any other way (two `anyOf` branches of one container type, under
+  `patternProperties` or `contains`) is refused (`UnsupportedSchemaError` naming the keyword and
+  its pointer): which subschema an element obeys would be ambiguous there.
+- Runtime side (`UniqueItemsMatcher`): wraps the request's xgrammar GrammarMatcher. A byte-level
+  JSON lexer (grammars/json_lexer.py) follows the output; each array frame carries its plan node
+  and, for a marked array, the frozenset of its elements so far (decoded JSON strings, so `"a"`
+  and `"\\u0061"` are equal, as JSON Schema's equality says). `accept_token` rejects a token that
+  completes a duplicate; `fill_next_token_bitmask` (and `restrict`, after a batched fill) clears
+  the bits of such tokens. Only tokens whose bytes hold a quote can complete a string element,
+  and outside a marked array only those that also open an array can: the check simulates those
+  (at most about 1,000 of SmolLM2's 49,152 tokens), not the whole vocabulary.
+
+No dead end follows a refused token: the element is a free string, so when its text so far equals
+an earlier element the grammar still admits any further character, and the mask keeps those; a
+duplicate can only be completed, never forced (jump-forward never forces a free string's text).
+Rollback (speculative decoding, the closing-path planner, runaway repair) restores the lexer state
+saved per accepted token, so every path that drives the matcher sees the same check.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from agentrt.grammars.json_lexer import JsonPointerTracker, _Frame
+from agentrt.grammars.json_schema.arrays import UNIQUE_STRINGS
+from agentrt.grammars.json_schema.errors import UnsupportedSchemaError
+
+_AMBIGUOUS = (
+    "unique strings are checked only where the array's subschema is decided by keys, positions "
+    "and container types; this array lies under {where}"
+)
+
+
+# ---- schema side ---------------------------------------------------------------------------------
+def has_marks(schema) -> bool:
+    """Whether a normalized schema holds a UNIQUE_STRINGS marker."""
+    return UNIQUE_STRINGS in json.dumps(schema)
+
+
+def strip_marks(schema):
+    """A copy of `schema` without UNIQUE_STRINGS markers (the grammar's schema)."""
+    if isinstance(schema, dict):
+        return {k: strip_marks(v) for k, v in schema.items() if k != UNIQUE_STRINGS}
+    if isinstance(schema, list):
+        return [strip_marks(v) for v in schema]
+    return schema
+
+
+def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str] | None = None) -> list[dict]:
+    """The plan of a normalized schema with markers: a list of nodes (node 0: the root), each
+    `{"object": {"p": {key: node}, "a": node}, "array": {"pi": [node], "i": node, "u": pointer}}`
+    (either part absent: that container type is not followed; a node value None: not followed).
+    Raises UnsupportedSchemaError for a marker in an ambiguous place, or under `best_effort`
+    drops it and appends "uniqueItems at pointer" to `not_enforced`. JSON-serializable."""
+    defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
+    nodes: list[dict | None] = []
+    memo: dict[int, int] = {}
+    ambiguous: list[tuple[str, str]] = []  # (marker pointer, where)
+
+    def resolve(s, seen=()):
+        while isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#/$defs/"):
+            name = s["$ref"][len("#/$defs/") :]
+            if name in seen:
+                return {}
+            seen = (*seen, name)
+            s = defs.get(name, {})
+        return s
+
+    def check(s, where: str, visited: set[int]) -> None:
+        """Record every marker reachable from `s` (any keyword) as ambiguous."""
+        s = resolve(s)
+        if isinstance(s, list):
+            for x in s:
+                check(x, where, visited)
+            return
+        if not isinstance(s, dict) or id(s) in visited:
+            return
+        visited.add(id(s))
+        if UNIQUE_STRINGS in s:
+            ambiguous.append((s[UNIQUE_STRINGS], where))
+        for k, v in s.items():
+            if k not in ("enum", "const") and isinstance(v, (dict, list)):
+                check(v, where, visited)
+
+    def node(s) -> int | None:
+        s = resolve(s)
+        if not isinstance(s, dict):
+            return None
+        if id(s) in memo:
+            return memo[id(s)]
+        idx = memo[id(s)] = len(nodes)
+        nodes.append(None)
+        branches = [resolve(b) for b in s["anyOf"]] if "anyOf" in s else [s]
+        entry: dict = {}
+        for kind in ("object", "array"):
+            mine = [b for b in branches if _may_be(b, kind)]
+            if len(mine) == 1 and mine[0].get("type") == kind:
+                entry[kind] = _object(mine[0]) if kind == "object" else _array(mine[0])
+            else:  # which branch a value obeys is not decided by its container type
+                for b in mine:
+                    check(b, "anyOf branches of one container type", set())
+        nodes[idx] = entry
+        return idx
+
+    def _object(b: dict) -> dict:
+        props = {k: node(v) for k, v in b.get("properties", {}).items()}
+        addl = b.get("additionalProperties", {})
+        if "patternProperties" in b:  # a key's subschema depends on which pattern it matches
+            for v in b["patternProperties"].values():
+                check(v, "patternProperties", set())
+            check(addl, "additionalProperties beside patternProperties", set())
+            return {"p": props, "a": None}
+        return {"p": props, "a": node(addl)}
+
+    def _array(b: dict) -> dict:
+        if "contains" in b:
+            check(b["contains"], "contains", set())
+        out = {"pi": [node(x) for x in b.get("prefixItems", [])], "i": node(b.get("items", {}))}
+        if UNIQUE_STRINGS in b:
+            out["u"] = b[UNIQUE_STRINGS]
+        return out
+
+    node(schema)
+    for pointer, where in ambiguous:
+        if not best_effort:
+            raise UnsupportedSchemaError("uniqueItems", pointer, _AMBIGUOUS.format(where=where))
+        if not_enforced is not None:
+            not_enforced.append(f"uniqueItems at {pointer} ({where})")
+    return nodes  # under best effort the ambiguous places are not followed (not checked)
+
+
+def _may_be(s, kind: str) -> bool:
+    """Whether subschema `s` (normalized, resolved) may accept a value of container type `kind`."""
+    if not isinstance(s, dict):
+        return s is not False
+    if "type" in s:
+        return s["type"] == kind
+    if "enum" in s:
+        want = dict if kind == "object" else list
+        return any(isinstance(v, want) for v in s["enum"])
+    if "anyOf" in s:
+        return any(_may_be(b, kind) for b in s["anyOf"])
+    return True
+
+
+# ---- runtime side --------------------------------------------------------------------------------
+class UniqueStringsTracker(JsonPointerTracker):
+    """The JSON lexer with each container's plan node and each marked array's elements.
+    `duplicate`: a string element equal to an earlier one completed (the text is refused)."""
+
+    def __init__(self, plan: list[dict]):
+        super().__init__()
+        self.plan = plan
+        self.duplicate = False
+
+    def _opened(self, frame: _Frame, parent: _Frame | None) -> None:
+        if parent is None:
+            ref = 0 if self.plan else None
+        elif parent.node is None:
+            ref = None
+        elif parent.is_object:
+            ref = parent.node["p"].get(parent.where, parent.node["a"])
+        else:
+            prefix, i = parent.node["pi"], parent.where
+            ref = prefix[i] if i < len(prefix) else parent.node["i"]
+        entry = self.plan[ref] if ref is not None else None
+        frame.node = None if entry is None else entry.get("object" if frame.is_object else "array")
+        if frame.node is not None and not frame.is_object and "u" in frame.node:
+            frame.seen = frozenset()
+
+    def _keeps(self, frame: _Frame) -> bool:
+        return frame.seen is not None
+
+    def _element(self, frame: _Frame, raw: bytes) -> None:
+        try:
+            value = json.loads(b'"' + raw + b'"')
+        except ValueError:  # not a complete JSON string (cannot happen under the grammar)
+            value = raw
+        if value in frame.seen:
+            self.duplicate = True
+        else:
+            frame.seen = frame.seen | {value}
+
+    @property
+    def in_unique_array(self) -> bool:
+        return bool(self.stack) and self.stack[-1].seen is not None
+
+
+class VocabBytes:
+    """Per-tokenizer tables for the check: each token id's bytes (b"" for special tokens) and the
+    ids whose bytes hold a quote (`quote_ids`, an int64 array), of those the ones that also hold `[`
+    (`open_quote_ids`). Built once per GrammarBackend."""
+
+    def __init__(self, decoded_vocab, special_ids):
+        special = set(special_ids)
+        self.token_bytes = [b"" if i in special else bytes(b) for i, b in enumerate(decoded_vocab)]
+        quote = [i for i, b in enumerate(self.token_bytes) if b'"' in b]
+        self.quote_ids = np.array(quote, dtype=np.int64)
+        self.open_quote_ids = np.array([i for i in quote if b"[" in self.token_bytes[i]], dtype=np.int64)
+
+
+class UniqueItemsMatcher:
+    """An xgrammar GrammarMatcher (`inner`) plus the unique-strings check (module docstring). Drop-in
+    for the methods the engine uses; anything else is the inner matcher's."""
+
+    def __init__(self, inner, plan: list[dict], vocab: VocabBytes):
+        self.inner, self.plan, self.vocab = inner, plan, vocab
+        self.tracker = UniqueStringsTracker(plan)
+        self._history: list[UniqueStringsTracker] = []  # the tracker before each accepted token
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _after(self, data: bytes) -> UniqueStringsTracker | None:
+        """The tracker after `data`, or None when it completes a duplicate element."""
+        t = self.tracker.copy()
+        t.feed(data)
+        return None if t.duplicate else t
+
+    def accept_token(self, token_id: int, *, debug_print: bool = False) -> bool:
+        data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
+        after = self._after(data)
+        if after is None or not self.inner.accept_token(token_id):
+            return False
+        self._history.append(self.tracker)
+        self.tracker = after
+        return True
+
+    def accept_string(self, text: str, *, debug_print: bool = False) -> bool:
+        """Accept a whole text at once (conformance checks); not undone by `rollback`."""
+        after = self._after(text.encode())
+        if after is None or not self.inner.accept_string(text):
+            return False
+        self.tracker, self._history = after, []
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        for _ in range(num_tokens):
+            self.tracker = self._history.pop()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.tracker, self._history = UniqueStringsTracker(self.plan), []
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0, *, debug_print: bool = False):
+        self.inner.fill_next_token_bitmask(bitmask, index)
+        self.restrict(bitmask, index)
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> int:
+        """Clear, in `bitmask` [B, ceil(V / 32)] int32 row `row` (filled from the inner matcher), the
+        bits of tokens that complete a duplicate element. Returns how many were cleared."""
+        ids = self.vocab.quote_ids if self.tracker.in_unique_array else self.vocab.open_quote_ids
+        if not len(ids):
+            return 0
+        words = bitmask[row].numpy().view(np.uint32)  # a view: writes go to the bitmask (no autograd)
+        allowed = ids[((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)]
+        cleared = 0
+        for t in allowed.tolist():
+            if self._after(self.vocab.token_bytes[t]) is None:
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+                cleared += 1
+        return cleared

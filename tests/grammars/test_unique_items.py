@@ -1,0 +1,238 @@
+"""`uniqueItems` over free strings, checked by the matcher at string completion
+(grammars/unique_items.py): instance verdicts, the plan's refusals in ambiguous places, random
+walks that only ever produce distinct elements, rollback, and the engine (batched masks, n-gram
+speculation, the length-safe policy) writing distinct elements where the model wants repeats."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import numpy as np
+import pytest
+
+from agentrt.grammars.conformance import accepts
+from agentrt.grammars.json_lexer import JsonPointerTracker
+from agentrt.grammars.json_schema import UnsupportedSchemaError, normalize_schema
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.grammars.unique_items import UniqueItemsMatcher, unique_plan
+from agentrt.grammars.xgrammar_backend import ConstraintError, GrammarBackend
+from agentrt.runtime.config import EngineConfig, SpecConfig
+from agentrt.runtime.request import SamplingParams
+from agentrt.testing import fake_engine
+
+STOP = 2
+UNIQUE = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "tags": UNIQUE,
+        "groups": {"type": "object", "additionalProperties": UNIQUE},
+        "pair": {"type": "array", "prefixItems": [{"type": "string"}, UNIQUE], "items": False},
+        "plain": {"type": "array", "items": {"type": "string"}},
+    },
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer, 49152, (STOP,), GrammarConfig(compile_timeout_s=120))
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compiled(backend):
+    return backend.compile(ConstraintSpec.json_schema(SCHEMA))
+
+
+@pytest.mark.parametrize(
+    "instance",
+    [
+        {"tags": ["a", "b", "ab"]},
+        {"tags": []},
+        {"tags": ["x"], "plain": ["x", "x"]},  # other arrays may repeat
+        {"groups": {"g": ["a", "b"], "h": ["a", "b"]}},  # each array has its own elements
+        {"pair": ["a", ["a", "b"]]},
+        {"tags": ["a", "A", "a "]},
+        {"tags": ["\u00e9", "e\u0301"]},  # different code points
+    ],
+)
+def test_valid_instances_are_accepted(backend, compiled, instance):
+    jsonschema.validate(instance, SCHEMA)
+    assert accepts(backend, compiled, json.dumps(instance, ensure_ascii=False))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"tags": ["a", "a"]}',
+        '{"tags": ["a", "b", "c", "b"]}',
+        '{"tags": ["", ""]}',
+        '{"tags": ["a", "\\u0061"]}',  # equal as JSON strings
+        '{"tags": ["\\"", "\\""]}',
+        '{"groups": {"g": ["x", "y"], "h": ["z", "z"]}}',
+        '{"pair": ["a", ["b", "b"]]}',
+    ],
+)
+def test_duplicates_are_rejected(backend, compiled, text):
+    assert not jsonschema.Draft202012Validator(SCHEMA).is_valid(json.loads(text))
+    assert not accepts(backend, compiled, text)
+
+
+def test_the_token_completing_a_duplicate_is_masked_and_refused(backend, compiled, tokenizer):
+    m = backend.new_matcher(compiled)
+    assert isinstance(m, UniqueItemsMatcher)
+    for t in tokenizer.encode('{"tags": ["ab", "ab', add_special_tokens=False):
+        assert m.accept_token(t)
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    one_by_one = backend.allocate_bitmask(1)
+    m.fill_next_token_bitmask(one_by_one, 0)
+    for bitmask in (backend.fill_bitmasks_async([m], [0], 1).result(), one_by_one):
+        bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")
+        assert not bits[quote]  # closing here would repeat "ab"
+        assert bits[tokenizer.encode("c", add_special_tokens=False)[0]]  # going on is allowed
+    assert not m.accept_token(quote)
+    assert m.accept_token(tokenizer.encode("c", add_special_tokens=False)[0]) and m.accept_token(quote)
+
+
+def test_rollback_restores_the_elements(backend, compiled, tokenizer):
+    m = backend.new_matcher(compiled)
+    head = tokenizer.encode('{"tags": ["a"', add_special_tokens=False)
+    tail = tokenizer.encode(', "b"', add_special_tokens=False)
+    for t in head + tail:
+        assert m.accept_token(t)
+    m.rollback(len(tail))  # "b" is no longer an element, "a" still is
+    assert m.accept_string(', "b"]}') and m.is_completed()
+    m.reset()
+    for t in head:
+        assert m.accept_token(t)
+    assert not m.accept_string(', "a"]}')
+
+
+def test_plan_refuses_ambiguous_places_and_best_effort_drops_them():
+    both_objects = {
+        "anyOf": [
+            {"type": "object", "properties": {"t": UNIQUE}, "required": ["t"]},
+            {"type": "object", "properties": {"u": {"type": "integer"}}, "required": ["u"]},
+        ]
+    }
+    norm = normalize_schema(both_objects).schema
+    with pytest.raises(UnsupportedSchemaError) as e:
+        unique_plan(norm)
+    assert e.value.keyword == "uniqueItems" and e.value.pointer.endswith("/t/uniqueItems")
+    dropped: list[str] = []
+    unique_plan(norm, best_effort=True, not_enforced=dropped)
+    assert dropped and dropped[0].startswith("uniqueItems at ")
+    by_type = {"anyOf": [{"type": "object", "properties": {"t": UNIQUE}}, {"type": "string"}, UNIQUE]}
+    plan = unique_plan(normalize_schema(by_type).schema)  # decided by the container type
+    assert plan[0]["array"]["u"] and plan[0]["object"]["p"]["t"] is not None
+    patterns = {"type": "object", "patternProperties": {"^x": UNIQUE}}
+    with pytest.raises(UnsupportedSchemaError, match="patternProperties"):
+        unique_plan(normalize_schema(patterns).schema)
+
+
+def test_refusals_reach_the_backend(backend):
+    both = {"anyOf": [{"type": "array", "items": {"type": "string"}, "uniqueItems": True}, {"type": "array"}]}
+    with pytest.raises(ConstraintError) as e:
+        backend.compile(ConstraintSpec.json_schema(both))
+    assert e.value.keyword == "uniqueItems"
+    loose = backend.compile(ConstraintSpec.json_schema(both, strict=False))
+    assert any(x.startswith("uniqueItems at ") for x in loose.not_enforced)
+    # tool arguments get no matcher check: refused as before
+    assert normalize_schema(UNIQUE).schema.get("items") == {"type": "string"}
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+        normalize_schema(UNIQUE, unique_strings=False)
+
+
+def test_random_walks_only_write_distinct_elements(backend, tokenizer):
+    """Walks that prefer short strings (1-2 letters from a 2-letter alphabet) and closing quotes,
+    so that duplicates are tried often: every finished text is valid, and the check refused
+    something on the way."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {**UNIQUE, "minItems": 6, "maxItems": 6}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    }
+    compiled = backend.compile(ConstraintSpec.json_schema(schema))
+    vocab = len(tokenizer)
+    short = np.zeros(vocab, dtype=bool)
+    for s in ('"', '",', "a", "b", "]", "}", ", ", " "):
+        short[tokenizer.encode(s, add_special_tokens=False)[0]] = True
+    rng = random.Random(0)
+    finished = refused = 0
+    for _ in range(12):
+        m = backend.new_matcher(compiled)
+        bm = backend.allocate_bitmask(1)
+        ids: list[int] = []
+        for _ in range(60):
+            m.inner.fill_next_token_bitmask(bm, 0)
+            before = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            refused += m.restrict(bm, 0)
+            bits = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            assert not (bits & ~before).any()  # the check only removes tokens
+            if bits[STOP]:
+                finished += 1
+                break
+            pick = np.flatnonzero(bits & short) if rng.random() < 0.9 else np.flatnonzero(bits)
+            tok = int(rng.choice(pick if len(pick) else np.flatnonzero(bits)))
+            assert m.accept_token(tok)
+            ids.append(tok)
+        else:
+            continue
+        out = json.loads(tokenizer.decode(ids))
+        jsonschema.validate(out, schema)
+    assert finished >= 8 and refused > 0
+
+
+def test_lexer_hooks_leave_repair_tracking_alone():
+    t = JsonPointerTracker()
+    t.feed(b'{"a": ["x", "y"')
+    assert t.pointer() == "/a/1" and t.in_value_string is False
+
+
+# ---- the engine (fake model over the byte tokenizer) ------------------------------------------------
+ENGINE_SCHEMA = {
+    "type": "object",
+    "properties": {"tags": {**UNIQUE, "minItems": 4, "maxItems": 4}},
+    "required": ["tags"],
+    "additionalProperties": False,
+}
+PROMPT = [ord(c) for c in "Tags: "]
+# the fake model's preferences: close a string at once, then "," (another element; inside a string,
+# a comma), then "a"
+BIAS = {ord('"'): 60.0, ord(","): 55.0, ord("a"): 50.0}
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=80, logit_bias=BIAS, **kw)
+
+
+def test_engine_writes_distinct_elements_where_the_model_repeats():
+    engine = fake_engine()
+    with_check = ConstraintSpec.json_schema(ENGINE_SCHEMA)
+    tags = ENGINE_SCHEMA["properties"]["tags"]
+    without = ConstraintSpec.json_schema(
+        {**ENGINE_SCHEMA, "properties": {"tags": {**tags, "uniqueItems": False}}}
+    )
+    on, off = engine.generate([(PROMPT, _params(), with_check), (PROMPT, _params(), without)])
+    assert json.loads(off.text) == {"tags": ["", "", "", ""]}  # what the model wants
+    assert json.loads(on.text) == {"tags": ["", ",", ",,", ",,,"]}, on.text
+    assert on.finish_reason == "stop"
+
+
+def test_engine_same_output_with_ngram_speculation_and_close_policy():
+    spec = ConstraintSpec.json_schema(ENGINE_SCHEMA)
+    plain = fake_engine().generate([(PROMPT, _params(), spec)])[0]
+    config = EngineConfig(speculative=SpecConfig(method="ngram", num_speculative_tokens=4))
+    spec_out = fake_engine(config).generate([(PROMPT, _params(), spec)])[0]
+    assert spec_out.token_ids == plain.token_ids
+    for max_tokens in (33, 36, 45):  # the closing path must not repeat an element either (33: the least)
+        p = _params(max_tokens_policy="close")
+        p.max_tokens = max_tokens
+        out = fake_engine().generate([(PROMPT, p, spec)])[0]
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), ENGINE_SCHEMA)
