@@ -200,16 +200,29 @@ class UniqueStringsTracker(JsonPointerTracker):
 
 
 class VocabBytes:
-    """Per-tokenizer tables for the check: each token id's bytes (b"" for special tokens) and the
-    ids whose bytes hold a quote (`quote_ids`, an int64 array), of those the ones that also hold `[`
-    (`open_quote_ids`). Built once per GrammarBackend."""
+    """Per-tokenizer tables for the check (built once per GrammarBackend): each token id's bytes (b""
+    for special tokens) and, as int64 arrays, the ids whose bytes hold a quote (`quote_ids`), two
+    or more (`multi_quote_ids`: the only ones that can open and complete a string), one after a
+    backslash (`escaped_quote_ids`), and of the multi-quote ones those holding `[`
+    (`open_quote_ids`: the only ones that can complete an element of an array they open).
+    `closing`: for the other one-quote tokens, the bytes before the quote -> their ids (inside a
+    string element, the token completes exactly the current text plus those bytes)."""
 
     def __init__(self, decoded_vocab, special_ids):
         special = set(special_ids)
         self.token_bytes = [b"" if i in special else bytes(b) for i, b in enumerate(decoded_vocab)]
         quote = [i for i, b in enumerate(self.token_bytes) if b'"' in b]
+        multi = [i for i in quote if self.token_bytes[i].count(b'"') > 1]
+        single = [i for i in quote if self.token_bytes[i].count(b'"') == 1]
+        escaped = [i for i in single if b"\\" in self.token_bytes[i].split(b'"')[0]]
+        closing: dict[bytes, list[int]] = {}
+        for i in set(single) - set(escaped):
+            closing.setdefault(self.token_bytes[i].split(b'"')[0], []).append(i)
         self.quote_ids = np.array(quote, dtype=np.int64)
-        self.open_quote_ids = np.array([i for i in quote if b"[" in self.token_bytes[i]], dtype=np.int64)
+        self.multi_quote_ids = np.array(multi, dtype=np.int64)
+        self.escaped_quote_ids = np.array(escaped, dtype=np.int64)
+        self.open_quote_ids = np.array([i for i in multi if b"[" in self.token_bytes[i]], dtype=np.int64)
+        self.closing = {k: np.array(v, dtype=np.int64) for k, v in closing.items()}
 
 
 class UniqueItemsMatcher:
@@ -262,15 +275,43 @@ class UniqueItemsMatcher:
 
     def restrict(self, bitmask: torch.Tensor, row: int) -> int:
         """Clear, in `bitmask` [B, ceil(V / 32)] int32 row `row` (filled from the inner matcher), the
-        bits of tokens that complete a duplicate element. Returns how many were cleared."""
-        ids = self.vocab.quote_ids if self.tracker.in_unique_array else self.vocab.open_quote_ids
-        if not len(ids):
-            return 0
+        bits of tokens that complete a duplicate element. Returns how many were cleared.
+
+        Which tokens are simulated (VocabBytes): outside a marked array only multi-quote tokens
+        holding `[`; inside one, between elements, the multi-quote tokens; inside an element string
+        whose text so far decodes, the one-quote tokens are looked up (the earlier elements that
+        extend the text name the bytes that would complete them) and only the multi-quote and
+        escaped-quote tokens simulated; otherwise (an escape or a UTF-8 sequence split at the token
+        boundary) every quote token."""
+        v, t = self.vocab, self.tracker
+        refuse: list[np.ndarray] = []
+        if not t.in_unique_array:
+            sim = v.open_quote_ids
+        elif not t.in_value_string:
+            sim = v.multi_quote_ids
+        else:
+            so_far = None
+            if not t.escape:
+                try:
+                    so_far = json.loads(b'"' + bytes(t.key_bytes) + b'"')
+                except ValueError:
+                    pass
+            if so_far is None:
+                sim = v.quote_ids
+            else:
+                sim = np.concatenate([v.multi_quote_ids, v.escaped_quote_ids])
+                for e in t.stack[-1].seen:
+                    if isinstance(e, str) and e.startswith(so_far):
+                        ids = v.closing.get(e[len(so_far) :].encode())
+                        if ids is not None:
+                            refuse.append(ids)
         words = bitmask[row].numpy().view(np.uint32)  # a view: writes go to the bitmask (no autograd)
-        allowed = ids[((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)]
-        cleared = 0
-        for t in allowed.tolist():
-            if self._after(self.vocab.token_bytes[t]) is None:
-                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-                cleared += 1
-        return cleared
+
+        def allowed(ids: np.ndarray) -> list[int]:
+            return ids[((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)].tolist() if len(ids) else []
+
+        out = [x for ids in refuse for x in allowed(ids)]
+        out += [x for x in allowed(sim) if self._after(v.token_bytes[x]) is None]
+        for x in out:
+            words[x >> 5] &= np.uint32(~(1 << (x & 31)) & 0xFFFFFFFF)
+        return len(out)

@@ -160,7 +160,7 @@ def test_random_walks_only_write_distinct_elements(backend, tokenizer):
     compiled = backend.compile(ConstraintSpec.json_schema(schema))
     vocab = len(tokenizer)
     short = np.zeros(vocab, dtype=bool)
-    for s in ('"', '",', "a", "b", "]", "}", ", ", " "):
+    for s in ('"', '",', '"]', "a", "b", "ab", "ba", "]", "}", ", ", " ", "\\u0061"):
         short[tokenizer.encode(s, add_special_tokens=False)[0]] = True
     rng = random.Random(0)
     finished = refused = 0
@@ -168,12 +168,17 @@ def test_random_walks_only_write_distinct_elements(backend, tokenizer):
         m = backend.new_matcher(compiled)
         bm = backend.allocate_bitmask(1)
         ids: list[int] = []
-        for _ in range(60):
+        for _ in range(150):
             m.inner.fill_next_token_bitmask(bm, 0)
             before = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
             refused += m.restrict(bm, 0)
             bits = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
             assert not (bits & ~before).any()  # the check only removes tokens
+            # the table lookups agree with simulating every allowed quote token
+            brute = {
+                int(x) for x in m.vocab.quote_ids if before[x] and m._after(m.vocab.token_bytes[x]) is None
+            }
+            assert brute == set(np.flatnonzero(before & ~bits).tolist())
             if bits[STOP]:
                 finished += 1
                 break
