@@ -130,7 +130,8 @@ def _unique(n: Normalizer, out: dict, pointer: str):
         n.rewrite("uniqueItems", where)
         return {**out, UNIQUE_STRINGS: where}
     if values is None:
-        n.unsupported("uniqueItems", where, "unique array items are supported over an enum of scalars only")
+        why = "an enum of scalars or free strings" if n.unique_strings else "an enum of scalars"
+        n.unsupported("uniqueItems", where, f"unique array items are supported over {why} only")
         return out
     lo, hi = out.get("minItems", 0), min(out.get("maxItems", len(values)), len(values))
     if lo > hi:
