@@ -45,15 +45,33 @@ _AMBIGUOUS = (
 
 
 # ---- schema side ---------------------------------------------------------------------------------
+def _mark(s) -> str | None:
+    """The `uniqueItems` pointer of a marked array schema, else None. A marker is the key beside
+    `"type": "array"` with a string value: a property that happens to have the marker's name has a
+    schema (a dict) as its value and lives in a `properties` map."""
+    if isinstance(s, dict) and s.get("type") == "array" and isinstance(s.get(UNIQUE_STRINGS), str):
+        return s[UNIQUE_STRINGS]
+    return None
+
+
 def has_marks(schema) -> bool:
     """Whether a normalized schema holds a UNIQUE_STRINGS marker."""
-    return UNIQUE_STRINGS in json.dumps(schema)
+    if isinstance(schema, dict):
+        return _mark(schema) is not None or any(
+            has_marks(v) for k, v in schema.items() if k not in ("enum", "const")
+        )
+    return isinstance(schema, list) and any(has_marks(v) for v in schema)
 
 
 def strip_marks(schema):
     """A copy of `schema` without UNIQUE_STRINGS markers (the grammar's schema)."""
     if isinstance(schema, dict):
-        return {k: strip_marks(v) for k, v in schema.items() if k != UNIQUE_STRINGS}
+        mark = _mark(schema) is not None
+        return {
+            k: v if k in ("enum", "const") else strip_marks(v)
+            for k, v in schema.items()
+            if not (mark and k == UNIQUE_STRINGS)
+        }
     if isinstance(schema, list):
         return [strip_marks(v) for v in schema]
     return schema
@@ -89,8 +107,8 @@ def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str]
         if not isinstance(s, dict) or id(s) in visited:
             return
         visited.add(id(s))
-        if UNIQUE_STRINGS in s:
-            ambiguous.append((s[UNIQUE_STRINGS], where))
+        if _mark(s) is not None:
+            ambiguous.append((_mark(s), where))
         for k, v in s.items():
             if k not in ("enum", "const") and isinstance(v, (dict, list)):
                 check(v, where, visited)
@@ -129,8 +147,8 @@ def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str]
         if "contains" in b:
             check(b["contains"], "contains", set())
         out = {"pi": [node(x) for x in b.get("prefixItems", [])], "i": node(b.get("items", {}))}
-        if UNIQUE_STRINGS in b:
-            out["u"] = b[UNIQUE_STRINGS]
+        if _mark(b) is not None:
+            out["u"] = _mark(b)
         return out
 
     node(schema)

@@ -193,6 +193,25 @@ def test_random_walks_only_write_distinct_elements(backend, tokenizer):
     assert finished >= 8 and refused > 0
 
 
+def test_a_property_named_like_the_marker_is_kept(backend):
+    from agentrt.grammars.json_schema.arrays import UNIQUE_STRINGS
+
+    schema = {
+        "type": "object",
+        "properties": {
+            UNIQUE_STRINGS: {"type": "string"},
+            "t": UNIQUE,
+            "e": {"enum": [{UNIQUE_STRINGS: "x"}]},
+        },
+        "required": [UNIQUE_STRINGS],
+        "additionalProperties": False,
+    }
+    c = backend.compile(ConstraintSpec.json_schema(schema))
+    assert accepts(backend, c, json.dumps({UNIQUE_STRINGS: "v", "t": ["a"], "e": {UNIQUE_STRINGS: "x"}}))
+    assert not accepts(backend, c, json.dumps({UNIQUE_STRINGS: "v", "t": ["a", "a"]}))
+    assert not accepts(backend, c, json.dumps({"t": ["a"]}))
+
+
 def test_lexer_hooks_leave_repair_tracking_alone():
     t = JsonPointerTracker()
     t.feed(b'{"a": ["x", "y"')
