@@ -52,19 +52,28 @@ class JsonPointerTracker:
         self.string_is_key = False
         self.string_opened = -1
         self.escape = False
-        self.buffering = False  # the open string's bytes go to key_bytes (a key, or a kept element)
-        self.key_bytes = bytearray()
+        self.buffering = False  # the open string's bytes are kept (a key, or a kept element)
+        # the open string's bytes: the first _buf_len of _buf. Copies share _buf (copying it per
+        # token would make a long string's snapshots quadratic in memory); a feed first cuts what
+        # another copy appended past its own length, and each string gets a new buffer
+        self._buf = bytearray()
+        self._buf_len = 0
         self.boundary: tuple[int, int] | None = None
 
     @property
     def in_value_string(self) -> bool:
         return self.in_string and not self.string_is_key
 
+    @property
+    def key_bytes(self) -> bytes:
+        """The bytes of the open string so far (while `buffering`), escapes as written."""
+        return bytes(self._buf[: self._buf_len])
+
     def copy(self) -> JsonPointerTracker:
+        """An independent tracker in the same state: O(depth), the string buffer shared."""
         t = object.__new__(type(self))
         t.__dict__.update(self.__dict__)
         t.stack = [f.copy() for f in self.stack]
-        t.key_bytes = bytearray(self.key_bytes)
         return t
 
     def _opened(self, frame: _Frame, parent: _Frame | None) -> None:
@@ -81,6 +90,8 @@ class JsonPointerTracker:
         `boundary`: (depth of the array, bytes of `data` up to and including the end of the last
         string / object / array element completed in it), or None."""
         self.boundary = None
+        if len(self._buf) > self._buf_len:  # another copy went on from this state
+            del self._buf[self._buf_len :]
         for i, b in enumerate(data):
             if self.in_string:
                 if self.escape:
@@ -96,10 +107,11 @@ class JsonPointerTracker:
                         top.after_element = True
                         self.boundary = (len(self.stack) - 1, i + 1)
                         if self.buffering:
-                            self._element(top, bytes(self.key_bytes))
+                            self._element(top, self.key_bytes)
                     continue
                 if self.buffering:
-                    self.key_bytes.append(b)
+                    self._buf.append(b)
+                    self._buf_len += 1
                 continue
             top = self.stack[-1] if self.stack else None
             if b == 0x22:
@@ -108,7 +120,7 @@ class JsonPointerTracker:
                 self.buffering = self.string_is_key or (
                     top is not None and not top.is_object and self._keeps(top)
                 )
-                self.key_bytes.clear()
+                self._buf, self._buf_len = bytearray(), 0
             elif b in (0x7B, 0x5B):  # { [
                 frame = _Frame(b == 0x7B, token_index)
                 self.stack.append(frame)
@@ -129,7 +141,7 @@ class JsonPointerTracker:
                     top.after_element = False
 
     def _set_key(self) -> None:
-        raw = bytes(self.key_bytes)
+        raw = self.key_bytes
         try:
             key = json.loads(b'"' + raw + b'"')
         except ValueError:

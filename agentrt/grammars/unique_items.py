@@ -271,11 +271,13 @@ class UniqueItemsMatcher:
         return True
 
     def accept_string(self, text: str, *, debug_print: bool = False) -> bool:
-        """Accept a whole text at once (conformance checks); not undone by `rollback`."""
+        """Accept a whole text at once (conformance checks, jump-forward's step-by-step search);
+        one rollback step, as for xgrammar's matcher."""
         after = self._after(text.encode())
         if after is None or not self.inner.accept_string(text):
             return False
-        self.tracker, self._history = after, []
+        self._history.append(self.tracker)
+        self.tracker = after
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -308,21 +310,29 @@ class UniqueItemsMatcher:
         elif not t.in_value_string:
             sim = v.multi_quote_ids
         else:
-            so_far = None
-            if not t.escape:
-                try:
-                    so_far = json.loads(b'"' + bytes(t.key_bytes) + b'"')
-                except ValueError:
-                    pass
-            if so_far is None:
-                sim = v.quote_ids
-            else:
+            seen, so_far = t.stack[-1].seen, None
+            # a text longer than 6 bytes per character of every earlier element cannot equal one
+            # (an escape spells a character in at most 6 bytes): no decoding, no lookup
+            longest = max((len(e) for e in seen if isinstance(e, str)), default=-1)
+            if t._buf_len > 6 * longest:
                 sim = np.concatenate([v.multi_quote_ids, v.escaped_quote_ids])
-                for e in t.stack[-1].seen:
-                    if isinstance(e, str) and e.startswith(so_far):
-                        ids = v.closing.get(e[len(so_far) :].encode())
-                        if ids is not None:
-                            refuse.append(ids)
+            else:
+                if not t.escape:
+                    try:
+                        so_far = json.loads(b'"' + t.key_bytes + b'"')
+                    except ValueError:
+                        pass
+                if so_far is None:
+                    sim = v.quote_ids
+                else:
+                    sim = np.concatenate([v.multi_quote_ids, v.escaped_quote_ids])
+                    for e in seen:
+                        if isinstance(e, str) and e.startswith(so_far):
+                            # surrogatepass: a lone surrogate (valid JSON, "\ud800") has no UTF-8;
+                            # no token spells it raw, so the lookup simply misses
+                            ids = v.closing.get(e[len(so_far) :].encode("utf-8", "surrogatepass"))
+                            if ids is not None:
+                                refuse.append(ids)
         words = bitmask[row].numpy().view(np.uint32)  # a view: writes go to the bitmask (no autograd)
 
         def allowed(ids: np.ndarray) -> list[int]:
