@@ -49,11 +49,11 @@ def test_extract_rejects_a_non_schema(llm):
 
 
 def test_extract_raises_the_typed_error_the_api_gives(llm):
-    # the schema is valid but `uniqueItems` over strings cannot be enforced: the error names the
+    # the schema is valid but `uniqueItems` over numbers cannot be enforced: the error names the
     # keyword and its pointer
     schema = {
         "type": "object",
-        "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "properties": {"a": {"type": "array", "items": {"type": "number"}, "uniqueItems": True}},
     }
     with pytest.raises(ConstraintError, match="'uniqueItems' at /properties/a/uniqueItems") as e:
         llm.extract("x", schema)

@@ -268,7 +268,7 @@ def test_errors_name_the_responses_fields(oai):
                     "format": {
                         "type": "json_schema",
                         "name": "tags",
-                        "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                        "schema": {"type": "array", "items": {"type": "number"}, "uniqueItems": True},
                     }
                 },
             },

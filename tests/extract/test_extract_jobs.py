@@ -32,7 +32,7 @@ PERSON = {
 }
 UNENFORCEABLE = {  # a valid schema whose keyword the grammar cannot enforce
     "type": "object",
-    "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    "properties": {"a": {"type": "array", "items": {"type": "number"}, "uniqueItems": True}},
 }
 PEOPLE = [
     ("Tran Van Bao", 31),
