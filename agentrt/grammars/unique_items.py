@@ -239,6 +239,7 @@ class VocabBytes:
         self.quote_ids = np.array(quote, dtype=np.int64)
         self.multi_quote_ids = np.array(multi, dtype=np.int64)
         self.escaped_quote_ids = np.array(escaped, dtype=np.int64)
+        self.multi_or_escaped_ids = np.concatenate([self.multi_quote_ids, self.escaped_quote_ids])
         self.open_quote_ids = np.array([i for i in multi if b"[" in self.token_bytes[i]], dtype=np.int64)
         self.closing = {k: np.array(v, dtype=np.int64) for k, v in closing.items()}
 
@@ -311,11 +312,11 @@ class UniqueItemsMatcher:
             sim = v.multi_quote_ids
         else:
             seen, so_far = t.stack[-1].seen, None
-            # a text longer than 6 bytes per character of every earlier element cannot equal one
-            # (an escape spells a character in at most 6 bytes): no decoding, no lookup
+            # a text longer than 12 bytes per character of every earlier element cannot equal one
+            # (JSON spells a character in at most 12 bytes: a surrogate pair's two \u escapes)
             longest = max((len(e) for e in seen if isinstance(e, str)), default=-1)
-            if t._buf_len > 6 * longest:
-                sim = np.concatenate([v.multi_quote_ids, v.escaped_quote_ids])
+            if t._buf_len > 12 * longest:
+                sim = v.multi_or_escaped_ids
             else:
                 if not t.escape:
                     try:
@@ -325,7 +326,7 @@ class UniqueItemsMatcher:
                 if so_far is None:
                     sim = v.quote_ids
                 else:
-                    sim = np.concatenate([v.multi_quote_ids, v.escaped_quote_ids])
+                    sim = v.multi_or_escaped_ids
                     for e in seen:
                         if isinstance(e, str) and e.startswith(so_far):
                             # surrogatepass: a lone surrogate (valid JSON, "\ud800") has no UTF-8;

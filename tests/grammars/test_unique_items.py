@@ -368,3 +368,19 @@ def test_history_memory_grows_linearly_in_a_long_element(backend, tags_compiled,
     assert used < 8 << 20, f"{used / 2**20:.1f} MiB kept for a 24 KB element"
     assert m.accept_string('"]}') and m.is_completed()
     json.loads('{"tags": ["a", "' + " lorem" * 4000 + '"]}')
+
+
+def test_a_surrogate_pair_escape_of_an_earlier_emoji_is_masked(backend, tags_compiled, tokenizer):
+    """One character can take 12 bytes (`\\ud83d\\ude00`): the shortcut that skips the lookup for
+    texts longer than every earlier element must count that, or the closing quote after
+    `\\ude00` (12 bytes, one character) is allowed by the mask and refused by accept_token."""
+    m = backend.new_matcher(tags_compiled)
+    for t in _ids(tokenizer, '{"tags": ["\U0001f600", "\\ud83d\\ude00'):
+        assert m.accept_token(t)
+    bitmask = backend.allocate_bitmask(1)
+    m.fill_next_token_bitmask(bitmask, 0)
+    bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")
+    closers = [t for t, data in enumerate(m.vocab.token_bytes) if data in (b'"', b'",', b'"]')]
+    assert len(closers) == 3
+    for tok in closers:
+        assert not bits[tok] and not m.accept_token(tok)
