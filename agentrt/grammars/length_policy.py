@@ -33,7 +33,6 @@ re-tokenization of the text.
 from __future__ import annotations
 
 import string
-import time
 from dataclasses import dataclass, field
 
 _PREFERENCE = (
@@ -238,45 +237,75 @@ def _periodic(chars: list[str]) -> bool:
 @dataclass
 class ClosingGuard:
     """Per-request state of the length-safe policy. `stop_id`: the token that ends the output when
-    the grammar is complete (the model's end-of-sequence id)."""
+    the grammar is complete (the model's end-of-sequence id).
+
+    Invariant: after every kept token a closing path that fits the tokens left is known (`path`,
+    the verified path from the matcher's current state, or `plan`, the path being followed), or the
+    tokens left exceed the longest path the planner can return (`ClosingPlanner.max_chars` + 1), so
+    whatever path it finds later fits. Checks are never skipped inside that bound: skipping them on
+    slow grammars (the earlier design, every 8th token while "2 x the last path + 32" tokens were
+    left) let one unchecked token grow the path past the budget (Spider, cre_Doc_Template_Mgt: a
+    column of a table not yet in FROM made the path 4 -> 71 tokens at 73 left, and the output ended
+    by max_tokens)."""
 
     planner: ClosingPlanner
     stop_id: int
     plan: list[int] = field(default_factory=list)  # the rest of a path being followed
+    path: list[int] | None = None  # a verified path from the current state (tokens, without stop)
     last_len: int = 0  # tokens the last closing path needed
-    skip: int = 0  # tokens to go before the next check (grammars whose search is slow)
     num_forced: int = 0  # sampled tokens replaced
+    num_searches: int = 0  # closing-path searches run by keep()
+
+    @property
+    def bound(self) -> int:
+        """Tokens the longest path the planner can return needs (path + stop)."""
+        return self.planner.max_chars + 1
 
     def start(self, matcher) -> int | None:
-        """Tokens needed to close from the matcher's start (None: no path found)."""
+        """Tokens needed to close from the matcher's state (None: no path found). The path found
+        becomes the verified one (the caller checks it fits)."""
         path = self.planner.closing_path(matcher)
+        self.path = None if path is None else list(path.token_ids)
         return None if path is None else path.num_tokens
+
+    def moved(self) -> None:
+        """The matcher was moved by something other than keep() (jump-forward, a repair's forced
+        text): the verified path no longer starts where the matcher stands."""
+        self.path = None
 
     def keep(self, matcher, tok: int, left: int) -> int:
         """`tok` was just accepted by `matcher`; `left`: tokens the budget allows after it. Returns
         the token to keep: `tok`, or the next token of a closing path (the matcher is moved onto it).
-        Checked after every token, except on grammars whose search takes over 5 ms (long
-        length-bounded strings): there, while more than 2 x the last path + 32 tokens are left,
-        every 8th token."""
+        Costs one closing-path search per token (milliseconds on large grammars), except while
+        the model writes the verified path itself (then the path's rest is the path) or while more
+        tokens are left than any path can need."""
         if self.plan:
+            self.path = None
             return self._force(matcher, tok, self.plan.pop(0))
-        if self.skip > 0 and left > 2 * self.last_len + 32:
-            self.skip -= 1
+        before = self.path
+        if before and before[0] == tok:  # the model follows the path: its rest still fits
+            self.path = before[1:]
+            self.last_len = len(self.path) + 1
             return tok
-        t0 = time.perf_counter()
+        if left > self.bound:  # any path found later fits: no search needed yet
+            self.path = None
+            return tok
+        self.num_searches += 1
         path = self.planner.closing_path(matcher)
-        self.skip = 0 if time.perf_counter() - t0 < 0.005 else 7
-        if path is not None:
-            self.last_len = path.num_tokens
         if path is not None and path.num_tokens <= left:
+            self.path, self.last_len = list(path.token_ids), path.num_tokens
             return tok
         # over budget, or a state with no known way to close: never enter it
         matcher.rollback(1)
-        before = self.planner.closing_path(matcher)
-        if before is None:  # only when the request started without a path (refused at admission)
+        if before is None:  # not kept since a jump-forward or a repair: the path from there
+            found = self.planner.closing_path(matcher)
+            before = None if found is None else list(found.token_ids)
+        if before is None:  # no path before the token either (cannot happen after a fit check)
             matcher.accept_token(tok)
+            self.path = None
             return tok
-        self.plan = [*before.token_ids, self.stop_id]
+        self.plan = [*before, self.stop_id]
+        self.path = None
         matcher.accept_token(tok)
         return self._force(matcher, tok, self.plan.pop(0))
 

@@ -62,14 +62,26 @@ class ConstraintState:
         self._count(token_id)
         return Accepted(token_id, self.closing.num_forced > before)
 
-    def force(self, token_ids: list[int]) -> bool:
+    def force(self, token_ids: list[int], left: int | None = None) -> bool:
         """Advance by tokens the runtime chose instead of sampling (a repair's closing text,
-        runtime/repetition.py). Returns False, the matcher unchanged, when one is rejected."""
+        runtime/repetition.py). `left`: output tokens the budget allows from before them; under the
+        length-safe policy they are taken only when a closing path from after them fits the rest.
+        Returns False, the matcher unchanged, when one is rejected or the path does not fit."""
         for i, t in enumerate(token_ids):
             if not self.matcher.accept_token(t):
                 if i:
                     self.matcher.rollback(i)
                 return False
+        if self.closing is not None and token_ids:
+            verified = self.closing.path
+            if left is None:
+                self.closing.moved()
+            else:  # start() leaves the path found from after them as the verified one
+                need = self.closing.start(self.matcher)
+                if need is None or need > left - len(token_ids):
+                    self.matcher.rollback(len(token_ids))
+                    self.closing.path = verified
+                    return False
         for t in token_ids:
             self._count(t)
         return True
@@ -110,10 +122,17 @@ class ConstraintState:
     def _fit_closing(self, ids: list[int], left: int) -> list[int]:
         """Length-safe: the longest prefix of the accepted `ids` (found by bisection, assuming a
         longer prefix never needs a shorter closing path than it leaves room for) after which a
-        closing path fits the budget; the matcher ends after that prefix."""
+        closing path fits the budget; the matcher ends after that prefix, and the guard's verified
+        path is the one found there (a prefix of 0: the one keep() left)."""
+        closing = self.closing
+        verified, found = closing.path, {}
 
         def fits(k: int) -> bool:
-            need = self.closing.start(self.matcher)
+            if left - k > closing.bound:  # any path fits
+                found[k] = None
+                return True
+            need = closing.start(self.matcher)
+            found[k] = closing.path
             return need is not None and need <= left - k
 
         at = len(ids)
@@ -127,8 +146,10 @@ class ConstraintState:
             at = k
 
         if fits(at):
+            closing.path = found[at]
             return ids
-        lo, hi = 0, at - 1  # the answer is in [lo, hi]; 0 always fits (keep() checked it)
+        lo, hi = 0, at - 1  # the answer is in [lo, hi]; 0 fits (keep() left a verified path, or more
+        # tokens than any path needs)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             move(mid)
@@ -137,4 +158,5 @@ class ConstraintState:
             else:
                 hi = mid - 1
         move(lo)
+        closing.path = found[lo] if lo else verified
         return ids[:lo]

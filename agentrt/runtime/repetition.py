@@ -168,7 +168,7 @@ class RepetitionGuard:
         if drop:
             matcher.rollback(1)
         ids = self._closing_ids(matcher, tracker, depth, keep)
-        if ids and len(ids) <= left - 1 + drop and state.force(ids):
+        if ids and len(ids) <= left - 1 + drop and state.force(ids, left + drop):
             pointer = tracker.pointer(depth)
             self.num_seen -= drop
             self.tracker = self._before if drop else self.tracker
