@@ -101,3 +101,28 @@ def test_closing_guard_keeps_a_fitting_path_through_a_jump_in_path_length(
         out += state.jump_forward(tokenizer, out[-1], left)
         _check_invariant(matcher, state.closing, max_tokens - len(out))
     assert out[-1] == stop and len(out) <= max_tokens
+
+
+def test_forced_text_is_taken_only_when_a_closing_path_fits_after_it(spider_compiled, sql_backend, tokenizer):
+    """A repair's forced text (ConstraintState.force with a budget) under the length-safe policy:
+    refused, the matcher and the verified path unchanged, when no closing path fits after it."""
+    from agentrt.grammars.length_policy import ClosingGuard
+    from agentrt.runtime.constraint_state import ConstraintState
+
+    _, _, compiled, _ = spider_compiled("cre_Doc_Template_Mgt")
+    stop = tokenizer.eos_token_id
+    matcher = sql_backend.new_matcher(compiled, [stop])
+    state = ConstraintState(matcher, ClosingGuard(sql_backend.planner, stop))
+    for t in tokenizer.encode("SELECT"):
+        assert matcher.accept_token(t)
+    state.closing.start(matcher)
+    verified = list(state.closing.path)
+    forced = tokenizer.encode(" Template_Details")  # then `FROM Templates` is still needed
+    assert not state.force(forced, len(forced) + 1)
+    assert state.closing.path == verified
+    for t in verified:  # the matcher is where it was: the verified path still closes it
+        assert matcher.accept_token(t)
+    assert matcher.is_completed()
+    matcher.rollback(len(verified))
+    assert state.force(forced, 128)  # the greedy path after it is long (~70 tokens)
+    _check_invariant(matcher, state.closing, 128 - len(forced))
