@@ -27,6 +27,8 @@ DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "
 def run(argv: list[str], out: Path) -> dict:
     t0 = time.perf_counter()
     rc = run_extract([*argv, "--output", str(out)])
+    if not Path(f"{out}.summary.json").exists():
+        raise SystemExit(f"agentrt extract {' '.join(argv[-3:])} exited with {rc} and wrote no summary")
     d = json.loads(Path(f"{out}.summary.json").read_text())
     d["rc"], d["total_s"] = rc, time.perf_counter() - t0
     return d
