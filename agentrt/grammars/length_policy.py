@@ -300,7 +300,8 @@ class ClosingGuard:
         if before is None:  # not kept since a jump-forward or a repair: the path from there
             found = self.planner.closing_path(matcher)
             before = None if found is None else list(found.token_ids)
-        if before is None:  # no path before the token either (cannot happen after a fit check)
+        if before is None:  # the search gave up there too (only possible after tokens kept
+            # unchecked, over `bound` from the end): keep the token, the next one checks again
             matcher.accept_token(tok)
             self.path = None
             return tok
