@@ -65,6 +65,11 @@ class JsonPointerTracker:
         return self.in_string and not self.string_is_key
 
     @property
+    def string_len(self) -> int:
+        """Bytes of the open string so far (while `buffering`), escapes as written."""
+        return self._buf_len
+
+    @property
     def key_bytes(self) -> bytes:
         """The bytes of the open string so far (while `buffering`), escapes as written."""
         return bytes(self._buf[: self._buf_len])

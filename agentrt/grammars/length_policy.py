@@ -252,9 +252,7 @@ class ClosingGuard:
     stop_id: int
     plan: list[int] = field(default_factory=list)  # the rest of a path being followed
     path: list[int] | None = None  # a verified path from the current state (tokens, without stop)
-    last_len: int = 0  # tokens the last closing path needed
     num_forced: int = 0  # sampled tokens replaced
-    num_searches: int = 0  # closing-path searches run by keep()
 
     @property
     def bound(self) -> int:
@@ -268,11 +266,6 @@ class ClosingGuard:
         self.path = None if path is None else list(path.token_ids)
         return None if path is None else path.num_tokens
 
-    def moved(self) -> None:
-        """The matcher was moved by something other than keep() (jump-forward, a repair's forced
-        text): the verified path no longer starts where the matcher stands."""
-        self.path = None
-
     def keep(self, matcher, tok: int, left: int) -> int:
         """`tok` was just accepted by `matcher`; `left`: tokens the budget allows after it. Returns
         the token to keep: `tok`, or the next token of a closing path (the matcher is moved onto it).
@@ -285,23 +278,20 @@ class ClosingGuard:
         before = self.path
         if before and before[0] == tok:  # the model follows the path: its rest still fits
             self.path = before[1:]
-            self.last_len = len(self.path) + 1
             return tok
         if left > self.bound:  # any path found later fits: no search needed yet
             self.path = None
             return tok
-        self.num_searches += 1
         path = self.planner.closing_path(matcher)
         if path is not None and path.num_tokens <= left:
-            self.path, self.last_len = list(path.token_ids), path.num_tokens
+            self.path = list(path.token_ids)
             return tok
         # over budget, or a state with no known way to close: never enter it
         matcher.rollback(1)
-        if before is None:  # not kept since a jump-forward or a repair: the path from there
+        if before is None:  # the last state was over `bound` from the end, unchecked: search it
             found = self.planner.closing_path(matcher)
             before = None if found is None else list(found.token_ids)
-        if before is None:  # the search gave up there too (only possible after tokens kept
-            # unchecked, over `bound` from the end): keep the token, the next one checks again
+        if before is None:  # the search gave up there too: keep the token, the next one checks again
             matcher.accept_token(tok)
             self.path = None
             return tok

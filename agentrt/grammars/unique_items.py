@@ -107,8 +107,8 @@ def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str]
         if not isinstance(s, dict) or id(s) in visited:
             return
         visited.add(id(s))
-        if _mark(s) is not None:
-            ambiguous.append((_mark(s), where))
+        if (mark := _mark(s)) is not None:
+            ambiguous.append((mark, where))
         for k, v in s.items():
             if k not in ("enum", "const") and isinstance(v, (dict, list)):
                 check(v, where, visited)
@@ -147,8 +147,8 @@ def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str]
         if "contains" in b:
             check(b["contains"], "contains", set())
         out = {"pi": [node(x) for x in b.get("prefixItems", [])], "i": node(b.get("items", {}))}
-        if _mark(b) is not None:
-            out["u"] = _mark(b)
+        if (mark := _mark(b)) is not None:
+            out["u"] = mark
         return out
 
     node(schema)
@@ -315,7 +315,7 @@ class UniqueItemsMatcher:
             # a text longer than 12 bytes per character of every earlier element cannot equal one
             # (JSON spells a character in at most 12 bytes: a surrogate pair's two \u escapes)
             longest = max((len(e) for e in seen if isinstance(e, str)), default=-1)
-            if t._buf_len > 12 * longest:
+            if t.string_len > 12 * longest:
                 sim = v.multi_or_escaped_ids
             else:
                 if not t.escape:

@@ -62,7 +62,7 @@ class ConstraintState:
         self._count(token_id)
         return Accepted(token_id, self.closing.num_forced > before)
 
-    def force(self, token_ids: list[int], left: int | None = None) -> bool:
+    def force(self, token_ids: list[int], left: int) -> bool:
         """Advance by tokens the runtime chose instead of sampling (a repair's closing text,
         runtime/repetition.py). `left`: output tokens the budget allows from before them; under the
         length-safe policy they are taken only when a closing path from after them fits the rest.
@@ -74,14 +74,11 @@ class ConstraintState:
                 return False
         if self.closing is not None and token_ids:
             verified = self.closing.path
-            if left is None:
-                self.closing.moved()
-            else:  # start() leaves the path found from after them as the verified one
-                need = self.closing.start(self.matcher)
-                if need is None or need > left - len(token_ids):
-                    self.matcher.rollback(len(token_ids))
-                    self.closing.path = verified
-                    return False
+            need = self.closing.start(self.matcher)  # its path: the verified one after them
+            if need is None or need > left - len(token_ids):
+                self.matcher.rollback(len(token_ids))
+                self.closing.path = verified
+                return False
         for t in token_ids:
             self._count(t)
         return True
