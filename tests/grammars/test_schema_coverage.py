@@ -1,13 +1,12 @@
 """Keywords enforced by our own automata and object grammars (json_schema/automata.py, nodes.py,
 objects.py): model-free random walks through each compiled grammar produce only `jsonschema`-valid
-instances, hand-picked instances get the right verdict, the automata agree with Python's `re`, and
-the rewrites refuse (keyword + JSON pointer) past their bounds."""
+instances and hand-picked instances get the right verdict. The automata against Python's `re` and
+the rewrites' refusals (keyword + JSON pointer) past their bounds are in test_schema_rewrites.py."""
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from decimal import Context, Decimal, localcontext
 
 import jsonschema
@@ -16,9 +15,7 @@ import pytest
 from jsonschema.validators import validator_for
 
 from agentrt.grammars.conformance import accepts
-from agentrt.grammars.json_schema import UnsupportedSchemaError, canonical_json, normalize_schema
-from agentrt.grammars.json_schema.automata import accepts as dfa_state
-from agentrt.grammars.json_schema.automata import alphabet, build, minimize
+from agentrt.grammars.json_schema import canonical_json, normalize_schema
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 
@@ -455,105 +452,6 @@ def test_verdicts_and_random_walks(backend, tokenizer, name):
     assert done >= 5, f"only {done} of 40 random walks finished"
 
 
-PATTERNS = [
-    "^a[0-9]+$",
-    "b.c",
-    "^x|y$",
-    "(^a$)|(^bc)",
-    r"\d{2}",
-    "^$",
-    "Red|Blue|Black 2",
-    "^[^ab]*$",
-    r"\w+_\s",
-]
-WORDS = [
-    "a12",
-    "xb c",
-    "bxc",
-    "x",
-    "zy",
-    "yz",
-    "a",
-    "bcd",
-    "zzbc",
-    "12",
-    "",
-    "ab3",
-    "Black 2",
-    "Blac",
-    "k_ ",
-    "é_ ",
-]
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_search_automaton_agrees_with_re(pattern):
-    sigma = alphabet((pattern,))
-    dfa, outs = minimize(build([("search", pattern)], sigma), lambda lab: 0 in lab)
-    rng = random.Random(pattern)
-    words = WORDS + ["".join(rng.choice("ab cxy12_é") for _ in range(rng.randint(0, 6))) for _ in range(300)]
-    for w in words:
-        state = dfa_state(dfa, w)
-        if state is None:  # a character outside the alphabet: such keys are never produced
-            continue
-        assert outs[state] == bool(re.search(pattern, w)), (pattern, w)
-
-
-def test_rewrites_keep_an_equivalent_schema():
-    out = normalize_schema(
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}
-    ).schema
-    assert len(out["anyOf"]) == 2
-    absent, present = out["anyOf"]
-    assert absent["properties"]["a"] is False and present["required"] == ["a", "b"]
-    out = normalize_schema(
-        {
-            "type": "object",
-            "properties": {"x1": {"minimum": 0}},
-            "patternProperties": {"^x": {"type": "integer"}},
-        }
-    ).schema
-    assert out["properties"]["x1"] == {"type": "integer", "minimum": 0}  # named property gets the pattern
-    assert out["patternProperties"] == {"^x": {"type": "integer"}}
-
-
-@pytest.mark.parametrize(
-    "schema,keyword,pointer",
-    [
-        ({"type": "object", "minProperties": 2}, "minProperties", "/minProperties"),
-        (
-            {"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "string"}}},
-            "patternProperties",
-            "/patternProperties/b$",
-        ),
-        (
-            {"type": "object", "dependentRequired": {k: ["z"] for k in "abcde"}},
-            "dependentRequired",
-            "/dependentRequired",
-        ),
-        ({"type": "object", "propertyNames": {"format": "email"}}, "propertyNames", "/propertyNames"),
-        (
-            {"type": "object", "patternProperties": {"(?i)^a": {}}},
-            "patternProperties",
-            "/patternProperties/(?i)^a",
-        ),
-        ({"type": "string", "pattern": "^[a-z]*x[a-z]*$", "maxLength": 5000}, "maxLength", "/maxLength"),
-    ],
-    ids=[
-        "minProperties-2-open",
-        "overlap",
-        "too-many-dependencies",
-        "propertyNames-format",
-        "ignorecase",
-        "long",
-    ],
-)
-def test_refusals_past_the_bounds(schema, keyword, pointer):
-    with pytest.raises(UnsupportedSchemaError) as e:
-        normalize_schema(schema)
-    assert (e.value.keyword, e.value.pointer) == (keyword, pointer)
-
-
 def test_indent_layout_refuses_own_object_grammar(tokenizer):
     pretty = GrammarBackend(tokenizer, 49152, (STOP,), GrammarConfig(indent=2))
     try:
@@ -565,89 +463,3 @@ def test_indent_layout_refuses_own_object_grammar(tokenizer):
             )
     finally:
         pretty.shutdown()
-
-
-@pytest.mark.parametrize(
-    "schema,expected",
-    [
-        ({"oneOf": [{"type": "string"}, {}]}, ["null", "boolean", "array", "object", "number"]),
-        ({"oneOf": [{"type": "number"}, {"type": "string"}, {}]}, ["null", "boolean", "array", "object"]),
-    ],
-)
-def test_one_of_by_whole_types(schema, expected):
-    out = normalize_schema(schema).schema
-    assert [b["type"] for b in out["anyOf"]] == expected
-
-
-@pytest.mark.parametrize(
-    "schema,keyword,pointer",
-    [
-        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "/oneOf"),  # non-integral numbers
-        ({"not": {"type": "integer"}}, "not", "/not"),
-        ({"not": {"type": "object", "additionalProperties": False}}, "not", "/not"),
-        ({"not": {"type": "array", "uniqueItems": True}}, "not", "/not"),
-        (  # overlapping branches whose complement has no form here
-            {"oneOf": [{"type": "array"}, {"type": "array", "prefixItems": [{"type": "string"}]}]},
-            "oneOf",
-            "/oneOf",
-        ),
-        (  # the bound: each term "a branch and not the others" has 9 x 9 = 81 > 64 alternatives (one per missing name)
-            {"oneOf": [{"required": [f"{c}{i}" for i in range(9)]} for c in "abc"]},
-            "oneOf",
-            "/oneOf",
-        ),
-        ({"type": "string", "format": "email", "pattern": "(?=a)b"}, "pattern", "/pattern"),
-    ],
-    ids=[
-        "integer-vs-number",
-        "not-integer",
-        "not-closed-object",
-        "not-uniqueItems",
-        "oneOf-prefixItems",
-        "oneOf-bound",
-        "lookahead",
-    ],
-)
-def test_one_of_and_not_refused_without_an_exact_form(schema, keyword, pointer):
-    """Each of these would need a complement (or a non-integral-number type) the grammar lacks, or
-    goes past the bound on the size of the oneOf rewrite: refused naming keyword and pointer."""
-    with pytest.raises(UnsupportedSchemaError) as e:
-        normalize_schema(schema)
-    assert (e.value.keyword, e.value.pointer) == (keyword, pointer)
-
-
-@pytest.mark.parametrize(
-    "schema,expected",
-    [
-        (
-            {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 3}]},
-            {"type": "string", "maxLength": 2},
-        ),
-        (
-            {"not": {"type": "string", "minLength": 2}},
-            ["null", "boolean", "number", "array", "object", ("string", {"maxLength": 1})],
-        ),
-        (
-            {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
-            [("object", {"required": ["a"], "b": False}), ("object", {"required": ["b"], "a": False})],
-        ),
-    ],
-    ids=["oneOf-lengths", "not-minLength", "oneOf-required"],
-)
-def test_negation_rewrites(schema, expected):
-    """The complement rewrites (negation.py) and the oneOf built from them, read off the output."""
-    out = normalize_schema(schema).schema
-    if isinstance(expected, dict):
-        assert out == expected
-        return
-
-    def flat(s):
-        return [x for b in s["anyOf"] for x in (flat(b) if "anyOf" in b else [b])]
-
-    got = flat(out)
-    assert len(got) == len(expected)
-    for b, want in zip(got, expected):
-        ty, extra = want if isinstance(want, tuple) else (want, {})
-        assert b["type"] == ty
-        for k, v in extra.items():
-            assert (b.get(k) if k in ("maxLength", "required") else b["properties"][k]) == v
