@@ -26,6 +26,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, Hkv, D], slots [...] int64 -> [..., Hkv, D]: the rows of those slots.
+
+    `index_select` on the [S, Hkv * D] view copies whole rows; advanced indexing (`cache[slots]`)
+    computes an offset per element and took 1.4x as long for a batch-16 decode step's gathers
+    (default model, context 400, 2 threads: step 289-318 -> 222 ms, bit-identical)."""
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
 @dataclass
 class PrefillSpan:
     """New tokens [start, end) of one sequence in the flat batch.
@@ -89,8 +99,8 @@ class AttentionMetadata:
                 vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = k_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
-                vs = v_cache[span.kv_slots].transpose(0, 1).unsqueeze(0)
+                ks = gather_slots(k_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
+                vs = gather_slots(v_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
                 n, total = span.end - span.start, span.kv_slots.shape[0]
                 if span.tree_mask is None:
                     q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
@@ -104,8 +114,8 @@ class AttentionMetadata:
 
     def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
         qd = q.unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[self.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[self.decode_slots].transpose(1, 2)
+        kd = gather_slots(k_cache, self.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = gather_slots(v_cache, self.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
         return o.squeeze(2)
 

@@ -40,6 +40,9 @@ class ModelConfig:
         build failure. Ignored on CUDA, where decode runs from CUDA graphs.
     cuda_graph_batch_sizes: decode batch sizes captured as CUDA graphs (a batch is padded up to
         the next size; a larger one runs eagerly).
+    linear_kernel: the dense linear layers' matmul: `auto` (oneDNN's packed fp32 matmul on the CPU
+        at float32 unless the decode step is compiled, else aten), `onednn` (ValueError at load where
+        impossible) or `aten` (`F.linear`); see models/cpu_linear.py.
     """
 
     model: str = DEFAULT_MODEL
@@ -55,8 +58,11 @@ class ModelConfig:
     enforce_eager: bool = False
     compile_decode: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.linear_kernel not in ("auto", "onednn", "aten"):
+            raise ValueError(f"linear_kernel must be auto, onednn or aten, got {self.linear_kernel!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

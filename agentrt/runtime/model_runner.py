@@ -13,6 +13,7 @@ from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.models.cpu_linear import choose_linear_kernel
 from agentrt.runtime.models.formats import choose_dtype, choose_threads, load_model
 from agentrt.runtime.models.llama import LlamaArch
 from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
@@ -177,6 +178,12 @@ class ModelRunner:
             model_config.quant_group_size,
             model_config.quantize_lm_head,
             model_config.cache_dir,
+            choose_linear_kernel(
+                model_config.linear_kernel,
+                self.device,
+                self.dtype,
+                model_config.compile_decode and not model_config.enforce_eager and backend == "torch",
+            ),
         )
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)

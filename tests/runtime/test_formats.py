@@ -12,6 +12,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.models import formats
+from agentrt.runtime.models.cpu_linear import OneDNNLinear, choose_linear_kernel, onednn_usable
 from agentrt.runtime.models.quant import Int4Linear, Int8Linear, bytes_by_format, quantize_int4
 from tests.helpers import ROOT, chat_ids, make_tiny_model
 
@@ -133,7 +134,8 @@ def test_quantized_weights_are_cached_and_reloaded_identically(tiny_llama, tmp_p
     ids = list(range(100, 112))
     assert torch.equal(_logits(first, ids), _logits(second, ids))
     sizes = dict(second.weight_format.bytes)
-    assert set(sizes) == {kind, "float32"}
+    # a dense (fp32) LM head is packed for oneDNN (the default linear kernel on the CPU)
+    assert set(sizes) == {kind, "float32"} | (set() if lm_head else {"float32 oneDNN"})
     assert second.weights_bytes == sum(sizes.values()) == sum(bytes_by_format(second.model).values())
     assert isinstance(second.model.lm_head, Int8Linear if kind == "int8" else Int4Linear) == lm_head
     assert f"{kind}" in second.memory_plan.describe() and "from cache" in second.weight_format.describe()
@@ -217,3 +219,58 @@ def test_format_gives_valid_constrained_json_on_extraction_documents(default_mod
     for out, schema in zip(engine.generate(reqs), schemas):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.skipif(not onednn_usable(), reason="this torch build has no oneDNN (mkldnn)")
+def test_onednn_linear_matches_f_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    packed = OneDNNLinear(lin.weight, lin.bias)
+    for x in (torch.randn(1, 96), torch.randn(3, 5, 96), torch.randn(96, 7).t()):  # the last not contiguous
+        with torch.inference_mode():
+            got = packed(x)
+        assert got.shape == (*x.shape[:-1], 40)
+        assert torch.allclose(got, lin(x), atol=1e-5, rtol=1e-5)
+    assert packed.nbytes == 96 * 40 * 4
+
+
+def test_linear_kernel_choice_names_why():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    if onednn_usable():
+        assert choose_linear_kernel("auto", cpu, torch.float32, False) == ("onednn", "auto: CPU float32")
+    assert choose_linear_kernel("auto", cpu, torch.bfloat16, False) == (
+        "aten",
+        "auto: oneDNN packed linear layers are float32 only (dtype bfloat16)",
+    )
+    assert choose_linear_kernel("auto", cpu, torch.float32, True)[1] == (
+        "auto: the compiled decode step takes the weights as plain tensors"
+    )
+    assert choose_linear_kernel("auto", cuda, torch.float32, False)[0] == "aten"
+    assert choose_linear_kernel("aten", cpu, torch.float32, False) == ("aten", "requested")
+    with pytest.raises(ValueError, match="linear_kernel onednn is not available: .*float32 only"):
+        choose_linear_kernel("onednn", cpu, torch.bfloat16, False)
+    with pytest.raises(ValueError, match="linear_kernel must be auto, onednn or aten, got 'mkl'"):
+        ModelConfig(linear_kernel="mkl")
+
+
+@pytest.mark.skipif(not onednn_usable(), reason="this torch build has no oneDNN (mkldnn)")
+def test_onednn_packed_model_keeps_the_logits_and_counts_its_bytes(tiny_llama):
+    def runner(kernel: str) -> ModelRunner:
+        cfg = ModelConfig(model=str(tiny_llama), device="cpu", dtype="float32", linear_kernel=kernel)
+        return ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+
+    aten, onednn = runner("aten"), runner("auto")
+    assert onednn.weight_format.linear_kernel == "onednn"
+    assert "dense linear layers oneDNN packed (auto: CPU float32)" in onednn.weight_format.describe()
+    assert not any(isinstance(m, torch.nn.Linear) for m in onednn.model.modules())
+    assert isinstance(onednn.model.lm_head, OneDNNLinear)
+    ids = list(range(100, 112))
+    ref, got = _logits(aten, ids), _logits(onednn, ids)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    sizes, dense = dict(onednn.weight_format.bytes), dict(aten.weight_format.bytes)
+    # every linear weight now lives packed; a tied LM head is a packed copy beside the embedding
+    embed = onednn.model.embed_tokens.weight.numel() * 4
+    tied = onednn.model.arch.tie_word_embeddings
+    assert sizes["float32 oneDNN"] + sizes["float32"] == dense["float32"] + (embed if tied else 0)
+    assert onednn.weights_bytes == sum(sizes.values())

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.models.cpu_linear import pack_linears
 from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
 from agentrt.runtime.models.quant import (
     INT4_GROUP_SIZES,
@@ -123,6 +124,8 @@ class WeightFormat:
     dense_layers: tuple[str, ...] = ()
     from_cache: bool = False
     bytes: tuple[tuple[str, int], ...] = ()
+    linear_kernel: str = "aten"
+    linear_reason: str = ""
 
     def describe(self) -> str:
         text = f"{str(self.dtype).removeprefix('torch.')} ({self.reason})"
@@ -135,6 +138,8 @@ class WeightFormat:
                 + (", from cache" if self.from_cache else "")
                 + ")"
             )
+        if self.linear_kernel == "onednn":
+            text += f", dense linear layers oneDNN packed ({self.linear_reason})"
         return text
 
     def describe_bytes(self) -> str:
@@ -213,10 +218,13 @@ def load_model(
     group_size: int,
     quantize_lm_head: bool,
     cache_dir: Path,
+    linear_kernel: tuple[str, str] = ("aten", "requested"),
 ) -> tuple[LlamaForCausalLM, WeightFormat]:
     """Build the model with its weights in the chosen format (see the module docstring) and RoPE
-    tables initialised; returns (model in eval mode, its WeightFormat). Raises ValueError for an
-    unknown quantization or int4 group size, or (CUDA) torchao missing."""
+    tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
+    reason) from cpu_linear.choose_linear_kernel; with `onednn` the float32 linear layers left dense
+    are packed for oneDNN after loading (the quantized cache keeps plain tensors). Raises ValueError
+    for an unknown quantization or int4 group size, or (CUDA) torchao missing."""
     from agentrt.runtime.model_runner import load_weights
 
     if quantization not in QUANTIZATIONS:
@@ -254,8 +262,13 @@ def load_model(
         fmt = WeightFormat(dtype, reason, quantization, group_size, act, quantize_lm_head, dense, from_cache)
     model.init_rope()
     model.eval()
+    kernel, kernel_reason = linear_kernel
+    if kernel == "onednn" and not pack_linears(model):
+        kernel, kernel_reason = "aten", "no float32 linear layer to pack"
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))
-    return model, WeightFormat(**{**fmt.__dict__, "bytes": sizes})
+    return model, WeightFormat(
+        **{**fmt.__dict__, "bytes": sizes, "linear_kernel": kernel, "linear_reason": kernel_reason}
+    )
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agentrt.runtime.models.cpu_linear import OneDNNLinear
+
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -215,8 +217,9 @@ def quantize_cuda(model: nn.Module, quantization: str, group_size: int, include_
 
 def bytes_by_format(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's weights grouped by storage format: `int8` / `int4` (quantized layers,
-    their scales and zeros included) and dtype names for dense tensors (non-persistent buffers such
-    as RoPE tables left out; a tied weight counted once)."""
+    their scales and zeros included), `float32 oneDNN` (packed dense layers, models/cpu_linear.py) and
+    dtype names for dense tensors (non-persistent buffers such as RoPE tables left out; a tied weight
+    counted once)."""
     out: dict[str, int] = {}
     seen: set[int] = set()
 
@@ -227,6 +230,10 @@ def bytes_by_format(model: nn.Module) -> dict[str, int]:
         out[key] = out.get(key, 0) + t.numel() * t.element_size()
 
     for mod in model.modules():
+        if isinstance(mod, OneDNNLinear):  # its packed weight is an mkldnn tensor without a storage
+            out["float32 oneDNN"] = out.get("float32 oneDNN", 0) + mod.nbytes
+            add("float32", mod.bias)
+            continue
         key = "int8" if isinstance(mod, Int8Linear) else "int4" if isinstance(mod, Int4Linear) else None
         for name, t in mod.named_parameters(recurse=False):
             add(key or str(t.dtype).removeprefix("torch."), t)
