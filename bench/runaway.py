@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata"
-GRID_MAX_N = (32, 64)
+GRID_MAX_N = (32, 64, 96, 128)
 GRID_REPEATS = (2, 3, 4)
 GRID_TOKENS = (16, 24, 32)
 

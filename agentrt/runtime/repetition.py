@@ -50,10 +50,14 @@ class RepetitionConfig:
     """Detection thresholds (measured on the extraction workload with bench/runaway.py; README,
     "Runaway values"). A unit of n tokens (min_n <= n <= max_n) repeated k times consecutively at the end of a
     string value, k >= max(min_repeats, ceil(min_tokens / n)), is degenerate. Raises ValueError on
-    inconsistent values."""
+    inconsistent values.
+
+    max_n 96 (was 64): on the first 60 documents at max_tokens 300 two event titles loop with units
+    of 67 and 74 tokens; 96 catches all 15 runaways of that run, 64 13, with the same false
+    positives on the legitimate texts (bench/runaway.py --part thresholds; docs/benchmarks.md)."""
 
     min_n: int = 1
-    max_n: int = 64
+    max_n: int = 96
     min_repeats: int = 3
     min_tokens: int = 24
 

@@ -29,7 +29,8 @@ def _first_hit(seq: list[int], config: RepetitionConfig) -> tuple[int, int] | No
     return None
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 32])
+# 67 and 74: the units of the two event titles that ran to max_tokens under the old max_n of 64
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 32, 67, 74, 96])
 def test_unit_repeated_detected_at_the_kth_copy(n):
     cfg = RepetitionConfig(min_repeats=3, min_tokens=16)
     k = cfg.repeats_needed(n)
