@@ -13,7 +13,7 @@
 The compiled engines build their graphs into the normal cache (AGENTRT_CACHE) on first use (minutes on
 2 cores; the build time is printed), so run once before timing if the cache is cold.
 
-Speed: each format's decode step (ModelRunner.execute of B one-token chunks at context 128: the forward
+Speed: each format's decode step (ModelRunner.execute of B one-token chunks at --context tokens, 128 by default: the forward
 and the logits, no host work around it) timed as the median of `--steps` steps, formats interleaved over
 `--rounds` rounds (A/B/A...), the 1-minute load average printed beside each number (the machine is
 shared); single-stream tokens/s through Engine.generate (prefix cache off, EOS biased away): the time of
@@ -42,13 +42,14 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import SeqChunk
 from agentrt.runtime.request import SamplingParams
 
-FORMATS = {  # name -> (dtype, quantization, quantize_lm_head)
-    "fp32": ("float32", "none", False),
-    "bf16": ("bfloat16", "none", False),
-    "int8": ("bfloat16", "int8", False),
-    "int8+head": ("bfloat16", "int8", True),
-    "int4": ("bfloat16", "int4", False),
-    "int4+head": ("bfloat16", "int4", True),
+FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel)
+    "fp32": ("float32", "none", False, "auto"),  # oneDNN packed linear layers on the CPU
+    "fp32-aten": ("float32", "none", False, "aten"),  # F.linear (MKL sgemm), the path before oneDNN
+    "bf16": ("bfloat16", "none", False, "auto"),
+    "int8": ("bfloat16", "int8", False, "auto"),
+    "int8+head": ("bfloat16", "int8", True, "auto"),
+    "int4": ("bfloat16", "int4", False, "auto"),
+    "int4+head": ("bfloat16", "int4", True, "auto"),
 }
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"
 
@@ -65,7 +66,7 @@ def load1() -> float:
 def make_engine(
     fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 256 << 20, compiled: bool = False
 ) -> Engine:
-    dtype, quant, head = FORMATS[fmt]
+    dtype, quant, head, linear = FORMATS[fmt]
     extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
     t = time.perf_counter()
     engine = Engine(
@@ -75,6 +76,7 @@ def make_engine(
                 dtype=dtype,
                 quantization=quant,
                 quantize_lm_head=head,
+                linear_kernel=linear,
                 threads=threads,
                 compile_decode=compiled,
                 **extra,
@@ -111,6 +113,19 @@ def copy_bandwidth() -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() * 4 / best
+
+
+def read_bytes(engine: Engine) -> int:
+    """Weight bytes a decode step reads: all weights, except that a tied LM head packed for oneDNN
+    is a copy beside the embedding, of which a step reads only a few rows (so the embedding is left
+    out then, as the tied fp32 head is counted once on the aten path)."""
+    from agentrt.runtime.models.cpu_linear import OneDNNLinear
+
+    model = engine.runner.model
+    w = engine.runner.weights_bytes
+    if model.arch.tie_word_embeddings and isinstance(model.lm_head, OneDNNLinear):
+        w -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return w
 
 
 def step_time(engine: Engine, batch: int, steps: int, context: int = 128) -> float:
@@ -154,8 +169,8 @@ def speed(args) -> None:
     for r in range(args.rounds):
         for f in names if r % 2 == 0 else reversed(names):
             e = engines[f]
-            b1, l1 = step_time(e, 1, args.steps), load1()
-            b16, l16 = step_time(e, 16, args.steps), load1()
+            b1, l1 = step_time(e, 1, args.steps, args.context), load1()
+            b16, l16 = step_time(e, 16, args.steps, args.context), load1()
             st, ls = stream_tokens_per_s(e), load1()
             rows[f]["b1"].append((b1, l1))
             rows[f]["b16"].append((b16, l16))
@@ -165,14 +180,16 @@ def speed(args) -> None:
                 f"(load {l16:.1f})  stream {st:5.1f} tok/s (load {ls:.1f})",
                 flush=True,
             )
-    print(f"\nthreads {engines[names[0]].runner.num_threads}; best of {args.rounds} rounds")
+    print(
+        f"\nthreads {engines[names[0]].runner.num_threads}; context {args.context}; best of {args.rounds} rounds"
+    )
     print(
         "| format | weights MB | read bound b1 ms (tok/s) | step b1 ms | b1 / bound | step b16 ms | b16 tok/s "
         "| single stream tok/s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for f in names:
-        w = engines[f].runner.weights_bytes
+        w = read_bytes(engines[f])
         bound = w / (bw / 2)  # weights read once; bw counts read + write
         b1 = min(x for x, _ in rows[f]["b1"])
         b16 = min(x for x, _ in rows[f]["b16"])
@@ -190,16 +207,18 @@ def profile(args) -> None:
     for f in args.formats:
         e = make_engine(f, args.threads, compiled=args.compiled)
         for batch in (1, 16):
-            step_time(e, batch, 3)
+            step_time(e, batch, 3, args.context)
             runner = e.runner
-            slots = [runner.kv.allocate(140) for _ in range(batch)]
-            chunks = [SeqChunk([100 + b], 128, s[:129]) for b, s in enumerate(slots)]
+            slots = [runner.kv.allocate(args.context + 12) for _ in range(batch)]
+            chunks = [SeqChunk([100 + b], args.context, s[: args.context + 1]) for b, s in enumerate(slots)]
             with tprofile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
                     runner.execute(chunks)
             for s in slots:
                 runner.kv.free(s)
-            print(f"\n## torch.profiler {f} batch {batch} (5 steps, load {load1():.1f})")
+            print(
+                f"\n## torch.profiler {f} batch {batch} context {args.context} (5 steps, load {load1():.1f})"
+            )
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
         # host time of Engine.step: cProfile over a batch-16 greedy decode
         tok = e.tokenizer
@@ -287,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument(
+        "--context", type=int, default=128, help="tokens in each sequence's KV cache (extraction: 250-550)"
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--quality", type=int, default=0, help="extraction documents per format (0 = off)")

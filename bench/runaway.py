@@ -30,6 +30,7 @@ DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata"
 GRID_MAX_N = (32, 64, 96, 128)
 GRID_REPEATS = (2, 3, 4)
 GRID_TOKENS = (16, 24, 32)
+GRID_LONG_N = (32, 48, 64)  # units this long count at 2 copies (at max_n 96, 3 copies, 24 tokens)
 
 
 def field_hits(output, gold: dict) -> tuple[int, int]:
@@ -117,13 +118,15 @@ def thresholds(tokenizer, token_bytes, runaways: list[str], legit: dict[str, lis
         + ", ".join(f"{len(v)} {k}" for k, v in enc.items())
     )
     print(
-        "| max_n | min_repeats | min_tokens | runaways caught | tokens to detection (median) | "
+        "| max_n | min_repeats | min_tokens | long_n | runaways caught | tokens to detection (median) | "
         + " | ".join(f"false positives: {k}" for k in enc)
         + " |"
     )
-    print("|---|---|---|---|---|" + "---|" * len(enc))
-    for n, k, m in ((n, k, m) for n in GRID_MAX_N for k in GRID_REPEATS for m in GRID_TOKENS):
-        cfg = RepetitionConfig(max_n=n, min_repeats=k, min_tokens=m)
+    print("|---|---|---|---|---|---|" + "---|" * len(enc))
+    grid = [(n, k, m, None) for n in GRID_MAX_N for k in GRID_REPEATS for m in GRID_TOKENS]
+    grid += [(96, 3, 24, long_n) for long_n in GRID_LONG_N]
+    for n, k, m, long_n in grid:
+        cfg = RepetitionConfig(max_n=n, min_repeats=k, min_tokens=m, long_n=long_n)
         caught = [f for f in (first_fire(ids, token_bytes, cfg) for ids in run_ids) if f is not None]
         at = sorted(f[0] for f in caught)
         fps = [
@@ -132,7 +135,9 @@ def thresholds(tokenizer, token_bytes, runaways: list[str], legit: dict[str, lis
         ]
         med = at[len(at) // 2] if at else "-"
         print(
-            f"| {n} | {k} | {m} | {len(caught)}/{len(run_ids)} | {med} | " + " | ".join(map(str, fps)) + " |"
+            f"| {n} | {k} | {m} | {long_n or '-'} | {len(caught)}/{len(run_ids)} | {med} | "
+            + " | ".join(map(str, fps))
+            + " |"
         )
     cfg = RepetitionConfig()
     print(f"\nDefault {cfg}: where it acts on each runaway")

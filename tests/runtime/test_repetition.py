@@ -46,6 +46,9 @@ def test_unit_repeated_detected_at_the_kth_copy(n):
 def test_repeats_needed():
     cfg = RepetitionConfig(min_repeats=3, min_tokens=16)
     assert [cfg.repeats_needed(n) for n in (1, 2, 4, 5, 6, 8, 16)] == [16, 8, 4, 4, 3, 3, 3]
+    # units of long_n (48) tokens or more count at two copies: 96+ tokens repeated verbatim
+    assert [cfg.repeats_needed(n) for n in (47, 48, 96)] == [3, 2, 2]
+    assert RepetitionConfig(long_n=None).repeats_needed(96) == 3
 
 
 def test_one_copy_short_is_not_detected():
@@ -78,6 +81,8 @@ def test_config_rejects_inconsistent_values():
         RepetitionConfig(min_n=5, max_n=4)
     with pytest.raises(ValueError, match="min_repeats"):
         RepetitionConfig(min_repeats=1)
+    with pytest.raises(ValueError, match="long_n must be >= 2 or None, got 1"):
+        RepetitionConfig(long_n=1)
 
 
 def _track(text: str) -> JsonPointerTracker:
