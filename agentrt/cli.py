@@ -80,9 +80,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "cpu", "triton"],
         default="auto",
-        help="auto: Triton kernels on CUDA, torch SDPA on CPU",
+        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ decode kernel (cpu; built with "
+        "the system compiler on first use, ~20 s, cached under AGENTRT_CACHE) with torch SDPA for "
+        "prefill, else torch (gather + SDPA)",
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="do not capture CUDA graphs or compile the decode step"

@@ -70,6 +70,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     cos: torch.Tensor | None = None  # [T, head_dim // 2] in the activations' dtype, set by prepare_rope
     sin: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None  # [B] int64 keys per decode sequence (the C++ kernel's input)
+    cpu_kernel: bool = False  # decode attention through kernels/cpu_attention.py (float32 on the CPU)
 
     def prepare_rope(
         self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
@@ -113,6 +115,10 @@ class AttentionMetadata:
         return out
 
     def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
+        if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            from agentrt.runtime.kernels.cpu_attention import decode_attention
+
+            return decode_attention(q, k_cache, v_cache, self.decode_slots, self.decode_lens)
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd = gather_slots(k_cache, self.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
         vd = gather_slots(v_cache, self.decode_slots).transpose(1, 2)
@@ -149,9 +155,10 @@ def flatten_chunks(chunks) -> tuple[list[int], list[int], list[int], list[int]]:
     return ids, positions, new_slots, logit_idx
 
 
-def build_torch_metadata(chunks, dev: torch.device) -> BatchInputs:
+def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) -> BatchInputs:
     """Inputs of the torch path for a flat batch of SeqChunks (model_runner.SeqChunk): decoding
-    sequences gather their context slots padded to the longest; the others are prefill spans."""
+    sequences gather their context slots padded to the longest (or, with cpu_kernel, the C++
+    decode kernel reads them in place); the others are prefill spans."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
     decode_rows, prefills, start = [], [], 0
     for chunk in chunks:
@@ -165,7 +172,7 @@ def build_torch_metadata(chunks, dev: torch.device) -> BatchInputs:
             tree_mask = chunk.tree_mask.to(dev) if chunk.tree_mask is not None else None
             prefills.append(PrefillSpan(start, start + n, chunk.context_len, kv_slots, tree_mask))
         start += n
-    decode_idx = decode_slots = decode_mask = None
+    decode_idx = decode_slots = decode_mask = lens = None
     if decode_rows:
         max_len = max(len(s) for _, s in decode_rows)
         padded = [s + [0] * (max_len - len(s)) for _, s in decode_rows]
@@ -179,6 +186,8 @@ def build_torch_metadata(chunks, dev: torch.device) -> BatchInputs:
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=prefills,
+        decode_lens=lens,
+        cpu_kernel=cpu_kernel,
     )
     i64 = {"dtype": torch.int64, "device": dev}
     return BatchInputs(

@@ -31,8 +31,10 @@ class ModelConfig:
     quantize_lm_head: quantize the LM head too (else it stays in the run dtype).
     threads: torch intra-op threads; None = $OMP_NUM_THREADS when set, else the physical cores.
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
-    attention_backend: `auto` (Triton kernels on CUDA, torch on CPU), `torch`, `triton` (on CPU
-        only under TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
+    attention_backend: `auto` (Triton kernels on CUDA; on the CPU at float32 `cpu` when its C++
+        decode kernel builds, else torch), `torch` (gather + SDPA), `cpu` (the torch path with the
+        C++ decode kernel, runtime/kernels/cpu_attention.py), `triton` (on CPU only under
+        TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
     enforce_eager: never capture CUDA graphs, never compile the decode step.
     compile_decode: on CPU (torch attention), run plain decode steps of up to max_num_seqs sequences
         through AOTInductor-compiled graphs (runtime/compiled_decode.py), built at start and cached
@@ -63,9 +65,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.linear_kernel not in ("auto", "onednn", "aten"):
             raise ValueError(f"linear_kernel must be auto, onednn or aten, got {self.linear_kernel!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")

@@ -10,7 +10,11 @@ class KVPool:
 
     Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes.
     `allocate` pops slots from a free list (no partial allocation: it returns None when fewer than
-    asked are free); `free` returns them. Slots are token-granular, so no memory is lost to
+    asked are free); `free` returns them. The free list is a stack kept so that slots come out in
+    ascending runs (a fresh pool gives 0, 1, 2, ...; freed slots come back in the order they were
+    freed): attention reads a sequence's K/V rows in slot order, and rows read in descending
+    address order took twice as long (CPU decode kernel, default model, 2 threads: 4.0 vs 2.0 ms
+    per layer at batch 16, context 400). Slots are token-granular, so no memory is lost to
     partially filled pages. Raises ValueError when the budget holds no token or cannot be
     allocated on the device.
     """
@@ -57,7 +61,8 @@ class KVPool:
             return None
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        taken.reverse()
         return taken
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        self._free.extend(reversed(slots))

@@ -157,14 +157,9 @@ class ModelRunner:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens"
             )
-        backend = model_config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" and triton_usable(self.device) else "torch"
-        if backend == "triton" and not triton_usable(self.device):
-            raise ValueError(
-                "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) "
-                "and the triton package"
-            )
+        backend, backend_reason = choose_attention_backend(
+            model_config.attention_backend, self.device, self.dtype, model_config.cache_dir
+        )
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         model, self.weight_format = load_model(
@@ -182,7 +177,9 @@ class ModelRunner:
                 model_config.linear_kernel,
                 self.device,
                 self.dtype,
-                model_config.compile_decode and not model_config.enforce_eager and backend == "torch",
+                model_config.compile_decode
+                and not model_config.enforce_eager
+                and backend in ("torch", "cpu"),
             ),
         )
         self.model = model
@@ -235,7 +232,7 @@ class ModelRunner:
             )
         self.compiled = None  # CompiledDecode on CPU with compile_decode (see compiled_decode.py)
         decode = "decode eager"
-        if model_config.compile_decode and backend == "torch" and self.device.type == "cpu":
+        if model_config.compile_decode and backend in ("torch", "cpu") and self.device.type == "cpu":
             if model_config.enforce_eager:
                 decode = "decode eager (enforce_eager)"
             else:
@@ -247,13 +244,14 @@ class ModelRunner:
                 self.compiled.start()
                 decode = self.compiled.describe()
         logger.info(
-            "model %s on %s, weights %s, %d threads (%s), attention %s, context %d, %s; %s",
+            "model %s on %s, weights %s, %d threads (%s), attention %s (%s), context %d, %s; %s",
             self.model_dir,
             self.device,
             self.weight_format.describe(),
             self.num_threads,
             threads_reason,
             backend,
+            backend_reason,
             self.max_model_len,
             decode,
             self.memory_plan.describe(),
@@ -278,7 +276,45 @@ class ModelRunner:
             return_hidden,
             self.slot_table,
             self.num_sms,
+            self.attention_backend == "cpu",
         )
+
+
+def choose_attention_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, cache_dir
+) -> tuple[str, str]:
+    """(backend, reason). auto: `triton` on CUDA (with triton), `cpu` on the CPU at float32 when
+    the C++ decode kernel builds and loads (kernels/cpu_attention.py), else `torch`. Raises
+    ValueError when a requested backend cannot run here, naming why."""
+    if requested == "auto":
+        if device.type == "cuda" and triton_usable(device):
+            return "triton", "auto: CUDA"
+        if device.type != "cpu" or dtype != torch.float32:
+            return "torch", "auto"
+        from agentrt.runtime.kernels import cpu_attention
+
+        failure = cpu_attention.load(cache_dir)
+        return (
+            ("torch", f"auto: the C++ decode kernel is unavailable: {failure}")
+            if failure
+            else (
+                "cpu",
+                "auto: C++ decode kernel, torch SDPA for prefill",
+            )
+        )
+    if requested == "triton" and not triton_usable(device):
+        raise ValueError(
+            "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
+        )
+    if requested == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"attention_backend 'cpu' needs the CPU at float32 (here {device}, {dtype})")
+        from agentrt.runtime.kernels import cpu_attention
+
+        failure = cpu_attention.load(cache_dir)
+        if failure:
+            raise ValueError(f"attention_backend 'cpu': the C++ decode kernel is unavailable: {failure}")
+    return requested, "requested"
 
 
 @torch.inference_mode()
@@ -291,11 +327,12 @@ def run_chunks(
     return_hidden: bool = False,
     slot_table: SlotTable | None = None,
     num_sms: int = 132,
+    cpu_kernel: bool = False,
 ):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
     compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
-    With a slot_table the Triton kernels run, else the torch reference path. An empty batch
-    gives logits [0, vocab]."""
+    With a slot_table the Triton kernels run, else the torch path (decode attention through the
+    C++ kernel with cpu_kernel, which must be loaded). An empty batch gives logits [0, vocab]."""
     if not chunks:
         empty = torch.empty(0, model.arch.vocab_size, device=dev)
         return (empty, torch.empty(0, model.arch.hidden_size, device=dev)) if return_hidden else empty
@@ -304,7 +341,7 @@ def run_chunks(
 
         batch = build_triton_metadata(chunks, slot_table, model.arch.num_kv_heads, dev, num_sms)
     else:
-        batch = build_torch_metadata(chunks, dev)
+        batch = build_torch_metadata(chunks, dev, cpu_kernel)
     hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)
     rows = hidden[batch.logit_idx]
     logits = model.compute_logits(rows)

@@ -232,6 +232,7 @@ def test_onednn_linear_matches_f_linear():
         assert got.shape == (*x.shape[:-1], 40)
         assert torch.allclose(got, lin(x), atol=1e-5, rtol=1e-5)
     assert packed.nbytes == 96 * 40 * 4
+    assert torch.equal(packed.weight, lin.weight)  # unpacked on demand (Medusa training reads it)
 
 
 def test_linear_kernel_choice_names_why():

@@ -45,6 +45,12 @@ class OneDNNLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
         self.nbytes = weight.numel() * weight.element_size()  # the mkldnn tensor reports no storage
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense [out, in] float32 weight, unpacked into a new tensor on each call (for readers
+        such as Medusa training; the forward never needs it)."""
+        return self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
