@@ -123,8 +123,10 @@ class ModelRunner:
     execute(chunks) runs one forward over all chunks and returns logits [N, vocab] fp32 for the
     last new token of each chunk with need_logits (N of them, in order). Weights load straight to
     the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
-    kernels on CUDA (decode batches replayed from CUDA graphs) and torch SDPA on CPU (decode batches
-    through the compiled graphs of compiled_decode.py with compile_decode).
+    kernels on CUDA (decode batches replayed from CUDA graphs); on the CPU decode attention runs the
+    C++ kernel of kernels/cpu_attention.py at float32 (else torch SDPA) and prefill torch SDPA
+    (decode batches through the compiled graphs of compiled_decode.py with compile_decode). Dense
+    fp32 linear layers on the CPU run oneDNN's packed matmul (models/cpu_linear.py).
     `max_num_seqs` sizes the slot table and the memory plan's activation reserve. With a draft
     model (`spec_config`), an automatic KV budget is shared: a self-draft of n of L layers leaves
     this pool L / (L + n) of it (the draft pool, sized in proportion, takes the rest); a separate
