@@ -42,14 +42,14 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import SeqChunk
 from agentrt.runtime.request import SamplingParams
 
-FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel)
-    "fp32": ("float32", "none", False, "auto"),  # oneDNN packed linear layers on the CPU
-    "fp32-aten": ("float32", "none", False, "aten"),  # F.linear (MKL sgemm), the path before oneDNN
-    "bf16": ("bfloat16", "none", False, "auto"),
-    "int8": ("bfloat16", "int8", False, "auto"),
-    "int8+head": ("bfloat16", "int8", True, "auto"),
-    "int4": ("bfloat16", "int4", False, "auto"),
-    "int4+head": ("bfloat16", "int4", True, "auto"),
+FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel, attention_backend)
+    "fp32": ("float32", "none", False, "auto", "auto"),  # oneDNN linear layers, C++ decode attention
+    "fp32-aten": ("float32", "none", False, "aten", "torch"),  # the CPU path before 2026-12-02
+    "bf16": ("bfloat16", "none", False, "auto", "auto"),
+    "int8": ("bfloat16", "int8", False, "auto", "auto"),
+    "int8+head": ("bfloat16", "int8", True, "auto", "auto"),
+    "int4": ("bfloat16", "int4", False, "auto", "auto"),
+    "int4+head": ("bfloat16", "int4", True, "auto", "auto"),
 }
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"
 
@@ -66,7 +66,7 @@ def load1() -> float:
 def make_engine(
     fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 256 << 20, compiled: bool = False
 ) -> Engine:
-    dtype, quant, head, linear = FORMATS[fmt]
+    dtype, quant, head, linear, attention = FORMATS[fmt]
     extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
     t = time.perf_counter()
     engine = Engine(
@@ -77,6 +77,7 @@ def make_engine(
                 quantization=quant,
                 quantize_lm_head=head,
                 linear_kernel=linear,
+                attention_backend=attention,
                 threads=threads,
                 compile_decode=compiled,
                 **extra,

@@ -418,6 +418,7 @@ class OpenAIServing:
                         gen.chat,
                         gen.include_usage,
                         repair=gen.params.repetition_repair,
+                        close=gen.params.max_tokens_policy == "close",
                     )
                     parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in gens]
                     logprobs = (
@@ -459,6 +460,8 @@ class OpenAIServing:
                 choice["text"] = last.text
             if gen.params.repetition_repair:  # agentrt's extension: the values closed as runaways
                 choice["agentrt_repaired"] = list(last.repaired)
+            if gen.params.max_tokens_policy == "close":  # agentrt's extension: closed by the budget
+                choice["agentrt_closed_by_budget"] = last.closed_by_budget
             choices.append(choice)
         body = {
             "id": gen.request_id,

@@ -41,7 +41,9 @@ class ChunkWriter:
     `include_usage` adds `"usage": null` to every chunk and a final usage chunk (stream_options);
     `index`: the choice the chunks belong to (requests with `n` > 1 have one writer per choice);
     `repair`: the request asked for runaway repair, so the closing chunk carries the JSON pointers of
-    the values closed as `agentrt_repaired` (agentrt's extension, as on the non-streamed choice)."""
+    the values closed as `agentrt_repaired` (agentrt's extension, as on the non-streamed choice);
+    `close`: the request has max_tokens_policy "close", so the closing chunk carries
+    `agentrt_closed_by_budget` (RequestOutput.closed_by_budget)."""
 
     stream_id: str
     created: int
@@ -50,6 +52,7 @@ class ChunkWriter:
     include_usage: bool
     index: int = 0
     repair: bool = False
+    close: bool = False
 
     @property
     def object(self) -> str:
@@ -84,6 +87,7 @@ class ChunkWriter:
         finish: str | None = None,
         logprobs: dict | None = None,
         repaired: list[str] | None = None,
+        closed_by_budget: bool = False,
     ) -> str:
         """A content delta, or (finish given, no text) the closing chunk; `logprobs`: the choice's
         logprobs object for the tokens this chunk reports (None: not asked for, or none new);
@@ -100,6 +104,8 @@ class ChunkWriter:
             choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         if finish is not None and self.repair:
             choice["agentrt_repaired"] = list(repaired or [])
+        if finish is not None and self.close:
+            choice["agentrt_closed_by_budget"] = closed_by_budget
         return self.choice(choice)
 
     def events(self, events: Iterable[ParseEvent], logprobs: dict | None = None) -> list[str]:
@@ -249,7 +255,11 @@ def _deltas(
         if parser is not None:
             events, finish = parser.close(finish)
             chunks += writer.events(events, pending())
-        chunks.append(writer.text(None, finish, logprobs=pending(), repaired=out.repaired))
+        chunks.append(
+            writer.text(
+                None, finish, logprobs=pending(), repaired=out.repaired, closed_by_budget=out.closed_by_budget
+            )
+        )
     if chunks and logprobs is not None:
         logprobs.commit(out)
     return chunks

@@ -181,6 +181,7 @@ def _result(engine, index, inp, entry, registry, out: RequestOutput, min_confide
         text=out.text,
         gold=inp.gold,
         repaired=list(out.repaired),
+        closed_by_budget=out.closed_by_budget,
     )
     if out.finish_reason == "error":
         res.error = str(out.error) if out.error is not None else "the request failed without a reason"

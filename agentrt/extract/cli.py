@@ -74,6 +74,14 @@ def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
         help="do not close values that repeat themselves (runaway repair is on by default; the "
         "closed values are listed in the row's 'repaired')",
     )
+    e.add_argument(
+        "--max-tokens-policy",
+        choices=["close", "length"],
+        default="close",
+        help="close (default): keep enough of --max-tokens to finish the JSON and, when the budget "
+        "runs short, end it on the shortest valid completion (the row says closed_by_budget: true); "
+        "length: cut at --max-tokens (the row is then invalid)",
+    )
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument(
         "--server", metavar="URL", help="an OpenAI-compatible server (base URL, e.g. http://HOST:8000/v1)"
@@ -240,7 +248,10 @@ def _engine_driver(config, args, template, schemas, llm=None):
         except ValueError as e:
             raise ValueError(f"schema {name or args.schema or args.pydantic}: {e}") from None
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, repetition_repair=not args.no_repair
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        repetition_repair=not args.no_repair,
+        max_tokens_policy=args.max_tokens_policy,
     )
     params.validate(llm.engine.vocab_size)
 
@@ -270,7 +281,10 @@ def _ray_driver(config, args, template, schemas):
     if args.model_name:
         config = replace(config, model=replace(config.model, model=args.model_name))
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, repetition_repair=not args.no_repair
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        repetition_repair=not args.no_repair,
+        max_tokens_policy=args.max_tokens_policy,
     )
     plan = WorkerPlan(
         config,
@@ -305,5 +319,6 @@ def _server_driver(args, template, schemas):
         prompt=template,
         min_confidence=args.min_confidence,
         repetition_repair=not args.no_repair,
+        max_tokens_policy=args.max_tokens_policy,
     )
     return lambda inputs: extractor.run(inputs)

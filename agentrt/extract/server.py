@@ -9,8 +9,10 @@ checking). Token logprobs (`logprobs: true`) are asked for, for per-field confid
 refuses the field (a 400 whose `param` is "logprobs") is asked again without it, and the job
 continues without confidence. Runaway-value repair (`repetition_repair`, agentrt's extension
 field, on unless `--no-repair`) is asked for the same way and dropped for a server that refuses it;
-an agentrt server reports the closed values (`agentrt_repaired`) as the row's `repaired`. Closing
-the iterator cancels the requests in flight.
+an agentrt server reports the closed values (`agentrt_repaired`) as the row's `repaired`. The
+length-safe policy (`max_tokens_policy`, `--max-tokens-policy`) likewise: an agentrt server's
+`agentrt_closed_by_budget` becomes the row's `closed_by_budget`; servers that ignore the field
+(llama-server) just cut at max_tokens. Closing the iterator cancels the requests in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class ServerExtractor:
         min_confidence: float | None = None,
         timeout_s: float = 600.0,
         repetition_repair: bool = False,
+        max_tokens_policy: str = "length",
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -84,6 +87,14 @@ class ServerExtractor:
         self.logprobs = True
         # agentrt's runaway-value repair (an extension field): dropped for a server that refuses it
         self.repetition_repair = repetition_repair
+        # agentrt's length-safe policy (an extension field): likewise dropped when refused
+        self.max_tokens_policy = max_tokens_policy
+
+    def _extra_body(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"repetition_repair": True} if self.repetition_repair else {}
+        if self.max_tokens_policy != "length":
+            extra["max_tokens_policy"] = self.max_tokens_policy
+        return extra
 
     def run(self, inputs: Iterable[ExtractInput], schema: dict | None = None) -> Iterator[ExtractResult]:
         """Results in completion order (the driver's contract: one per input, never raising for a
@@ -188,7 +199,7 @@ class ServerExtractor:
                 resp = await client.chat.completions.create(
                     **kwargs,
                     **({"logprobs": True} if self.logprobs else {}),
-                    **({"extra_body": {"repetition_repair": True}} if self.repetition_repair else {}),
+                    **({"extra_body": extra} if (extra := self._extra_body()) else {}),
                 )
                 break
             except openai.BadRequestError as e:
@@ -198,6 +209,9 @@ class ServerExtractor:
                     continue
                 if self.repetition_repair and body.get("param") == "repetition_repair":
                     self.repetition_repair = False  # not an agentrt server: go on without repair
+                    continue
+                if self.max_tokens_policy != "length" and body.get("param") == "max_tokens_policy":
+                    self.max_tokens_policy = "length"  # not an agentrt server: OpenAI's behaviour
                     continue
                 code = body.get("code")
                 res.error = f"the server refused the request: {body.get('message') or e.message}"
@@ -215,6 +229,7 @@ class ServerExtractor:
         choice = resp.choices[0]
         res.text = choice.message.content or ""
         res.repaired = list(getattr(choice, "agentrt_repaired", None) or [])
+        res.closed_by_budget = bool(getattr(choice, "agentrt_closed_by_budget", False))
         res.finish_reason = choice.finish_reason
         if resp.usage is not None:
             details = getattr(resp.usage, "prompt_tokens_details", None)

@@ -58,6 +58,7 @@ class JobSummary:
         self.failures: Counter[str] = Counter()
         self.needs_review = 0
         self.repaired_rows = 0  # rows with a value closed by runaway-value repair
+        self.closed_rows = 0  # rows the length-safe policy closed because the budget ran short
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.fields: dict[str, list[int]] = {}  # pointer -> [exact matches, rows with gold there]
 
@@ -68,6 +69,7 @@ class JobSummary:
             self.failures[r.failure or "error"] += 1
         self.needs_review += bool(r.needs_review)
         self.repaired_rows += bool(r.repaired)
+        self.closed_rows += r.closed_by_budget
         self.prompt_tokens += r.usage.prompt_tokens
         self.completion_tokens += r.usage.completion_tokens
         self.cached_tokens += r.usage.cached_tokens
@@ -98,6 +100,7 @@ class JobSummary:
             "failed": self.rows - self.valid,
             "failed_by_reason": dict(sorted(self.failures.items())),
             "repaired_rows": self.repaired_rows,
+            "closed_by_budget_rows": self.closed_rows,
             "wall_s": round(wall_s, 3),
             "docs_per_s": round(self.rows / wall, 4),
             "valid_docs_per_s": round(self.valid / wall, 4),
@@ -120,7 +123,10 @@ class JobSummary:
         failed = ", ".join(f"{k} {v}" for k, v in d["failed_by_reason"].items()) or "none"
         hit = d["prefix_cache_hit_share"]
         out = [
-            f"rows {d['rows']}: valid {d['valid']}, failed {d['failed']} ({failed}), repaired {d['repaired_rows']}",
+            (
+                f"rows {d['rows']}: valid {d['valid']}, failed {d['failed']} ({failed}), repaired "
+                f"{d['repaired_rows']}, closed by the token budget {d['closed_by_budget_rows']}"
+            ),
             f"wall {d['wall_s']:.1f} s, {d['docs_per_s']:.2f} docs/s, {d['completion_tokens_per_s']:.1f} "
             f"completion tokens/s, prefix-cache hit share " + (f"{hit:.1%}" if hit is not None else "n/a"),
         ]

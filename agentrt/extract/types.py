@@ -59,7 +59,10 @@ class ExtractResult:
     value (agentrt/extract/confidence.py), None when no token logprobs were available;
     needs_review: some confidence is below the job's min_confidence (None when none was set); text:
     the raw output text; gold: ExtractInput.gold; repaired: JSON pointers of the values the engine
-    closed because they repeated themselves (SamplingParams.repetition_repair; empty: none or off)."""
+    closed because they repeated themselves (SamplingParams.repetition_repair; empty: none or off);
+    closed_by_budget: under max_tokens_policy "close", the budget ran short and the engine ended the
+    JSON on the shortest valid completion (RequestOutput.closed_by_budget): the values written last
+    may be cut short, so such a row deserves review even when valid."""
 
     index: int
     id: Any
@@ -74,6 +77,7 @@ class ExtractResult:
     text: str = ""
     gold: Any = None
     repaired: list[str] = field(default_factory=list)
+    closed_by_budget: bool = False
 
     def row(self) -> dict[str, Any]:
         """The output row of `agentrt extract` (one JSON Lines record)."""
@@ -86,6 +90,7 @@ class ExtractResult:
             "usage": self.usage.as_dict(),
             "confidence": self.confidence,
             "repaired": self.repaired,
+            "closed_by_budget": self.closed_by_budget,
         }
         if self.needs_review is not None:
             row["needs_review"] = self.needs_review

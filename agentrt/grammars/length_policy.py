@@ -253,6 +253,7 @@ class ClosingGuard:
     plan: list[int] = field(default_factory=list)  # the rest of a path being followed
     path: list[int] | None = None  # a verified path from the current state (tokens, without stop)
     num_forced: int = 0  # sampled tokens replaced
+    closed: bool = False  # a closing path was entered because the budget ran short
 
     @property
     def bound(self) -> int:
@@ -296,6 +297,7 @@ class ClosingGuard:
             self.path = None
             return tok
         self.plan = [*before, self.stop_id]
+        self.closed = True
         self.path = None
         matcher.accept_token(tok)
         return self._force(matcher, tok, self.plan.pop(0))

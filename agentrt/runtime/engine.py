@@ -565,6 +565,8 @@ class Engine:
             r.compile_future.cancel()  # no longer waited for: a compile nobody needs is cancelled
         else:  # a failed request's KV may be what failed: not shared through the prefix cache
             self.scheduler.finish(r, insert=reason != "error")
+        if r.grammar is not None and r.grammar.closing is not None:
+            r.closed_by_budget = r.grammar.closing.closed
         r.grammar = None
         if self.speculator is not None:
             self.speculator.release(r)

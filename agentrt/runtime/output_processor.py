@@ -97,6 +97,7 @@ class OutputProcessor:
             r.num_cached_tokens or 0,
             list(r.logprobs) if r.logprobs is not None else None,
             list(r.repetition.repaired) if r.repetition is not None else [],
+            r.closed_by_budget,
         )
 
 

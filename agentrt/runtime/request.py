@@ -177,7 +177,10 @@ class RequestOutput:
     logprobs: with SamplingParams.logprobs set, one TokenLogprob per entry of `token_ids` (the whole
     output so far, aligned 1:1, the final stop token included as in token_ids); else None.
     repaired: with SamplingParams.repetition_repair, the JSON pointers (RFC 6901) of the string
-    values that were closed because they repeated themselves, in order (empty: none)."""
+    values that were closed because they repeated themselves, in order (empty: none).
+    closed_by_budget: with max_tokens_policy "close", True when the budget ran short and the output
+    was steered onto the planner's closing path (its end is the shortest valid completion, not the
+    model's own; finish_reason stays "stop")."""
 
     request_id: str
     text: str
@@ -190,6 +193,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     repaired: list[str] = field(default_factory=list)
+    closed_by_budget: bool = False
 
 
 @dataclass
@@ -231,6 +235,7 @@ class Request:
     max_tokens: int = 0  # resolved completion budget (tokens), set by the engine
     compile_future: Future | None = None  # of the CompiledConstraint, while WAITING_FOR_GRAMMAR
     grammar: ConstraintState | None = None  # matcher, closing guard, jump-forward (constrained requests)
+    closed_by_budget: bool = False  # the closing guard steered the output closed (kept past `grammar`)
     num_jump_forward_tokens: int = 0  # tokens appended by jump-forward (not sampled)
     pending_jump_forward: int = 0  # of those, tokens whose KV is not computed yet
     generator: torch.Generator | None = None

@@ -81,3 +81,28 @@ def test_repair_streamed(fake_client, tokenizer, chat):
     assert text == (whole["message"]["content"] if chat else whole["text"])
     off = _stream(fake_client, url, _body(tokenizer, chat))
     assert not any("agentrt_repaired" in c["choices"][0] for c in off if c["choices"])
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_close_policy_reports_a_budget_close(fake_client, tokenizer, chat):
+    """max_tokens_policy "close" on a value that loops without repair: the output is closed validly
+    within max_tokens and the choice says so (`agentrt_closed_by_budget`, streamed on the closing
+    chunk too); a request the model ends itself says false; without the policy there is no key."""
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    closed = fake_client.post(url, json=_body(tokenizer, chat, max_tokens_policy="close")).json()["choices"][
+        0
+    ]
+    assert closed["finish_reason"] == "stop" and closed["agentrt_closed_by_budget"] is True
+    jsonschema.validate(json.loads(closed["message"]["content"] if chat else closed["text"]), SCHEMA)
+    chunks = _stream(fake_client, url, _body(tokenizer, chat, max_tokens_policy="close"))
+    flags = [
+        c["choices"][0]["agentrt_closed_by_budget"]
+        for c in chunks
+        if c["choices"] and "agentrt_closed_by_budget" in c["choices"][0]
+    ]
+    assert flags == [True]
+    repaired = _body(tokenizer, chat, max_tokens_policy="close", repetition_repair=True)
+    own = fake_client.post(url, json=repaired).json()["choices"][0]
+    assert own["finish_reason"] == "stop" and own["agentrt_closed_by_budget"] is False
+    off = fake_client.post(url, json=_body(tokenizer, chat)).json()["choices"][0]
+    assert "agentrt_closed_by_budget" not in off

@@ -151,6 +151,26 @@ def test_bad_rows_are_error_rows_and_the_rest_valid(llm, tmp_path, person_schema
     assert len(read_rows(out)) == 5
 
 
+def test_short_budget_rows_are_closed_validly_and_say_so(llm, tmp_path, person_schema):
+    """The job's default length-safe policy: with too few tokens for the model's own output the rows
+    are closed on the shortest valid completion, valid, and marked closed_by_budget (counted in the
+    summary); `--max-tokens-policy length` cuts them instead (invalid rows, reason length)."""
+    src = write_jsonl(tmp_path / "in.jsonl", people_docs(2))
+    base = ["--input", src, "--schema", person_schema, "--max-tokens", "18", "--no-progress"]
+    base += ["--allow-failures"]  # closing from the start needs 17 tokens; the model writes ~20
+    closed, cut = tmp_path / "closed.jsonl", tmp_path / "cut.jsonl"
+    assert run_extract([*base, "--output", str(closed)], llm=llm) == 0
+    rows = read_rows(closed)
+    assert all(r["valid"] and r["closed_by_budget"] and r["finish_reason"] == "stop" for r in rows), rows
+    for r in rows:
+        jsonschema.validate(r["output"], PERSON)
+    summary = json.loads((tmp_path / "closed.jsonl.summary.json").read_text())
+    assert summary["closed_by_budget_rows"] == 2
+    assert run_extract([*base, "--output", str(cut), "--max-tokens-policy", "length"], llm=llm) == 0
+    rows = read_rows(cut)
+    assert all(not r["valid"] and r["finish_reason"] == "length" and not r["closed_by_budget"] for r in rows)
+
+
 def test_unenforceable_schema_stops_before_start(llm, tmp_path, capsys):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(UNENFORCEABLE))

@@ -177,5 +177,11 @@ def test_close_policy_keeps_a_short_budget_valid():
     )[0]
     assert out.finish_reason == "stop" and len(out.token_ids) <= 24
     jsonschema.validate(json.loads(out.text), schema)
+    assert out.closed_by_budget  # the budget, not the model, ended it: the caller is told
     cut = engine.generate([(PROMPTS[0], _greedy(24), ConstraintSpec.json_schema(schema))])[0]
-    assert cut.finish_reason == "length"  # the default policy just stops
+    assert cut.finish_reason == "length" and not cut.closed_by_budget  # the default policy just stops
+    short = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    roomy = engine.generate(
+        [(PROMPTS[0], _greedy(24, max_tokens_policy="close"), ConstraintSpec.json_schema(short))]
+    )[0]
+    assert roomy.finish_reason == "stop" and not roomy.closed_by_budget  # closed by the model itself
