@@ -64,7 +64,7 @@ def load1() -> float:
 
 
 def make_engine(
-    fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 256 << 20, compiled: bool = False
+    fmt: str, threads: int | None, cache_dir: Path | None = None, kv: int = 512 << 20, compiled: bool = False
 ) -> Engine:
     dtype, quant, head, linear, attention = FORMATS[fmt]
     extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
@@ -301,6 +301,29 @@ def start(args) -> None:
                 print(f"| {label} | {times[0]:.1f} s | {times[1]:.1f} s | load {load1():.1f}", flush=True)
 
 
+def llama_stream(path: str, threads: int | None, new_tokens: int = 64) -> None:
+    """llama-server's single-stream decode speed on the same model (Q4_1 GGUF): its own timings
+    (`predicted_per_second`) of `new_tokens` tokens after a warm-up request, best of 3."""
+    import httpx
+
+    from agentrt.runtime.models.loader import find_registered_gguf
+    from agentrt.testing import free_port, launch_server
+
+    port = free_port()
+    gguf = find_registered_gguf("smollm2-135m-instruct")
+    cmd = [path, "-m", str(gguf), "-t", str(threads or os.cpu_count()), "-c", "4096", "--port", str(port)]
+    with launch_server([*cmd, "--host", "127.0.0.1"], port, timeout_s=120) as server:
+        body = {"prompt": "Write a short story about a lighthouse keeper.", "n_predict": new_tokens,
+                "temperature": 0, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+        speeds = []
+        for _ in range(4):
+            r = httpx.post(f"{server.url}/completion", json=body, timeout=120).json()
+            speeds.append(r["timings"]["predicted_per_second"])
+        print(
+            f"| llama-server (Q4_1 GGUF, -t {threads or os.cpu_count()}) | single stream {max(speeds[1:]):.1f} tok/s |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8", "int4"], choices=list(FORMATS))
@@ -315,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quality", type=int, default=0, help="extraction documents per format (0 = off)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--start", action="store_true", help="start time, cold vs warm quantized cache")
+    p.add_argument(
+        "--llama-server", help="also llama-server's single-stream tokens/s (a llama-server binary)"
+    )
     p.add_argument(
         "--compiled",
         action="store_true",
@@ -332,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         start(args)
     else:
         speed(args)
+        if args.llama_server:
+            llama_stream(args.llama_server, args.threads)
     return 0
 
 

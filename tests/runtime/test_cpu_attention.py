@@ -117,3 +117,51 @@ def test_pool_gives_ascending_runs():
     assert pool.allocate(5) == a  # a freed run comes back in its order
     pool.free([9, 3, 7])
     assert pool.allocate(3) == [9, 3, 7]
+
+
+SCRIPT = """
+import sys, torch
+from pathlib import Path
+from agentrt.runtime.kernels import cpu_attention as c
+from agentrt.runtime.model_runner import choose_attention_backend
+cache = Path(sys.argv[1])
+print("nocompiler", c.load(cache / "none"))
+print("auto", choose_attention_backend("auto", torch.device("cpu"), torch.float32, cache / "none"))
+try:
+    choose_attention_backend("cpu", torch.device("cpu"), torch.float32, cache / "none")
+except ValueError as e:
+    print("explicit", e)
+c._loaded.clear()
+import os
+os.environ.pop("CXX")
+target = c.library_path(cache / "bad")
+target.parent.mkdir(parents=True)
+target.write_bytes(b"not a shared library")
+print("damaged", c.load(cache / "bad"), target.stat().st_size > 1000)
+"""
+
+
+@needs_kernel
+def test_no_compiler_falls_back_and_a_damaged_cache_entry_is_rebuilt(tmp_path):
+    """In a fresh process (a loaded op stays loaded): with no compiler the kernel is unavailable,
+    auto takes torch and says why, an explicit `cpu` is refused; a damaged cached library is
+    rebuilt."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "nocompiler FileNotFoundError" in out or "nocompiler RuntimeError" in out, out
+    assert "auto ('torch', " in out and "auto: the C++ decode kernel is unavailable: " in out
+    assert "explicit attention_backend 'cpu': the C++ decode kernel is unavailable" in out
+    assert "damaged None True" in out, out + proc.stderr

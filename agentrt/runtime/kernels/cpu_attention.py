@@ -92,10 +92,16 @@ def load(cache_dir: Path) -> str | None:
             if hasattr(torch.ops.agentrt_cpu, "decode_attention"):
                 pass  # loaded already (another cache dir, same source)
             else:
+                if target.is_file():
+                    try:
+                        torch.ops.load_library(str(target))
+                    except OSError as e:  # a damaged cache entry: build it again
+                        logger.warning("rebuilding the CPU decode-attention kernel (%s)", e)
+                        target.unlink()
                 if not target.is_file():
                     logger.info("building the CPU decode-attention kernel -> %s", target)
                     _build(target)
-                torch.ops.load_library(str(target))
+                    torch.ops.load_library(str(target))
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
             failure = f"{type(e).__name__}: {e}"
             logger.warning("CPU decode-attention kernel unavailable, using torch SDPA: %s", failure)
