@@ -192,7 +192,8 @@ def _result(engine, index, inp, entry, registry, out: RequestOutput, min_confide
             out.text, out.finish_reason, validator, len(out.token_ids)
         )
         res.confidence = output_confidence(engine.tokenizer, out) if res.output is not None else None
-    res.needs_review = below(res.confidence, min_confidence) if min_confidence is not None else None
+    if min_confidence is not None:  # a budget close forces values at confidence 1.0: review it anyway
+        res.needs_review = bool(below(res.confidence, min_confidence)) or res.closed_by_budget
     return res
 
 

@@ -245,6 +245,8 @@ class ServerExtractor:
         if res.output is not None:
             res.confidence = _confidence(res.text, choice)
         res.needs_review = below(res.confidence, self.min_confidence)
+        if res.needs_review is not None:  # a budget close forces values at confidence 1.0
+            res.needs_review = res.needs_review or res.closed_by_budget
         return res
 
 

@@ -157,11 +157,13 @@ def test_short_budget_rows_are_closed_validly_and_say_so(llm, tmp_path, person_s
     summary); `--max-tokens-policy length` cuts them instead (invalid rows, reason length)."""
     src = write_jsonl(tmp_path / "in.jsonl", people_docs(2))
     base = ["--input", src, "--schema", person_schema, "--max-tokens", "18", "--no-progress"]
+    base += ["--min-confidence", "0.01"]  # a closed row needs review whatever its confidence
     base += ["--allow-failures"]  # closing from the start needs 17 tokens; the model writes ~20
     closed, cut = tmp_path / "closed.jsonl", tmp_path / "cut.jsonl"
     assert run_extract([*base, "--output", str(closed)], llm=llm) == 0
     rows = read_rows(closed)
     assert all(r["valid"] and r["closed_by_budget"] and r["finish_reason"] == "stop" for r in rows), rows
+    assert all(r["needs_review"] for r in rows)
     for r in rows:
         jsonschema.validate(r["output"], PERSON)
     summary = json.loads((tmp_path / "closed.jsonl.summary.json").read_text())
