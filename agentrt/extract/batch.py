@@ -15,6 +15,7 @@ in flight, freeing their KV and grammar state.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from agentrt.extract.types import DEFAULT_MAX_TOKENS, ExtractInput, ExtractResul
 from agentrt.extract.validate import SchemaValidators, judge
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def extraction_params(sampling_params: SamplingParams | None) -> SamplingParams:
@@ -46,6 +49,8 @@ class _Schema:
     spec: ConstraintSpec | None = None
     compiled: Any = None
     error: ConstraintError | None = None
+    unclosable: str | None = None  # why max_tokens_policy "close" cannot run on it (checked once)
+    checked_close: bool = False
 
 
 class SchemaRegistry:
@@ -74,6 +79,26 @@ class SchemaRegistry:
                 except ConstraintError as e:
                     entry.error = e
         return entry
+
+    def params_for(self, entry: _Schema, params: SamplingParams) -> SamplingParams:
+        """`params`, or under max_tokens_policy "close" on a schema the closing-path planner cannot
+        close from its start (e.g. a long minLength or a repeating pattern: it gives up in free
+        text) the same with "length": its rows then run as with `--max-tokens-policy length`
+        instead of every row failing (logged once per schema)."""
+        if params.max_tokens_policy != "close" or entry.compiled is None:
+            return params
+        if not entry.checked_close:
+            entry.checked_close = True
+            grammar = self.engine.grammar
+            matcher = grammar.new_matcher(entry.compiled, params.stop_token_ids or ())
+            if grammar.planner.closing_path(matcher) is None:
+                entry.unclosable = grammar.planner.failure or "no closing path"
+                logger.warning(
+                    "the length-safe policy cannot close this schema (%s): its rows run with "
+                    "max_tokens_policy length (cut at max_tokens)",
+                    entry.unclosable,
+                )
+        return dataclasses.replace(params, max_tokens_policy="length") if entry.unclosable else params
 
     def require(self, schema: dict) -> _Schema:
         """`prepare`, raising the schema's ConstraintError (keyword + JSON pointer) when it has one."""
@@ -159,7 +184,7 @@ def _submit(engine, chat_ids, index, inp, default, registry, params, prompt, in_
     msgs = inp.text if isinstance(inp.text, list) else prompt_messages(inp.text, entry.schema, prompt)
     ids = chat_ids(msgs)
     try:
-        req = engine.make_request(ids, params, entry.spec)
+        req = engine.make_request(ids, registry.params_for(entry, params), entry.spec)
     except ContextLengthError as e:
         return _failed(index, inp, f"the document does not fit the context: {e}", "context_length", len(ids))
     except InvalidRequestError as e:

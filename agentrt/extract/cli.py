@@ -80,7 +80,8 @@ def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
         default="close",
         help="close (default): keep enough of --max-tokens to finish the JSON and, when the budget "
         "runs short, end it on the shortest valid completion (the row says closed_by_budget: true); "
-        "length: cut at --max-tokens (the row is then invalid)",
+        "length: cut at --max-tokens (the row is then invalid). A schema the closer cannot close "
+        "(e.g. a long minLength) runs under length, with a warning",
     )
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument(

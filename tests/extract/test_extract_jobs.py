@@ -173,6 +173,25 @@ def test_short_budget_rows_are_closed_validly_and_say_so(llm, tmp_path, person_s
     assert all(not r["valid"] and r["finish_reason"] == "length" and not r["closed_by_budget"] for r in rows)
 
 
+def test_schema_the_closer_cannot_close_runs_under_the_length_policy(llm, tmp_path, caplog):
+    """A long minLength makes the closing-path planner give up in free text: under the job's
+    default close policy its rows run as with `--max-tokens-policy length` (one warning) instead of
+    every row failing with the policy's error."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 200}}, "required": ["s"]}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(schema))
+    src = write_jsonl(tmp_path / "in.jsonl", people_docs(2))
+    out = tmp_path / "out.jsonl"
+    args = ["--input", src, "--output", str(out), "--schema", str(path), "--max-tokens", "40"]
+    with caplog.at_level("WARNING", logger="agentrt.extract.batch"):
+        run_extract([*args, "--no-progress", "--allow-failures"], llm=llm)
+    rows = read_rows(out)
+    assert len(rows) == 2
+    assert all("max_tokens_policy" not in (r["error"] or "") for r in rows), rows
+    assert all(r["finish_reason"] == "length" and not r["closed_by_budget"] for r in rows)  # 40 < 200 chars
+    assert sum("cannot close this schema" in m for m in caplog.messages) == 1
+
+
 def test_unenforceable_schema_stops_before_start(llm, tmp_path, capsys):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(UNENFORCEABLE))

@@ -104,7 +104,7 @@ def load(cache_dir: Path) -> str | None:
                     torch.ops.load_library(str(target))
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
             failure = f"{type(e).__name__}: {e}"
-            logger.warning("CPU decode-attention kernel unavailable, using torch SDPA: %s", failure)
+            logger.warning("the CPU decode-attention kernel is unavailable: %s", failure)
         _loaded[str(target)] = failure
         return failure
 
