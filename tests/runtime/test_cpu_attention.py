@@ -51,6 +51,15 @@ def test_kernel_matches_gather_and_sdpa(batch, heads, kv_heads, head_dim, max_le
 
 
 @needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library linked with -ffast-math sets flush-to-zero for the whole process when it loads
+    (crtfastmath.o); the kernel must not (the process has loaded it at import of this module)."""
+    tiny = 2.2250738585072014e-308  # the smallest normal double
+    assert tiny / 3 > 0
+    assert (torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() > 0
+
+
+@needs_kernel
 def test_kernel_refuses_bad_slots_and_lengths():
     k = torch.zeros(10, 1, 8)
     q = torch.zeros(1, 2, 8)

@@ -6,11 +6,13 @@ runs SDPA over it, reading the context three times; at batch 16 and 400 tokens o
 43 + 41 ms of a 222 ms step of the default model (2 threads). The kernel reads each K and V row of
 the pool once, in place (numbers: docs/benchmarks.md).
 
-Built with `c++ -O3 -march=native -ffast-math` against torch's headers and libraries (the same
-compiler AOTInductor needs) into `<cache_dir>/cpu-kernels/<key>/`, key = sha256 of the source,
-the compiler flags, torch's version and this CPU's flags; a concurrent build by another process is harmless (each
-writes a temporary file and renames it). Any failure (no compiler, a build or load error) is
-logged once and the torch path is used.
+Built with `$CXX` (else `c++`/`g++`) `-O3 -march=native -fopenmp` and reassociating math flags
+(never -ffast-math: see FLAGS) against torch's
+headers and libraries (the same compiler AOTInductor needs) into `<cache_dir>/cpu-kernels/<key>/`,
+key = sha256 of the source, the flags, torch's version and this CPU's flags; a concurrent build by
+another process is harmless (each writes a temporary file and renames it); a cached library that
+fails to load is rebuilt once. Any other failure (no compiler, a build error) is logged once and
+`load` returns it: the auto attention backend then takes the torch path and says why.
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
-# libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
+# Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
+# for the whole process when the library loads (hypothesis noticed: subnormal floats vanished).
+# The reassociation flags alone let the reductions vectorize.
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-fno-signed-zeros", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+)  # fmt: skip
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # library path -> None when loaded, else the failure
 
