@@ -288,35 +288,26 @@ def choose_attention_backend(
     """(backend, reason). auto: `triton` on CUDA (with triton), `cpu` on the CPU at float32 when
     the C++ decode kernel builds and loads (kernels/cpu_attention.py), else `torch`. Raises
     ValueError when a requested backend cannot run here, naming why."""
-    if requested == "auto":
-        if device.type == "cuda" and triton_usable(device):
-            return "triton", "auto: CUDA"
-        if device.type != "cpu" or dtype != torch.float32:
-            return "torch", "auto"
-        from agentrt.runtime.kernels import cpu_attention
-
-        failure = cpu_attention.load(cache_dir)
-        return (
-            ("torch", f"auto: the C++ decode kernel is unavailable: {failure}")
-            if failure
-            else (
-                "cpu",
-                "auto: C++ decode kernel, torch SDPA for prefill",
-            )
-        )
     if requested == "triton" and not triton_usable(device):
         raise ValueError(
             "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
         )
-    if requested == "cpu":
-        if device.type != "cpu" or dtype != torch.float32:
+    if requested == "auto" and device.type == "cuda" and triton_usable(device):
+        return "triton", "auto: CUDA"
+    if requested in ("triton", "torch"):
+        return requested, "requested"
+    if device.type != "cpu" or dtype != torch.float32:  # auto or cpu, where the kernel cannot run
+        if requested == "cpu":
             raise ValueError(f"attention_backend 'cpu' needs the CPU at float32 (here {device}, {dtype})")
-        from agentrt.runtime.kernels import cpu_attention
+        return "torch", "auto"
+    from agentrt.runtime.kernels import cpu_attention
 
-        failure = cpu_attention.load(cache_dir)
-        if failure:
-            raise ValueError(f"attention_backend 'cpu': the C++ decode kernel is unavailable: {failure}")
-    return requested, "requested"
+    failure = cpu_attention.load(cache_dir)
+    if failure is None:
+        return "cpu", "requested" if requested == "cpu" else "auto: C++ decode kernel, torch SDPA for prefill"
+    if requested == "cpu":
+        raise ValueError(f"attention_backend 'cpu': the C++ decode kernel is unavailable: {failure}")
+    return "torch", f"auto: the C++ decode kernel is unavailable: {failure}"
 
 
 @torch.inference_mode()
