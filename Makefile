@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# --quantization auto: int8 weights and activations (C++ kernel) where the CPU runs float32, the
+# fastest format here that keeps the extraction workload's quality (docs/benchmarks.md); else none.
 run: $(STAMP)
-	$(VENV)/bin/agentrt serve $(ARGS)
+	$(VENV)/bin/agentrt serve --quantization auto $(ARGS)
 
 # One pytest-xdist worker per core (at most 4; each test file on one worker, its module fixtures
 # shared): the suite is mostly single-threaded Python (grammars, HTTP) between model forwards.

@@ -40,10 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["none", "int8", "int4"],
+        choices=["none", "int8", "int4", "auto"],
         default="none",
-        help="weight-only quantization of the linear layers: int8 (per channel) or int4 (group-wise "
-        "scales); CPU: torch's packed kernels, cached under AGENTRT_CACHE; CUDA: torchao's kernels",
+        help="quantization of the linear layers: int8 or int4 (group-wise scales), cached under "
+        "AGENTRT_CACHE; CPU at float32: int8 in blocks of 32 through the C++ int8 x int8 kernel "
+        "(activations quantized the same way, as llama.cpp's Q8_0), else torch's packed weight-only "
+        "kernels; CUDA: torchao's kernels. auto (make run's choice): int8 with the LM head where the C++ "
+        "int8 kernel runs (the CPU at float32), else none",
     )
     p.add_argument(
         "--quant-group-size",
@@ -82,9 +85,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
         default="auto",
-        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ decode kernel (cpu; built with "
-        "the system compiler on first use, ~20 s, cached under AGENTRT_CACHE) with torch SDPA for "
-        "prefill, else torch (gather + SDPA)",
+        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ kernels (cpu: decode "
+        "attention, fused layer ops, int8 matmul; built with the system compiler on first use, ~40 s, "
+        "cached under AGENTRT_CACHE) with torch SDPA for prefill, else torch (gather + SDPA)",
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="do not capture CUDA graphs or compile the decode step"

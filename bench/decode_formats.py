@@ -46,6 +46,8 @@ FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel, at
     "fp32": ("float32", "none", False, "auto", "auto"),  # oneDNN linear layers, C++ decode attention
     "fp32-aten": ("float32", "none", False, "aten", "torch"),  # the CPU path before 2026-12-02
     "bf16": ("bfloat16", "none", False, "auto", "auto"),
+    "int8-a8": ("float32", "int8", False, "auto", "auto"),  # int8 x int8 C++ kernel, Q8_0 activations
+    "int8-a8+head": ("float32", "int8", True, "auto", "auto"),
     "int8": ("bfloat16", "int8", False, "auto", "auto"),
     "int8+head": ("bfloat16", "int8", True, "auto", "auto"),
     "int4": ("bfloat16", "int4", False, "auto", "auto"),

@@ -71,7 +71,7 @@ class AttentionMetadata:
     cos: torch.Tensor | None = None  # [T, head_dim // 2] in the activations' dtype, set by prepare_rope
     sin: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None  # [B] int64 keys per decode sequence (the C++ kernel's input)
-    cpu_kernel: bool = False  # decode attention through kernels/cpu_attention.py (float32 on the CPU)
+    cpu_kernel: bool = False  # decode attention through kernels/cpu_kernels.py (float32 on the CPU)
 
     def prepare_rope(
         self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
@@ -116,7 +116,7 @@ class AttentionMetadata:
 
     def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
         if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-            from agentrt.runtime.kernels.cpu_attention import decode_attention
+            from agentrt.runtime.kernels.cpu_kernels import decode_attention
 
             return decode_attention(q, k_cache, v_cache, self.decode_slots, self.decode_lens)
         qd = q.unsqueeze(2)  # [B, H, 1, D]

@@ -25,15 +25,21 @@ class ModelConfig:
     device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
     dtype: `auto` (bf16 on CUDA; on CPU bf16 only with native bf16 arithmetic, avx512_bf16/amx_bf16,
         else fp32), `float32`, `bfloat16`, `float16`.
-    quantization: `none`, `int8` (weight-only, per output channel) or `int4` (weight-only, asymmetric,
-        `quant_group_size` input columns per scale/zero) for the linear layers; see models/formats.py.
+    quantization: `none`, `int8` or `int4` (weight-only, asymmetric, `quant_group_size` input columns
+        per scale/zero) for the linear layers; see models/formats.py. int8 at float32 on the CPU:
+        blocks of 32 input columns per scale, computed by the C++ int8 x int8 kernel with the
+        activations quantized the same way (llama.cpp's Q8_0; kernels/cpu_int8_linear.cpp); at
+        bf16: weight-only, one scale per output channel. `auto`: int8 with the LM head where the C++
+        int8 kernel runs (the CPU at float32 with the CPU kernels built, decode not compiled: the
+        fastest format there that keeps quality, docs/benchmarks.md), else none (`make run` uses it).
     quant_group_size: int4 group size (32, 64, 128 or 256).
     quantize_lm_head: quantize the LM head too (else it stays in the run dtype).
     threads: torch intra-op threads; None = $OMP_NUM_THREADS when set, else the physical cores.
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
     attention_backend: `auto` (Triton kernels on CUDA; on the CPU at float32 `cpu` when its C++
-        decode kernel builds, else torch), `torch` (gather + SDPA), `cpu` (the torch path with the
-        C++ decode kernel, runtime/kernels/cpu_attention.py), `triton` (on CPU only under
+        kernels build, else torch), `torch` (gather + SDPA), `cpu` (the torch path with the C++
+        decode kernel, the fused layer ops and the int8 kernel, runtime/kernels/cpu_kernels.py),
+        `triton` (on CPU only under
         TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
     enforce_eager: never capture CUDA graphs, never compile the decode step.
     compile_decode: on CPU (torch attention), run plain decode steps of up to max_num_seqs sequences
@@ -69,8 +75,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ValueError(f"quantization must be none, int8, int4 or auto, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ValueError(f"quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size}")
         if self.threads is not None and self.threads < 1:

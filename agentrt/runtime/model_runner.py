@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,7 @@ class ModelRunner:
     last new token of each chunk with need_logits (N of them, in order). Weights load straight to
     the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
     kernels on CUDA (decode batches replayed from CUDA graphs); on the CPU decode attention runs the
-    C++ kernel of kernels/cpu_attention.py at float32 (else torch SDPA) and prefill torch SDPA
+    C++ kernel of kernels/cpu_kernels.py at float32 (else torch SDPA) and prefill torch SDPA
     (decode batches through the compiled graphs of compiled_decode.py with compile_decode). Dense
     fp32 linear layers on the CPU run oneDNN's packed matmul (models/cpu_linear.py).
     `max_num_seqs` sizes the slot table and the memory plan's activation reserve. With a draft
@@ -162,8 +163,15 @@ class ModelRunner:
         backend, backend_reason = choose_attention_backend(
             model_config.attention_backend, self.device, self.dtype, model_config.cache_dir
         )
+        compiled = (
+            model_config.compile_decode and not model_config.enforce_eager and backend in ("torch", "cpu")
+        )
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+        quantization, quantize_lm_head = model_config.quantization, model_config.quantize_lm_head
+        if quantization == "auto":  # int8 (+ LM head) where the C++ int8 kernel runs, else exact weights
+            kernel = backend == "cpu" and not compiled
+            quantization, quantize_lm_head = ("int8", True) if kernel else ("none", quantize_lm_head)
         model, self.weight_format = load_model(
             self.arch,
             self.max_model_len,
@@ -171,19 +179,16 @@ class ModelRunner:
             self.device,
             self.dtype,
             dtype_reason,
-            model_config.quantization,
+            quantization,
             model_config.quant_group_size,
-            model_config.quantize_lm_head,
+            quantize_lm_head,
             model_config.cache_dir,
-            choose_linear_kernel(
-                model_config.linear_kernel,
-                self.device,
-                self.dtype,
-                model_config.compile_decode
-                and not model_config.enforce_eager
-                and backend in ("torch", "cpu"),
-            ),
+            choose_linear_kernel(model_config.linear_kernel, self.device, self.dtype, compiled),
+            cpu_kernels=backend == "cpu" and not compiled,
         )
+        if model_config.quantization == "auto":
+            why = "the CPU int8 kernel" if quantization == "int8" else "no CPU int8 kernel here"
+            self.weight_format = dataclasses.replace(self.weight_format, quant_reason=f"auto: {why}")
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
         a = self.arch
@@ -286,7 +291,8 @@ def choose_attention_backend(
     requested: str, device: torch.device, dtype: torch.dtype, cache_dir
 ) -> tuple[str, str]:
     """(backend, reason). auto: `triton` on CUDA (with triton), `cpu` on the CPU at float32 when
-    the C++ decode kernel builds and loads (kernels/cpu_attention.py), else `torch`. Raises
+    the C++ kernels build and load (kernels/cpu_kernels.py: decode attention and the fused layer
+    ops), else `torch`. Raises
     ValueError when a requested backend cannot run here, naming why."""
     if requested == "triton" and not triton_usable(device):
         raise ValueError(
@@ -300,14 +306,19 @@ def choose_attention_backend(
         if requested == "cpu":
             raise ValueError(f"attention_backend 'cpu' needs the CPU at float32 (here {device}, {dtype})")
         return "torch", "auto"
-    from agentrt.runtime.kernels import cpu_attention
+    from agentrt.runtime.kernels import cpu_kernels
 
-    failure = cpu_attention.load(cache_dir)
+    failure = cpu_kernels.load(cache_dir)
     if failure is None:
-        return "cpu", "requested" if requested == "cpu" else "auto: C++ decode kernel, torch SDPA for prefill"
+        return (
+            "cpu",
+            "requested"
+            if requested == "cpu"
+            else "auto: C++ decode kernel and fused layer ops, torch SDPA for prefill",
+        )
     if requested == "cpu":
-        raise ValueError(f"attention_backend 'cpu': the C++ decode kernel is unavailable: {failure}")
-    return "torch", f"auto: the C++ decode kernel is unavailable: {failure}"
+        raise ValueError(f"attention_backend 'cpu': the C++ kernels are unavailable: {failure}")
+    return "torch", f"auto: the C++ kernels are unavailable: {failure}"
 
 
 @torch.inference_mode()

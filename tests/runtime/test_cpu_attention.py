@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (runtime/kernels/cpu_attention.py) against the torch path
+"""The CPU decode-attention kernel (runtime/kernels/cpu_kernels.py) against the torch path
 (gather + SDPA), the backend choice, and the KV pool's slot order the kernel relies on for speed."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import torch.nn.functional as F
 
 from agentrt.runtime.attention import gather_slots
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
-from agentrt.runtime.kernels import cpu_attention
+from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk, choose_attention_backend
 from tests.helpers import make_tiny_model
 
-FAILURE = cpu_attention.load(default_cache_dir())
+FAILURE = cpu_kernels.load(default_cache_dir())
 needs_kernel = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernel is unavailable: {FAILURE}")
 
 
@@ -45,7 +45,7 @@ def test_kernel_matches_gather_and_sdpa(batch, heads, kv_heads, head_dim, max_le
     for b in range(batch):
         slots[b, lens[b] :] = 0
     q = torch.randn(batch, heads, head_dim, generator=gen) * 3  # peaked softmax rows too
-    got = cpu_attention.decode_attention(q, k_cache, v_cache, slots, lens)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lens)
     assert got.shape == (batch, heads, head_dim) and got.dtype == torch.float32
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, slots, lens), atol=2e-5, rtol=1e-5)
 
@@ -64,11 +64,11 @@ def test_kernel_refuses_bad_slots_and_lengths():
     k = torch.zeros(10, 1, 8)
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="slot out of the pool"):
-        cpu_attention.decode_attention(q, k, k, torch.tensor([[3, 10]]), torch.tensor([2]))
+        cpu_kernels.decode_attention(q, k, k, torch.tensor([[3, 10]]), torch.tensor([2]))
     with pytest.raises(RuntimeError, match=r"lens must be in \[1, L\]"):
-        cpu_attention.decode_attention(q, k, k, torch.tensor([[3, 4]]), torch.tensor([0]))
+        cpu_kernels.decode_attention(q, k, k, torch.tensor([[3, 4]]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="query heads must be a multiple of KV heads"):
-        cpu_attention.decode_attention(torch.zeros(1, 3, 8), torch.zeros(10, 2, 8), torch.zeros(10, 2, 8),
+        cpu_kernels.decode_attention(torch.zeros(1, 3, 8), torch.zeros(10, 2, 8), torch.zeros(10, 2, 8),
                                        torch.tensor([[1]]), torch.tensor([1]))  # fmt: skip
 
 
@@ -131,7 +131,7 @@ def test_pool_gives_ascending_runs():
 SCRIPT = """
 import sys, torch
 from pathlib import Path
-from agentrt.runtime.kernels import cpu_attention as c
+from agentrt.runtime.kernels import cpu_kernels as c
 from agentrt.runtime.model_runner import choose_attention_backend
 cache = Path(sys.argv[1])
 print("nocompiler", c.load(cache / "none"))
@@ -171,6 +171,6 @@ def test_no_compiler_falls_back_and_a_damaged_cache_entry_is_rebuilt(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "nocompiler FileNotFoundError" in out or "nocompiler RuntimeError" in out, out
-    assert "auto ('torch', " in out and "auto: the C++ decode kernel is unavailable: " in out
-    assert "explicit attention_backend 'cpu': the C++ decode kernel is unavailable" in out
+    assert "auto ('torch', " in out and "auto: the C++ kernels are unavailable: " in out
+    assert "explicit attention_backend 'cpu': the C++ kernels are unavailable" in out
     assert "damaged None True" in out, out + proc.stderr

@@ -50,7 +50,7 @@ def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
         formats.choose_threads(None)
     for kw, msg in (
         ({"threads": 0}, "threads must be >= 1"),
-        ({"quantization": "int3"}, "quantization must be none, int8 or int4"),
+        ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),
         ({"quant_group_size": 48}, "quant_group_size must be 32, 64, 128 or 256"),
     ):
         with pytest.raises(ValueError, match=msg):
@@ -148,6 +148,24 @@ def test_quantized_weights_are_cached_and_reloaded_identically(tiny_llama, tmp_p
     assert (got - ref).abs().max() < {"int8": 0.05, "int4": 0.3}[kind]
 
 
+def test_a_cached_layout_that_does_not_fit_is_a_clear_error(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig(
+        model=str(tiny_llama), device="cpu", dtype="float32", quantization="int8", cache_dir=tmp_path
+    )
+    first = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+    assert first.model.layers[0].mlp.down_proj.scales.dim() == 2  # float32 int8: blocks of 32
+    (path,) = tmp_path.glob("quant-*/model.safetensors")
+    state = load_file(str(path))
+    state["layers.0.mlp.down_proj.scales"] = state["layers.0.mlp.down_proj.scales"][
+        :, 0
+    ].contiguous()  # per row
+    save_file(state, str(path))
+    with pytest.raises(ValueError, match="does not fit this model: delete it to rebuild"):
+        ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+
+
 @pytest.fixture(scope="module")
 def fp32_reference(engine, tokenizer):
     ids = chat_ids(tokenizer, [{"role": "user", "content": "Describe the water cycle in two sentences."}])
@@ -158,6 +176,9 @@ def fp32_reference(engine, tokenizer):
 # top-1 agreement / max |diff|: bf16 0.974 / 1.26, int8 1.000 / 2.54, int4 (group 32) 0.974 / 1.15 (int4
 # group 32 lands on Q4_1's own 32-blocks almost exactly), logits' standard deviation 7.8
 TOLERANCES = {  # format -> (min top-1 agreement with fp32, max |logit - fp32 logit|)
+    # int8 weights and activations in blocks of 32 (the C++ kernel): 0.947 here (36 of 38), yet on the
+    # 60-document extraction job 60/60 valid and field accuracy +0.8 points vs fp32 (docs/benchmarks.md)
+    ("float32", "int8"): (0.92, 3.2),
     ("bfloat16", "none"): (0.95, 1.6),
     ("bfloat16", "int8"): (0.95, 3.2),
     ("bfloat16", "int4"): (0.95, 1.6),
@@ -166,8 +187,9 @@ TOLERANCES = {  # format -> (min top-1 agreement with fp32, max |logit - fp32 lo
 
 @pytest.mark.parametrize(
     "dtype,quantization",
-    # int8 in the default suite; the others load and quantize the model again (30-90 s each here)
-    [k if k[1] == "int8" else pytest.param(*k, marks=pytest.mark.slow) for k in TOLERANCES],
+    # float32 int8 (the C++ kernel) in the default suite; the others load and quantize the model
+    # again (30-90 s each here)
+    [k if k == ("float32", "int8") else pytest.param(*k, marks=pytest.mark.slow) for k in TOLERANCES],
 )
 def test_format_logits_stay_close_to_fp32_on_the_default_model(
     default_model_dir, fp32_reference, dtype, quantization

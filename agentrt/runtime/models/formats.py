@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,7 +42,7 @@ from agentrt.runtime.models.quant import (
 
 logger = logging.getLogger(__name__)
 
-QUANT_CACHE_VERSION = 1
+QUANT_CACHE_VERSION = 3  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout)
 """Bumped when the cached layout changes (old entries are then ignored, never misread)."""
 
 
@@ -126,18 +127,28 @@ class WeightFormat:
     bytes: tuple[tuple[str, int], ...] = ()
     linear_kernel: str = "aten"
     linear_reason: str = ""
+    act_int8: bool = False  # int8 layers quantize their activations (C++ kernel, Q8_0 blocks of 32)
+    quant_reason: str = ""  # why this quantization, when it was chosen by `auto`
 
     def describe(self) -> str:
         text = f"{str(self.dtype).removeprefix('torch.')} ({self.reason})"
         if self.quantization != "none":
             group = f" group {self.group_size}" if self.quantization == "int4" else ""
             text += (
-                f", {self.quantization}{group} weight-only linear layers"
+                f", {self.quantization}{group} {'' if self.act_int8 else 'weight-only '}linear layers"
                 f" (LM head {self.quantization if self.lm_head else 'dense'}"
-                + (f", activations {str(self.act_dtype).removeprefix('torch.')}" if self.act_dtype else "")
+                + (
+                    ", activations int8 per block of 32 (C++ kernel)"
+                    if self.act_int8
+                    else f", activations {str(self.act_dtype).removeprefix('torch.')}"
+                    if self.act_dtype
+                    else ""
+                )
                 + (", from cache" if self.from_cache else "")
                 + ")"
             )
+        if self.quant_reason:
+            text += f", quantization {self.quantization} ({self.quant_reason})"
         if self.linear_kernel == "onednn":
             text += f", dense linear layers oneDNN packed ({self.linear_reason})"
         return text
@@ -200,7 +211,10 @@ def _load_quantized(
     tied = arch.tie_word_embeddings and not lm_head
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_state_dict(state, strict=not tied, assign=False)
+    try:
+        model.load_state_dict(state, strict=not tied, assign=False)
+    except RuntimeError as e:  # shapes of another layout
+        raise ValueError(f"quantized cache {path} does not fit this model: delete it to rebuild ({e})") from e
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if tied else set())
     if missing:
         raise ValueError(f"quantized cache {path} lacks {sorted(missing)[:3]}: delete it to rebuild")
@@ -219,11 +233,13 @@ def load_model(
     quantize_lm_head: bool,
     cache_dir: Path,
     linear_kernel: tuple[str, str] = ("aten", "requested"),
+    cpu_kernels: bool = False,
 ) -> tuple[LlamaForCausalLM, WeightFormat]:
     """Build the model with its weights in the chosen format (see the module docstring) and RoPE
     tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
     reason) from cpu_linear.choose_linear_kernel; with `onednn` the float32 linear layers left dense
-    are packed for oneDNN after loading (the quantized cache keeps plain tensors). Raises ValueError
+    are packed for oneDNN after loading (the quantized cache keeps plain tensors), and with
+    cpu_kernels too (kernels/cpu_kernels.py loaded) int8 layers run the C++ int8 x int8 kernel. Raises ValueError
     for an unknown quantization or int4 group size, or (CUDA) torchao missing."""
     from agentrt.runtime.model_runner import load_weights
 
@@ -239,7 +255,9 @@ def load_model(
         quantize_cuda(model, quantization, group_size, quantize_lm_head)
         fmt = WeightFormat(dtype, reason, quantization, group_size, None, quantize_lm_head)
     else:
-        act = torch.bfloat16  # the packed CPU kernels' fast path (see quant.py)
+        # float32 runs keep float32 activations (int8: the C++ int8 x int8 kernel where the CPU kernels
+        # load); else bf16, the packed torch kernels' fast path (see quant.py)
+        act = torch.float32 if dtype == torch.float32 and quantization == "int8" else torch.bfloat16
         target = quant_cache_dir(cache_dir, model_dir, dtype, quantization, group_size, quantize_lm_head)
         from_cache = (target / "model.safetensors").is_file()
         if from_cache:
@@ -263,6 +281,11 @@ def load_model(
     model.init_rope()
     model.eval()
     kernel, kernel_reason = linear_kernel
+    if cpu_kernels and kernel == "onednn":  # float32 on the CPU, not compiled: the int8 kernel too
+        for mod in model.modules():
+            if isinstance(mod, Int8Linear) and mod.block:
+                mod.pack_for_kernel()
+                fmt = dataclasses.replace(fmt, act_int8=True)
     if kernel == "onednn" and not pack_linears(model):
         kernel, kernel_reason = "aten", "no float32 linear layer to pack"
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))

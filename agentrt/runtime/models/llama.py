@@ -112,6 +112,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)), or (x, norm(x)) when residual is None; x [T, D].
+        fused: one C++ op (kernels/cpu_layer_ops.cpp; float32 CPU), else the torch ops above."""
+        if fused:
+            if residual is None:
+                return x, torch.ops.agentrt_cpu.rms_norm(x, self.weight, self.eps)
+            return torch.ops.agentrt_cpu.add_rms_norm(residual, x, self.weight, self.eps)
+        residual = x if residual is None else residual + x
+        return residual, self(residual)
+
 
 class Attention(nn.Module):
     def __init__(self, arch: LlamaArch):
@@ -122,13 +134,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
 
-    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = meta.rope_and_store(q, k, v, k_cache, v_cache)
+        if fused:  # rotate q and k, write k and v to the pool: one C++ op
+            q, k = torch.ops.agentrt_cpu.rope_store(
+                qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.num_heads
+            )
+        else:
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            q, k = meta.rope_and_store(q, k, v, k_cache, v_cache)
         out = meta.attend(q, k, v, k_cache, v_cache)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -140,7 +158,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down_proj(torch.ops.agentrt_cpu.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -153,9 +173,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, k_cache, v_cache, meta, fused: bool = False):
+        """x [T, hidden]: the previous layer's output (the embeddings for layer 0, with residual
+        None); residual [T, hidden]: the stream before it. Returns (this layer's output, the stream
+        before it), vLLM's layout, so the residual add and the next norm are one op when fused."""
+        residual, h = self.input_layernorm.add_forward(x, residual, fused)
+        h = self.self_attn(h, k_cache, v_cache, meta, fused)
+        residual, h = self.post_attention_layernorm.add_forward(h, residual, fused)
+        return self.mlp(h, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,12 +213,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids, positions, k_caches, v_caches, meta: AttentionMetadata, num_layers: int | None = None
     ) -> torch.Tensor:
-        """num_layers: run only the first layers (then the final norm): a self-draft's early exit."""
+        """num_layers: run only the first layers (then the final norm): a self-draft's early exit.
+        The element-wise ops run fused (kernels/cpu_layer_ops.cpp) when the metadata asks for the CPU
+        kernels (`cpu_kernel`, set by model_runner where they are loaded) and the activations are
+        float32; the torch ops otherwise (bit-identical to the layer as written in PyTorch)."""
         x = self.embed_tokens(input_ids)
         meta.prepare_rope(positions, self.rope_cos, self.rope_sin, x.dtype)
+        fused = (
+            bool(getattr(meta, "cpu_kernel", False)) and x.dtype == torch.float32 and x.device.type == "cpu"
+        )
+        residual = None
         for layer, k_cache, v_cache in zip(self.layers[:num_layers], k_caches, v_caches):
-            x = layer(x, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, k_cache, v_cache, meta, fused)
+        return self.norm.add_forward(x, residual, fused)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

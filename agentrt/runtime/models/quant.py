@@ -1,6 +1,7 @@
-"""Weight-only quantized linear layers (int8 per output channel, int4 group-wise) on torch's packed ops.
+"""Quantized linear layers (int8 per output channel, int4 group-wise) on torch's packed ops and ours.
 
-CPU kernels: `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
+CPU kernels: at float32 the int8 layers run our C++ int8 x int8 kernel (kernels/cpu_int8_linear.cpp,
+activations quantized on the fly per block of 32 as llama.cpp's Q8_0); otherwise `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
 `torch._weight_int4pack_mm_for_cpu` (4-bit weights packed by `torch._convert_weight_to_int4pack_for_cpu`,
 one scale and zero per group of `group_size` input columns, tinygemm's convention
 w = (q - 8) * scale + zero). Both run fastest with bf16 activations on x86 (measured: with fp32 activations
@@ -16,6 +17,7 @@ saves to and loads from safetensors.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from agentrt.runtime.models.cpu_linear import OneDNNLinear
@@ -24,12 +26,23 @@ QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: weight [N, K] float -> (q [N, K] int8, scales [N] fp32), weight ~ q * scale."""
+INT8_BLOCK = 32  # input columns per scale of the block-wise int8 format (llama.cpp's Q8_0)
+
+
+def quantize_int8(weight: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: weight [N, K] float -> (q [N, K] int8, scales fp32) with weight ~ q * scale;
+    block 0: one scale per row, scales [N] (torchao's int8_weight_only); block b: one scale per b
+    input columns, scales [N, K // b] (llama.cpp's Q8_0 at b = 32). Raises ValueError when b does not
+    divide K."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+    n, k = w.shape
+    if block:
+        if k % block:
+            raise ValueError(f"int8 block {block} does not divide the input dimension {k}")
+        w = w.reshape(n, k // block, block)
+    scales = (w.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,38 +61,90 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scales)^T + bias. Buffers: `qweight` [out, in] int8, `scales` [out] act_dtype,
-    `bias` [out] (or None). forward(x [..., in]) -> [..., out] in x's dtype."""
+    """y = x @ dequant(q)^T + bias. Buffers: `qweight` [out, in] int8, `scales` [out] act_dtype (block
+    0: one scale per row) or [out, in // block] float32 (block-wise, Q8_0), `bias` [out] (or None).
+    forward(x [..., in]) -> [..., out] in x's dtype.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype):
+    Block-wise layers (float32 runs) compute with the C++ int8 x int8 kernel after `pack_for_kernel`
+    (formats.load_model, where the CPU kernels are loaded: kernels/cpu_int8_linear.cpp, activations
+    quantized per row in blocks of 32 too; `qweight` then holds the kernel's packed layout), else with
+    the de-quantized weight (slow; only when the kernels cannot be built). Per-row layers use
+    `torch._weight_int8pack_mm` on bf16 activations."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, act_dtype: torch.dtype, block: int = 0
+    ):
         super().__init__()
         self.in_features, self.out_features, self.act_dtype = in_features, out_features, act_dtype
+        self.block, self.use_kernel = block, False
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(out_features, dtype=act_dtype))
+        scale_shape = (out_features, in_features // block) if block else (out_features,)
+        self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.float32 if block else act_dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=act_dtype) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, act_dtype: torch.dtype) -> Int8Linear:
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, act_dtype)
-        q, scales = quantize_int8(linear.weight.detach())
-        m.qweight, m.scales = q.to(linear.weight.device), scales.to(act_dtype)
+    def from_linear(cls, linear: nn.Linear, act_dtype: torch.dtype, block: int = 0) -> Int8Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, act_dtype, block)
+        q, scales = quantize_int8(linear.weight.detach(), block)
+        m.qweight, m.scales = q.to(linear.weight.device), scales.to(m.scales.dtype)
         if linear.bias is not None:
             m.bias = linear.bias.detach().to(act_dtype)
         return m
 
+    def pack_for_kernel(self) -> None:
+        """Use the C++ kernel (loaded, block-wise layer): `qweight` becomes its packed [N4, in] layout
+        (rows padded to a multiple of 4, groups of 4 rows block-interleaved), `scales` [N4, in // 32]
+        (padded rows zero). Raises ValueError on a per-row layer."""
+        if not self.block:
+            raise ValueError("the int8 kernel needs the block-wise layout (float32 activations)")
+        if self.use_kernel:
+            return
+        n4 = -(-self.out_features // 4) * 4
+        self.qweight = torch.ops.agentrt_cpu.pack_int8(self.qweight)
+        self.scales = F.pad(self.scales, (0, 0, 0, n4 - self.out_features)).contiguous()
+        self.use_kernel = True
+
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel computes with, [out, in] fp32 (tests and Medusa-style consumers)."""
+        if self.use_kernel:  # undo the packing
+            k, b = self.in_features, self.block
+            q = self.qweight.view(-1, k // b, 4, b).permute(0, 2, 1, 3).reshape(-1, k)[: self.out_features]
+            w = q.float().reshape(self.out_features, -1, b) * self.scales[: self.out_features, :, None]
+            return w.reshape(self.out_features, k)
+        if self.block:
+            w = self.qweight.float().reshape(self.out_features, -1, self.block) * self.scales[..., None]
+            return w.reshape(self.out_features, self.in_features)
         return self.qweight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            if x.dim() == 2:  # the model's [T, in] (per-call Python work adds up at 121 calls a step)
+                return torch.ops.agentrt_cpu.int8_linear(
+                    x.contiguous(), self.qweight, self.scales, self.bias, self.out_features
+                )
+            y = torch.ops.agentrt_cpu.int8_linear(
+                x.reshape(-1, x.shape[-1]).contiguous(),
+                self.qweight,
+                self.scales,
+                self.bias,
+                self.out_features,
+            )
+            return y.reshape(*x.shape[:-1], self.out_features)
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.scales)
+        if self.block:  # no kernel for the block-wise format: the de-quantized weight, float32
+            return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
+        else:
+            y = torch._weight_int8pack_mm(
+                x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.scales
+            )
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 weight-only, act {self.act_dtype}"
+        fmt = f"int8 blocks of {self.block}" if self.block else "int8 per row"
+        act = "int8 (Q8_0 blocks, C++ kernel)" if self.use_kernel else self.act_dtype
+        return f"in={self.in_features}, out={self.out_features}, {fmt}, act {act}"
 
 
 class Int4Linear(nn.Module):
@@ -144,6 +209,13 @@ def linear_names(model: nn.Module, include_lm_head: bool) -> list[str]:
     ]
 
 
+def int8_block(act_dtype: torch.dtype, in_features: int) -> int:
+    """The int8 layout of a layer: blocks of INT8_BLOCK columns at float32 activations (the C++
+    kernel's Q8_0 format; per-row scales lost 3-5 points of field accuracy on the extraction
+    workload, docs/benchmarks.md), one scale per row otherwise (torch's packed bf16 op)."""
+    return INT8_BLOCK if act_dtype == torch.float32 and in_features % INT8_BLOCK == 0 else 0
+
+
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -165,7 +237,7 @@ def quantize_cpu(
     for name in linear_names(model, include_lm_head):
         lin = model.get_submodule(name)
         if quantization == "int8":
-            new: nn.Module = Int8Linear.from_linear(lin, act_dtype)
+            new: nn.Module = Int8Linear.from_linear(lin, act_dtype, int8_block(act_dtype, lin.in_features))
         elif lin.in_features % group_size == 0:
             new = Int4Linear.from_linear(lin, act_dtype, group_size)
         else:
@@ -189,7 +261,8 @@ def empty_quantized_like(
         lin = model.get_submodule(name)
         bias = lin.bias is not None
         if quantization == "int8":
-            new: nn.Module = Int8Linear(lin.in_features, lin.out_features, bias, act_dtype)
+            block = int8_block(act_dtype, lin.in_features)
+            new: nn.Module = Int8Linear(lin.in_features, lin.out_features, bias, act_dtype, block)
         elif lin.in_features % group_size == 0:
             new = Int4Linear(lin.in_features, lin.out_features, bias, act_dtype, group_size)
         else:

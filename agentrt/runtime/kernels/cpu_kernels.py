@@ -1,15 +1,20 @@
-"""The CPU decode-attention kernel (cpu_decode_attention.cpp): built with the system C++ compiler
-on first use, cached, loaded as a torch op (`torch.ops.agentrt_cpu.decode_attention`).
+"""The CPU kernels: decode attention (cpu_decode_attention.cpp), the fused element-wise ops of a
+decoder layer (cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, rotary embedding + KV write,
+SiLU-and-mul) and the int8 x int8 matmul of `--quantization int8` at float32 (cpu_int8_linear.cpp),
+one library built with the system C++ compiler on first use, cached, loaded as torch
+ops (`torch.ops.agentrt_cpu.*`).
 
-Why: the torch path gathers every decoding sequence's K and V rows into a padded copy and then
-runs SDPA over it, reading the context three times; at batch 16 and 400 tokens of context that was
-43 + 41 ms of a 222 ms step of the default model (2 threads). The kernel reads each K and V row of
-the pool once, in place (numbers: docs/benchmarks.md).
+Why the attention kernel: the torch path gathers every decoding sequence's K and V rows into a padded
+copy and then runs SDPA over it, reading the context three times; at batch 16 and 400 tokens of
+context that was 43 + 41 ms of a 222 ms step of the default model (2 threads). The kernel reads each
+K and V row of the pool once, in place. Why the layer ops: a layer written in PyTorch makes ~70 op
+calls, each ~5-15 us of dispatch on this CPU, which at batch 1 cost more than the matmuls; fused, a
+layer makes ~10 (numbers: docs/benchmarks.md).
 
 Built with `$CXX` (else `c++`/`g++`) `-O3 -march=native -fopenmp` and reassociating math flags
 (never -ffast-math: see FLAGS) against torch's
 headers and libraries (the same compiler AOTInductor needs) into `<cache_dir>/cpu-kernels/<key>/`,
-key = sha256 of the source, the flags, torch's version and this CPU's flags; a concurrent build by
+key = sha256 of the sources, the flags, torch's version and this CPU's flags; a concurrent build by
 another process is harmless (each writes a temporary file and renames it); a cached library that
 fails to load is rebuilt once. Any other failure (no compiler, a build error) is logged once and
 `load` returns it: the auto attention backend then takes the torch path and says why.
@@ -31,7 +36,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_int8_linear.cpp")
+)
+OPS = ("decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8")
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
@@ -56,10 +65,11 @@ def _cpu_flags() -> str:
 
 
 def library_path(cache_dir: Path) -> Path:
-    """Where the built kernel for this source, torch and CPU lives under cache_dir."""
-    ident = f"{SOURCE.read_text()}\n{torch.__version__}\n{_cpu_flags()}\n{FLAGS}"
+    """Where the built kernels for these sources, torch and CPU live under cache_dir."""
+    sources = "\n".join(p.read_text() for p in SOURCES)
+    ident = f"{sources}\n{torch.__version__}\n{_cpu_flags()}\n{FLAGS}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
-    return Path(cache_dir) / "cpu-kernels" / key / "agentrt_cpu_attention.so"
+    return Path(cache_dir) / "cpu-kernels" / key / "agentrt_cpu_kernels.so"
 
 
 def _build(target: Path) -> None:
@@ -72,7 +82,7 @@ def _build(target: Path) -> None:
     cmd = [cxx, *FLAGS]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(SOURCE)]
+    cmd += [str(p) for p in SOURCES]
     libs = cpp_extension.library_paths()
     cmd += [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,30 +99,30 @@ def _build(target: Path) -> None:
 
 
 def load(cache_dir: Path) -> str | None:
-    """Build (once per key) and load the kernel; None when `torch.ops.agentrt_cpu.decode_attention`
-    is ready, else why it is not (logged once per process)."""
+    """Build (once per key) and load the kernels; None when the ops `torch.ops.agentrt_cpu.*` (OPS)
+    are ready, else why they are not (logged once per process)."""
     target = library_path(cache_dir)
     with _lock:
         if str(target) in _loaded:
             return _loaded[str(target)]
         failure = None
         try:
-            if hasattr(torch.ops.agentrt_cpu, "decode_attention"):
+            if all(hasattr(torch.ops.agentrt_cpu, op) for op in OPS):
                 pass  # loaded already (another cache dir, same source)
             else:
                 if target.is_file():
                     try:
                         torch.ops.load_library(str(target))
                     except OSError as e:  # a damaged cache entry: build it again
-                        logger.warning("rebuilding the CPU decode-attention kernel (%s)", e)
+                        logger.warning("rebuilding the CPU kernels (%s)", e)
                         target.unlink()
                 if not target.is_file():
-                    logger.info("building the CPU decode-attention kernel -> %s", target)
+                    logger.info("building the CPU kernels -> %s", target)
                     _build(target)
                     torch.ops.load_library(str(target))
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
             failure = f"{type(e).__name__}: {e}"
-            logger.warning("the CPU decode-attention kernel is unavailable: %s", failure)
+            logger.warning("the CPU kernels are unavailable: %s", failure)
         _loaded[str(target)] = failure
         return failure
 

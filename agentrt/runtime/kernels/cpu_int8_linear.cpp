@@ -1,0 +1,163 @@
+// Int8 weight x int8 activation matmul for decode-sized batches on the CPU (float32 in and out).
+//
+// int8_linear(x [M, K] float32, packed [N4, K] int8, scales [N4, K / 32] float32, bias [N] or None, N)
+//   -> y [M, N] float32, y[m, n] = sum_b scales[n, b] d[m, b] sum_{k in block b} xq[m, k] w[n, k]
+//   (+ bias[n]): weights and activations both in llama.cpp's Q8_0 format, int8 in blocks of 32 input
+//   columns with one float scale per block (symmetric: d = max|v| / 127, q = round(v / d)); the
+//   activations are quantized here, per row, on every call (models/quant.py quantizes the weights).
+//   The weights come packed by pack_int8 below: rows padded to N4 = a multiple of 4 (zeros), and
+//   each group of 4 rows stored block-interleaved, [N4 / 4, K / 32, 4, 32], so one work item reads
+//   one contiguous stream (row by row, 4 streams, read 8.6 GB/s here; packed 12.6-14.2 GB/s).
+// pack_int8(q [N, K] int8) -> [N4, K] int8 in that layout; the padded rows' scales are the caller's
+//   (zeros).
+//
+// Why: at batch 1 a decode step is a read of every weight; int8 weights read 4x fewer bytes than
+// float32, and integer dot products (AVX2 maddubs/madd: 32 multiply-adds in ~6 instructions, as
+// llama.cpp's ggml_vec_dot_q8_0_q8_0) keep the arithmetic below the read. Converting int8 weights to
+// float32 for an FMA (torch._weight_int8pack_mm at float32) costs ~4x the instructions and was
+// compute-bound here (2 cores, AVX2). K must be a multiple of 32 (the caller checks); errors are
+// RuntimeErrors naming the problem. Built with the other CPU kernels (runtime/kernels/cpu_kernels.py).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // activation block
+
+// One row of K floats -> K int8 and K / QK scales.
+void quantize_row(const float* x, int8_t* q, float* d, int64_t K) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale != 0.f ? 1.f / scale : 0.f;
+    d[b] = scale;
+    for (int64_t i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  }
+}
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 8 int32 partial sums of sum_i x[i] w[i] over 32 int8 pairs (|x|, |w| <= 127: no saturation)
+inline __m256 block_dot(__m256i ax, __m256i x, const int8_t* w) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+#endif
+
+at::Tensor pack_int8(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % QK == 0,
+              "pack_int8: q must be an int8 [N, K] tensor with K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), N4 = (N + 3) / 4 * 4;
+  auto padded = at::zeros({N4, K}, q.options());
+  padded.narrow(0, 0, N).copy_(q);
+  return padded.view({N4 / 4, 4, K / QK, QK}).permute({0, 2, 1, 3}).contiguous().view({N4, K});
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "int8_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
+              "int8_linear: qweight must be a contiguous int8 [N4, K] tensor (pack_int8)");
+  const int64_t M = x.size(0), K = x.size(1), N4 = qweight.size(0);
+  TORCH_CHECK(N4 % 4 == 0 && N >= 0 && N <= N4 && N4 < N + 4, "int8_linear: ", N4,
+              " packed rows do not hold N = ", N, " rows padded to a multiple of 4");
+  TORCH_CHECK(qweight.size(1) == K, "int8_linear: x has ", K, " columns, qweight ", qweight.size(1));
+  TORCH_CHECK(K % QK == 0, "int8_linear: K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N4 && scales.size(1) == K / QK && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat,
+              "int8_linear: scales must be float32 [N4, K / 32]");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "int8_linear: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, xq.data() + m * K, xd.data() + m * nb, K);
+  });
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NR = 4;  // output rows per work item: each activation block loaded once for 4
+  const int64_t items = N4 / NR;
+  at::parallel_for(0, items, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
+      const int8_t* w0 = wp + n0 * K;  // this item's [K / 32, 4, 32] stream
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xm = xq.data() + m * K;
+        const float* dm = xd.data() + m * nb;
+        float out[NR] = {0.f, 0.f, 0.f, 0.f};
+#ifdef __AVX2__
+        {
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t b = 0; b < nb; ++b) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            const float dx = dm[b];
+            const float* ds = sp + n0 * nb + b;  // the 4 rows' scales of block b, nb apart
+            const int8_t* wb = w0 + b * NR * QK;
+            a0 = _mm256_fmadd_ps(block_dot(ax, xv, wb), _mm256_set1_ps(dx * ds[0]), a0);
+            a1 = _mm256_fmadd_ps(block_dot(ax, xv, wb + QK), _mm256_set1_ps(dx * ds[nb]), a1);
+            a2 = _mm256_fmadd_ps(block_dot(ax, xv, wb + 2 * QK), _mm256_set1_ps(dx * ds[2 * nb]), a2);
+            a3 = _mm256_fmadd_ps(block_dot(ax, xv, wb + 3 * QK), _mm256_set1_ps(dx * ds[3 * nb]), a3);
+          }
+          out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+        }
+#else
+        {
+          for (int64_t r = 0; r < nr; ++r) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+              const int8_t* wr = w0 + (b * NR + r) * QK;
+              int32_t s = 0;
+              for (int64_t i = 0; i < QK; ++i) s += int32_t(xm[b * QK + i]) * int32_t(wr[i]);
+              acc += static_cast<float>(s) * (dm[b] * sp[(n0 + r) * nb + b]);
+            }
+            out[r] = acc;
+          }
+        }
+#endif
+        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int N) -> Tensor");
+  m.def("pack_int8(Tensor q) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("pack_int8", &pack_int8);
+}

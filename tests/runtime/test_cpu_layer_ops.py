@@ -1,0 +1,191 @@
+"""The fused CPU layer ops (kernels/cpu_layer_ops.cpp) and the int8 x int8 matmul
+(kernels/cpu_int8_linear.cpp) against their torch definitions, their refusals, and the int8 layers
+that use the matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentrt.runtime.attention import apply_rope
+from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
+from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.models.llama import RMSNorm
+from agentrt.runtime.models.quant import Int8Linear, quantize_int8
+from tests.helpers import make_tiny_model
+
+FAILURE = cpu_kernels.load(default_cache_dir())
+pytestmark = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernels are unavailable: {FAILURE}")
+ops = torch.ops.agentrt_cpu
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (33, 100)])
+def test_rms_norm_and_the_fused_residual_add_match_torch(rows, dim):
+    gen = torch.Generator().manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen))
+    x, delta = torch.randn(rows, dim, generator=gen) * 4, torch.randn(rows, dim, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+    total, normed = ops.add_rms_norm(x, delta, norm.weight, 1e-5)
+    assert torch.equal(total, x + delta)  # the residual stream itself is exact
+    torch.testing.assert_close(normed, norm(x + delta), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the module's own entry point, fused or not
+        assert torch.equal(norm.add_forward(delta, x, fused=False)[0], x + delta)
+        torch.testing.assert_close(
+            norm.add_forward(delta, x, fused=True)[1], norm(x + delta), rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(RuntimeError, match="weight must be float32 \\[D\\]"):
+        ops.rms_norm(x, torch.ones(dim + 1), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous float32 \\[T, D\\]"):
+        ops.rms_norm(x.repeat(1, 2)[:, ::2], norm.weight, 1e-5)  # strided rows
+    with pytest.raises(RuntimeError, match="delta must be a contiguous float32 tensor shaped like x"):
+        ops.add_rms_norm(x, delta[:, 1:].contiguous(), norm.weight, 1e-5)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 4, 4, 16), (12, 8, 2, 32)])
+def test_rope_store_rotates_and_writes_the_pool_like_the_torch_path(tokens, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = torch.zeros(50, kv_heads, head_dim), torch.zeros(50, kv_heads, head_dim)
+    slots = torch.randperm(50, generator=gen)[:tokens]
+    q, k = ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref = apply_rope(q_ref.reshape(tokens, heads, head_dim), cos, sin)
+    k_ref = apply_rope(k_ref.reshape(tokens, kv_heads, head_dim), cos, sin)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(k_cache[slots], k)
+    assert torch.equal(v_cache[slots], v_ref.reshape(tokens, kv_heads, head_dim))
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="slot out of the pool"):
+        ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.full((tokens,), 50), heads)
+    with pytest.raises(RuntimeError, match="is not \\(H \\+ 2 Hkv\\) D"):
+        ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads + 1)
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64 \\[T\\]"):
+        ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots.int(), heads)
+
+
+def test_silu_mul_is_bit_identical_to_torch():
+    gate_up = torch.randn(9, 2 * 1536) * 3
+    gate, up = gate_up.split(1536, dim=-1)
+    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="gate_up must be \\[T, 2 I\\]"):
+        ops.silu_mul(torch.zeros(2, 7))
+
+
+def q8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias=None) -> torch.Tensor:
+    """The int8 x int8 matmul in float64: activations quantized per row in blocks of 32 (Q8_0), the
+    weights' block scales [N, K // 32] applied."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    xq = torch.round(blocks * inv)
+    w = (q.double().reshape(q.shape[0], k // 32, 32) * scales.double()[..., None]).reshape(q.shape)
+    y = (xq.double() * d.double()).reshape(m, k) @ w.t()
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("rows,out,inp", [(1, 576, 576), (16, 963, 1536), (3, 5, 64), (0, 8, 32)])
+def test_int8_linear_is_the_q8_0_matmul(rows, out, inp):
+    gen = torch.Generator().manual_seed(rows + out)
+    weight = torch.randn(out, inp, generator=gen) * 0.05
+    q, scales = quantize_int8(weight, 32)
+    assert scales.shape == (out, inp // 32)
+    x = torch.randn(rows, inp, generator=gen) * 2
+    if rows:
+        x[0, :32] = 0  # an all-zero activation block (scale 0)
+        x[-1, 40] = 60.0  # an outlier: only its own block loses precision
+    bias = torch.randn(out, generator=gen)
+    packed = ops.pack_int8(q)
+    n4 = -(-out // 4) * 4
+    unpacked = packed.view(n4 // 4, inp // 32, 4, 32).permute(0, 2, 1, 3).reshape(n4, inp)
+    assert torch.equal(unpacked[:out], q) and not unpacked[out:].any()  # padded to groups of 4 rows
+    scales4 = F.pad(scales, (0, 0, 0, n4 - out))
+    got = ops.int8_linear(x, packed, scales4, bias, out)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, q8_reference(x, q, scales, bias), rtol=1e-5, atol=1e-4)
+    if rows:  # and close to the float32 matmul of the de-quantized weight
+        exact = x @ weight.t() + bias
+        assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+    torch.testing.assert_close(
+        ops.int8_linear(x, packed, scales4, None, out), got - bias, rtol=1e-5, atol=1e-4
+    )
+
+
+def test_int8_linear_refuses_bad_shapes():
+    q, s = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="K = 48 is not a multiple of 32"):
+        ops.int8_linear(torch.zeros(1, 48), torch.zeros(4, 48, dtype=torch.int8), s, None, 4)
+    with pytest.raises(RuntimeError, match="x has 32 columns, qweight 64"):
+        ops.int8_linear(torch.zeros(1, 32), q, s, None, 4)
+    with pytest.raises(RuntimeError, match="scales must be float32 \\[N4, K / 32\\]"):
+        ops.int8_linear(torch.zeros(1, 64), q, torch.ones(4), None, 4)
+    with pytest.raises(RuntimeError, match="qweight must be a contiguous int8"):
+        ops.int8_linear(torch.zeros(1, 64), q.float(), s, None, 4)
+    with pytest.raises(RuntimeError, match="4 packed rows do not hold N = 9 rows"):
+        ops.int8_linear(torch.zeros(1, 64), q, s, None, 9)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        ops.pack_int8(torch.zeros(3, 40, dtype=torch.int8))
+
+
+def test_int8_layer_uses_the_kernel_and_falls_back_without_it():
+    lin = torch.nn.Linear(64, 24, bias=True)
+    layer = Int8Linear.from_linear(lin, torch.float32, 32)
+    x = torch.randn(2, 3, 64)
+    fallback = layer(x)  # the de-quantized weight
+    plain_weight = layer.dequantized()
+    layer.pack_for_kernel()
+    assert layer.qweight.shape == (24, 64) and torch.equal(layer.dequantized(), plain_weight)
+    fused = layer(x)
+    assert fused.shape == fallback.shape == (2, 3, 24) and fused.dtype == torch.float32
+    exact = F.linear(x, layer.dequantized(), lin.bias)
+    assert (fused - exact).abs().max() < 0.02 * exact.abs().max()
+    torch.testing.assert_close(fallback, exact)
+    assert "int8 blocks of 32, act int8 (Q8_0 blocks" in layer.extra_repr()
+    per_row = Int8Linear.from_linear(lin, torch.bfloat16)  # torch's packed op on bf16 activations
+    assert (
+        per_row.scales.shape == (24,) and (per_row(x) - F.linear(x, lin.weight, lin.bias)).abs().max() < 0.05
+    )
+    with pytest.raises(ValueError, match="needs the block-wise layout"):
+        per_row.pack_for_kernel()
+
+
+def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tmp_path):
+    tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama", hidden_size=128)
+
+    def runner(**kw) -> ModelRunner:
+        cfg = ModelConfig(model=str(tiny), device="cpu", dtype="float32", cache_dir=tmp_path / "c", **kw)
+        return ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+
+    fused = runner(quantization="int8", quantize_lm_head=True)
+    layers = [m for m in fused.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.use_kernel and m.block == 32 for m in layers)
+    assert "activations int8 per block of 32 (C++ kernel)" in fused.weight_format.describe()
+    plain = runner(quantization="int8", quantize_lm_head=True, attention_backend="torch")
+    assert not any(m.use_kernel for m in plain.model.modules() if isinstance(m, Int8Linear))
+    auto = runner(quantization="auto")  # where the kernel runs: int8 with the LM head
+    assert isinstance(auto.model.lm_head, Int8Linear) and auto.model.lm_head.use_kernel
+    assert "quantization int8 (auto: the CPU int8 kernel)" in auto.weight_format.describe()
+    auto_torch = runner(quantization="auto", attention_backend="torch")  # no kernels: exact weights
+    assert auto_torch.weight_format.quantization == "none"
+    assert "(auto: no CPU int8 kernel here)" in auto_torch.weight_format.describe()
+    dense = runner()
+    ids = list(range(100, 130))
+    logits = {}
+    for name, r in (("fused", fused), ("plain", plain), ("dense", dense)):
+        slots = r.kv.allocate(len(ids))
+        logits[name] = r.execute([SeqChunk(ids, 0, slots)])
+        r.kv.free(slots)
+    # both int8 paths stay within quantization noise of the float32 model
+    spread = logits["dense"].std().item()
+    assert (logits["fused"] - logits["dense"]).abs().max() < 0.5 * spread
+    assert (logits["plain"] - logits["dense"]).abs().max() < 0.5 * spread
