@@ -86,7 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "cpu", "triton"],
         default="auto",
         help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ kernels (cpu: decode "
-        "attention, fused layer ops, int8 matmul; built with the system compiler on first use, ~40 s, "
+        "attention, fused layer ops, int8 matmul; built with the system compiler on first use, ~30 s, "
         "cached under AGENTRT_CACHE) with torch SDPA for prefill, else torch (gather + SDPA)",
     )
     p.add_argument(

@@ -119,16 +119,14 @@ def copy_bandwidth() -> float:
 
 
 def read_bytes(engine: Engine) -> int:
-    """Weight bytes a decode step reads: all weights, except that a tied LM head packed for oneDNN
-    is a copy beside the embedding, of which a step reads only a few rows (so the embedding is left
-    out then, as the tied fp32 head is counted once on the aten path)."""
-    from agentrt.runtime.models.cpu_linear import OneDNNLinear
-
+    """Weight bytes a decode step reads: all weights but the embedding table, of which a step reads
+    only a few rows, unless the LM head is that same tensor (a tied head on the aten path reads it
+    whole; a packed oneDNN head or a quantized head is a copy of its own)."""
     model = engine.runner.model
-    w = engine.runner.weights_bytes
-    if model.arch.tie_word_embeddings and isinstance(model.lm_head, OneDNNLinear):
-        w -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return w
+    emb = model.embed_tokens.weight
+    if getattr(model.lm_head, "weight", None) is emb:
+        return engine.runner.weights_bytes
+    return engine.runner.weights_bytes - emb.numel() * emb.element_size()
 
 
 def step_time(engine: Engine, batch: int, steps: int, context: int = 128) -> float:

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from agentrt.runtime.kernels import cpu_kernels
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin [T, head_dim // 2] -> rotated x (half-split layout)."""
@@ -116,9 +118,7 @@ class AttentionMetadata:
 
     def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
         if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-            from agentrt.runtime.kernels.cpu_kernels import decode_attention
-
-            return decode_attention(q, k_cache, v_cache, self.decode_slots, self.decode_lens)
+            return cpu_kernels.decode_attention(q, k_cache, v_cache, self.decode_slots, self.decode_lens)
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd = gather_slots(k_cache, self.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
         vd = gather_slots(v_cache, self.decode_slots).transpose(1, 2)

@@ -73,29 +73,46 @@ def library_path(cache_dir: Path) -> Path:
 
 
 def _build(target: Path) -> None:
+    """Compile the sources to objects in parallel (one compiler process each: ~55 s serially on 2
+    cores), link them into `target`; RuntimeError with the compiler's message on failure."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, *FLAGS]
-    cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(p) for p in SOURCES]
+    compile_flags = [f for f in FLAGS if f != "-shared"]
+    compile_flags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    compile_flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
-    cmd += [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"]
+    link = [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"]
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        proc = subprocess.run([*cmd, "-o", tmp], check=False, capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
+        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+        procs = [
+            subprocess.Popen(
+                [cxx, *compile_flags, "-c", str(src), "-o", str(obj)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for src, obj in zip(SOURCES, objects)
+        ]
+        for proc, src in zip(procs, SOURCES):
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed on {src.name} ({proc.returncode}): {err.strip()[-2000:]}")
+        tmp = Path(work) / target.name
+        proc = subprocess.run(
+            [cxx, *FLAGS, *map(str, objects), *link, "-o", str(tmp)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed to link ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load(cache_dir: Path) -> str | None:

@@ -137,13 +137,14 @@ class Attention(nn.Module):
     def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         if fused:  # rotate q and k, write k and v to the pool: one C++ op
             q, k = torch.ops.agentrt_cpu.rope_store(
                 qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.num_heads
             )
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             q, k = meta.rope_and_store(q, k, v, k_cache, v_cache)
