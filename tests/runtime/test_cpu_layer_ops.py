@@ -170,6 +170,8 @@ def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tm
     layers = [m for m in fused.model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.use_kernel and m.block == 32 for m in layers)
     assert "activations int8 per block of 32 (C++ kernel)" in fused.weight_format.describe()
+    aten = runner(quantization="int8", linear_kernel="aten")  # the dense layers' kernel is another choice
+    assert all(m.use_kernel for m in aten.model.modules() if isinstance(m, Int8Linear))
     plain = runner(quantization="int8", quantize_lm_head=True, attention_backend="torch")
     assert not any(m.use_kernel for m in plain.model.modules() if isinstance(m, Int8Linear))
     auto = runner(quantization="auto")  # where the kernel runs: int8 with the LM head

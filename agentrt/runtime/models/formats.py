@@ -281,7 +281,8 @@ def load_model(
     model.init_rope()
     model.eval()
     kernel, kernel_reason = linear_kernel
-    if cpu_kernels and kernel == "onednn":  # float32 on the CPU, not compiled: the int8 kernel too
+    if cpu_kernels:  # the CPU kernels are loaded (float32, decode not compiled): the int8 kernel too,
+        # whatever --linear-kernel says about the dense layers (block-wise layers exist only at float32)
         for mod in model.modules():
             if isinstance(mod, Int8Linear) and mod.block:
                 mod.pack_for_kernel()
