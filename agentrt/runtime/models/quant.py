@@ -1,7 +1,9 @@
-"""Quantized linear layers (int8 per output channel, int4 group-wise) on torch's packed ops and ours.
+"""Quantized linear layers (int8 in blocks of 32 or per output channel, int4 group-wise) on our
+C++ kernel and torch's packed ops.
 
-CPU kernels: at float32 the int8 layers run our C++ int8 x int8 kernel (kernels/cpu_int8_linear.cpp,
-activations quantized on the fly per block of 32 as llama.cpp's Q8_0); otherwise `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
+CPU kernels: at float32 the int8 layers hold blocks of 32 input columns per scale and run our C++
+int8 x int8 kernel (kernels/cpu_int8_linear.cpp, activations quantized on the fly the same way, as
+llama.cpp's Q8_0); otherwise `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
 `torch._weight_int4pack_mm_for_cpu` (4-bit weights packed by `torch._convert_weight_to_int4pack_for_cpu`,
 one scale and zero per group of `group_size` input columns, tinygemm's convention
 w = (q - 8) * scale + zero). Both run fastest with bf16 activations on x86 (measured: with fp32 activations
@@ -130,13 +132,10 @@ class Int8Linear(nn.Module):
                 self.out_features,
             )
             return y.reshape(*x.shape[:-1], self.out_features)
-        shape = x.shape
         if self.block:  # no kernel for the block-wise format: the de-quantized weight, float32
             return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
-        else:
-            y = torch._weight_int8pack_mm(
-                x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.scales
-            )
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.act_dtype), self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
