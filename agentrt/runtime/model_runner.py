@@ -187,7 +187,13 @@ class ModelRunner:
             cpu_kernels=backend == "cpu" and not compiled,
         )
         if model_config.quantization == "auto":
-            why = "the CPU int8 kernel" if quantization == "int8" else "no CPU int8 kernel here"
+            why = (
+                "the CPU int8 kernel"
+                if quantization == "int8"
+                else "the CPU int8 kernel needs the CPU at float32 with attention backend cpu, "
+                f"decode not compiled (here {self.device}, {str(self.dtype).removeprefix('torch.')}, "
+                f"attention {backend}{', compiled' if compiled else ''})"
+            )
             self.weight_format = dataclasses.replace(self.weight_format, quant_reason=f"auto: {why}")
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)

@@ -121,6 +121,16 @@ def test_int8_linear_is_the_q8_0_matmul(rows, out, inp):
     )
 
 
+def test_int8_linear_keeps_nan_visible_and_refuses_minus_128():
+    q, s = quantize_int8(torch.randn(8, 64), 32)
+    x = torch.randn(2, 64)
+    x[0, 5] = float("nan")
+    y = ops.int8_linear(x, ops.pack_int8(q), s, None, 8)
+    assert y[0].isnan().all() and y[1].isfinite().all()
+    with pytest.raises(RuntimeError, match=r"weights must be in \[-127, 127\]"):
+        ops.pack_int8(torch.full((4, 32), -128, dtype=torch.int8))
+
+
 def test_int8_linear_refuses_bad_shapes():
     q, s = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2)
     with pytest.raises(RuntimeError, match="K = 48 is not a multiple of 32"):
@@ -179,7 +189,9 @@ def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tm
     assert "quantization int8 (auto: the CPU int8 kernel)" in auto.weight_format.describe()
     auto_torch = runner(quantization="auto", attention_backend="torch")  # no kernels: exact weights
     assert auto_torch.weight_format.quantization == "none"
-    assert "(auto: no CPU int8 kernel here)" in auto_torch.weight_format.describe()
+    assert "attention backend cpu, decode not compiled (here cpu, float32, attention torch)" in (
+        auto_torch.weight_format.describe()
+    )
     dense = runner()
     ids = list(range(100, 130))
     logits = {}

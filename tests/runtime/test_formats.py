@@ -164,6 +164,9 @@ def test_a_cached_layout_that_does_not_fit_is_a_clear_error(tiny_llama, tmp_path
     save_file(state, str(path))
     with pytest.raises(ValueError, match="does not fit this model: delete it to rebuild"):
         ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    with pytest.raises(ValueError, match="cannot be read: delete it to rebuild"):
+        ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
 
 
 @pytest.fixture(scope="module")

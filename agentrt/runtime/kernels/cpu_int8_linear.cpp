@@ -37,7 +37,11 @@ void quantize_row(const float* x, int8_t* q, float* d, int64_t K) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
-    for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    for (int64_t i = 0; i < QK; ++i) {
+      const float a = std::fabs(xb[i]);
+      amax = (a > amax || std::isnan(a)) ? a : amax;  // a NaN scale keeps a NaN input visible
+      if (std::isnan(amax)) break;
+    }
     const float scale = amax / 127.f;
     const float inv = scale != 0.f ? 1.f / scale : 0.f;
     d[b] = scale;
@@ -64,6 +68,8 @@ inline __m256 block_dot(__m256i ax, __m256i x, const int8_t* w) {
 at::Tensor pack_int8(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % QK == 0,
               "pack_int8: q must be an int8 [N, K] tensor with K a multiple of 32");
+  // the kernel moves x's sign onto w (_mm256_sign_epi8), which overflows for -128
+  TORCH_CHECK(q.numel() == 0 || q.min().item<int8_t>() >= -127, "pack_int8: weights must be in [-127, 127]");
   const int64_t N = q.size(0), K = q.size(1), N4 = (N + 3) / 4 * 4;
   auto padded = at::zeros({N4, K}, q.options());
   padded.narrow(0, 0, N).copy_(q);

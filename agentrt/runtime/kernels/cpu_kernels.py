@@ -137,6 +137,11 @@ def load(cache_dir: Path) -> str | None:
                     logger.info("building the CPU kernels -> %s", target)
                     _build(target)
                     torch.ops.load_library(str(target))
+                missing = [op for op in OPS if not hasattr(torch.ops.agentrt_cpu, op)]
+                if missing:  # a library that loads but is not ours (or an older build)
+                    raise RuntimeError(
+                        f"{target} does not register {', '.join(missing)}: delete it to rebuild"
+                    )
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
             failure = f"{type(e).__name__}: {e}"
             logger.warning("the CPU kernels are unavailable: %s", failure)

@@ -207,7 +207,10 @@ def _load_quantized(
         model = model.to(dtype)
         empty_quantized_like(model, quantization, act_dtype, group_size, lm_head)
     model = model.to_empty(device="cpu")
-    state = load_file(str(path / "model.safetensors"))
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"quantized cache {path} cannot be read: delete it to rebuild ({e})") from e
     tied = arch.tie_word_embeddings and not lm_head
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
