@@ -160,7 +160,7 @@ def load_schemas(args: argparse.Namespace) -> dict[str | None, dict]:
 def run_extract(argv: list[str], llm=None) -> int:
     """`agentrt extract ARGV...` in this process; `llm`: an SDK LLM to run on instead of loading
     the model of the engine flags (tests, notebooks). Returns the exit status."""
-    from agentrt.cli import add_engine_args, engine_config
+    from agentrt.engine_args import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser(prog="agentrt")
     add_extract_parser(parser.add_subparsers(dest="command", required=True), add_engine_args)

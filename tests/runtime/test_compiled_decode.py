@@ -138,7 +138,7 @@ def test_enforce_eager_keeps_the_compiled_step_off(tiny, tmp_path, caplog):
 
 
 def test_cli_flag_switches_compile_decode():
-    from agentrt.cli import add_engine_args, engine_config
+    from agentrt.engine_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

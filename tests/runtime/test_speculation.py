@@ -369,7 +369,7 @@ def test_cli_flags_and_request_field():
     import argparse
 
     from agentrt.api.protocol import ChatCompletionRequest
-    from agentrt.cli import add_engine_args, engine_config
+    from agentrt.engine_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

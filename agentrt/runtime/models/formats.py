@@ -286,10 +286,10 @@ def load_model(
     kernel, kernel_reason = linear_kernel
     if cpu_kernels:  # the CPU kernels are loaded (float32, decode not compiled): the int8 kernel too,
         # whatever --linear-kernel says about the dense layers (block-wise layers exist only at float32)
-        for mod in model.modules():
-            if isinstance(mod, Int8Linear) and mod.block:
-                mod.pack_for_kernel()
-                fmt = dataclasses.replace(fmt, act_int8=True)
+        packed = [
+            mod.pack_for_kernel() for mod in model.modules() if isinstance(mod, Int8Linear) and mod.block
+        ]
+        fmt = dataclasses.replace(fmt, act_int8=bool(packed))
     if kernel == "onednn" and not pack_linears(model):
         kernel, kernel_reason = "aten", "no float32 linear layer to pack"
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,261 @@
+"""The engine's command-line flags, shared by `agentrt serve`, `agentrt extract`, `agentrt sql` and
+the Ray Serve deployment (scaleout/deploy.py): `add_engine_args` registers them on a parser,
+`engine_config` turns the parsed namespace into an EngineConfig (as vLLM's engine arg_utils)."""
+
+from __future__ import annotations
+
+import argparse
+
+from agentrt.grammars.spec import GrammarConfig
+from agentrt.runtime.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL})",
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="run dtype: auto = bf16 on CUDA; on CPU bf16 only with native bf16 (avx512_bf16/amx_bf16), "
+        "else float32 (the start line says which and why)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4", "auto"],
+        default="none",
+        help="quantization of the linear layers: int8 or int4 (group-wise scales), cached under "
+        "AGENTRT_CACHE; CPU at float32: int8 in blocks of 32 through the C++ int8 x int8 kernel "
+        "(activations quantized the same way, as llama.cpp's Q8_0), else torch's packed weight-only "
+        "kernels; CUDA: torchao's kernels. auto (make run's choice): int8 with the LM head where the C++ "
+        "int8 kernel runs (the CPU at float32), else none",
+    )
+    p.add_argument(
+        "--quant-group-size",
+        type=int,
+        choices=[32, 64, 128, 256],
+        default=ModelConfig.quant_group_size,
+        help="int4 input columns per scale and zero (default %(default)s)",
+    )
+    p.add_argument(
+        "--quantize-lm-head", action="store_true", help="quantize the LM head too (default: kept dense)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: $OMP_NUM_THREADS when set, else the physical cores; with "
+        "several engines on one machine give each its share, e.g. OMP_NUM_THREADS=cores/engines)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV pool size in bytes, an integer (default: on CUDA from --gpu-memory-utilization; "
+        "1 GiB on CPU)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=CacheConfig.gpu_memory_utilization,
+        help="share of the GPU's total memory this process may end up using; the KV pool gets that "
+        "minus all memory in use after loading the weights (other processes' too) minus an "
+        "activation reserve (default %(default)s)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "cpu", "triton"],
+        default="auto",
+        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ kernels (cpu: decode "
+        "attention, fused layer ops, int8 matmul; built with the system compiler on first use, ~30 s, "
+        "cached under AGENTRT_CACHE) with torch SDPA for prefill, else torch (gather + SDPA)",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="do not capture CUDA graphs or compile the decode step"
+    )
+    p.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action=argparse.BooleanOptionalAction,
+        default=ModelConfig.compile_decode,
+        help="CPU: run decode steps through AOTInductor-compiled graphs, built at start (minutes the first "
+        "time) and cached under AGENTRT_CACHE (later starts load them in seconds); ignored on CUDA "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--linear-kernel",
+        choices=["auto", "onednn", "aten"],
+        default=ModelConfig.linear_kernel,
+        help="dense linear layers: auto = oneDNN's packed fp32 matmul on the CPU at float32 (1.8x "
+        "F.linear at 16 rows, measured) unless --compile, else aten (F.linear) (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="sequences decoded together in one step (default %(default)s: CPU-sized; on a GPU "
+        "raise it, e.g. 64)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="tokens computed in one step, decodes + prefill chunks (default %(default)s; on a GPU "
+        "e.g. 8192)",
+    )
+    p.add_argument(
+        "--any-whitespace",
+        action="store_true",
+        help="let JSON output use whitespace between tokens (bounded by --max-whitespace)",
+    )
+    p.add_argument(
+        "--max-whitespace",
+        type=int,
+        default=GrammarConfig.max_whitespace_cnt,
+        help="with --any-whitespace: most whitespace characters in one gap (default %(default)s)",
+    )
+    p.add_argument(
+        "--indent",
+        type=int,
+        default=None,
+        help="pretty JSON layout with this indent (default: compact one-line layout)",
+    )
+    p.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="sample grammar-forced text token by token instead of appending it",
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=GrammarConfig.compile_timeout_s,
+        help="seconds a constraint may take to compile before it is refused (400; default %(default)s)",
+    )
+    p.add_argument(
+        "--compile-nice",
+        type=int,
+        default=GrammarConfig.compile_nice,
+        help="Linux nice value of the grammar compile threads: higher leaves the engine loop more CPU, "
+        "lower compiles faster on a busy machine (default %(default)s)",
+    )
+    p.add_argument(
+        "--compile-in-process",
+        action="store_true",
+        help="compile grammars on threads of this process instead of killable child processes "
+        "(saves the ~260 MB helper process; a compile past --compile-timeout then keeps running)",
+    )
+    p.add_argument(
+        "--compile-memory-bytes",
+        type=int,
+        default=GrammarConfig.compile_memory_bytes,
+        help="memory one grammar compile child may allocate; a constraint that needs more is refused "
+        "(400) (default %(default)s; 0: no limit)",
+    )
+    p.add_argument(
+        "--grammar-cache-bytes",
+        type=int,
+        default=GrammarConfig.cache_bytes,
+        help="memory kept for compiled grammars, least recently used out first (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-constraint-bytes",
+        type=int,
+        default=GrammarConfig.max_constraint_bytes,
+        help="largest schema/regex/grammar text accepted, in bytes (default %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft", "medusa"],
+        default=None,
+        help="speculative decoding: n-gram prompt lookup, a draft model, or Medusa heads (default off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SpecConfig.num_speculative_tokens,
+        help="draft tokens per verify pass (ngram, draft; default %(default)s)",
+    )
+    p.add_argument(
+        "--draft-model", default=None, help="draft model (same vocabulary) for --speculative-method draft"
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="self-draft: the target's first N layers + its LM head (when no --draft-model)",
+    )
+    p.add_argument(
+        "--medusa-heads",
+        default=None,
+        help="Medusa heads directory (default: the heads shipped for the model)",
+    )
+    p.add_argument(
+        "--speculative-acceptance",
+        choices=["exact", "typical"],
+        default="exact",
+        help="typical: Medusa's typical acceptance at temperature > 0 (faster, does NOT preserve "
+        "the model's distribution); exact (default) preserves it",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            quant_group_size=args.quant_group_size,
+            quantize_lm_head=args.quantize_lm_head,
+            threads=args.threads,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            compile_decode=args.compile_decode,
+            linear_kernel=args.linear_kernel,
+        ),
+        cache=CacheConfig(
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_cache=not args.no_prefix_cache,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        grammar=GrammarConfig(
+            any_whitespace=args.any_whitespace,
+            max_whitespace_cnt=args.max_whitespace,
+            indent=args.indent,
+            jump_forward=not args.no_jump_forward,
+            compile_timeout_s=args.compile_timeout,
+            max_constraint_bytes=args.max_constraint_bytes,
+            cache_bytes=args.grammar_cache_bytes,
+            compile_nice=args.compile_nice,
+            compile_in_child=not args.compile_in_process,
+            compile_memory_bytes=args.compile_memory_bytes or None,
+        ),
+        speculative=SpecConfig(
+            method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
+            medusa_heads=args.medusa_heads,
+            acceptance=args.speculative_acceptance,
+        ),
+    )
