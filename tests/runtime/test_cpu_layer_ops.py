@@ -203,3 +203,62 @@ def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tm
     spread = logits["dense"].std().item()
     assert (logits["fused"] - logits["dense"]).abs().max() < 0.5 * spread
     assert (logits["plain"] - logits["dense"]).abs().max() < 0.5 * spread
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
+def test_decode_layers_is_the_layer_by_layer_step_in_one_op(arch, default_model_dir, tmp_path, monkeypatch):
+    tiny = make_tiny_model(tmp_path / "m", default_model_dir, arch, hidden_size=128)
+    cfg = ModelConfig(
+        model=str(tiny), device="cpu", dtype="float32", quantization="int8", cache_dir=tmp_path / "c"
+    )
+    r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+    model = r.model
+    assert model.decode_stack() is not None
+    prompts = [list(range(100, 117)), list(range(300, 305))]
+
+    def run(steps: int = 3):
+        """Prefill both prompts, then `steps` decode steps of both: (decode logits, K and V written)."""
+        slots = [r.kv.allocate(len(p) + steps) for p in prompts]
+        r.execute([SeqChunk(p, 0, s[: len(p)]) for p, s in zip(prompts, slots)])
+        out = []
+        for i in range(steps):
+            chunks = [SeqChunk([7 + i], len(p) + i, s[: len(p) + i + 1]) for p, s in zip(prompts, slots)]
+            out.append(r.execute(chunks))
+        flat = torch.tensor([x for s in slots for x in s])
+        pools = [torch.stack([k[flat] for k in r.kv.k]), torch.stack([v[flat] for v in r.kv.v])]
+        for s in slots:
+            r.kv.free(s)
+        return torch.stack(out), pools
+
+    with torch.autograd.profiler.profile() as prof:
+        one_op, pools = run()
+    assert sum(e.name == "agentrt_cpu::decode_layers" for e in prof.function_events) == 3
+    monkeypatch.setattr(model, "decode_stack", lambda: None)  # the layer-by-layer fused ops
+    with torch.autograd.profiler.profile() as prof:
+        layers, layer_pools = run()
+    assert not any(e.name == "agentrt_cpu::decode_layers" for e in prof.function_events)
+    assert torch.equal(one_op, layers)  # the same kernels in the same order: bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(pools, layer_pools))
+    monkeypatch.undo()
+
+    # a self-draft's early exit (num_layers) runs the first layers only, in the op too
+    from agentrt.runtime.attention import build_torch_metadata
+
+    slots = r.kv.allocate(8)
+    r.execute([SeqChunk(list(range(50, 57)), 0, slots[:7])])
+    batch = build_torch_metadata([SeqChunk([9], 7, slots[:8])], torch.device("cpu"), cpu_kernel=True)
+    with torch.no_grad():
+        early = model(batch.input_ids, batch.positions, r.kv.k, r.kv.v, batch.meta, num_layers=1)
+        monkeypatch.setattr(model, "decode_stack", lambda: None)
+        early_layers = model(batch.input_ids, batch.positions, r.kv.k, r.kv.v, batch.meta, num_layers=1)
+    assert torch.equal(early, early_layers)
+
+
+def test_decode_layers_refuses_a_miscounted_weight_list():
+    x = torch.randn(1, 64)
+    pool = torch.zeros(8, 2, 16)
+    with pytest.raises(RuntimeError, match="13 weights for 1 layers \\(14 each\\)"):
+        ops.decode_layers(
+            x, [torch.ones(64)] * 13, [pool], [pool.clone()], torch.ones(1, 8), torch.zeros(1, 8),
+            torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.ones(64), [64, 64, 64, 64], 4, 1e-5, 0.25,
+        )  # fmt: skip

@@ -15,7 +15,9 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+#include "cpu_kernels.h"
+
+namespace agentrt_cpu {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale) {
@@ -98,10 +100,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-}  // namespace
+}  // namespace agentrt_cpu
 
 TORCH_LIBRARY(agentrt_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) { m.impl("decode_attention", &agentrt_cpu::decode_attention); }

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
+
 namespace {
 
 constexpr int64_t QK = 32;  // activation block
@@ -64,6 +66,10 @@ inline __m256 block_dot(__m256i ax, __m256i x, const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 #endif
+
+}  // namespace
+
+namespace agentrt_cpu {
 
 at::Tensor pack_int8(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % QK == 0,
@@ -156,7 +162,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return y;
 }
 
-}  // namespace
+}  // namespace agentrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int N) -> Tensor");
@@ -164,6 +170,6 @@ TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("pack_int8", &pack_int8);
+  m.impl("int8_linear", &agentrt_cpu::int8_linear);
+  m.impl("pack_int8", &agentrt_cpu::pack_int8);
 }

@@ -38,9 +38,13 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_int8_linear.cpp")
+    for n in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_int8_linear.cpp", "cpu_decode_layers.cpp")
 )
-OPS = ("decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8")
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the sources' shared declarations
+OPS = (
+    "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
+    "decode_layers",
+)  # fmt: skip
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
@@ -66,7 +70,7 @@ def _cpu_flags() -> str:
 
 def library_path(cache_dir: Path) -> Path:
     """Where the built kernels for these sources, torch and CPU live under cache_dir."""
-    sources = "\n".join(p.read_text() for p in SOURCES)
+    sources = "\n".join(p.read_text() for p in (*SOURCES, HEADER))
     ident = f"{sources}\n{torch.__version__}\n{_cpu_flags()}\n{FLAGS}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return Path(cache_dir) / "cpu-kernels" / key / "agentrt_cpu_kernels.so"

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
@@ -37,6 +39,10 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t D, float 
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] = w[d] * (x[d] * r);
 }
+
+}  // namespace
+
+namespace agentrt_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm");
@@ -74,6 +80,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, y};
 }
 
+}  // namespace agentrt_cpu
+
+namespace {
+
 inline void rotate(const float* x, const float* c, const float* s, float* y, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
@@ -81,6 +91,10 @@ inline void rotate(const float* x, const float* c, const float* s, float* y, int
     y[i + half] = x[i + half] * c[i] + x[i] * s[i];
   }
 }
+
+}  // namespace
+
+namespace agentrt_cpu {
 
 std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -133,7 +147,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
 }
 
-}  // namespace
+}  // namespace agentrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -143,8 +157,8 @@ TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_store", &rope_store);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &agentrt_cpu::rms_norm);
+  m.impl("add_rms_norm", &agentrt_cpu::add_rms_norm);
+  m.impl("rope_store", &agentrt_cpu::rope_store);
+  m.impl("silu_mul", &agentrt_cpu::silu_mul);
 }

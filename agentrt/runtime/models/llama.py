@@ -196,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions
+        self._decode_stack: tuple[list[torch.Tensor], list[int]] | None | bool = None  # see decode_stack
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -223,10 +224,48 @@ class LlamaForCausalLM(nn.Module):
         fused = (
             bool(getattr(meta, "cpu_kernel", False)) and x.dtype == torch.float32 and x.device.type == "cpu"
         )
+        stack = self.decode_stack() if fused and meta.decode_idx is not None and not meta.prefills else None
+        if stack is not None:  # a decode-only batch: the whole stack in one C++ op (cpu_decode_layers.cpp)
+            weights, out_features = stack
+            n = len(self.layers) if num_layers is None else num_layers
+            return torch.ops.agentrt_cpu.decode_layers(
+                x, weights[: n * 14], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
+                meta.decode_slots, meta.decode_lens, self.norm.weight, out_features, self.arch.num_heads,
+                self.arch.rms_norm_eps, self.arch.head_dim**-0.5,
+            )  # fmt: skip
         residual = None
         for layer, k_cache, v_cache in zip(self.layers[:num_layers], k_caches, v_caches):
             x, residual = layer(x, residual, k_cache, v_cache, meta, fused)
         return self.norm.add_forward(x, residual, fused)[1]
+
+    def decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """(weights, out_features) for `torch.ops.agentrt_cpu.decode_layers` (14 tensors per layer,
+        that op's order), when every projection of every layer runs the C++ int8 kernel
+        (Int8Linear after `pack_for_kernel`), else None. Built on first use and kept: call
+        `reset_decode_stack` after replacing or moving the layers' weights."""
+        if self._decode_stack is None:
+            self._decode_stack = self._build_decode_stack() or False
+        return self._decode_stack or None
+
+    def reset_decode_stack(self) -> None:
+        self._decode_stack = None
+
+    def _build_decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        none = torch.empty(0)
+        weights: list[torch.Tensor] = []
+        out_features: list[int] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(getattr(m, "use_kernel", False) for m in linears):
+                return None
+            weights.append(layer.input_layernorm.weight.detach())
+            for i, m in enumerate(linears):
+                if i == 2:
+                    weights.append(layer.post_attention_layernorm.weight.detach())
+                weights += [m.qweight, m.scales, none if m.bias is None else m.bias]
+            out_features = [m.out_features for m in linears]  # the same in every layer
+        return weights, out_features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
