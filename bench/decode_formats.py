@@ -17,7 +17,7 @@ Speed: each format's decode step (ModelRunner.execute of B one-token chunks at -
 and the logits, no host work around it) timed as the median of `--steps` steps, formats interleaved over
 `--rounds` rounds (A/B/A...), the 1-minute load average printed beside each number (the machine is
 shared); single-stream tokens/s through Engine.generate (prefix cache off, EOS biased away): the time of
-33 tokens minus the time of 1, per token. The weight-read bound is weight bytes / the copy bandwidth
+65 tokens minus the time of 1 (best of 3 each), per token. The weight-read bound is weight bytes / the copy bandwidth
 measured here (bytes read + written per second of a 256 MB tensor copy).
 """
 
@@ -48,6 +48,8 @@ FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel, at
     "bf16": ("bfloat16", "none", False, "auto", "auto"),
     "int8-a8": ("float32", "int8", False, "auto", "auto"),  # int8 x int8 C++ kernel, Q8_0 activations
     "int8-a8+head": ("float32", "int8", True, "auto", "auto"),
+    "int4-a8": ("float32", "int4", False, "auto", "auto"),  # Q4_1 x int8 C++ kernel, LM head fp32
+    "int4-a8+head": ("float32", "int4", True, "auto", "auto"),  # the LM head int8 (Q8_0)
     "int8": ("bfloat16", "int8", False, "auto", "auto"),
     "int8+head": ("bfloat16", "int8", True, "auto", "auto"),
     "int4": ("bfloat16", "int4", False, "auto", "auto"),
@@ -146,7 +148,10 @@ def step_time(engine: Engine, batch: int, steps: int, context: int = 128) -> flo
             runner.kv.free(s)
 
 
-def stream_tokens_per_s(engine: Engine, new_tokens: int = 32) -> float:
+def stream_tokens_per_s(engine: Engine, new_tokens: int = 64) -> float:
+    """Decode tokens per second of one stream: `new_tokens` more tokens' time (best of 3 runs, as
+    the 1-token run it is subtracted from: a single sample of either skewed the number by up to 2x on
+    this shared machine)."""
     tok = engine.tokenizer
     ids = chat_ids(tok, [{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     no_eos = {t: -100.0 for t in engine.stop_ids}
@@ -157,7 +162,7 @@ def stream_tokens_per_s(engine: Engine, new_tokens: int = 32) -> float:
         return time.perf_counter() - t
 
     run(2)
-    return new_tokens / (run(new_tokens + 1) - run(1))
+    return new_tokens / (min(run(new_tokens + 1) for _ in range(3)) - min(run(1) for _ in range(3)))
 
 
 def speed(args) -> None:

@@ -13,7 +13,7 @@ from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.models.llama import RMSNorm
-from agentrt.runtime.models.quant import Int8Linear, quantize_int8
+from agentrt.runtime.models.quant import Int4BlockLinear, Int8Linear, int4_levels, quantize_int8
 from tests.helpers import make_tiny_model
 
 FAILURE = cpu_kernels.load(default_cache_dir())
@@ -205,11 +205,19 @@ def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tm
     assert (logits["plain"] - logits["dense"]).abs().max() < 0.5 * spread
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
-def test_decode_layers_is_the_layer_by_layer_step_in_one_op(arch, default_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "arch,quantization", [("llama", "int8"), ("qwen2", "int8"), ("llama", "int4"), ("qwen2", "int4")]
+)  # qwen2: biased q/k/v projections
+def test_decode_layers_is_the_layer_by_layer_step_in_one_op(
+    arch, quantization, default_model_dir, tmp_path, monkeypatch
+):
     tiny = make_tiny_model(tmp_path / "m", default_model_dir, arch, hidden_size=128)
     cfg = ModelConfig(
-        model=str(tiny), device="cpu", dtype="float32", quantization="int8", cache_dir=tmp_path / "c"
+        model=str(tiny),
+        device="cpu",
+        dtype="float32",
+        quantization=quantization,
+        cache_dir=tmp_path / "c",
     )
     r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
     model = r.model
@@ -257,8 +265,91 @@ def test_decode_layers_is_the_layer_by_layer_step_in_one_op(arch, default_model_
 def test_decode_layers_refuses_a_miscounted_weight_list():
     x = torch.randn(1, 64)
     pool = torch.zeros(8, 2, 16)
-    with pytest.raises(RuntimeError, match="13 weights for 1 layers \\(14 each\\)"):
+    with pytest.raises(RuntimeError, match="13 weights for 1 layers \\(18 each\\)"):
         ops.decode_layers(
             x, [torch.ones(64)] * 13, [pool], [pool.clone()], torch.ones(1, 8), torch.zeros(1, 8),
             torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.ones(64), [64, 64, 64, 64], 4, 1e-5, 0.25,
         )  # fmt: skip
+
+
+def q4_reference(x: torch.Tensor, layer: Int4BlockLinear, bias=None) -> torch.Tensor:
+    """The int4 x int8 matmul in float64: activations quantized per row in blocks of 32 (Q8_0), the
+    layer's de-quantized Q4_1 weight."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d
+    y = xq.reshape(m, k).double() @ layer.dequantized().double().t()
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize(
+    "rows,out,inp,group",
+    [(1, 576, 576, 32), (16, 963, 1536, 32), (3, 5, 64, 32), (2, 10, 256, 128), (0, 8, 32, 32)],
+)
+def test_int4_linear_is_the_q4_1_matmul(rows, out, inp, group):
+    gen = torch.Generator().manual_seed(rows + out)
+    lin = torch.nn.Linear(inp, out, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out, inp, generator=gen) * 0.05)
+    layer = Int4BlockLinear.from_linear(lin, group)
+    assert layer.qweight.shape == (out, inp // 2) and layer.scales.shape == (out, inp // group)
+    x = torch.randn(rows, inp, generator=gen) * 2
+    if rows:
+        x[0, :32] = 0  # an all-zero activation block (scale 0)
+        x[-1, 40] = 60.0  # an outlier: only its own block loses precision
+    before = layer.dequantized()
+    fallback = layer(x)  # the de-quantized weight, float32 activations
+    layer.pack_for_kernel()
+    assert torch.equal(layer.dequantized(), before)  # packing moves values, never changes them
+    got = layer(x)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, q4_reference(x, layer, lin.bias), rtol=1e-5, atol=1e-4)
+    if rows:  # and close to the float32 matmul of the de-quantized weight
+        assert (got - fallback).abs().max() < 0.02 * fallback.abs().max()
+    torch.testing.assert_close(
+        ops.int4_linear(x, layer.qweight, layer.scales, layer.mins, None, out),
+        got - lin.bias,
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    assert "int4 blocks (Q4_1) group" in layer.extra_repr() and "C++ kernel" in layer.extra_repr()
+
+
+def test_int4_levels_give_a_q4_1_weight_back_exactly():
+    """The default model's weights are a Q4_1 GGUF's: its blocks' levels, scales and minimums come
+    back, so the int4 format computes with the checkpoint's own values."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (8, 64), generator=gen)
+    q[:, ::32], q[:, 1::32] = 0, 15  # llama.cpp's Q4_1 puts a block's min and max on the end levels
+    d, low = torch.rand(8, 2, generator=gen) + 0.01, torch.randn(8, 2, generator=gen)
+    w = (q.float().reshape(8, 2, 32) * d[..., None] + low[..., None]).reshape(8, 64)
+    levels, scales, mins = int4_levels(w, 32)
+    assert torch.equal(levels, q) and torch.equal(mins, low)
+    torch.testing.assert_close(scales, d, rtol=1e-6, atol=0)
+    lin = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    torch.testing.assert_close(Int4BlockLinear.from_linear(lin, 32).dequantized(), w, rtol=0, atol=1e-5)
+
+
+def test_int4_linear_keeps_nan_visible_and_refuses_bad_shapes():
+    layer = Int4BlockLinear.from_linear(torch.nn.Linear(64, 8, bias=False), 32)
+    layer.pack_for_kernel()
+    q, s, m = layer.qweight, layer.scales, layer.mins
+    x = torch.randn(2, 64)
+    x[0, 5] = float("nan")
+    y = ops.int4_linear(x, q, s, m, None, 8)
+    assert y[0].isnan().all() and y[1].isfinite().all()
+    with pytest.raises(RuntimeError, match="K = 48 is not a multiple of 32"):
+        ops.int4_linear(torch.zeros(1, 48), torch.zeros(8, 24, dtype=torch.uint8), s, m, None, 8)
+    with pytest.raises(RuntimeError, match="x has 32 columns, qweight holds 64"):
+        ops.int4_linear(torch.zeros(1, 32), q, s, m, None, 8)
+    with pytest.raises(RuntimeError, match="scales and mins must be float32 \\[N4, K / 32\\]"):
+        ops.int4_linear(torch.zeros(1, 64), q, s, m[:, :1].contiguous(), None, 8)
+    with pytest.raises(RuntimeError, match="qweight must be a contiguous uint8"):
+        ops.int4_linear(torch.zeros(1, 64), q.to(torch.int8), s, m, None, 8)
+    with pytest.raises(RuntimeError, match="8 packed rows do not hold N = 3 rows"):
+        ops.int4_linear(torch.zeros(1, 64), q, s, m, None, 3)
+    with pytest.raises(ValueError, match="multiple of 32 and divides in_features 64, got 48"):
+        Int4BlockLinear(64, 8, False, 48)

@@ -13,7 +13,13 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.models import formats
 from agentrt.runtime.models.cpu_linear import OneDNNLinear, choose_linear_kernel, onednn_usable
-from agentrt.runtime.models.quant import Int4Linear, Int8Linear, bytes_by_format, quantize_int4
+from agentrt.runtime.models.quant import (
+    Int4BlockLinear,
+    Int4Linear,
+    Int8Linear,
+    bytes_by_format,
+    quantize_int4,
+)
 from tests.helpers import ROOT, chat_ids, make_tiny_model
 
 AVX2_FLAGS = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
@@ -134,10 +140,14 @@ def test_quantized_weights_are_cached_and_reloaded_identically(tiny_llama, tmp_p
     ids = list(range(100, 112))
     assert torch.equal(_logits(first, ids), _logits(second, ids))
     sizes = dict(second.weight_format.bytes)
-    # a dense (fp32) LM head is packed for oneDNN (the default linear kernel on the CPU)
-    assert set(sizes) == {kind, "float32"} | (set() if lm_head else {"float32 oneDNN"})
+    # a dense (fp32) LM head is packed for oneDNN (the default linear kernel on the CPU); int4 at
+    # float32 (Q4_1 layers) keeps a quantized LM head at int8 (Q8_0), as llama.cpp's 4-bit files do
+    assert set(sizes) == {kind, "float32"} | ({"int8"} if lm_head else {"float32 oneDNN"})
     assert second.weights_bytes == sum(sizes.values()) == sum(bytes_by_format(second.model).values())
-    assert isinstance(second.model.lm_head, Int8Linear if kind == "int8" else Int4Linear) == lm_head
+    assert isinstance(second.model.lm_head, Int8Linear) == lm_head
+    layer = second.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Int8Linear if kind == "int8" else Int4BlockLinear) and layer.use_kernel
+    assert "(LM head int8" in second.weight_format.describe() if lm_head else True
     assert f"{kind}" in second.memory_plan.describe() and "from cache" in second.weight_format.describe()
     dense = ModelRunner(
         ModelConfig(model=str(tiny_llama), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=1 << 20)

@@ -124,3 +124,23 @@ def test_extreme_values_never_yield_nan_or_crash(kw):
 
 def test_all_masked_row_is_reported():
     assert sample(torch.full((1, 4), float("-inf")), [_req()]) == [-1]
+
+
+def test_broken_rows_stay_their_own_and_greedy_takes_the_first_maximum():
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [1.0, float("nan"), 3.0, 0.0],  # a broken forward
+            [-inf, -inf, -inf, -inf],  # every token masked
+            [2.0, 7.0, 7.0, 1.0],  # a tie: the first maximum, as argmax
+            [inf, -inf, -inf, -inf],  # sampled with no finite logit: nothing to draw from
+            [1.0, 2.0, 3.0, 0.5],  # sampled, healthy
+            [float("nan"), -inf, 0.0, 1.0],  # NaN at index 0 of a sampled row
+        ]
+    )
+    greedy, sampled = {"temperature": 0.0}, {"temperature": 1.0}
+    reqs = [_req(**kw) for kw in (greedy, greedy, greedy, sampled, sampled, sampled)]
+    errors: dict[int, str] = {}
+    out = sample(logits, reqs, errors)
+    assert out[:4] == [-1, -1, 1, -1] and out[5] == -1 and 0 <= out[4] < 4
+    assert errors == {0: "the logits hold NaN", 5: "the logits hold NaN"}

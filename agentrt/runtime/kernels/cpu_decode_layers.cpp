@@ -1,14 +1,15 @@
-// A Llama decoder stack's decode step in one op call (float32 activations, int8 x int8 linear
+// A Llama decoder stack's decode step in one op call (float32 activations, int8 or 4-bit linear
 // layers), for batch-1 decoding on the CPU, where the Python around the ~10 op calls per layer (module
 // calls, the dispatcher, argument checks: ~5 ms of a ~21 ms token on the default model) was a quarter
 // of the time. The same functions as the layer-by-layer fused path, in the same order (the header
 // cpu_kernels.h): the result is bit-identical to it (tests/runtime/test_cpu_layer_ops.py).
 //
 // decode_layers(x [B, hidden] float32: the embeddings of B sequences' one new token each,
-//     weights: 14 tensors per layer, in order: input norm [hidden]; qkv packed int8, scales, bias;
-//     o_proj packed, scales, bias; post-attention norm [hidden]; gate_up packed, scales, bias;
-//     down_proj packed, scales, bias (packed/scales: pack_int8's layout and Int8Linear's scales; a bias
-//     with no elements means none),
+//     weights: 18 tensors per layer, in order: input norm [hidden]; qkv packed, scales, mins, bias;
+//     o_proj packed, scales, mins, bias; post-attention norm [hidden]; gate_up packed, scales, mins,
+//     bias; down_proj packed, scales, mins, bias (an int8 packed weight runs int8_linear, a uint8 one
+//     int4_linear, in the layouts of those kernels; mins only for int4; a tensor with no elements
+//     means none),
 //     k_caches, v_caches: one [S, Hkv, D] float32 pool per layer, cos, sin [B, D/2] float32,
 //     slot_mapping [B] int64 (the new token's slot), slots [B, L] int64, lens [B] int64
 //     (decode_attention's), final_norm [hidden], out_features [4] (qkv, o, gate_up, down rows),
@@ -23,10 +24,16 @@
 
 namespace {
 
-constexpr int64_t PER_LAYER = 14;
+constexpr int64_t PER_LAYER = 18;
 
 c10::optional<at::Tensor> maybe(const at::Tensor& b) {
   return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+}
+
+// p: the layer's packed weight, scales, mins, bias
+at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t N) {
+  if (p[0].scalar_type() == at::kByte) return agentrt_cpu::int4_linear(x, p[0], p[1], p[2], maybe(p[3]), N);
+  return agentrt_cpu::int8_linear(x, p[0], p[1], maybe(p[3]), N);
 }
 
 at::Tensor decode_layers(const at::Tensor& x0, at::TensorList w, at::TensorList k_caches, at::TensorList v_caches,
@@ -50,14 +57,14 @@ at::Tensor decode_layers(const at::Tensor& x0, at::TensorList w, at::TensorList 
     } else {
       std::tie(residual, h) = agentrt_cpu::add_rms_norm(residual, x, p[0], eps);
     }
-    const at::Tensor qkv = agentrt_cpu::int8_linear(h, p[1], p[2], maybe(p[3]), out_features[0]);
+    const at::Tensor qkv = linear(h, p + 1, out_features[0]);
     at::Tensor q, k;
     std::tie(q, k) = agentrt_cpu::rope_store(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, H);
     const at::Tensor attn = agentrt_cpu::decode_attention(q, k_caches[l], v_caches[l], slots, lens, scale);
-    const at::Tensor o = agentrt_cpu::int8_linear(attn.view({B, -1}), p[4], p[5], maybe(p[6]), out_features[1]);
-    std::tie(residual, h) = agentrt_cpu::add_rms_norm(residual, o, p[7], eps);
-    const at::Tensor gate_up = agentrt_cpu::int8_linear(h, p[8], p[9], maybe(p[10]), out_features[2]);
-    x = agentrt_cpu::int8_linear(agentrt_cpu::silu_mul(gate_up), p[11], p[12], maybe(p[13]), out_features[3]);
+    const at::Tensor o = linear(attn.view({B, -1}), p + 5, out_features[1]);
+    std::tie(residual, h) = agentrt_cpu::add_rms_norm(residual, o, p[9], eps);
+    const at::Tensor gate_up = linear(h, p + 10, out_features[2]);
+    x = linear(agentrt_cpu::silu_mul(gate_up), p + 14, out_features[3]);
   }
   return std::get<1>(agentrt_cpu::add_rms_norm(residual, x, final_norm, eps));
 }

@@ -32,32 +32,11 @@
 
 namespace {
 
-constexpr int64_t QK = 32;  // activation block
-
-// One row of K floats -> K int8 and K / QK scales.
-void quantize_row(const float* x, int8_t* q, float* d, int64_t K) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    float amax = 0.f;
-    for (int64_t i = 0; i < QK; ++i) {
-      const float a = std::fabs(xb[i]);
-      amax = (a > amax || std::isnan(a)) ? a : amax;  // a NaN scale keeps a NaN input visible
-      if (std::isnan(amax)) break;
-    }
-    const float scale = amax / 127.f;
-    const float inv = scale != 0.f ? 1.f / scale : 0.f;
-    d[b] = scale;
-    for (int64_t i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-  }
-}
+using agentrt_cpu::detail::QK;
+using agentrt_cpu::detail::quantize_row;
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+using agentrt_cpu::detail::hsum;
 
 // 8 int32 partial sums of sum_i x[i] w[i] over 32 int8 pairs (|x|, |w| <= 127: no saturation)
 inline __m256 block_dot(__m256i ax, __m256i x, const int8_t* w) {

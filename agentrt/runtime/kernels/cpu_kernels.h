@@ -5,7 +5,12 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <cstdint>
 #include <tuple>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace agentrt_cpu {
 
@@ -21,5 +26,40 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor pack_int8(const at::Tensor& q);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias, int64_t N);
+
+// Helpers of the quantized matmuls (cpu_int8_linear.cpp, cpu_int4_linear.cpp).
+namespace detail {
+
+constexpr int64_t QK = 32;  // activation block
+
+// One row of K floats -> K int8 and K / QK scales (llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d)).
+inline void quantize_row(const float* x, int8_t* q, float* d, int64_t K) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < QK; ++i) {
+      const float a = std::fabs(xb[i]);
+      amax = (a > amax || std::isnan(a)) ? a : amax;  // a NaN scale keeps a NaN input visible
+      if (std::isnan(amax)) break;
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale != 0.f ? 1.f / scale : 0.f;
+    d[b] = scale;
+    for (int64_t i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  }
+}
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+}  // namespace detail
 
 }  // namespace agentrt_cpu

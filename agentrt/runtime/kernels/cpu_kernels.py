@@ -38,12 +38,18 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp", "cpu_int8_linear.cpp", "cpu_decode_layers.cpp")
+    for n in (
+        "cpu_decode_attention.cpp",
+        "cpu_layer_ops.cpp",
+        "cpu_int8_linear.cpp",
+        "cpu_int4_linear.cpp",
+        "cpu_decode_layers.cpp",
+    )
 )
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the sources' shared declarations
 OPS = (
     "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
-    "decode_layers",
+    "int4_linear", "decode_layers",
 )  # fmt: skip
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.

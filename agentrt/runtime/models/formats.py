@@ -3,8 +3,10 @@
 - dtype `auto`: bf16 on CUDA; on CPU bf16 only when the CPU has native bf16 arithmetic (the
   avx512_bf16 or amx_bf16 flags in /proc/cpuinfo, or torch's CPU capability AVX512_BF16 / AMX), else
   fp32. The reason is kept in `WeightFormat.reason` and printed at start.
-- quantization `int8` / `int4`: weight-only, the decoder's linear layers (and the LM head when asked);
-  embeddings and norms stay in the run dtype. CPU: torch's packed ops (quant.py), computed once from
+- quantization `int8` / `int4`: the decoder's linear layers (and the LM head when asked);
+  embeddings and norms stay in the run dtype. CPU at float32: llama.cpp's block formats on our C++
+  kernels (int8 Q8_0, int4 Q4_1 with an int8 LM head; activations quantized to int8 blocks per call);
+  at bf16: torch's packed weight-only ops (quant.py). Computed once from
   the dense weights and cached as safetensors under `<cache_dir>/quant-<key>/` (key: the source
   weights' path, size and mtime, the format, torch's version), so later starts read the quantized
   file. CUDA: torchao's kernels, quantized at each start (not cached; not measurable here).
@@ -32,6 +34,7 @@ from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
 from agentrt.runtime.models.quant import (
     INT4_GROUP_SIZES,
     QUANTIZATIONS,
+    Int4BlockLinear,
     Int4Linear,
     Int8Linear,
     bytes_by_format,
@@ -42,7 +45,8 @@ from agentrt.runtime.models.quant import (
 
 logger = logging.getLogger(__name__)
 
-QUANT_CACHE_VERSION = 3  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout)
+QUANT_CACHE_VERSION = 4  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout); 4: int4 at
+# float32 in Q4_1 blocks (the C++ int4 kernel's), its LM head int8
 """Bumped when the cached layout changes (old entries are then ignored, never misread)."""
 
 
@@ -136,7 +140,7 @@ class WeightFormat:
             group = f" group {self.group_size}" if self.quantization == "int4" else ""
             text += (
                 f", {self.quantization}{group} {'' if self.act_int8 else 'weight-only '}linear layers"
-                f" (LM head {self.quantization if self.lm_head else 'dense'}"
+                f" (LM head {self.head_format()}"
                 + (
                     ", activations int8 per block of 32 (C++ kernel)"
                     if self.act_int8
@@ -152,6 +156,15 @@ class WeightFormat:
         if self.linear_kernel == "onednn":
             text += f", dense linear layers oneDNN packed ({self.linear_reason})"
         return text
+
+    def head_format(self) -> str:
+        """The LM head's storage: dense, or its quantization (int8 for int4 at float32 activations:
+        quant._quantized_layer)."""
+        if not self.lm_head:
+            return "dense"
+        return (
+            "int8" if self.quantization == "int4" and self.act_dtype == torch.float32 else self.quantization
+        )
 
     def describe_bytes(self) -> str:
         return ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.bytes)
@@ -258,9 +271,9 @@ def load_model(
         quantize_cuda(model, quantization, group_size, quantize_lm_head)
         fmt = WeightFormat(dtype, reason, quantization, group_size, None, quantize_lm_head)
     else:
-        # float32 runs keep float32 activations (int8: the C++ int8 x int8 kernel where the CPU kernels
-        # load); else bf16, the packed torch kernels' fast path (see quant.py)
-        act = torch.float32 if dtype == torch.float32 and quantization == "int8" else torch.bfloat16
+        # float32 runs keep float32 activations (the C++ int8 x int8 and int4 x int8 kernels where the
+        # CPU kernels load); else bf16, the packed torch kernels' fast path (see quant.py)
+        act = torch.float32 if dtype == torch.float32 else torch.bfloat16
         target = quant_cache_dir(cache_dir, model_dir, dtype, quantization, group_size, quantize_lm_head)
         from_cache = (target / "model.safetensors").is_file()
         if from_cache:
@@ -273,7 +286,7 @@ def load_model(
             model = _build_dense(arch, max_positions, torch.float32, "cpu", load_weights(model_dir, "cpu"))
             quantize_cpu(model, quantization, act, group_size, quantize_lm_head)
             for mod in model.modules():
-                if not isinstance(mod, (Int8Linear, Int4Linear)):
+                if not isinstance(mod, (Int8Linear, Int4Linear, Int4BlockLinear)):
                     for p in mod.parameters(recurse=False):
                         p.data = p.data.to(dtype)
             _save_quantized(model, target)
@@ -284,10 +297,13 @@ def load_model(
     model.init_rope()
     model.eval()
     kernel, kernel_reason = linear_kernel
-    if cpu_kernels:  # the CPU kernels are loaded (float32, decode not compiled): the int8 kernel too,
-        # whatever --linear-kernel says about the dense layers (block-wise layers exist only at float32)
+    if cpu_kernels:  # the CPU kernels are loaded (float32, decode not compiled): the int8 and int4
+        # kernels too, whatever --linear-kernel says about the dense layers (block-wise layers exist
+        # only at float32)
         packed = [
-            mod.pack_for_kernel() for mod in model.modules() if isinstance(mod, Int8Linear) and mod.block
+            mod.pack_for_kernel()
+            for mod in model.modules()
+            if isinstance(mod, Int4BlockLinear) or (isinstance(mod, Int8Linear) and mod.block)
         ]
         fmt = dataclasses.replace(fmt, act_int8=bool(packed))
     if kernel == "onednn" and not pack_linears(model):

@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             weights, out_features = stack
             n = len(self.layers) if num_layers is None else num_layers
             return torch.ops.agentrt_cpu.decode_layers(
-                x, weights[: n * 14], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
+                x, weights[: n * 18], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
                 meta.decode_slots, meta.decode_lens, self.norm.weight, out_features, self.arch.num_heads,
                 self.arch.rms_norm_eps, self.arch.head_dim**-0.5,
             )  # fmt: skip
@@ -239,9 +239,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual, fused)[1]
 
     def decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """(weights, out_features) for `torch.ops.agentrt_cpu.decode_layers` (14 tensors per layer,
-        that op's order), when every projection of every layer runs the C++ int8 kernel
-        (Int8Linear after `pack_for_kernel`), else None. Built on first use and kept: call
+        """(weights, out_features) for `torch.ops.agentrt_cpu.decode_layers` (18 tensors per layer,
+        that op's order), when every projection of every layer runs a C++ kernel (Int8Linear or
+        Int4BlockLinear after `pack_for_kernel`), else None. Built on first use and kept: call
         `reset_decode_stack` after replacing or moving the layers' weights."""
         if self._decode_stack is None:
             self._decode_stack = self._build_decode_stack() or False
@@ -263,7 +263,13 @@ class LlamaForCausalLM(nn.Module):
             for i, m in enumerate(linears):
                 if i == 2:
                     weights.append(layer.post_attention_layernorm.weight.detach())
-                weights += [m.qweight, m.scales, none if m.bias is None else m.bias]
+                mins = getattr(m, "mins", None)
+                weights += [
+                    m.qweight,
+                    m.scales,
+                    none if mins is None else mins,
+                    none if m.bias is None else m.bias,
+                ]
             out_features = [m.out_features for m in linears]  # the same in every layer
         return weights, out_features
 

@@ -1,9 +1,10 @@
 """Quantized linear layers (int8 in blocks of 32 or per output channel, int4 group-wise) on our
-C++ kernel and torch's packed ops.
+C++ kernels and torch's packed ops.
 
 CPU kernels: at float32 the int8 layers hold blocks of 32 input columns per scale and run our C++
 int8 x int8 kernel (kernels/cpu_int8_linear.cpp, activations quantized on the fly the same way, as
-llama.cpp's Q8_0); otherwise `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
+llama.cpp's Q8_0), and the int4 layers llama.cpp's Q4_1 (a scale and a minimum per group, int4
+x int8 kernel: kernels/cpu_int4_linear.cpp); otherwise `torch._weight_int8pack_mm` (int8 weights, one scale per output row) and
 `torch._weight_int4pack_mm_for_cpu` (4-bit weights packed by `torch._convert_weight_to_int4pack_for_cpu`,
 one scale and zero per group of `group_size` input columns, tinygemm's convention
 w = (q - 8) * scale + zero). Both run fastest with bf16 activations on x86 (measured: with fp32 activations
@@ -47,11 +48,12 @@ def quantize_int8(weight: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, t
     return q.reshape(n, k), scales
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per group of `group_size` input columns: weight [N, K] float ->
-    (q [N, K] int32 in 0..15, scales [N, K // group_size] fp32, zeros [N, K // group_size] fp32) with
-    weight ~ (q - 8) * scale + zero (tinygemm's convention: zero is the group's midpoint value).
-    Raises ValueError when K is not a multiple of group_size."""
+    (q [N, K] int32 in 0..15, scales [N, K // group_size] fp32, mins [N, K // group_size] fp32) with
+    weight ~ q * scale + min, min and max of a group on the end levels (llama.cpp's Q4_1 at group 32:
+    a Q4_1 checkpoint's own values come back exactly). Raises ValueError when K is not a multiple of
+    group_size."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
@@ -59,7 +61,14 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     scales = ((hi - lo) / 15.0).clamp(min=1e-12)
     q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    return q.reshape(n, k), scales, lo + 8.0 * scales
+    return q.reshape(n, k), scales, lo
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_levels in tinygemm's convention: (q [N, K] int32 in 0..15, scales, zeros) with
+    weight ~ (q - 8) * scale + zero (zero is the group's midpoint value). Raises as int4_levels."""
+    q, scales, lo = int4_levels(weight, group_size)
+    return q, scales, lo + 8.0 * scales
 
 
 class Int8Linear(nn.Module):
@@ -198,6 +207,103 @@ class Int4Linear(nn.Module):
         )
 
 
+class Int4BlockLinear(nn.Module):
+    """y = x @ dequant(q)^T + bias with 4-bit weights in llama.cpp's Q4_1 layout: groups of
+    `group_size` input columns (a multiple of 32), each with a float32 scale and minimum
+    (w = q * scale + min). Buffers: `qweight` [out, in // 2] uint8, each block of 32 columns as 16
+    bytes (byte j: q[j] low nibble, q[j + 16] high), `scales` and `mins` [out, in // group_size]
+    float32, `bias` [out] float32 (or None). forward(x [..., in] float32) -> [..., out] float32.
+
+    The float32 CPU format of `--quantization int4`: after `pack_for_kernel` (formats.load_model, where
+    the CPU kernels are loaded) it computes with the C++ kernel (kernels/cpu_int4_linear.cpp,
+    activations quantized per row in blocks of 32); else with the de-quantized weight (slow; only
+    when the kernels cannot be built or decode is compiled)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int):
+        super().__init__()
+        if group_size % INT8_BLOCK or in_features % group_size:
+            raise ValueError(
+                f"int4 blocks need a group size that is a multiple of {INT8_BLOCK} and divides "
+                f"in_features {in_features}, got {group_size}"
+            )
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.use_kernel = False
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, groups))
+        self.register_buffer("mins", torch.empty(out_features, groups))
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4BlockLinear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
+        q, m.scales, m.mins = int4_levels(linear.weight.detach().cpu(), group_size)
+        q = q.to(torch.uint8).reshape(m.out_features, -1, 2, 16)
+        m.qweight = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(m.out_features, -1)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().float()
+        return m
+
+    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """[rows, in // group_size] -> [rows, in // 32]: a group's value repeated for its blocks."""
+        return t.repeat_interleave(self.group_size // INT8_BLOCK, dim=1).contiguous()
+
+    def levels(self) -> torch.Tensor:
+        """q [out, in] uint8 in 0..15 (before packing)."""
+        q = self.qweight.view(self.out_features, -1, 16)
+        return torch.stack([q & 0x0F, q >> 4], dim=2).reshape(self.out_features, self.in_features)
+
+    def pack_for_kernel(self) -> None:
+        """Use the C++ kernel: `qweight` becomes its packed [N4, in // 2] layout and `scales` and
+        `mins` its [N4, in // 32] group-major order (kernels/cpu_int4_linear.cpp: rows padded to a
+        multiple of 4 with zero scales and mins, groups of 4 rows interleaved per block of 32)."""
+        if self.use_kernel:
+            return
+        n4, nb = -(-self.out_features // 4) * 4, self.in_features // INT8_BLOCK
+        pad = n4 - self.out_features
+        q = F.pad(self.levels(), (0, 0, 0, pad)).view(n4 // 4, 2, 2, nb, INT8_BLOCK)
+        pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [N4 / 4, 2, nb, 32]: rows 2c (low) and 2c + 1 (high)
+        self.qweight = pairs.permute(0, 2, 1, 3).contiguous().view(n4, -1)
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:
+            t = F.pad(self._blocks(t), (0, 0, 0, pad)).view(n4 // 4, 4, nb)
+            return t.permute(0, 2, 1).contiguous().view(n4, nb)
+
+        self.scales, self.mins = grouped(self.scales), grouped(self.mins)
+        self.use_kernel = True
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the layer computes with, [out, in] float32."""
+        n, k = self.out_features, self.in_features
+        if self.use_kernel:  # undo the packing
+            nb = k // INT8_BLOCK
+            pairs = self.qweight.view(-1, nb, 2, INT8_BLOCK)
+            q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3)  # [N4 / 4, nb, 2, 2, 32]
+            q = q.permute(0, 2, 3, 1, 4).reshape(-1, k)[:n]
+
+            def ungrouped(t: torch.Tensor) -> torch.Tensor:
+                return t.view(-1, nb, 4).permute(0, 2, 1).reshape(-1, nb)[:n]
+
+            scales, mins = ungrouped(self.scales), ungrouped(self.mins)
+        else:
+            q, scales, mins = self.levels(), self._blocks(self.scales), self._blocks(self.mins)
+        w = q.view(n, -1, INT8_BLOCK).float() * scales[..., None] + mins[..., None]
+        return w.reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            y = torch.ops.agentrt_cpu.int4_linear(
+                flat.contiguous(), self.qweight, self.scales, self.mins, self.bias, self.out_features
+            )
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        act = "int8 (Q8_0 blocks, C++ kernel)" if self.use_kernel else "float32"
+        return f"in={self.in_features}, out={self.out_features}, int4 blocks (Q4_1) group {self.group_size}, act {act}"
+
+
 def linear_names(model: nn.Module, include_lm_head: bool) -> list[str]:
     """Qualified names of the nn.Linear modules to quantize: every projection of the decoder layers,
     plus `lm_head` when include_lm_head (embeddings and norms are never quantized)."""
@@ -220,6 +326,34 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def _quantized_layer(
+    name: str, lin: nn.Linear, quantization: str, act_dtype: torch.dtype, group_size: int, empty: bool
+) -> nn.Module | None:
+    """The quantized replacement of `lin` (empty: shapes only, for a cached state dict), or None to
+    leave it dense (an int4 group size that does not divide its input). At float32 activations int4
+    is Int4BlockLinear (Q4_1) and a quantized LM head is int8 blocks (Q8_0), as llama.cpp keeps the
+    output matrix of its 4-bit files at 8 bits (the default model's GGUF: Q4_1 layers, Q8_0 head)."""
+    bias = lin.bias is not None
+    if quantization == "int4" and act_dtype == torch.float32 and name == "lm_head":
+        quantization = "int8"
+    if quantization == "int8":
+        block = int8_block(act_dtype, lin.in_features)
+        if empty:
+            return Int8Linear(lin.in_features, lin.out_features, bias, act_dtype, block)
+        return Int8Linear.from_linear(lin, act_dtype, block)
+    if act_dtype == torch.float32:
+        if group_size % INT8_BLOCK or lin.in_features % group_size:
+            return None
+        if empty:
+            return Int4BlockLinear(lin.in_features, lin.out_features, bias, group_size)
+        return Int4BlockLinear.from_linear(lin, group_size)
+    if lin.in_features % group_size:
+        return None
+    if empty:
+        return Int4Linear(lin.in_features, lin.out_features, bias, act_dtype, group_size)
+    return Int4Linear.from_linear(lin, act_dtype, group_size)
+
+
 def quantize_cpu(
     model: nn.Module,
     quantization: str,
@@ -227,22 +361,18 @@ def quantize_cpu(
     group_size: int,
     include_lm_head: bool,
 ) -> list[str]:
-    """Replace the model's linear layers by Int8Linear / Int4Linear in place (weights on the CPU).
-    Returns the names of layers left dense (an int4 group size that does not divide their input).
-    Raises ValueError for an unknown quantization."""
+    """Replace the model's linear layers by quantized layers in place (weights on the CPU; the format
+    per layer: _quantized_layer). Returns the names of layers left dense (an int4 group size that
+    does not divide their input). Raises ValueError for an unknown quantization."""
     if quantization not in ("int8", "int4"):
         raise ValueError(f"quantization must be int8 or int4 here, got {quantization!r}")
     dense: list[str] = []
     for name in linear_names(model, include_lm_head):
-        lin = model.get_submodule(name)
-        if quantization == "int8":
-            new: nn.Module = Int8Linear.from_linear(lin, act_dtype, int8_block(act_dtype, lin.in_features))
-        elif lin.in_features % group_size == 0:
-            new = Int4Linear.from_linear(lin, act_dtype, group_size)
-        else:
+        new = _quantized_layer(name, model.get_submodule(name), quantization, act_dtype, group_size, False)
+        if new is None:
             dense.append(name)
-            continue
-        _set_module(model, name, new)
+        else:
+            _set_module(model, name, new)
     return dense
 
 
@@ -257,16 +387,9 @@ def empty_quantized_like(
     shapes (to be filled by load_state_dict from a cached quantized checkpoint); the layer choice is
     the same as quantize_cpu's."""
     for name in linear_names(model, include_lm_head):
-        lin = model.get_submodule(name)
-        bias = lin.bias is not None
-        if quantization == "int8":
-            block = int8_block(act_dtype, lin.in_features)
-            new: nn.Module = Int8Linear(lin.in_features, lin.out_features, bias, act_dtype, block)
-        elif lin.in_features % group_size == 0:
-            new = Int4Linear(lin.in_features, lin.out_features, bias, act_dtype, group_size)
-        else:
-            continue
-        _set_module(model, name, new)
+        new = _quantized_layer(name, model.get_submodule(name), quantization, act_dtype, group_size, True)
+        if new is not None:
+            _set_module(model, name, new)
 
 
 def quantize_cuda(model: nn.Module, quantization: str, group_size: int, include_lm_head: bool) -> None:
@@ -306,7 +429,13 @@ def bytes_by_format(model: nn.Module) -> dict[str, int]:
             out["float32 oneDNN"] = out.get("float32 oneDNN", 0) + mod.nbytes
             add("float32", mod.bias)
             continue
-        key = "int8" if isinstance(mod, Int8Linear) else "int4" if isinstance(mod, Int4Linear) else None
+        key = (
+            "int8"
+            if isinstance(mod, Int8Linear)
+            else "int4"
+            if isinstance(mod, (Int4Linear, Int4BlockLinear))
+            else None
+        )
         for name, t in mod.named_parameters(recurse=False):
             add(key or str(t.dtype).removeprefix("torch."), t)
         for name, t in mod.named_buffers(recurse=False):

@@ -1,0 +1,151 @@
+// 4-bit weight x int8 activation matmul for decode-sized batches on the CPU (float32 in and out).
+//
+// int4_linear(x [M, K] float32, packed [N4, K / 2] uint8, scales [N4, K / 32] float32,
+//             mins [N4, K / 32] float32, bias [N] or None, N) -> y [M, N] float32,
+//   y[m, n] = sum_b sum_{k in block b} (scale[n, b] q[n, k] + min[n, b]) d[m, b] xq[m, k] (+ bias[n]):
+//   weights in llama.cpp's Q4_1 format (q in 0..15, a scale and a minimum per block of 32 input
+//   columns: w = scale * q + min), activations as in int8_linear (Q8_0 blocks of 32, quantized per row
+//   on every call; the min term uses the block's sum of the quantized activations, as Q8_1 does).
+//   Packed layout (models/quant.py: Int4BlockLinear.pack_for_kernel): rows padded to N4, a multiple
+//   of 4 (zero scales and mins), in groups of 4; per group and block, 64 bytes: two runs of 32 whose
+//   byte j holds row 2c's q[j] in its low nibble and row 2c + 1's in its high one (c = 0, 1), so a
+//   32-byte load and a mask or a shift give one row's 32 values in order; scales and mins likewise
+//   group-major, [N4 / 4, K / 32, 4] (the 4 rows' values of a block side by side).
+//
+// Why: a batch-1 decode step reads every weight; the default model's weights come from a Q4_1 GGUF,
+// so these are its exact values at 0.75 bytes per weight (float32 scale and min) against int8's 1.125.
+// Per block the 4 rows' integer dot products (AVX2 maddubs on the unsigned nibbles: no sign trick)
+// are reduced together with horizontal adds and scaled with one 4-wide FMA, the mins' term with
+// another: about half the instructions of a row at a time. K must be a multiple of 32; errors are
+// RuntimeErrors naming the problem. Built with the other CPU kernels (runtime/kernels/cpu_kernels.py).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using agentrt_cpu::detail::QK;
+using agentrt_cpu::detail::quantize_row;
+
+#ifdef __AVX2__
+// 8 int32 partial sums of sum_i q[i] x[i] over one block (q unsigned 0..15, x int8)
+inline __m256i block_dot(__m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+}
+
+// the 4 rows' sums of 8 partials each -> [4] int32
+inline __m128i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+#endif
+
+}  // namespace
+
+namespace agentrt_cpu {
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "int4_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "int4_linear: qweight must be a contiguous uint8 [N4, K / 2] tensor (two 4-bit values a byte)");
+  const int64_t M = x.size(0), K = x.size(1), N4 = qweight.size(0);
+  TORCH_CHECK(N4 % 4 == 0 && N >= 0 && N <= N4 && N4 < N + 4, "int4_linear: ", N4,
+              " packed rows do not hold N = ", N, " rows padded to a multiple of 4");
+  TORCH_CHECK(K % QK == 0, "int4_linear: K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(qweight.size(1) * 2 == K, "int4_linear: x has ", K, " columns, qweight holds ", qweight.size(1) * 2);
+  const int64_t nb = K / QK;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N4 && t->size(1) == nb && t->is_contiguous() &&
+                    t->scalar_type() == at::kFloat,
+                "int4_linear: scales and mins must be float32 [N4, K / 32]");
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "int4_linear: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);  // block scales; scale x sum of the block's int8 values
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      quantize_row(xp + m * K, xq.data() + m * K, xd.data() + m * nb, K);
+      for (int64_t k = 0; k < nb; ++k) {
+        int32_t s = 0;
+        for (int64_t i = 0; i < QK; ++i) s += xq[m * K + k * QK + i];
+        xs[m * nb + k] = xd[m * nb + k] * static_cast<float>(s);
+      }
+    }
+  });
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NR = 4;  // rows per work item
+  at::parallel_for(0, N4 / NR, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
+      const uint8_t* w0 = wp + n0 * (K / 2);  // this item's [K / 32, 2, 32] stream
+      const float* s0 = sp + n0 * nb;         // [K / 32, 4]
+      const float* m0 = mp + n0 * nb;
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xm = xq.data() + m * K;
+        const float* dm = xd.data() + m * nb;
+        const float* sm = xs.data() + m * nb;
+        float out[NR];
+#ifdef __AVX2__
+        {
+          const __m256i nibble = _mm256_set1_epi8(0x0F);
+          __m128 acc = _mm_setzero_ps(), low = _mm_setzero_ps();
+          for (int64_t b = 0; b < nb; ++b) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
+            const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * 64));
+            const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * 64 + 32));
+            const __m128i s = sum4(block_dot(_mm256_and_si256(w01, nibble), xv),
+                                   block_dot(_mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble), xv),
+                                   block_dot(_mm256_and_si256(w23, nibble), xv),
+                                   block_dot(_mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble), xv));
+            const __m128 scale = _mm_mul_ps(_mm_loadu_ps(s0 + b * NR), _mm_set1_ps(dm[b]));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
+            low = _mm_fmadd_ps(_mm_loadu_ps(m0 + b * NR), _mm_set1_ps(sm[b]), low);
+          }
+          _mm_storeu_ps(out, _mm_add_ps(acc, low));
+        }
+#else
+        for (int64_t r = 0; r < NR; ++r) {
+          float acc = 0.f, low = 0.f;
+          for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* wr = w0 + b * 64 + (r / 2) * 32;
+            const int shift = (r % 2) * 4;
+            int32_t s = 0;
+            for (int64_t i = 0; i < QK; ++i) s += int32_t((wr[i] >> shift) & 0x0F) * xm[b * QK + i];
+            acc += static_cast<float>(s) * (s0[b * NR + r] * dm[b]);
+            low += m0[b * NR + r] * sm[b];
+          }
+          out[r] = acc + low;
+        }
+#endif
+        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace agentrt_cpu
+
+TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, Tensor? bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) { m.impl("int4_linear", &agentrt_cpu::int4_linear); }
