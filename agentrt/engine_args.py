@@ -37,10 +37,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["none", "int8", "int4", "auto"],
         default="none",
         help="quantization of the linear layers: int8 or int4 (group-wise scales), cached under "
-        "AGENTRT_CACHE; CPU at float32: int8 in blocks of 32 through the C++ int8 x int8 kernel "
-        "(activations quantized the same way, as llama.cpp's Q8_0), else torch's packed weight-only "
-        "kernels; CUDA: torchao's kernels. auto (make run's choice): int8 with the LM head where the C++ "
-        "int8 kernel runs (the CPU at float32), else none",
+        "AGENTRT_CACHE; CPU at float32: llama.cpp's Q8_0 / Q4_1 blocks through our C++ kernels "
+        "(activations quantized to int8 blocks; int4's LM head int8), else torch's packed weight-only "
+        "kernels; CUDA: torchao's kernels. auto (make run's choice): where the C++ kernels run (the CPU at "
+        "float32), int4 + LM head when the weights are 4-bit already (a 4-bit GGUF), else int8 + LM "
+        "head; elsewhere none",
     )
     p.add_argument(
         "--quant-group-size",

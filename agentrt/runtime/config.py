@@ -25,13 +25,16 @@ class ModelConfig:
     device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
     dtype: `auto` (bf16 on CUDA; on CPU bf16 only with native bf16 arithmetic, avx512_bf16/amx_bf16,
         else fp32), `float32`, `bfloat16`, `float16`.
-    quantization: `none`, `int8` or `int4` (weight-only, asymmetric, `quant_group_size` input columns
-        per scale/zero) for the linear layers; see models/formats.py. int8 at float32 on the CPU:
-        blocks of 32 input columns per scale, computed by the C++ int8 x int8 kernel with the
-        activations quantized the same way (llama.cpp's Q8_0; kernels/cpu_int8_linear.cpp); at
-        bf16: weight-only, one scale per output channel. `auto`: int8 with the LM head where the C++
-        int8 kernel runs (the CPU at float32 with the CPU kernels built, decode not compiled: the
-        fastest format there that keeps quality, docs/benchmarks.md), else none (`make run` uses it).
+    quantization: `none`, `int8` or `int4` (asymmetric, `quant_group_size` input columns per scale and
+        minimum) for the linear layers; see models/formats.py. At float32 on the CPU both run our C++
+        kernels with the activations quantized to int8 blocks of 32 (llama.cpp's Q8_0): int8 in
+        blocks of 32 input columns per scale (Q8_0, kernels/cpu_int8_linear.cpp), int4 in Q4_1
+        blocks (kernels/cpu_int4_linear.cpp) with a quantized LM head at int8; at bf16: torch's
+        weight-only ops (int8 one scale per output channel). `auto` (`make run` uses it): where the
+        C++ kernels run (the CPU at float32 with the kernels built, decode not compiled), int4 with
+        the LM head when the layers' weights are 4-bit already (a 4-bit GGUF's, as the default
+        model's: the same numbers, fewer bytes), else int8 with the LM head; elsewhere none (the
+        fastest formats there that keep quality, docs/benchmarks.md).
     quant_group_size: int4 group size (32, 64, 128 or 256).
     quantize_lm_head: quantize the LM head too (else it stays in the run dtype).
     threads: torch intra-op threads; None = $OMP_NUM_THREADS when set, else the physical cores.

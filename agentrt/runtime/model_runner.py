@@ -15,7 +15,7 @@ from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.cpu_linear import choose_linear_kernel
-from agentrt.runtime.models.formats import choose_dtype, choose_threads, load_model
+from agentrt.runtime.models.formats import choose_dtype, choose_threads, four_bit_layers, load_model
 from agentrt.runtime.models.llama import LlamaArch
 from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
 
@@ -169,9 +169,15 @@ class ModelRunner:
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         quantization, quantize_lm_head = model_config.quantization, model_config.quantize_lm_head
-        if quantization == "auto":  # int8 (+ LM head) where the C++ int8 kernel runs, else exact weights
-            kernel = backend == "cpu" and not compiled
-            quantization, quantize_lm_head = ("int8", True) if kernel else ("none", quantize_lm_head)
+        group_size = model_config.quant_group_size
+        four_bit = False
+        if quantization == "auto":  # the CPU kernels' formats where they run, else exact weights:
+            kernel = backend == "cpu" and not compiled  # int4 when the weights are 4-bit already
+            four_bit = kernel and four_bit_layers(self.model_dir)
+            if four_bit:
+                quantization, quantize_lm_head, group_size = "int4", True, 32
+            else:
+                quantization, quantize_lm_head = ("int8", True) if kernel else ("none", quantize_lm_head)
         model, self.weight_format = load_model(
             self.arch,
             self.max_model_len,
@@ -180,7 +186,7 @@ class ModelRunner:
             self.dtype,
             dtype_reason,
             quantization,
-            model_config.quant_group_size,
+            group_size,
             quantize_lm_head,
             model_config.cache_dir,
             choose_linear_kernel(model_config.linear_kernel, self.device, self.dtype, compiled),
@@ -188,9 +194,12 @@ class ModelRunner:
         )
         if model_config.quantization == "auto":
             why = (
-                "the CPU int8 kernel"
+                "the layers' weights are 4-bit already (Q4_1 blocks of 32 give them back): the CPU int4 "
+                "kernel, the LM head int8"
+                if four_bit
+                else "the CPU int8 kernel (the weights are not 4-bit)"
                 if quantization == "int8"
-                else "the CPU int8 kernel needs the CPU at float32 with attention backend cpu, "
+                else "the CPU int8 and int4 kernels need the CPU at float32 with attention backend cpu, "
                 f"decode not compiled (here {self.device}, {str(self.dtype).removeprefix('torch.')}, "
                 f"attention {backend}{', compiled' if compiled else ''})"
             )

@@ -186,11 +186,14 @@ def test_int8_model_on_float32_runs_the_kernel_and_says_so(default_model_dir, tm
     assert not any(m.use_kernel for m in plain.model.modules() if isinstance(m, Int8Linear))
     auto = runner(quantization="auto")  # where the kernel runs: int8 with the LM head
     assert isinstance(auto.model.lm_head, Int8Linear) and auto.model.lm_head.use_kernel
-    assert "quantization int8 (auto: the CPU int8 kernel)" in auto.weight_format.describe()
+    assert "quantization int8 (auto: the CPU int8 kernel (the weights are not 4-bit))" in (
+        auto.weight_format.describe()
+    )
     auto_torch = runner(quantization="auto", attention_backend="torch")  # no kernels: exact weights
     assert auto_torch.weight_format.quantization == "none"
-    assert "attention backend cpu, decode not compiled (here cpu, float32, attention torch)" in (
-        auto_torch.weight_format.describe()
+    assert (
+        "kernels need the CPU at float32 with attention backend cpu, decode not compiled (here cpu, float32, attention torch)"
+        in (auto_torch.weight_format.describe())
     )
     dense = runner()
     ids = list(range(100, 130))
@@ -353,3 +356,43 @@ def test_int4_linear_keeps_nan_visible_and_refuses_bad_shapes():
         ops.int4_linear(torch.zeros(1, 64), q, s, m, None, 3)
     with pytest.raises(ValueError, match="multiple of 32 and divides in_features 64, got 48"):
         Int4BlockLinear(64, 8, False, 48)
+
+
+def test_auto_takes_int4_where_the_weights_are_4_bit_already(default_model_dir, tmp_path):
+    """A checkpoint whose layers hold Q4_1 values (the default model's GGUF, de-quantized) runs
+    int4 under `auto`: the same numbers at 0.75 bytes a weight, its LM head int8."""
+    from safetensors.torch import load_file, save_file
+
+    from agentrt.runtime.models.formats import four_bit_layers
+
+    tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama", hidden_size=128)
+    assert not four_bit_layers(tiny)  # random float32 weights
+    (path,) = tiny.glob("*.safetensors")
+    state = load_file(str(path))
+    for name, w in state.items():
+        if name.endswith("proj.weight"):  # round every projection through Q4_1 blocks of 32
+            q, scales, mins = int4_levels(w, 32)
+            state[name] = (q.view(w.shape[0], -1, 32) * scales[..., None] + mins[..., None]).view_as(w)
+    save_file(state, str(path), metadata={"format": "pt"})
+    assert four_bit_layers(tiny)
+    cfg = ModelConfig(
+        model=str(tiny), device="cpu", dtype="float32", quantization="auto", cache_dir=tmp_path / "c"
+    )
+    r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
+    assert r.weight_format.quantization == "int4" and r.weight_format.group_size == 32
+    assert isinstance(r.model.layers[0].self_attn.qkv_proj, Int4BlockLinear) and r.model.decode_stack()
+    assert isinstance(r.model.lm_head, Int8Linear) and r.model.lm_head.use_kernel
+    text = r.weight_format.describe()
+    assert "(LM head int8" in text and "the layers' weights are 4-bit already" in text
+    dense = ModelRunner(
+        ModelConfig(model=str(tiny), device="cpu", dtype="float32", cache_dir=tmp_path / "c"),
+        CacheConfig(kv_cache_bytes=1 << 20),
+    )
+    ids = list(range(100, 130))
+    logits = {}
+    for name, runner in (("int4", r), ("dense", dense)):
+        slots = runner.kv.allocate(len(ids))
+        logits[name] = runner.execute([SeqChunk(ids, 0, slots)])
+        runner.kv.free(slots)
+    # the layers' weights are exact: what is left is the activations' int8 blocks and the int8 head
+    assert (logits["int4"] - logits["dense"]).abs().max() < 0.1 * logits["dense"].std()

@@ -39,6 +39,7 @@ from agentrt.runtime.models.quant import (
     Int8Linear,
     bytes_by_format,
     empty_quantized_like,
+    int4_levels,
     quantize_cpu,
     quantize_cuda,
 )
@@ -168,6 +169,34 @@ class WeightFormat:
 
     def describe_bytes(self) -> str:
         return ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.bytes)
+
+
+def four_bit_layers(model_dir: Path, group_size: int = 32) -> bool:
+    """Whether the checkpoint's decoder layers hold 4-bit values already (a 4-bit GGUF de-quantized on
+    conversion, as the default model's Q4_1 file): every projection weight of the first layer comes
+    back from int4_levels (a scale and a minimum per `group_size` input columns, 16 levels) within
+    float32 rounding (max error <= 1e-5 of the tensor's largest magnitude). Reads those few tensors
+    only; False when there are none or a file cannot be read."""
+    from safetensors import safe_open
+
+    found = 0
+    try:
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if ".layers.0." not in f".{name}" or not name.endswith("proj.weight"):
+                        continue
+                    w = st.get_tensor(name).float()
+                    if w.dim() != 2 or w.shape[1] % group_size:
+                        return False
+                    q, scales, mins = int4_levels(w, group_size)
+                    back = q.view(w.shape[0], -1, group_size) * scales[..., None] + mins[..., None]
+                    if (back.view_as(w) - w).abs().max() > 1e-5 * w.abs().max():
+                        return False
+                    found += 1
+    except (OSError, RuntimeError, ValueError):  # safetensors' errors on a damaged file
+        return False
+    return found > 0
 
 
 def quant_cache_dir(
