@@ -13,7 +13,14 @@ from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.models.llama import RMSNorm
-from agentrt.runtime.models.quant import Int4BlockLinear, Int8Linear, int4_levels, quantize_int8
+from agentrt.runtime.models.quant import (
+    Int4BlockLinear,
+    Int8Linear,
+    group_major,
+    int4_levels,
+    quantize_int8,
+    row_major,
+)
 from tests.helpers import make_tiny_model
 
 FAILURE = cpu_kernels.load(default_cache_dir())
@@ -109,7 +116,8 @@ def test_int8_linear_is_the_q8_0_matmul(rows, out, inp):
     n4 = -(-out // 4) * 4
     unpacked = packed.view(n4 // 4, inp // 32, 4, 32).permute(0, 2, 1, 3).reshape(n4, inp)
     assert torch.equal(unpacked[:out], q) and not unpacked[out:].any()  # padded to groups of 4 rows
-    scales4 = F.pad(scales, (0, 0, 0, n4 - out))
+    scales4 = group_major(scales)  # the kernel's order: padded, 4 rows' scales of a block side by side
+    assert scales4.shape == (n4, inp // 32) and torch.equal(row_major(scales4, out), scales)
     got = ops.int8_linear(x, packed, scales4, bias, out)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     torch.testing.assert_close(got, q8_reference(x, q, scales, bias), rtol=1e-5, atol=1e-4)
@@ -125,7 +133,7 @@ def test_int8_linear_keeps_nan_visible_and_refuses_minus_128():
     q, s = quantize_int8(torch.randn(8, 64), 32)
     x = torch.randn(2, 64)
     x[0, 5] = float("nan")
-    y = ops.int8_linear(x, ops.pack_int8(q), s, None, 8)
+    y = ops.int8_linear(x, ops.pack_int8(q), group_major(s), None, 8)
     assert y[0].isnan().all() and y[1].isfinite().all()
     with pytest.raises(RuntimeError, match=r"weights must be in \[-127, 127\]"):
         ops.pack_int8(torch.full((4, 32), -128, dtype=torch.int8))

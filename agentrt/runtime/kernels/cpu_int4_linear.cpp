@@ -32,15 +32,11 @@ using agentrt_cpu::detail::QK;
 using agentrt_cpu::detail::quantize_row;
 
 #ifdef __AVX2__
+using agentrt_cpu::detail::sum4;
+
 // 8 int32 partial sums of sum_i q[i] x[i] over one block (q unsigned 0..15, x int8)
 inline __m256i block_dot(__m256i q, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-}
-
-// the 4 rows' sums of 8 partials each -> [4] int32
-inline __m128i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 #endif
 

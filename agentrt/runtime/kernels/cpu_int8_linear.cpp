@@ -1,13 +1,16 @@
 // Int8 weight x int8 activation matmul for decode-sized batches on the CPU (float32 in and out).
 //
-// int8_linear(x [M, K] float32, packed [N4, K] int8, scales [N4, K / 32] float32, bias [N] or None, N)
+// int8_linear(x [M, K] float32, packed [N4, K] int8, scales [N4, K / 32] float32 (group-major: see
+//             below), bias [N] or None, N)
 //   -> y [M, N] float32, y[m, n] = sum_b scales[n, b] d[m, b] sum_{k in block b} xq[m, k] w[n, k]
 //   (+ bias[n]): weights and activations both in llama.cpp's Q8_0 format, int8 in blocks of 32 input
 //   columns with one float scale per block (symmetric: d = max|v| / 127, q = round(v / d)); the
 //   activations are quantized here, per row, on every call (models/quant.py quantizes the weights).
 //   The weights come packed by pack_int8 below: rows padded to N4 = a multiple of 4 (zeros), and
 //   each group of 4 rows stored block-interleaved, [N4 / 4, K / 32, 4, 32], so one work item reads
-//   one contiguous stream (row by row, 4 streams, read 8.6 GB/s here; packed 12.6-14.2 GB/s).
+//   one contiguous stream (row by row, 4 streams, read 8.6 GB/s here; packed 12.6-14.2 GB/s); the
+//   scales group-major likewise, [N4 / 4, K / 32, 4] (models/quant.py: group_major), so the 4 rows'
+//   sums of a block, reduced together with horizontal adds, take one 4-wide FMA.
 // pack_int8(q [N, K] int8) -> [N4, K] int8 in that layout; the padded rows' scales are the caller's
 //   (zeros).
 //
@@ -36,13 +39,12 @@ using agentrt_cpu::detail::QK;
 using agentrt_cpu::detail::quantize_row;
 
 #ifdef __AVX2__
-using agentrt_cpu::detail::hsum;
+using agentrt_cpu::detail::sum4;
 
 // 8 int32 partial sums of sum_i x[i] w[i] over 32 int8 pairs (|x|, |w| <= 127: no saturation)
-inline __m256 block_dot(__m256i ax, __m256i x, const int8_t* w) {
+inline __m256i block_dot(__m256i ax, __m256i x, const int8_t* w) {
   const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)), _mm256_set1_epi16(1));
 }
 #endif
 
@@ -100,38 +102,35 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     for (int64_t it = begin; it < end; ++it) {
       const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
       const int8_t* w0 = wp + n0 * K;  // this item's [K / 32, 4, 32] stream
+      const float* s0 = sp + n0 * nb;  // [K / 32, 4]: the 4 rows' scales of each block side by side
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xm = xq.data() + m * K;
         const float* dm = xd.data() + m * nb;
-        float out[NR] = {0.f, 0.f, 0.f, 0.f};
+        float out[NR];
 #ifdef __AVX2__
         {
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          __m128 acc = _mm_setzero_ps();
           for (int64_t b = 0; b < nb; ++b) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
             const __m256i ax = _mm256_sign_epi8(xv, xv);
-            const float dx = dm[b];
-            const float* ds = sp + n0 * nb + b;  // the 4 rows' scales of block b, nb apart
             const int8_t* wb = w0 + b * NR * QK;
-            a0 = _mm256_fmadd_ps(block_dot(ax, xv, wb), _mm256_set1_ps(dx * ds[0]), a0);
-            a1 = _mm256_fmadd_ps(block_dot(ax, xv, wb + QK), _mm256_set1_ps(dx * ds[nb]), a1);
-            a2 = _mm256_fmadd_ps(block_dot(ax, xv, wb + 2 * QK), _mm256_set1_ps(dx * ds[2 * nb]), a2);
-            a3 = _mm256_fmadd_ps(block_dot(ax, xv, wb + 3 * QK), _mm256_set1_ps(dx * ds[3 * nb]), a3);
+            const __m128i s = sum4(block_dot(ax, xv, wb), block_dot(ax, xv, wb + QK),
+                                   block_dot(ax, xv, wb + 2 * QK), block_dot(ax, xv, wb + 3 * QK));
+            const __m128 scale = _mm_mul_ps(_mm_loadu_ps(s0 + b * NR), _mm_set1_ps(dm[b]));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
           }
-          out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+          _mm_storeu_ps(out, acc);
         }
 #else
-        {
-          for (int64_t r = 0; r < nr; ++r) {
-            float acc = 0.f;
-            for (int64_t b = 0; b < nb; ++b) {
-              const int8_t* wr = w0 + (b * NR + r) * QK;
-              int32_t s = 0;
-              for (int64_t i = 0; i < QK; ++i) s += int32_t(xm[b * QK + i]) * int32_t(wr[i]);
-              acc += static_cast<float>(s) * (dm[b] * sp[(n0 + r) * nb + b]);
-            }
-            out[r] = acc;
+        for (int64_t r = 0; r < NR; ++r) {
+          float acc = 0.f;
+          for (int64_t b = 0; b < nb; ++b) {
+            const int8_t* wr = w0 + (b * NR + r) * QK;
+            int32_t s = 0;
+            for (int64_t i = 0; i < QK; ++i) s += int32_t(xm[b * QK + i]) * int32_t(wr[i]);
+            acc += static_cast<float>(s) * (s0[b * NR + r] * dm[b]);
           }
+          out[r] = acc;
         }
 #endif
         for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);

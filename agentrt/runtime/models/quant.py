@@ -32,6 +32,20 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT8_BLOCK = 32  # input columns per scale of the block-wise int8 format (llama.cpp's Q8_0)
 
 
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values of the C++ kernels' packed rows, [N, nb] row-major -> [N4, nb] in their order
+    (kernels/cpu_int8_linear.cpp): rows padded with zeros to N4, a multiple of 4, and each group of 4
+    rows stored block by block ([N4 / 4, nb, 4]: a block's 4 values side by side)."""
+    n, nb = t.shape
+    n4 = -(-n // 4) * 4
+    return F.pad(t, (0, 0, 0, n4 - n)).view(n4 // 4, 4, nb).permute(0, 2, 1).contiguous().view(n4, nb)
+
+
+def row_major(t: torch.Tensor, n: int) -> torch.Tensor:
+    """group_major undone: [N4, nb] -> the first n rows, [n, nb]."""
+    return t.view(-1, t.shape[1], 4).permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
+
+
 def quantize_int8(weight: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8: weight [N, K] float -> (q [N, K] int8, scales fp32) with weight ~ q * scale;
     block 0: one scale per row, scales [N] (torchao's int8_weight_only); block b: one scale per b
@@ -105,14 +119,13 @@ class Int8Linear(nn.Module):
     def pack_for_kernel(self) -> None:
         """Use the C++ kernel (loaded, block-wise layer): `qweight` becomes its packed [N4, in] layout
         (rows padded to a multiple of 4, groups of 4 rows block-interleaved), `scales` [N4, in // 32]
-        (padded rows zero). Raises ValueError on a per-row layer."""
+        group-major (group_major; padded rows zero). Raises ValueError on a per-row layer."""
         if not self.block:
             raise ValueError("the int8 kernel needs the block-wise layout (float32 activations)")
         if self.use_kernel:
             return
-        n4 = -(-self.out_features // 4) * 4
         self.qweight = torch.ops.agentrt_cpu.pack_int8(self.qweight)
-        self.scales = F.pad(self.scales, (0, 0, 0, n4 - self.out_features)).contiguous()
+        self.scales = group_major(self.scales)
         self.use_kernel = True
 
     def dequantized(self) -> torch.Tensor:
@@ -120,7 +133,10 @@ class Int8Linear(nn.Module):
         if self.use_kernel:  # undo the packing
             k, b = self.in_features, self.block
             q = self.qweight.view(-1, k // b, 4, b).permute(0, 2, 1, 3).reshape(-1, k)[: self.out_features]
-            w = q.float().reshape(self.out_features, -1, b) * self.scales[: self.out_features, :, None]
+            w = (
+                q.float().reshape(self.out_features, -1, b)
+                * row_major(self.scales, self.out_features)[..., None]
+            )
             return w.reshape(self.out_features, k)
         if self.block:
             w = self.qweight.float().reshape(self.out_features, -1, self.block) * self.scales[..., None]
@@ -265,11 +281,7 @@ class Int4BlockLinear(nn.Module):
         pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [N4 / 4, 2, nb, 32]: rows 2c (low) and 2c + 1 (high)
         self.qweight = pairs.permute(0, 2, 1, 3).contiguous().view(n4, -1)
 
-        def grouped(t: torch.Tensor) -> torch.Tensor:
-            t = F.pad(self._blocks(t), (0, 0, 0, pad)).view(n4 // 4, 4, nb)
-            return t.permute(0, 2, 1).contiguous().view(n4, nb)
-
-        self.scales, self.mins = grouped(self.scales), grouped(self.mins)
+        self.scales, self.mins = group_major(self._blocks(self.scales)), group_major(self._blocks(self.mins))
         self.use_kernel = True
 
     def dequantized(self) -> torch.Tensor:
@@ -280,11 +292,7 @@ class Int4BlockLinear(nn.Module):
             pairs = self.qweight.view(-1, nb, 2, INT8_BLOCK)
             q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3)  # [N4 / 4, nb, 2, 2, 32]
             q = q.permute(0, 2, 3, 1, 4).reshape(-1, k)[:n]
-
-            def ungrouped(t: torch.Tensor) -> torch.Tensor:
-                return t.view(-1, nb, 4).permute(0, 2, 1).reshape(-1, nb)[:n]
-
-            scales, mins = ungrouped(self.scales), ungrouped(self.mins)
+            scales, mins = row_major(self.scales, n), row_major(self.mins, n)
         else:
             q, scales, mins = self.levels(), self._blocks(self.scales), self._blocks(self.mins)
         w = q.view(n, -1, INT8_BLOCK).float() * scales[..., None] + mins[..., None]
