@@ -123,7 +123,7 @@ def sample(
     logits, i.e. before temperature and the top-k/top-p/min-p filters), read back in that same sync."""
     # one pass over the vocabulary for the greedy rows (argmax and the checks were five: ~0.4 ms a
     # token at batch 1 on the CPU): argmax takes a NaN as the maximum, so a row holding NaN has a NaN
-    # at its argmax (max(dim) would do it in one call, but its index on ties is not the first maximum)
+    # at its argmax, and a row whose argmax is -inf is -inf everywhere
     greedy = torch.argmax(logits, dim=-1)
     best = logits.gather(-1, greedy[:, None])[:, 0]
     tokens = greedy.clone()

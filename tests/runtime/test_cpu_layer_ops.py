@@ -135,6 +135,8 @@ def test_int8_linear_keeps_nan_visible_and_refuses_minus_128():
     x[0, 5] = float("nan")
     y = ops.int8_linear(x, ops.pack_int8(q), group_major(s), None, 8)
     assert y[0].isnan().all() and y[1].isfinite().all()
+    tiny = ops.int8_linear(x[1:] * 1e-38, ops.pack_int8(q), group_major(s), None, 8)  # subnormal scales
+    assert torch.equal(tiny, torch.zeros(1, 8))
     with pytest.raises(RuntimeError, match=r"weights must be in \[-127, 127\]"):
         ops.pack_int8(torch.full((4, 32), -128, dtype=torch.int8))
 
@@ -276,6 +278,12 @@ def test_decode_layers_is_the_layer_by_layer_step_in_one_op(
 def test_decode_layers_refuses_a_miscounted_weight_list():
     x = torch.randn(1, 64)
     pool = torch.zeros(8, 2, 16)
+    with pytest.raises(RuntimeError, match="layer 1's K/V pools are not shaped like layer 0's"):
+        ops.decode_layers(
+            x, [torch.ones(64)] * 36, [pool, pool[:4].clone()], [pool.clone(), pool.clone()], torch.ones(1, 8),
+            torch.zeros(1, 8), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.ones(64),
+            [64, 64, 64, 64], 4, 1e-5, 0.25,
+        )  # fmt: skip
     with pytest.raises(RuntimeError, match="13 weights for 1 layers \\(18 each\\)"):
         ops.decode_layers(
             x, [torch.ones(64)] * 13, [pool], [pool.clone()], torch.ones(1, 8), torch.zeros(1, 8),
@@ -375,6 +383,15 @@ def test_auto_takes_int4_where_the_weights_are_4_bit_already(default_model_dir, 
 
     tiny = make_tiny_model(tmp_path / "m", default_model_dir, "llama", hidden_size=128)
     assert not four_bit_layers(tiny)  # random float32 weights
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert not four_bit_layers(odd)  # unreadable: not 4-bit, no exception
+    save_file(
+        {"model.layers.0.self_attn.q_proj.weight": torch.full((8, 64), float("nan"))},
+        str(odd / "model.safetensors"),
+    )
+    assert not four_bit_layers(odd)  # NaN compares false with any bound: refused explicitly
     (path,) = tiny.glob("*.safetensors")
     state = load_file(str(path))
     for name, w in state.items():

@@ -25,6 +25,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 slots and lens");
+  TORCH_CHECK(slots.dim() == 2 && lens.dim() == 1, "slots [B, L] and lens [B]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   slots.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);

@@ -46,7 +46,11 @@ at::Tensor decode_layers(const at::Tensor& x0, at::TensorList w, at::TensorList 
               "decode_layers: ", w.size(), " weights for ", L, " layers (", PER_LAYER, " each) and ",
               v_caches.size(), " V pools");
   TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features must hold 4 row counts");
-  TORCH_CHECK(x0.dim() == 2, "decode_layers: x must be [B, hidden]");
+  TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0, "decode_layers: x must be [B, hidden] with B >= 1");
+  for (int64_t l = 0; l < L; ++l) {  // before layer 0 writes its K/V: no half-written step
+    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes(),
+                "decode_layers: layer ", l, "'s K/V pools are not shaped like layer 0's");
+  }
   const int64_t B = x0.size(0);
   at::Tensor x = x0, residual, h;
   for (int64_t l = 0; l < L; ++l) {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -45,9 +46,13 @@ inline void quantize_row(const float* x, int8_t* q, float* d, int64_t K) {
       if (std::isnan(amax)) break;
     }
     const float scale = amax / 127.f;
-    const float inv = scale != 0.f ? 1.f / scale : 0.f;
+    // a subnormal scale's inverse overflows: such a block (|x| < 4e-37) quantizes to zeros
+    const float inv = scale >= FLT_MIN ? 1.f / scale : 0.f;
     d[b] = scale;
-    for (int64_t i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+    for (int64_t i = 0; i < QK; ++i) {
+      const float v = std::nearbyint(xb[i] * inv);  // in [-127, 127], or NaN with a NaN block
+      q[b * QK + i] = static_cast<int8_t>(v == v ? v : 0.f);  // a NaN cast would be undefined
+    }
   }
 }
 

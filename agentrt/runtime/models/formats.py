@@ -176,7 +176,7 @@ def four_bit_layers(model_dir: Path, group_size: int = 32) -> bool:
     conversion, as the default model's Q4_1 file): every projection weight of the first layer comes
     back from int4_levels (a scale and a minimum per `group_size` input columns, 16 levels) within
     float32 rounding (max error <= 1e-5 of the tensor's largest magnitude). Reads those few tensors
-    only; False when there are none or a file cannot be read."""
+    only; False when there are none, one is not finite, or a file cannot be read."""
     from safetensors import safe_open
 
     found = 0
@@ -187,14 +187,14 @@ def four_bit_layers(model_dir: Path, group_size: int = 32) -> bool:
                     if ".layers.0." not in f".{name}" or not name.endswith("proj.weight"):
                         continue
                     w = st.get_tensor(name).float()
-                    if w.dim() != 2 or w.shape[1] % group_size:
+                    if w.dim() != 2 or w.shape[1] % group_size or not bool(torch.isfinite(w).all()):
                         return False
                     q, scales, mins = int4_levels(w, group_size)
                     back = q.view(w.shape[0], -1, group_size) * scales[..., None] + mins[..., None]
                     if (back.view_as(w) - w).abs().max() > 1e-5 * w.abs().max():
                         return False
                     found += 1
-    except (OSError, RuntimeError, ValueError):  # safetensors' errors on a damaged file
+    except Exception:  # noqa: BLE001 - a damaged file (safetensors' own SafetensorError): not 4-bit
         return False
     return found > 0
 
@@ -256,6 +256,13 @@ def _load_quantized(
     tied = arch.tie_word_embeddings and not lm_head
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    expected = model.state_dict()
+    for key, t in state.items():  # load_state_dict would cast another layout's dtypes silently
+        if key in expected and t.dtype != expected[key].dtype:
+            raise ValueError(
+                f"quantized cache {path} holds {key} as {t.dtype}, this layout needs "
+                f"{expected[key].dtype}: delete it to rebuild"
+            )
     try:
         model.load_state_dict(state, strict=not tied, assign=False)
     except RuntimeError as e:  # shapes of another layout

@@ -241,14 +241,11 @@ class LlamaForCausalLM(nn.Module):
     def decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """(weights, out_features) for `torch.ops.agentrt_cpu.decode_layers` (18 tensors per layer,
         that op's order), when every projection of every layer runs a C++ kernel (Int8Linear or
-        Int4BlockLinear after `pack_for_kernel`), else None. Built on first use and kept: call
-        `reset_decode_stack` after replacing or moving the layers' weights."""
+        Int4BlockLinear after `pack_for_kernel`), else None. Built on the first decode step and kept
+        (the weights are packed once, at load: formats.load_model)."""
         if self._decode_stack is None:
             self._decode_stack = self._build_decode_stack() or False
         return self._decode_stack or None
-
-    def reset_decode_stack(self) -> None:
-        self._decode_stack = None
 
     def _build_decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
         none = torch.empty(0)

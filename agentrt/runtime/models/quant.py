@@ -280,7 +280,6 @@ class Int4BlockLinear(nn.Module):
         q = F.pad(self.levels(), (0, 0, 0, pad)).view(n4 // 4, 2, 2, nb, INT8_BLOCK)
         pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [N4 / 4, 2, nb, 32]: rows 2c (low) and 2c + 1 (high)
         self.qweight = pairs.permute(0, 2, 1, 3).contiguous().view(n4, -1)
-
         self.scales, self.mins = group_major(self._blocks(self.scales)), group_major(self._blocks(self.mins))
         self.use_kernel = True
 
