@@ -57,6 +57,47 @@ class PrefillSpan:
     tree_mask: torch.Tensor | None = None
 
 
+class KernelRows(NamedTuple):
+    """The keys of every new token of a batch, for the CPU kernel (kernels/cpu_decode_attention.cpp):
+    slots [R, L] int64 rows of pool slots (padded with 0), seq [T] int64 the slot row of each new
+    token (empty: token t reads row t), lens [T] int64 how many of its row's slots it attends."""
+
+    slots: torch.Tensor
+    seq: torch.Tensor
+    lens: torch.Tensor
+
+
+def kernel_rows(chunks, dev: torch.device) -> KernelRows:
+    """KernelRows of a flat batch of SeqChunks: a decoding sequence or a prefill chunk is one slot row
+    (its whole context), its token i attending the first context_len + i + 1 slots (causal); a draft
+    tree's token (tree_mask) gets a row of its own, the context and then its ancestors in order, so
+    that it attends exactly the keys it would have had as a decoded token."""
+    rows: list[list[int]] = []
+    seq: list[int] = []
+    lens: list[int] = []
+    for chunk in chunks:
+        n, ctx = len(chunk.token_ids), chunk.context_len
+        if chunk.tree_mask is None:
+            seq.extend([len(rows)] * n)
+            lens.extend(range(ctx + 1, ctx + n + 1))
+            rows.append(list(chunk.slots))
+            continue
+        mask = chunk.tree_mask.tolist()
+        new = chunk.slots[ctx:]
+        for i in range(n):
+            seq.append(len(rows))
+            row = list(chunk.slots[:ctx]) + [s for s, m in zip(new, mask[i]) if m]
+            lens.append(len(row))
+            rows.append(row)
+    width = max(len(r) for r in rows)
+    i64 = {"dtype": torch.int64, "device": dev}
+    return KernelRows(
+        torch.tensor([r + [0] * (width - len(r)) for r in rows], **i64),
+        torch.tensor(seq, **i64),
+        torch.tensor(lens, **i64),
+    )
+
+
 @dataclass
 class AttentionMetadata:
     """slot_mapping: [T] int64 pool slot each new token's K/V is written to.
@@ -73,7 +114,8 @@ class AttentionMetadata:
     cos: torch.Tensor | None = None  # [T, head_dim // 2] in the activations' dtype, set by prepare_rope
     sin: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None  # [B] int64 keys per decode sequence (the C++ kernel's input)
-    cpu_kernel: bool = False  # decode attention through kernels/cpu_kernels.py (float32 on the CPU)
+    cpu_kernel: bool = False  # attention through kernels/cpu_kernels.py (float32 on the CPU)
+    rows: KernelRows | None = None  # every new token's keys, for the C++ kernel (set with cpu_kernel)
 
     def prepare_rope(
         self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
@@ -91,6 +133,8 @@ class AttentionMetadata:
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D]."""
         gqa = q.shape[1] != k.shape[1]
+        if self.rows is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            return cpu_kernels.attention(q, k_cache, v_cache, self.rows)
         if self.decode_idx is not None and not self.prefills:
             return self._decode(q, k_cache, v_cache, gqa)
         out = torch.empty_like(q)
@@ -188,6 +232,7 @@ def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) ->
         prefills=prefills,
         decode_lens=lens,
         cpu_kernel=cpu_kernel,
+        rows=kernel_rows(chunks, dev) if cpu_kernel and chunks else None,
     )
     i64 = {"dtype": torch.int64, "device": dev}
     return BatchInputs(

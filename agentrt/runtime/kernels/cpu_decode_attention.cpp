@@ -1,110 +1,326 @@
-// Decode attention straight from the token-slot KV pool on the CPU (one new query token per
-// sequence, grouped-query attention), without gathering K/V into a padded copy first.
+// Attention straight from the token-slot KV pool on the CPU, one kernel for decode, chunked prefill,
+// prefill over a cached prefix and speculative verification (grouped-query attention), without a
+// gathered copy of K/V. Batch-invariant by construction: every query row is computed by the same
+// instruction sequence, which depends only on its own q, its keys and their number, never on the
+// other rows of the batch, on how they were blocked, or on whether a key came from the prefix cache.
 //
-// q [B, H, D] float32, k_cache / v_cache [S, Hkv, D] float32 (contiguous), slots [B, L] int64
-// (padded), lens [B] int64 (keys attended per sequence, <= L), scale: softmax scale.
-// out [B, H, D] float32. Per sequence (and KV head run, see below), every query head of it
-// together, so each K and V row is read once: scores s[h, l] = q_h . k_l * scale, softmax over l
-// (max-subtracted), out_h = sum_l p[h, l] v_l. at::parallel_for over the items (torch's own
-// thread pool). Built and loaded by runtime/kernels/cpu_attention.py.
+// attention(q [T, H, D] float32, k_cache / v_cache [S, Hkv, D] float32 (contiguous),
+//           slots [R, L] int64 (rows of pool slots, padded), seq [T] int64 (the slot row of each
+//           query row; empty: row t reads slot row t), lens [T] int64 (keys row t attends: the first
+//           lens[t] slots of its slot row, in [1, L]), scale) -> out [T, H, D] float32:
+//   out[t, h] = sum_l softmax_l(q[t, h] . k_l * scale) v_l, query head h reading KV head h / (H / Hkv).
+// decode_attention(q [B, H, D], k_cache, v_cache, slots [B, L], lens [B], scale): the same, row b
+//   reading slot row b (a decode step: one new token per sequence).
+// Raises RuntimeError on bad shapes or dtypes, D not a multiple of 8, a slot outside the pool or a
+// length outside [1, L].
+//
+// Order of the arithmetic, per query row and head (the invariant the tests check bitwise):
+// - scores: keys in groups of 8 from key 0; s_l = sum over d of q[d] k_l[d] as 8 lanes (lane i:
+//   d = i, i + 8, ... by FMA), the lanes then added in a fixed tree ((0+1)+(2+3))+((4+5)+(6+7)), times
+//   `scale`;
+// - softmax: m = max_l s_l; e_l = exp(s_l - m) (a Cephes-style polynomial, the same on every lane);
+//   sum_l e_l in 8 lanes (lane i: l = i mod 8), then the same tree;
+// - out = (sum_l e_l v_l, FMA in key order) * (1 / sum).
+// Rows that share a slot row and are adjacent in the batch (a prefill chunk) are worked on together,
+// up to 4 at a time, so each K and V row is read once for all of them; that changes which row is
+// computed when, not how. at::parallel_for over (row block, KV head) items.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cpu_kernels.h"
 
-namespace agentrt_cpu {
+namespace {
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,Hkv,D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 slots and lens");
-  TORCH_CHECK(slots.dim() == 2 && lens.dim() == 1, "slots [B, L] and lens [B]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  slots.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), L = slots.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(), "cache shapes");
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "one slot row and one length per sequence");
-  const int64_t G = H / Hkv;
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "lens must be in [1, L]");
-    for (int64_t l = 0; l < lp[b]; ++l) {
-      TORCH_CHECK(sp[b * L + l] >= 0 && sp[b * L + l] < S, "slot out of the pool");
+constexpr int64_t KB = 64;  // keys per tile (K and V tiles of one KV head stay in L1)
+constexpr int64_t RB = 4;   // query rows per block
+
+#ifdef __AVX2__
+using V8 = __m256;
+inline V8 vzero() { return _mm256_setzero_ps(); }
+inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
+inline V8 vset1(float x) { return _mm256_set1_ps(x); }
+inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
+inline V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
+inline V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
+// lanes i < n kept, the others zero
+inline V8 vkeep(V8 v, int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx)));
+}
+// 8 accumulators -> [8] their lane sums, each as ((0+1)+(2+3))+((4+5)+(6+7))
+inline V8 reduce8x8(const V8* a) {
+  const V8 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const V8 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+// exp on 8 lanes for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial)
+inline V8 vexp(V8 x) {
+  x = _mm256_max_ps(x, vset1(-87.3f));
+  V8 fx = _mm256_floor_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfma(fx, vset1(-0.693359375f), x);
+  x = vfma(fx, vset1(2.12194440e-4f), x);
+  V8 y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(x, x), vadd(x, vset1(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return vmul(y, _mm256_castsi256_ps(e));
+}
+inline float lanes_sum(V8 v) {
+  alignas(32) float a[8];
+  vstore(a, v);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+inline float lanes_max(V8 v) {
+  alignas(32) float a[8];
+  vstore(a, v);
+  return std::max(std::max(std::max(a[0], a[1]), std::max(a[2], a[3])),
+                  std::max(std::max(a[4], a[5]), std::max(a[6], a[7])));
+}
+#else
+// The same arithmetic, lane by lane, where AVX2 is not built.
+struct V8 {
+  float v[8];
+};
+inline V8 vzero() { return V8{}; }
+inline V8 vload(const float* p) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vstore(float* p, V8 a) {
+  for (int i = 0; i < 8; ++i) p[i] = a.v[i];
+}
+inline V8 vset1(float x) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = x;
+  return r;
+}
+inline V8 vfma(V8 a, V8 b, V8 c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline V8 vmul(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline V8 vadd(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline V8 vmax(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+  return a;
+}
+inline V8 vkeep(V8 a, int64_t n) {
+  for (int i = 0; i < 8; ++i) a.v[i] = i < n ? a.v[i] : 0.f;
+  return a;
+}
+inline float tree(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+inline V8 reduce8x8(const V8* a) {
+  V8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = tree(a[j].v);
+  return r;
+}
+inline V8 vexp(V8 x) {
+  for (int i = 0; i < 8; ++i) {
+    float xi = std::max(x.v[i], -87.3f);
+    const float fx = std::floor(std::fma(xi, 1.44269504088896341f, 0.5f));
+    xi = std::fma(fx, -0.693359375f, xi);
+    xi = std::fma(fx, 2.12194440e-4f, xi);
+    float y = 1.9875691500e-4f;
+    y = std::fma(y, xi, 1.3981999507e-3f);
+    y = std::fma(y, xi, 8.3334519073e-3f);
+    y = std::fma(y, xi, 4.1665795894e-2f);
+    y = std::fma(y, xi, 1.6666665459e-1f);
+    y = std::fma(y, xi, 5.0000001201e-1f);
+    y = std::fma(y, xi * xi, xi + 1.f);
+    x.v[i] = y * std::ldexp(1.f, static_cast<int>(fx));
+  }
+  return x;
+}
+inline float lanes_sum(V8 a) { return tree(a.v); }
+inline float lanes_max(V8 a) {
+  return std::max(std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])),
+                  std::max(std::max(a.v[4], a.v[5]), std::max(a.v[6], a.v[7])));
+}
+#endif
+
+struct Problem {
+  const float *q, *k, *v;
+  const int64_t* slots;
+  const int64_t* lens;
+  float* out;
+  int64_t H, Hkv, G, D, L;
+  float scale;
+};
+
+// One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads; ND = D / 8
+// when known at compile time (the accumulators then stay in registers), else 0 (P.D / 8 at run time).
+// scores: scratch, resized to nr * G * round_up(max len, 8) floats.
+template <int64_t ND>
+void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_t hk, std::vector<float>& scores) {
+  const int64_t G = P.G, D = P.D, nd = ND ? ND : D / 8, np = nr * G;
+  const int64_t* srow_slots = P.slots + srow * P.L;
+  int64_t n[RB * 64];
+  int64_t nmax = 0;
+  for (int64_t p = 0; p < np; ++p) {
+    n[p] = P.lens[t0 + p / G];
+    nmax = std::max(nmax, n[p]);
+  }
+  const int64_t npad = (nmax + 7) / 8 * 8;
+  scores.resize(np * npad);
+  auto qrow = [&](int64_t p) { return P.q + ((t0 + p / G) * P.H + hk * G + p % G) * D; };
+  auto krow = [&](int64_t l) { return P.k + (srow_slots[std::min(l, nmax - 1)] * P.Hkv + hk) * D; };
+  // scores, 8 keys at a time
+  for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
+    const int64_t l1 = std::min(l0 + KB, nmax);
+    for (int64_t p = 0; p < np; ++p) {
+      const float* qp = qrow(p);
+      for (int64_t g = l0; g < std::min(l1, n[p]); g += 8) {
+        const float* kr[8];
+        for (int j = 0; j < 8; ++j) kr[j] = krow(g + j);
+        V8 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = vmul(vload(qp), vload(kr[j]));
+        for (int64_t c = 1; c < nd; ++c) {
+          const V8 qv = vload(qp + c * 8);
+          for (int j = 0; j < 8; ++j) acc[j] = vfma(qv, vload(kr[j] + c * 8), acc[j]);
+        }
+        vstore(scores.data() + p * npad + g, vmul(reduce8x8(acc), vset1(P.scale)));
+      }
     }
   }
-  // work item: a sequence and a run of `per` KV heads (all of them unless there are fewer
-  // sequences than threads), so a whole K/V row (Hkv * D floats) is read at once
-  const int64_t per = B >= at::get_num_threads() ? Hkv : 1;
-  const int64_t groups = Hkv / per;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+  // softmax numerators in place; 1 / sum per (row, head)
+  float inv[RB * 64];
+  for (int64_t p = 0; p < np; ++p) {
+    float* sp = scores.data() + p * npad;
+    const int64_t np8 = (n[p] + 7) / 8 * 8;
+    for (int64_t l = n[p]; l < np8; ++l) sp[l] = -std::numeric_limits<float>::infinity();
+    V8 mv = vload(sp);
+    for (int64_t l = 8; l < np8; l += 8) mv = vmax(mv, vload(sp + l));
+    const V8 m = vset1(lanes_max(mv));
+    V8 sum = vzero();
+    for (int64_t l = 0; l < np8; l += 8) {
+      const V8 e = vkeep(vexp(vadd(vload(sp + l), vmul(m, vset1(-1.f)))), n[p] - l);
+      vstore(sp + l, e);
+      sum = vadd(sum, e);
+    }
+    inv[p] = 1.f / lanes_sum(sum);
+  }
+  // out = sum_l e_l v_l, key by key, per (row, head) in registers over a tile of keys
+  std::vector<float> acc(np * D, 0.f);
+  constexpr int64_t MAXC = 32;  // D <= 256
+  for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
+    const int64_t l1 = std::min(l0 + KB, nmax);
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t end = std::min(l1, n[p]);
+      if (end <= l0) continue;
+      float* ap = acc.data() + p * D;
+      const float* sp = scores.data() + p * npad;
+      V8 a[ND ? ND : MAXC];
+      for (int64_t c = 0; c < nd; ++c) a[c] = vload(ap + c * 8);
+      for (int64_t l = l0; l < end; ++l) {
+        const float* vr = P.v + (srow_slots[l] * P.Hkv + hk) * D;
+        const V8 e = vset1(sp[l]);
+        for (int64_t c = 0; c < nd; ++c) a[c] = vfma(e, vload(vr + c * 8), a[c]);
+      }
+      for (int64_t c = 0; c < nd; ++c) vstore(ap + c * 8, a[c]);
+    }
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    float* o = P.out + ((t0 + p / G) * P.H + hk * G + p % G) * D;
+    const V8 s = vset1(inv[p]);
+    for (int64_t c = 0; c < nd; ++c) vstore(o + c * 8, vmul(vload(acc.data() + p * D + c * 8), s));
+  }
+}
+
+}  // namespace
+
+namespace agentrt_cpu {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const at::Tensor& seq, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "attention: q [T,H,D], caches [S,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "attention: float32 only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && seq.scalar_type() == at::kLong,
+              "attention: int64 slots, seq and lens");
+  TORCH_CHECK(slots.dim() == 2 && lens.dim() == 1 && seq.dim() == 1, "attention: slots [R, L], seq [T], lens [T]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+                  lens.is_contiguous() && seq.is_contiguous(), "attention: contiguous inputs");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), R = slots.size(0), L = slots.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(), "attention: cache shapes");
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "attention: head_dim ", D, " must be a multiple of 8, at most 256");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(lens.size(0) == T, "attention: one length per query row");
+  TORCH_CHECK(seq.numel() == 0 ? R == T : seq.size(0) == T, "attention: one slot row per query row");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* qs = seq.numel() ? seq.data_ptr<int64_t>() : nullptr;
+  std::vector<int64_t> checked(R, 0);  // slots of each row checked so far
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = qs ? qs[t] : t;
+    TORCH_CHECK(r >= 0 && r < R, "attention: slot row ", r, " out of [0, ", R, ")");
+    TORCH_CHECK(lp[t] >= 1 && lp[t] <= L, "attention: lens must be in [1, L]");
+    for (int64_t l = checked[r]; l < lp[t]; ++l) {
+      TORCH_CHECK(sp[r * L + l] >= 0 && sp[r * L + l] < S, "attention: slot out of the pool");
+    }
+    checked[r] = std::max(checked[r], lp[t]);
+  }
+  auto out = at::empty_like(q);
+  if (T == 0) return out;
+  // blocks: runs of up to RB adjacent rows reading the same slot row
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = qs ? qs[t] : t;
+    if (starts.empty() || t - starts.back() >= RB || (qs ? qs[t - 1] : t - 1) != r) starts.push_back(t);
+  }
+  const int64_t nblocks = static_cast<int64_t>(starts.size());
+  starts.push_back(T);
+  const Problem P{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, lp,
+                  out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale)};
+  at::parallel_for(0, nblocks * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(per * G * D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / groups, h0 = (item % groups) * per, n = lp[b];
-      const int64_t rows = per * G;  // query heads of this item
-      scores.resize(rows * n);
-      const float* qb = qp + (b * H + h0 * G) * D;
-      for (int64_t l = 0; l < n; ++l) {
-        const float* kr = kp + (sp[b * L + l] * Hkv + h0) * D;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = qb + r * D;
-          const float* kh = kr + (r / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kh[d];
-          scores[r * n + l] = s * fscale;
-        }
+      const int64_t b = item / Hkv, t0 = starts[b];
+      const int64_t nr = starts[b + 1] - t0, srow = qs ? qs[t0] : t0;
+      switch (D) {  // the usual head sizes get their own unrolled copies (same arithmetic)
+        case 64: attend_block<8>(P, t0, nr, srow, item % Hkv, scores); break;
+        case 128: attend_block<16>(P, t0, nr, srow, item % Hkv, scores); break;
+        default: attend_block<0>(P, t0, nr, srow, item % Hkv, scores);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * n;
-        float m = sr[0];
-        for (int64_t l = 1; l < n; ++l) m = std::max(m, sr[l]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < n; ++l) {
-          sr[l] = std::exp(sr[l] - m);
-          sum += sr[l];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t l = 0; l < n; ++l) sr[l] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < n; ++l) {
-        const float* vr = vp + (sp[b * L + l] * Hkv + h0) * D;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = scores[r * n + l];
-          const float* vh = vr + (r / G) * D;
-          float* ar = acc.data() + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] += p * vh[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + (b * H + h0 * G) * D);
     }
   });
   return out;
 }
 
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(slots.dim() == 2 && q.dim() == 3 && slots.size(0) == q.size(0),
+              "decode_attention: one slot row per sequence");
+  return attention(q, k_cache, v_cache, slots, at::empty({0}, slots.options()), lens, scale);
+}
+
 }  // namespace agentrt_cpu
 
 TORCH_LIBRARY(agentrt_cpu, m) {
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) { m.impl("decode_attention", &agentrt_cpu::decode_attention); }
+TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
+  m.impl("attention", &agentrt_cpu::attention);
+  m.impl("decode_attention", &agentrt_cpu::decode_attention);
+}

@@ -48,7 +48,7 @@ SOURCES = tuple(
 )
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # the sources' shared declarations
 OPS = (
-    "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
+    "attention", "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
     "int4_linear", "decode_layers",
 )  # fmt: skip
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
@@ -168,4 +168,15 @@ def decode_attention(
     dtypes, a slot outside the pool or a length outside [1, L]."""
     return torch.ops.agentrt_cpu.decode_attention(
         q.contiguous(), k_cache, v_cache, slots, lens, q.shape[-1] ** -0.5
+    )
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows) -> torch.Tensor:
+    """q [T, H, D] float32, caches [S, Hkv, D] float32, rows: attention.KernelRows (slots [R, L],
+    seq [T], lens [T] int64) -> out [T, H, D] float32: for each new token t, softmax(q k^T / sqrt(D)) v
+    over the first lens[t] slots of its slot row, in an order that depends on that token alone
+    (batch-invariant: kernels/cpu_decode_attention.cpp). Raises RuntimeError on bad shapes, dtypes,
+    a slot outside the pool or a length outside [1, L]."""
+    return torch.ops.agentrt_cpu.attention(
+        q.contiguous(), k_cache, v_cache, rows.slots, rows.seq, rows.lens, q.shape[-1] ** -0.5
     )
