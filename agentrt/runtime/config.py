@@ -23,8 +23,8 @@ class ModelConfig:
     model: a registered name (`smollm2-135m-instruct`), a local Hugging Face directory, a `.gguf`
         file, or a hub id already present in the local Hugging Face cache (never downloaded).
     device: `auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`.
-    dtype: `auto` (bf16 on CUDA; on CPU bf16 only with native bf16 arithmetic, avx512_bf16/amx_bf16,
-        else fp32), `float32`, `bfloat16`, `float16`.
+    dtype: `auto` (bf16 on CUDA; on a CPU float32 where the C++ kernels' AVX2 path runs, else bf16
+        with native bf16 arithmetic, else fp32: runtime/hardware.py), `float32`, `bfloat16`, `float16`.
     quantization: `none`, `int8` or `int4` (asymmetric, `quant_group_size` input columns per scale and
         minimum) for the linear layers; see models/formats.py. At float32 on the CPU both run our C++
         kernels with the activations quantized to int8 blocks of 32 (llama.cpp's Q8_0): int8 in

@@ -12,10 +12,11 @@ import torch
 
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
+from agentrt.runtime.hardware import choose_dtype, choose_threads
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.cpu_linear import choose_linear_kernel
-from agentrt.runtime.models.formats import choose_dtype, choose_threads, four_bit_layers, load_model
+from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.llama import LlamaArch
 from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
 
@@ -325,12 +326,8 @@ def choose_attention_backend(
 
     failure = cpu_kernels.load(cache_dir)
     if failure is None:
-        return (
-            "cpu",
-            "requested"
-            if requested == "cpu"
-            else "auto: C++ decode kernel and fused layer ops, torch SDPA for prefill",
-        )
+        how = f"C++ attention kernel (decode and prefill), fused layer ops, int kernels {cpu_kernels.active_isa()}"
+        return "cpu", f"{'requested' if requested == 'cpu' else 'auto'}: {how}"
     if requested == "cpu":
         raise ValueError(f"attention_backend 'cpu': the C++ kernels are unavailable: {failure}")
     return "torch", f"auto: the C++ kernels are unavailable: {failure}"

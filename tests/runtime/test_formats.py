@@ -11,6 +11,7 @@ import torch
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime import hardware
 from agentrt.runtime.models import formats
 from agentrt.runtime.models.cpu_linear import OneDNNLinear, choose_linear_kernel, onednn_usable
 from agentrt.runtime.models.quant import (
@@ -22,38 +23,16 @@ from agentrt.runtime.models.quant import (
 )
 from tests.helpers import ROOT, chat_ids, make_tiny_model
 
-AVX2_FLAGS = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
-SPR_FLAGS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-
-
-def test_native_bf16_is_detected_from_cpu_flags_or_torch_capability(monkeypatch):
-    assert formats.cpu_native_bf16(AVX2_FLAGS, "AVX2") == (
-        False,
-        "no avx512_bf16/amx_bf16 (torch CPU capability AVX2)",
-    )
-    assert formats.cpu_native_bf16(SPR_FLAGS, "AVX512") == (True, "CPU flags amx_bf16, avx512_bf16")
-    assert formats.cpu_native_bf16("", "AVX512_BF16")[0]
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(formats, "cpu_native_bf16", lambda: (False, "no bf16 here"))
-    assert formats.choose_dtype(cpu, "auto") == (torch.float32, "auto: no bf16 here")
-    monkeypatch.setattr(formats, "cpu_native_bf16", lambda: (True, "CPU flags avx512_bf16"))
-    assert formats.choose_dtype(cpu, "auto") == (torch.bfloat16, "auto: native bf16 (CPU flags avx512_bf16)")
-    assert formats.choose_dtype(cpu, "float32") == (torch.float32, "requested")
-    assert formats.choose_dtype(torch.device("cuda"), "auto")[0] == torch.bfloat16
-    with pytest.raises(ValueError, match="dtype 'fp8' is not one of auto"):
-        formats.choose_dtype(cpu, "fp8")
-
-
 def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert formats.choose_threads(None) == (3, "OMP_NUM_THREADS")
-    assert formats.choose_threads(5) == (5, "requested")
+    assert hardware.choose_threads(None) == (3, "OMP_NUM_THREADS")
+    assert hardware.choose_threads(5) == (5, "requested")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(formats, "physical_cores", lambda: 7)
-    assert formats.choose_threads(None) == (7, "physical cores")
+    monkeypatch.setattr(hardware, "physical_cores", lambda: 7)
+    assert hardware.choose_threads(None) == (7, "physical cores")
     monkeypatch.setenv("OMP_NUM_THREADS", "two")
     with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'two'"):
-        formats.choose_threads(None)
+        hardware.choose_threads(None)
     for kw, msg in (
         ({"threads": 0}, "threads must be >= 1"),
         ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),

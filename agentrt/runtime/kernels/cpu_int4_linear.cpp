@@ -24,6 +24,7 @@
 
 #include <vector>
 
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 
 namespace {
@@ -31,20 +32,105 @@ namespace {
 using agentrt_cpu::detail::QK;
 using agentrt_cpu::detail::quantize_row;
 
+constexpr int64_t NR = 4;  // rows per work item
+
+// One work item's inputs: the quantized activations (M rows), its 4 rows' packed nibbles, scales, mins.
+struct Item {
+  const int8_t* xq;  // [M, K]
+  const float* xd;   // [M, K / 32] block scales
+  const float* xs;   // [M, K / 32] block scale x sum of the block's int8 values
+  const uint8_t* w0;  // [K / 32, 2, 32]
+  const float* s0;    // [K / 32, 4]
+  const float* m0;    // [K / 32, 4]
+  int64_t M, K, nb;
+  float* out;  // [M, 4]
+};
+
 #ifdef __AVX2__
-// The 4 rows' dot products with one activation block: q0..q3 32 unsigned 4-bit values each, x 32 int8
-// -> [4] int32. maddubs gives 16 int16 pair sums per row (|.| <= 2 * 15 * 127); two rounds of 16-bit
-// horizontal adds fold the 4 rows into one register (sums of 8 products, |.| <= 15240: no overflow)
-// before the one widening madd: 5 multiplies per 4 rows instead of 8, which matters where vector
-// integer multiplies have a single port (AMD Zen 1 here: 256-bit ops are two 128-bit halves).
-inline __m128i dot4(__m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i x) {
+// AVX2: the 4 rows' dot products with one activation block: q0..q3 32 unsigned 4-bit values each, x 32
+// int8 -> [4] int32. maddubs gives 16 int16 pair sums per row (|.| <= 2 * 15 * 127); two rounds of
+// 16-bit horizontal adds fold the 4 rows into one register (sums of 8 products, |.| <= 15240: no
+// overflow) before the one widening madd: 5 multiplies per 4 rows instead of 8, which matters where
+// vector integer multiplies have a single port (AMD Zen 1: 256-bit ops are two 128-bit halves).
+inline __m128i dot4_avx2(__m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i x) {
   const __m256i h01 = _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, x), _mm256_maddubs_epi16(q1, x));
   const __m256i h23 = _mm256_hadd_epi16(_mm256_maddubs_epi16(q2, x), _mm256_maddubs_epi16(q3, x));
   // lanes [r0 r0 r1 r1 r2 r2 r3 r3] per 128-bit half; madd with ones adds the neighbours
   const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), _mm256_set1_epi16(1));
   return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
+// VNNI: vpdpbusd sums 4 byte products straight into int32 (8 per row), then one 4-row reduction
+#define AGENTRT_DOT4_VNNI(DPBUSD)                                                                   \
+  agentrt_cpu::detail::sum4(DPBUSD(_mm256_setzero_si256(), q0, x), DPBUSD(_mm256_setzero_si256(), q1, x), \
+                            DPBUSD(_mm256_setzero_si256(), q2, x), DPBUSD(_mm256_setzero_si256(), q3, x))
+__attribute__((target("avxvnni"))) inline __m128i dot4_avxvnni(__m256i q0, __m256i q1, __m256i q2, __m256i q3,
+                                                                __m256i x) {
+  return AGENTRT_DOT4_VNNI(_mm256_dpbusd_avx_epi32);
+}
+__attribute__((target("avx512vnni,avx512vl"))) inline __m128i dot4_avx512vnni(__m256i q0, __m256i q1, __m256i q2,
+                                                                             __m256i q3, __m256i x) {
+  return AGENTRT_DOT4_VNNI(_mm256_dpbusd_epi32);
+}
+
+// The item's M x 4 outputs with DOT4 (one of the above: the same int32 sums)
+#define AGENTRT_INT4_ITEM(DOT4)                                                                     \
+  const __m256i nibble = _mm256_set1_epi8(0x0F);                                                    \
+  for (int64_t m = 0; m < a.M; ++m) {                                                               \
+    const int8_t* xm = a.xq + m * a.K;                                                             \
+    const float* dm = a.xd + m * a.nb;                                                             \
+    const float* sm = a.xs + m * a.nb;                                                             \
+    __m128 acc = _mm_setzero_ps(), low = _mm_setzero_ps();                                         \
+    for (int64_t b = 0; b < a.nb; ++b) {                                                           \
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));       \
+      const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w0 + b * 64));    \
+      const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w0 + b * 64 + 32)); \
+      const __m128i s = DOT4(_mm256_and_si256(w01, nibble), _mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble), \
+                             _mm256_and_si256(w23, nibble), _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble), \
+                             xv);                                                                  \
+      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_set1_ps(dm[b]));            \
+      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);                                          \
+      low = _mm_fmadd_ps(_mm_loadu_ps(a.m0 + b * NR), _mm_set1_ps(sm[b]), low);                    \
+    }                                                                                              \
+    _mm_storeu_ps(a.out + m * NR, _mm_add_ps(acc, low));                                           \
+  }
+
+void item_avx2(const Item& a) { AGENTRT_INT4_ITEM(dot4_avx2) }
+__attribute__((target("avxvnni"))) void item_avxvnni(const Item& a) { AGENTRT_INT4_ITEM(dot4_avxvnni) }
+__attribute__((target("avx512vnni,avx512vl"))) void item_avx512vnni(const Item& a) {
+  AGENTRT_INT4_ITEM(dot4_avx512vnni)
+}
+#else
+void item_scalar(const Item& a) {
+  for (int64_t m = 0; m < a.M; ++m) {
+    const int8_t* xm = a.xq + m * a.K;
+    for (int64_t r = 0; r < NR; ++r) {
+      float acc = 0.f, low = 0.f;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* wr = a.w0 + b * 64 + (r / 2) * 32;
+        const int shift = (r % 2) * 4;
+        int32_t s = 0;
+        for (int64_t i = 0; i < QK; ++i) s += int32_t((wr[i] >> shift) & 0x0F) * xm[b * QK + i];
+        acc = std::fma(static_cast<float>(s), a.s0[b * NR + r] * a.xd[m * a.nb + b], acc);
+        low = std::fma(a.m0[b * NR + r], a.xs[m * a.nb + b], low);
+      }
+      a.out[m * NR + r] = acc + low;
+    }
+  }
+}
 #endif
+
+using ItemFn = void (*)(const Item&);
+
+ItemFn item_fn(int isa) {
+#ifdef __AVX2__
+  if (isa == agentrt_cpu::ISA_AVX512VNNI) return item_avx512vnni;
+  if (isa == agentrt_cpu::ISA_AVXVNNI) return item_avxvnni;
+  return item_avx2;
+#else
+  (void)isa;
+  return item_scalar;
+#endif
+}
 
 }  // namespace
 
@@ -93,50 +179,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t NR = 4;  // rows per work item
+  const ItemFn fn = item_fn(cpu_isa());
   at::parallel_for(0, N4 / NR, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(M * NR);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
-      const uint8_t* w0 = wp + n0 * (K / 2);  // this item's [K / 32, 2, 32] stream
-      const float* s0 = sp + n0 * nb;         // [K / 32, 4]
-      const float* m0 = mp + n0 * nb;
+      fn(Item{xq.data(), xd.data(), xs.data(), wp + n0 * (K / 2), sp + n0 * nb, mp + n0 * nb, M, K, nb, out.data()});
       for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xm = xq.data() + m * K;
-        const float* dm = xd.data() + m * nb;
-        const float* sm = xs.data() + m * nb;
-        float out[NR];
-#ifdef __AVX2__
-        {
-          const __m256i nibble = _mm256_set1_epi8(0x0F);
-          __m128 acc = _mm_setzero_ps(), low = _mm_setzero_ps();
-          for (int64_t b = 0; b < nb; ++b) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
-            const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * 64));
-            const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * 64 + 32));
-            const __m128i s = dot4(_mm256_and_si256(w01, nibble), _mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble),
-                                   _mm256_and_si256(w23, nibble), _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble),
-                                   xv);
-            const __m128 scale = _mm_mul_ps(_mm_loadu_ps(s0 + b * NR), _mm_set1_ps(dm[b]));
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
-            low = _mm_fmadd_ps(_mm_loadu_ps(m0 + b * NR), _mm_set1_ps(sm[b]), low);
-          }
-          _mm_storeu_ps(out, _mm_add_ps(acc, low));
-        }
-#else
-        for (int64_t r = 0; r < NR; ++r) {
-          float acc = 0.f, low = 0.f;
-          for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* wr = w0 + b * 64 + (r / 2) * 32;
-            const int shift = (r % 2) * 4;
-            int32_t s = 0;
-            for (int64_t i = 0; i < QK; ++i) s += int32_t((wr[i] >> shift) & 0x0F) * xm[b * QK + i];
-            acc += static_cast<float>(s) * (s0[b * NR + r] * dm[b]);
-            low += m0[b * NR + r] * sm[b];
-          }
-          out[r] = acc + low;
-        }
-#endif
-        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NR + r] + (bp ? bp[n0 + r] : 0.f);
       }
     }
   });

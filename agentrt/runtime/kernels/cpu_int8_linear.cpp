@@ -26,11 +26,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 
 namespace {
@@ -38,19 +40,124 @@ namespace {
 using agentrt_cpu::detail::QK;
 using agentrt_cpu::detail::quantize_row;
 
+constexpr int64_t NR = 4;  // output rows per work item: each activation block loaded once for 4
+
+// One work item's inputs: the quantized activations (M rows), its 4 rows' packed weights and scales.
+struct Item {
+  const int8_t* xq;  // [M, K]
+  const float* xd;   // [M, K / 32]
+  const int8_t* w0;  // [K / 32, 4, 32]
+  const float* s0;   // [K / 32, 4]
+  int64_t M, K, nb;
+  float* out;  // [M, 4]
+};
+
 #ifdef __AVX2__
 using agentrt_cpu::detail::sum4;
 
-// 8 int32 partial sums of sum_i x[i] w[i] over 32 int8 pairs (|x|, |w| <= 127: no saturation)
-inline __m256i block_dot(__m256i ax, __m256i x, const int8_t* w) {
-  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)), _mm256_set1_epi16(1));
+// The item's M x 4 outputs; DOT(ax, sx) -> 8 int32 sums of 4 products |x| * sign(w, x) (int8 pairs).
+#define AGENTRT_INT8_ITEM(DOT)                                                                       \
+  for (int64_t m = 0; m < a.M; ++m) {                                                                \
+    const int8_t* xm = a.xq + m * a.K;                                                              \
+    const float* dm = a.xd + m * a.nb;                                                              \
+    __m128 acc = _mm_setzero_ps();                                                                  \
+    for (int64_t b = 0; b < a.nb; ++b) {                                                            \
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));        \
+      const __m256i ax = _mm256_sign_epi8(xv, xv);                                                  \
+      const int8_t* wb = a.w0 + b * NR * QK;                                                        \
+      __m256i p[NR];                                                                                \
+      for (int64_t r = 0; r < NR; ++r) {                                                            \
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + r * QK));       \
+        p[r] = DOT(ax, _mm256_sign_epi8(wv, xv));                                                   \
+      }                                                                                             \
+      const __m128i s = sum4(p[0], p[1], p[2], p[3]);                                               \
+      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_set1_ps(dm[b]));             \
+      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);                                           \
+    }                                                                                               \
+    _mm_storeu_ps(a.out + m * NR, acc);                                                             \
+  }
+
+#define AGENTRT_DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define AGENTRT_DOT_AVXVNNI(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define AGENTRT_DOT_AVX512VNNI(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+
+void item_avx2(const Item& a) { AGENTRT_INT8_ITEM(AGENTRT_DOT_AVX2) }
+__attribute__((target("avxvnni"))) void item_avxvnni(const Item& a) { AGENTRT_INT8_ITEM(AGENTRT_DOT_AVXVNNI) }
+__attribute__((target("avx512vnni,avx512vl"))) void item_avx512vnni(const Item& a) {
+  AGENTRT_INT8_ITEM(AGENTRT_DOT_AVX512VNNI)
+}
+#else
+void item_scalar(const Item& a) {
+  for (int64_t m = 0; m < a.M; ++m) {
+    const int8_t* xm = a.xq + m * a.K;
+    const float* dm = a.xd + m * a.nb;
+    for (int64_t r = 0; r < NR; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const int8_t* wr = a.w0 + (b * NR + r) * QK;
+        int32_t s = 0;
+        for (int64_t i = 0; i < QK; ++i) s += int32_t(xm[b * QK + i]) * int32_t(wr[i]);
+        acc = std::fma(static_cast<float>(s), a.s0[b * NR + r] * dm[b], acc);
+      }
+      a.out[m * NR + r] = acc;
+    }
+  }
 }
 #endif
+
+using ItemFn = void (*)(const Item&);
+
+ItemFn item_fn(int isa) {
+#ifdef __AVX2__
+  if (isa == agentrt_cpu::ISA_AVX512VNNI) return item_avx512vnni;
+  if (isa == agentrt_cpu::ISA_AVXVNNI) return item_avxvnni;
+  return item_avx2;
+#else
+  (void)isa;
+  return item_scalar;
+#endif
+}
+
+int best_isa() {
+#ifdef __AVX2__
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return agentrt_cpu::ISA_AVX512VNNI;
+  if (__builtin_cpu_supports("avxvnni")) return agentrt_cpu::ISA_AVXVNNI;
+  return agentrt_cpu::ISA_AVX2;
+#else
+  return agentrt_cpu::ISA_SCALAR;
+#endif
+}
+
+std::atomic<int>& isa_state() {
+  static std::atomic<int> isa{best_isa()};
+  return isa;
+}
+
+const char* const ISA_NAMES[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
 
 }  // namespace
 
 namespace agentrt_cpu {
+
+int cpu_isa() { return isa_state().load(std::memory_order_relaxed); }
+
+std::string set_cpu_isa(const std::string& name) {
+  int want = -1;
+  for (int i = 0; i < 4; ++i) {
+    if (name == ISA_NAMES[i]) want = i;
+  }
+  TORCH_CHECK(want >= 0 || name.empty(), "set_cpu_isa: unknown ISA '", name, "' (scalar, avx2, avxvnni, avx512vnni)");
+  const int best = best_isa();
+  if (name.empty()) want = best;
+  // the scalar path exists only in a build without AVX2; the others only in a build with it
+  const bool ok = want == best || (want == ISA_AVX2 && best > ISA_AVX2) ||
+                  (want == ISA_AVXVNNI && best >= ISA_AVX2 && __builtin_cpu_supports("avxvnni"));
+  TORCH_CHECK(ok, "set_cpu_isa: this CPU (or this build) cannot run '", name, "'; its best is ", ISA_NAMES[best]);
+  isa_state().store(want);
+  return ISA_NAMES[want];
+}
+
+std::string get_cpu_isa() { return ISA_NAMES[cpu_isa()]; }
 
 at::Tensor pack_int8(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % QK == 0,
@@ -96,44 +203,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t NR = 4;  // output rows per work item: each activation block loaded once for 4
   const int64_t items = N4 / NR;
+  const ItemFn fn = item_fn(cpu_isa());
   at::parallel_for(0, items, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(M * NR);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
-      const int8_t* w0 = wp + n0 * K;  // this item's [K / 32, 4, 32] stream
-      const float* s0 = sp + n0 * nb;  // [K / 32, 4]: the 4 rows' scales of each block side by side
+      fn(Item{xq.data(), xd.data(), wp + n0 * K, sp + n0 * nb, M, K, nb, out.data()});
       for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xm = xq.data() + m * K;
-        const float* dm = xd.data() + m * nb;
-        float out[NR];
-#ifdef __AVX2__
-        {
-          __m128 acc = _mm_setzero_ps();
-          for (int64_t b = 0; b < nb; ++b) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
-            const int8_t* wb = w0 + b * NR * QK;
-            const __m128i s = sum4(block_dot(ax, xv, wb), block_dot(ax, xv, wb + QK),
-                                   block_dot(ax, xv, wb + 2 * QK), block_dot(ax, xv, wb + 3 * QK));
-            const __m128 scale = _mm_mul_ps(_mm_loadu_ps(s0 + b * NR), _mm_set1_ps(dm[b]));
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
-          }
-          _mm_storeu_ps(out, acc);
-        }
-#else
-        for (int64_t r = 0; r < NR; ++r) {
-          float acc = 0.f;
-          for (int64_t b = 0; b < nb; ++b) {
-            const int8_t* wr = w0 + (b * NR + r) * QK;
-            int32_t s = 0;
-            for (int64_t i = 0; i < QK; ++i) s += int32_t(xm[b * QK + i]) * int32_t(wr[i]);
-            acc += static_cast<float>(s) * (s0[b * NR + r] * dm[b]);
-          }
-          out[r] = acc;
-        }
-#endif
-        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+        for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NR + r] + (bp ? bp[n0 + r] : 0.f);
       }
     }
   });
@@ -145,9 +223,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int N) -> Tensor");
   m.def("pack_int8(Tensor q) -> Tensor");
+  m.def("set_cpu_isa(str isa) -> str");
+  m.def("get_cpu_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
   m.impl("int8_linear", &agentrt_cpu::int8_linear);
   m.impl("pack_int8", &agentrt_cpu::pack_int8);
+}
+
+TORCH_LIBRARY_IMPL(agentrt_cpu, CatchAll, m) {
+  m.impl("set_cpu_isa", &agentrt_cpu::set_cpu_isa);
+  m.impl("get_cpu_isa", &agentrt_cpu::get_cpu_isa);
 }

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.hardware import cpu_info, kernel_isa
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
@@ -46,10 +48,10 @@ SOURCES = tuple(
         "cpu_decode_layers.cpp",
     )
 )
-HEADER = Path(__file__).with_name("cpu_kernels.h")  # the sources' shared declarations
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_isa.h"))  # shared declarations
 OPS = (
     "attention", "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
-    "int4_linear", "decode_layers",
+    "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa",
 )  # fmt: skip
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
@@ -76,7 +78,7 @@ def _cpu_flags() -> str:
 
 def library_path(cache_dir: Path) -> Path:
     """Where the built kernels for these sources, torch and CPU live under cache_dir."""
-    sources = "\n".join(p.read_text() for p in (*SOURCES, HEADER))
+    sources = "\n".join(p.read_text() for p in (*SOURCES, *HEADERS))
     ident = f"{sources}\n{torch.__version__}\n{_cpu_flags()}\n{FLAGS}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return Path(cache_dir) / "cpu-kernels" / key / "agentrt_cpu_kernels.so"
@@ -127,7 +129,50 @@ def _build(target: Path) -> None:
 
 def load(cache_dir: Path) -> str | None:
     """Build (once per key) and load the kernels; None when the ops `torch.ops.agentrt_cpu.*` (OPS)
-    are ready, else why they are not (logged once per process)."""
+    are ready, else why they are not (logged once per process). Selects the integer kernels' ISA
+    (hardware.kernel_isa: $AGENTRT_CPU_ISA, else the CPU's best) on every call; raises ValueError
+    for an AGENTRT_CPU_ISA this CPU cannot run."""
+    isa = kernel_isa(cpu_info())[0]
+    failure = _load(cache_dir)
+    if failure is None:
+        select_isa(isa)
+    return failure
+
+
+def select_isa(isa: str) -> str:
+    """Make `isa` (hardware.ISAS) the integer kernels' path, after checking on random inputs that it
+    gives the AVX2 path's outputs bit for bit (the VNNI paths compute the same int32 sums); a path
+    that does not is refused with a warning and AVX2 kept. Returns the active ISA. The kernels must
+    be loaded."""
+    ops = torch.ops.agentrt_cpu
+    active = ops.set_cpu_isa(isa)
+    if active in ("avx2", "scalar"):
+        return active
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=gen)
+    w8 = ops.pack_int8(torch.randint(-127, 128, (12, 256), dtype=torch.int8, generator=gen))
+    s8 = torch.rand(12, 8, generator=gen)
+    w4 = torch.randint(0, 256, (12, 128), dtype=torch.uint8, generator=gen)
+    m4 = torch.randn(12, 8, generator=gen)
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.int8_linear(x, w8, s8, None, 10), ops.int4_linear(x, w4, s8, m4, None, 10)
+
+    fast = outputs()
+    ops.set_cpu_isa("avx2")
+    reference = outputs()
+    if all(torch.equal(a, b) for a, b in zip(fast, reference)):
+        return ops.set_cpu_isa(isa)
+    logger.warning("the CPU kernels' %s path disagrees with AVX2 on a self-check: using AVX2", isa)
+    return "avx2"
+
+
+def active_isa() -> str:
+    """The integer kernels' active ISA (the kernels must be loaded)."""
+    return torch.ops.agentrt_cpu.get_cpu_isa()
+
+
+def _load(cache_dir: Path) -> str | None:
     target = library_path(cache_dir)
     with _lock:
         if str(target) in _loaded:

@@ -1,8 +1,7 @@
-"""Weight formats and threads: choose the run dtype, build the model in its format, cache quantized weights.
+"""Weight formats: build the model in its format, cache quantized weights.
 
-- dtype `auto`: bf16 on CUDA; on CPU bf16 only when the CPU has native bf16 arithmetic (the
-  avx512_bf16 or amx_bf16 flags in /proc/cpuinfo, or torch's CPU capability AVX512_BF16 / AMX), else
-  fp32. The reason is kept in `WeightFormat.reason` and printed at start.
+- the run dtype and threads are chosen by runtime/hardware.py (`choose_dtype`, `choose_threads`); the
+  dtype's reason is kept in `WeightFormat.reason` and printed at start.
 - quantization `int8` / `int4`: the decoder's linear layers (and the LM head when asked);
   embeddings and norms stay in the run dtype. CPU at float32: llama.cpp's block formats on our C++
   kernels (int8 Q8_0, int4 Q4_1 with an int8 LM head; activations quantized to int8 blocks per call);
@@ -10,8 +9,6 @@
   the dense weights and cached as safetensors under `<cache_dir>/quant-<key>/` (key: the source
   weights' path, size and mtime, the format, torch's version), so later starts read the quantized
   file. CUDA: torchao's kernels, quantized at each start (not cached; not measurable here).
-- threads: torch's intra-op threads; default `$OMP_NUM_THREADS` when set, else the physical cores
-  (psutil; SMT siblings share a core's FPUs and slow a matmul down).
 """
 
 from __future__ import annotations
@@ -49,69 +46,6 @@ logger = logging.getLogger(__name__)
 QUANT_CACHE_VERSION = 4  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout); 4: int4 at
 # float32 in Q4_1 blocks (the C++ int4 kernel's), its LM head int8
 """Bumped when the cached layout changes (old entries are then ignored, never misread)."""
-
-
-def cpu_native_bf16(cpuinfo: str | None = None, capability: str | None = None) -> tuple[bool, str]:
-    """(has native bf16, evidence). Reads /proc/cpuinfo's flags (avx512_bf16, amx_bf16) and torch's
-    CPU capability (torch.backends.cpu.get_cpu_capability(): AVX512_BF16 or AMX* count); the
-    arguments override both (tests)."""
-    if capability is None:
-        capability = torch.backends.cpu.get_cpu_capability()
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    found = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    if found:
-        return True, f"CPU flags {', '.join(found)}"
-    if capability.upper().startswith(("AVX512_BF16", "AMX")):
-        return True, f"torch CPU capability {capability}"
-    return False, f"no avx512_bf16/amx_bf16 (torch CPU capability {capability})"
-
-
-def choose_dtype(device: torch.device, dtype: str) -> tuple[torch.dtype, str]:
-    """The run dtype and why. `auto`: bf16 on CUDA; on CPU bf16 with native bf16 arithmetic, else
-    fp32. Raises ValueError for a dtype other than auto / float32 / bfloat16 / float16."""
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype != "auto":
-        if dtype not in names:
-            raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(names)}")
-        return names[dtype], "requested"
-    if device.type == "cuda":
-        return torch.bfloat16, "auto: CUDA"
-    native, evidence = cpu_native_bf16()
-    if native:
-        return torch.bfloat16, f"auto: native bf16 ({evidence})"
-    return torch.float32, f"auto: {evidence}"
-
-
-def physical_cores() -> int:
-    """Physical CPU cores (psutil, SMT siblings not counted); os.cpu_count() when unknown."""
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def choose_threads(threads: int | None) -> tuple[int, str]:
-    """torch intra-op threads and why: an explicit value, else $OMP_NUM_THREADS when set (several
-    engines sharing a machine each get their share), else the physical cores. Raises ValueError for
-    a value below 1 or an OMP_NUM_THREADS that is not a positive integer."""
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        return threads, "requested"
-    env = os.environ.get("OMP_NUM_THREADS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {env!r}")
-        return int(env), "OMP_NUM_THREADS"
-    return physical_cores(), "physical cores"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,22 @@
+// The instruction set of the CPU kernels' integer dot products, chosen at run time (set_cpu_isa,
+// defined in cpu_int8_linear.cpp; runtime/hardware.py picks it, $AGENTRT_CPU_ISA forces a lower one):
+//   ISA_AVX2: maddubs + madd (AVX2);
+//   ISA_AVXVNNI: vpdpbusd, VEX-encoded (AVX-VNNI: Alder Lake, Sapphire Rapids, Zen 5);
+//   ISA_AVX512VNNI: vpdpbusd on 256-bit registers (AVX-512 VNNI + VL: Cascade Lake, Zen 4/5).
+// Each path forms the same int32 sums of 4 byte products (no saturation: |products| are bounded by
+// the formats) and does the same float arithmetic after them, so every path gives the same output bit
+// for bit; the VNNI paths have fewer instructions per block. The VNNI functions carry their own target
+// attribute, so the library builds with any compiler that knows the instructions, on any CPU; only a
+// CPU that has them is allowed to select them (__builtin_cpu_supports).
+#pragma once
+
+#include <atomic>
+
+namespace agentrt_cpu {
+
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3 };
+
+// the active ISA (an atomic read per kernel call)
+int cpu_isa();
+
+}  // namespace agentrt_cpu

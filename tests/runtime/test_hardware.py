@@ -1,0 +1,82 @@
+"""The machine's policies (runtime/hardware.py) on a table of simulated CPUs: the run dtype `auto`
+picks and the CPU kernels' instruction set, with the forcing switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.runtime import hardware
+
+
+def cpuinfo(model: str, flags: str) -> str:
+    return f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: fpu sse sse2 {flags}\n\nprocessor\t: 1\n"
+
+
+ZEN1 = cpuinfo("AMD EPYC 7551 32-Core Processor", "avx avx2 fma f16c")
+ZEN5 = cpuinfo(
+    "AMD EPYC 9B45",
+    "avx avx2 fma avx512f avx512vl avx512_vnni avx_vnni avx512_bf16",
+)
+SAPPHIRE_RAPIDS = cpuinfo(
+    "Intel(R) Xeon(R) Platinum 8480+",
+    "avx2 fma avx512f avx512vl avx512_vnni avx_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile",
+)
+ALDER_LAKE = cpuinfo("12th Gen Intel(R) Core(TM) i7-12700", "avx2 fma avx_vnni")
+CASCADE_LAKE = cpuinfo("Intel(R) Xeon(R) Gold 6230", "avx2 fma avx512f avx512vl avx512_vnni")
+NO_AVX2_BF16 = cpuinfo("a CPU with bf16 and no AVX2", "avx512_bf16")
+OLD = cpuinfo("Intel(R) Xeon(R) E5-2670", "avx")
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("text", "dtype", "isa"),
+    [
+        (ZEN1, torch.float32, "avx2"),
+        (ZEN5, torch.float32, "avx512vnni"),  # native bf16, but the kernel path is faster and invariant
+        (SAPPHIRE_RAPIDS, torch.float32, "avx512vnni"),
+        (ALDER_LAKE, torch.float32, "avxvnni"),
+        (CASCADE_LAKE, torch.float32, "avx512vnni"),
+        (NO_AVX2_BF16, torch.bfloat16, "scalar"),
+        (OLD, torch.float32, "scalar"),
+        ("", torch.float32, "scalar"),  # /proc/cpuinfo unreadable
+    ],
+)
+def test_auto_dtype_and_kernel_isa_on_simulated_cpus(text, dtype, isa):
+    chosen, reason = hardware.choose_dtype(CPU, "auto", cpuinfo=text, capability="DEFAULT")
+    assert chosen == dtype, reason
+    assert reason.startswith("auto: ")
+    assert hardware.kernel_isa(hardware.cpu_info(text), forced="") == (isa, "auto: the CPU's best")
+    if dtype == torch.float32 and isa != "scalar":
+        assert f"the CPU kernels' {isa} path" in reason
+
+
+def test_explicit_and_cuda_dtypes_and_bad_names():
+    assert hardware.choose_dtype(CPU, "bfloat16", cpuinfo=ZEN1) == (torch.bfloat16, "requested")
+    assert hardware.choose_dtype(torch.device("cuda"), "auto", cpuinfo=ZEN5) == (torch.bfloat16, "auto: CUDA")
+    with pytest.raises(ValueError, match="dtype 'fp8' is not one of auto"):
+        hardware.choose_dtype(CPU, "fp8")
+    # torch's capability alone also counts as native bf16 where there is no AVX2
+    assert hardware.choose_dtype(CPU, "auto", cpuinfo=OLD, capability="AVX512_BF16")[0] == torch.bfloat16
+    assert hardware.cpu_native_bf16(SAPPHIRE_RAPIDS, "AVX512") == (True, "CPU flags amx_bf16, avx512_bf16")
+    assert hardware.cpu_native_bf16(ZEN1, "AVX2") == (False, "no avx512_bf16/amx_bf16 (torch CPU capability AVX2)")
+
+
+def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
+    zen5 = hardware.cpu_info(ZEN5)
+    assert hardware.kernel_isa(zen5, forced="avx2") == ("avx2", "AGENTRT_CPU_ISA")
+    monkeypatch.setenv("AGENTRT_CPU_ISA", "avxvnni")
+    assert hardware.kernel_isa(zen5) == ("avxvnni", "AGENTRT_CPU_ISA")
+    with pytest.raises(ValueError, match="AGENTRT_CPU_ISA=avx512vnni: this CPU lacks it"):
+        hardware.kernel_isa(hardware.cpu_info(ZEN1), forced="avx512vnni")
+    with pytest.raises(ValueError, match="AGENTRT_CPU_ISA must be one of"):
+        hardware.kernel_isa(zen5, forced="sse4")
+
+
+def test_cpu_info_reads_the_first_processor_and_describes_it():
+    info = hardware.cpu_info(ZEN5)
+    assert info.model == "AMD EPYC 9B45"
+    assert "avx512_bf16" in info.flags
+    assert info.describe() == "AMD EPYC 9B45 (avx2 avx512_bf16 avx512_vnni avx512f avx512vl avx_vnni fma)"
+    here = hardware.cpu_info()  # this machine: parses without error
+    assert isinstance(here.flags, frozenset)
