@@ -67,12 +67,17 @@ def _random_prompts(tokenizer, rng, n, chars):
     ]
 
 
-def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer):
+FORMATS = ["none", "int8", "int4"]  # the formats `auto` picks on a CPU (float32 activations)
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer, quantization):
     """8 prompts of 400 random characters + 4 sharing a 400-token prefix: alone, batched, cold and
-    warm, prefix cache on and off, all give the same greedy tokens. The scheduler's limits are
-    small (8 sequences, 128-token steps) so the same paths run on fewer tokens: prompts queue behind
-    the running batch, every prompt is prefilled in chunks interleaved with decodes, and a cached
-    prefix longer than a chunk is extended."""
+    warm, prefix cache on and off, prefill chunks of 128 or 96 tokens, all give the same greedy
+    tokens, in every weight format `auto` picks on a CPU, at the default dtype (the invariance is the
+    engine's, not a test setting). The scheduler's limits are small (8 sequences) so the same paths
+    run on fewer tokens: prompts queue behind the running batch, every prompt is prefilled in chunks
+    interleaved with decodes, and a cached prefix longer than a chunk is extended."""
     import random
 
     rng = random.Random(0)
@@ -82,18 +87,19 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
     assert min(len(p) for p in prompts) > 128  # each prompt takes more than one chunk
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-    def engine_with(cache: bool) -> Engine:
+    def engine_with(cache: bool, chunk: int) -> Engine:
         return Engine(
             EngineConfig(
-                model=ModelConfig(model=str(default_model_dir), device="cpu"),
+                model=ModelConfig(model=str(default_model_dir), device="cpu", quantization=quantization),
                 cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache),
-                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=chunk),
             )
         )
 
-    off = engine_with(False)
+    off = engine_with(False, 128)
+    assert off.runner.weight_format.quantization == quantization
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
-    on = engine_with(True)
+    on = engine_with(True, 96)
     alone_idx = [0, 1, 8, 9]  # two random prompts and two sharing the prefix, one at a time, cold
     cold_alone = [on.generate([(prompts[i], params, None)])[0].token_ids for i in alone_idx]
     assert on.stats.num_cached_prompt_tokens >= len(prefix)  # the second shared prompt hit the cache
@@ -104,6 +110,40 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
     assert warm_mixed == reference[::-3]
     assert_kv_accounted(on)
     assert_kv_accounted(off)
+
+
+def test_speculation_and_seeded_sampling_are_batch_invariant_on_the_default_format(
+    default_model_dir, tokenizer
+):
+    """`make run`'s format (int4 + int8 head on the default model's 4-bit weights): n-gram speculation
+    at temperature 0 gives plain decoding's tokens, and a seeded request at temperature 0.8 gives the
+    same tokens alone, in a batch, and again with its prompt in the prefix cache."""
+    from agentrt.runtime.config import SpecConfig
+
+    prompts = [
+        chat_ids(tokenizer, [{"role": "user", "content": f"Repeat this list twice: {q}"}])
+        for q in QUESTIONS[:6]
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def engine_with(spec: SpecConfig) -> Engine:
+        model = ModelConfig(model=str(default_model_dir), device="cpu", quantization="auto")
+        return Engine(EngineConfig(model=model, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=4)))
+
+    plain = engine_with(SpecConfig())
+    assert plain.runner.weight_format.quantization == "int4"
+    want = [o.token_ids for o in plain.generate([(p, greedy, None) for p in prompts])]
+    ngram = engine_with(SpecConfig(method="ngram", num_speculative_tokens=4))
+    assert [o.token_ids for o in ngram.generate([(p, greedy, None) for p in prompts])] == want
+    assert ngram.stats.num_accepted_tokens > 0  # the drafts were verified, some accepted
+    sampled = SamplingParams(temperature=0.8, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = plain.generate([(prompts[0], sampled, None)])[0].token_ids
+    others = [
+        (p, SamplingParams(temperature=0.8, seed=i, max_tokens=16), None) for i, p in enumerate(prompts[1:])
+    ]
+    batched = plain.generate([*others[:2], (prompts[0], sampled, None), *others[2:]])[2].token_ids
+    assert batched == alone
+    assert plain.generate([(prompts[0], sampled, None)])[0].token_ids == alone  # prompt cached now
 
 
 def test_stop_request_from_a_signal_handler_takes_no_lock():
