@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# --quantization auto: int8 weights and activations (C++ kernel) where the CPU runs float32, the
+# --quantization auto: int4 (a 4-bit GGUF's own numbers) or int8 weights, int8 activations (C++ kernels) where the CPU runs float32 (dtype auto: every AVX2 CPU), the
 # fastest format here that keeps the extraction workload's quality (docs/benchmarks.md); else none.
 run: $(STAMP)
 	$(VENV)/bin/agentrt serve --quantization auto $(ARGS)

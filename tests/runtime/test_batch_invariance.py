@@ -158,3 +158,21 @@ def test_the_cpu_reports_its_isa_and_a_vnni_cpu_is_tested_on_both_paths():
         assert "avx2" in _available_isas() and best in _available_isas()
     else:
         pytest.skip(f"this CPU ({info.describe()}) has no VNNI: only its {best} path is tested here")
+
+
+def test_dense_float32_linear_rows_do_not_depend_on_the_batch():
+    """`--quantization none` at float32 runs the dense layers on oneDNN's packed matmul
+    (models/cpu_linear.py): on this CPU a row's output is the same alone or among 16, 96 or 300 rows
+    (the default model's shapes), which the engine's invariance at float32 relies on."""
+    from agentrt.runtime.models.cpu_linear import OneDNNLinear, onednn_usable
+
+    if not onednn_usable():
+        pytest.skip("this torch build has no oneDNN")
+    gen = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((1728, 576), (576, 1536), (3072, 576)):
+        lin = OneDNNLinear(torch.randn(out_features, in_features, generator=gen) / 24, None)
+        x = torch.randn(300, in_features, generator=gen)
+        full = lin(x)
+        for rows in (1, 16, 96):
+            assert torch.equal(lin(x[:rows]), full[:rows]), (out_features, in_features, rows)
+        assert torch.equal(lin(x[7:8]), full[7:8])
