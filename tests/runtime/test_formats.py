@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
+from agentrt.runtime import hardware
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
-from agentrt.runtime import hardware
-from agentrt.runtime.models import formats
 from agentrt.runtime.models.cpu_linear import OneDNNLinear, choose_linear_kernel, onednn_usable
 from agentrt.runtime.models.quant import (
     Int4BlockLinear,
@@ -22,6 +21,7 @@ from agentrt.runtime.models.quant import (
     quantize_int4,
 )
 from tests.helpers import ROOT, chat_ids, make_tiny_model
+
 
 def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")

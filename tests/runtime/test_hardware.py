@@ -59,7 +59,10 @@ def test_explicit_and_cuda_dtypes_and_bad_names():
     # torch's capability alone also counts as native bf16 where there is no AVX2
     assert hardware.choose_dtype(CPU, "auto", cpuinfo=OLD, capability="AVX512_BF16")[0] == torch.bfloat16
     assert hardware.cpu_native_bf16(SAPPHIRE_RAPIDS, "AVX512") == (True, "CPU flags amx_bf16, avx512_bf16")
-    assert hardware.cpu_native_bf16(ZEN1, "AVX2") == (False, "no avx512_bf16/amx_bf16 (torch CPU capability AVX2)")
+    assert hardware.cpu_native_bf16(ZEN1, "AVX2") == (
+        False,
+        "no avx512_bf16/amx_bf16 (torch CPU capability AVX2)",
+    )
 
 
 def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
