@@ -81,9 +81,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
         default="auto",
-        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ kernels (cpu: decode "
-        "attention, fused layer ops, int8 matmul; built with the system compiler on first use, ~30 s, "
-        "cached under AGENTRT_CACHE) with torch SDPA for prefill, else torch (gather + SDPA)",
+        help="auto: Triton kernels on CUDA; on the CPU at float32 the C++ kernels (cpu: one "
+        "batch-invariant attention kernel for decode and prefill, fused layer ops, int8/int4 matmuls; "
+        "built with the system compiler on first use, ~40 s, cached under AGENTRT_CACHE), else torch "
+        "(gather + SDPA, not batch-invariant)",
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="do not capture CUDA graphs or compile the decode step"

@@ -41,7 +41,8 @@ class ModelConfig:
     max_model_len: context limit in tokens; None = the model's `max_position_embeddings`.
     attention_backend: `auto` (Triton kernels on CUDA; on the CPU at float32 `cpu` when its C++
         kernels build, else torch), `torch` (gather + SDPA), `cpu` (the torch path with the C++
-        decode kernel, the fused layer ops and the int8 kernel, runtime/kernels/cpu_kernels.py),
+        kernels: one batch-invariant attention kernel for decode and prefill, the fused layer ops, the
+        int8/int4 kernels; runtime/kernels/cpu_kernels.py),
         `triton` (on CPU only under
         TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
     enforce_eager: never capture CUDA graphs, never compile the decode step.

@@ -1,0 +1,235 @@
+"""`make run`'s configuration on this CPU, side by side with llama-server, and what the batch-invariant
+attention costs: one run, one process (llama-server in its own).
+
+    python bench/same_answer.py [--llama-server PATH] [--prompt-tokens 1000 4000 8000]
+
+Prints, for the machine (CPU model and the flags that decide the kernels, read bandwidth: a 1 GiB
+float32 sum, best of 5):
+- agentrt with dtype and quantization `auto` (`make run`): the start line's format and kernel ISA,
+  the batch-1 decode step at 400 tokens of context (ModelRunner.execute, median of 15) against its
+  weight-read bound (bytes a step reads / read bandwidth), single-stream tokens/s (64 tokens minus 1,
+  best of 3, prefix cache off), TTFT of a new prompt of each size (max_tokens 1, prefix cache off,
+  best of 2);
+- the same TTFT with prefill attention through torch SDPA (the path before the invariant kernel: the
+  batch is otherwise the same), so the invariant mode's cost is measured, not assumed;
+- invariance: 8 chats asked alone, then together, then again with their prompts cached: how many
+  give the same tokens and the same first-token logprob;
+- llama-server on the same Q4_1 GGUF (-t = torch's threads): single stream (its predicted_per_second
+  of 64 tokens, best of 3 after a warm-up) and TTFT of the same prompts (wall time of n_predict 1,
+  cache_prompt false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from agentrt.runtime import attention, hardware
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from agentrt.runtime.engine import Engine
+from agentrt.runtime.model_runner import SeqChunk
+from agentrt.runtime.request import SamplingParams
+
+CHATS = [
+    "Describe a lighthouse in two sentences.",
+    "Name three rivers in Europe.",
+    "What is a prime number?",
+    "Write a haiku about rain.",
+    "Explain what a CPU cache is.",
+    "Give me a recipe idea with rice.",
+    "Why is the sky blue?",
+    "List four board games.",
+]
+
+
+def read_bandwidth() -> float:
+    """Bytes per second read by a sum over a 1 GiB float32 tensor (best of 5)."""
+    t = torch.ones(256 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - start)
+    return t.numel() * 4 / best
+
+
+def step_bytes(engine: Engine) -> int:
+    """Weight bytes a decode step reads: every weight but the embedding table (a few rows of it),
+    unless the LM head is that table."""
+    model = engine.runner.model
+    total = engine.runner.weights_bytes
+    if getattr(model.lm_head, "weight", None) is model.embed_tokens.weight:
+        return total
+    return total - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+
+
+def decode_step_ms(engine: Engine, context: int = 400) -> float:
+    runner = engine.runner
+    slots = list(range(context + 1))
+    chunk = SeqChunk(token_ids=[1], context_len=context, slots=slots)
+    times = []
+    for _ in range(17):
+        t = time.perf_counter()
+        runner.execute([chunk])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:]) * 1e3
+
+
+def single_stream(engine: Engine, prompt: list[int]) -> float:
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        engine.generate([(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), None)])
+        return time.perf_counter() - t
+
+    return max(63 / (run(64) - run(1)) for _ in range(3))
+
+
+def ttft(engine: Engine, prompt: list[int]) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1)
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        engine.generate([(prompt, params, None)])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def invariance(engine: Engine, tokenizer) -> str:
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+        for c in CHATS
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=0)
+    alone = [engine.generate([(p, params, None)])[0] for p in prompts]
+    together = engine.generate([(p, params, None) for p in prompts])
+    cached = engine.generate([(p, params, None) for p in prompts[::-1]])[::-1]
+
+    def same(a, b) -> bool:
+        return a.token_ids == b.token_ids and a.logprobs[0].logprob == b.logprobs[0].logprob
+
+    n_batch = sum(same(a, b) for a, b in zip(alone, together))
+    n_cache = sum(same(a, b) for a, b in zip(alone, cached))
+    return f"alone vs batched {n_batch}/{len(prompts)}, alone vs cached prompt {n_cache}/{len(prompts)}"
+
+
+def llama_server(path: str, threads: int, prompts: dict[int, str]) -> None:
+    import httpx
+
+    from agentrt.runtime.models.loader import find_registered_gguf
+    from agentrt.testing import free_port, launch_server
+
+    port = free_port()
+    gguf = find_registered_gguf("smollm2-135m-instruct")
+    cmd = [
+        path,
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-c",
+        "8192",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+    with launch_server(cmd, port, timeout_s=120) as server:
+        body = {"prompt": "Write a short story about a lighthouse keeper.", "n_predict": 64,
+                "temperature": 0, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+        speeds = [httpx.post(f"{server.url}/completion", json=body, timeout=300).json()["timings"]["predicted_per_second"] for _ in range(4)]  # fmt: skip
+        print(f"llama-server single stream: {max(speeds[1:]):.1f} tok/s", flush=True)
+        for text in prompts.values():
+            best = float("inf")
+            for _ in range(2):
+                t = time.perf_counter()
+                r = httpx.post(f"{server.url}/completion", json={"prompt": text, "n_predict": 1, "cache_prompt": False}, timeout=600).json()  # fmt: skip
+                best = min(best, time.perf_counter() - t)
+            got = r["timings"]["prompt_n"]
+            print(f"llama-server TTFT {got} tokens: {best:.2f} s ({got / best:.0f} tok/s)", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-server", help="a llama.cpp llama-server binary")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000, 8000])
+    args = p.parse_args()
+    info = hardware.cpu_info()
+    print(f"CPU: {info.describe()}, torch threads {torch.get_num_threads()}", flush=True)
+    bw = read_bandwidth()
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    engine = Engine(
+        EngineConfig(
+            model=ModelConfig(quantization="auto", max_model_len=8192 + 16),
+            cache=CacheConfig(enable_prefix_cache=False, kv_cache_bytes=1 << 30),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512),
+        )
+    )
+    runner = engine.runner
+    print(f"agentrt: {runner.weight_format.describe()}; attention {runner.attention_backend}", flush=True)
+    tok = runner.tokenizer
+    step = decode_step_ms(engine)
+    bound = step_bytes(engine) / bw * 1e3
+    print(f"batch-1 step {step:.2f} ms, weight-read bound {bound:.2f} ms ({step / bound:.2f}x)", flush=True)
+    story = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+                                    add_generation_prompt=True)  # fmt: skip
+    print(f"agentrt single stream: {single_stream(engine, story):.1f} tok/s", flush=True)
+    rng = random.Random(0)
+    words = [
+        "the",
+        "of",
+        "and",
+        "a",
+        "to",
+        "in",
+        "is",
+        "you",
+        "that",
+        "it",
+        "he",
+        "was",
+        "for",
+        "on",
+        "are",
+        "as",
+        "with",
+        "his",
+        "they",
+        "at",
+        "be",
+        "this",
+        "have",
+        "from",
+    ]
+    texts: dict[int, str] = {}
+    for n in args.prompt_tokens:
+        text = " ".join(rng.choice(words) for _ in range(n * 2))
+        ids = tok.encode(text, add_special_tokens=False)[:n]
+        texts[n] = tok.decode(ids)
+        kernel_rows = attention.kernel_rows
+        results = {}
+        for mode in ("invariant kernel", "SDPA prefill", "invariant kernel", "SDPA prefill"):
+            attention.kernel_rows = kernel_rows if mode == "invariant kernel" else (lambda chunks, dev: None)
+            try:
+                results.setdefault(mode, []).append(ttft(engine, ids))
+            finally:
+                attention.kernel_rows = kernel_rows
+        line = ", ".join(f"{m} {min(v):.2f} s ({n / min(v):.0f} tok/s)" for m, v in results.items())
+        print(f"agentrt TTFT {n} tokens: {line}", flush=True)
+    engine_cached = Engine(
+        EngineConfig(model=ModelConfig(quantization="auto"), scheduler=SchedulerConfig(max_num_seqs=8))
+    )
+    print(
+        f"invariance ({engine_cached.runner.weight_format.quantization}): {invariance(engine_cached, tok)}",
+        flush=True,
+    )
+    if args.llama_server:
+        llama_server(args.llama_server, torch.get_num_threads(), texts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
