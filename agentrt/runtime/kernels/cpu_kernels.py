@@ -1,15 +1,18 @@
-"""The CPU kernels: decode attention (cpu_decode_attention.cpp), the fused element-wise ops of a
-decoder layer (cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, rotary embedding + KV write,
-SiLU-and-mul) and the int8 x int8 matmul of `--quantization int8` at float32 (cpu_int8_linear.cpp),
-one library built with the system C++ compiler on first use, cached, loaded as torch
-ops (`torch.ops.agentrt_cpu.*`).
+"""The CPU kernels: attention over the KV pool for decode and prefill alike (cpu_decode_attention.cpp),
+the fused element-wise ops of a decoder layer (cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm,
+rotary embedding + KV write, SiLU-and-mul), the int8 x int8 and int4 x int8 matmuls of
+`--quantization int8/int4` at float32 (cpu_int8_linear.cpp, cpu_int4_linear.cpp; AVX2 or VNNI, chosen
+at load: cpu_isa.h) and a decode step's whole decoder stack in one op (cpu_decode_layers.cpp), one
+library built with the system C++ compiler on first use, cached, loaded as torch ops
+(`torch.ops.agentrt_cpu.*`).
 
-Why the attention kernel: the torch path gathers every decoding sequence's K and V rows into a padded
-copy and then runs SDPA over it, reading the context three times; at batch 16 and 400 tokens of
-context that was 43 + 41 ms of a 222 ms step of the default model (2 threads). The kernel reads each
-K and V row of the pool once, in place. Why the layer ops: a layer written in PyTorch makes ~70 op
-calls, each ~5-15 us of dispatch on this CPU, which at batch 1 cost more than the matmuls; fused, a
-layer makes ~10 (numbers: docs/benchmarks.md).
+Why the attention kernel: the torch path gathers every sequence's K and V rows into a padded copy and
+runs SDPA over it, reading the context three times, and SDPA's blocking depends on the batch, so a
+row's output depended on what it was batched with and on whether its prefix came from the cache. The
+kernel reads each K and V row of the pool in place and computes every query row in an order fixed by
+that row alone (batch-invariant). Why the layer ops: a layer written in PyTorch makes ~70 op calls,
+each ~5-15 us of dispatch on this CPU, which at batch 1 cost more than the matmuls; fused, a layer
+makes ~10 (numbers: docs/benchmarks.md).
 
 Built with `$CXX` (else `c++`/`g++`) `-O3 -march=native -fopenmp` and reassociating math flags
 (never -ffast-math: see FLAGS) against torch's
