@@ -98,11 +98,14 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
     return best
 
 
+def chat(tokenizer, content: str) -> list[int]:
+    messages = [{"role": "user", "content": content}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def invariance(engine: Engine, tokenizer) -> str:
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
-        for c in CHATS
-    ]
+    prompts = [chat(tokenizer, c) for c in CHATS]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0)
     alone = [engine.generate([(p, params, None)])[0] for p in prompts]
     together = engine.generate([(p, params, None) for p in prompts])
@@ -155,7 +158,7 @@ def llama_server(path: str, threads: int, prompts: dict[int, str]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", help="a llama.cpp llama-server binary")
-    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000, 8000])
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000, 8000 - 16])
     args = p.parse_args()
     info = hardware.cpu_info()
     print(f"CPU: {info.describe()}, torch threads {torch.get_num_threads()}", flush=True)
@@ -163,7 +166,7 @@ def main() -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     engine = Engine(
         EngineConfig(
-            model=ModelConfig(quantization="auto", max_model_len=8192 + 16),
+            model=ModelConfig(quantization="auto"),
             cache=CacheConfig(enable_prefix_cache=False, kv_cache_bytes=1 << 30),
             scheduler=SchedulerConfig(max_num_batched_tokens=512),
         )
@@ -174,8 +177,7 @@ def main() -> int:
     step = decode_step_ms(engine)
     bound = step_bytes(engine) / bw * 1e3
     print(f"batch-1 step {step:.2f} ms, weight-read bound {bound:.2f} ms ({step / bound:.2f}x)", flush=True)
-    story = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
-                                    add_generation_prompt=True)  # fmt: skip
+    story = chat(tok, "Write a short story about a lighthouse keeper.")
     print(f"agentrt single stream: {single_stream(engine, story):.1f} tok/s", flush=True)
     rng = random.Random(0)
     words = [

@@ -67,9 +67,9 @@ def kernel_isa(info: CpuInfo, forced: str | None = None) -> tuple[str, str]:
     value of $AGENTRT_CPU_ISA (None reads it; "" = unset): a lower path than the CPU has is taken, a
     higher one is a ValueError naming what is missing."""
     f = info.flags
-    have = ["scalar"]
+    have = ["scalar"]  # the kernels' plain C++ path, built only for a CPU without AVX2 (-march=native)
     if {"avx2", "fma"} <= f:
-        have.append("avx2")
+        have = ["avx2"]
         if "avx_vnni" in f:
             have.append("avxvnni")
         if {"avx512_vnni", "avx512vl"} <= f:
@@ -82,7 +82,9 @@ def kernel_isa(info: CpuInfo, forced: str | None = None) -> tuple[str, str]:
     if forced not in ISAS:
         raise ValueError(f"AGENTRT_CPU_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
     if forced not in have:
-        raise ValueError(f"AGENTRT_CPU_ISA={forced}: this CPU lacks it (it has {', '.join(have)})")
+        raise ValueError(
+            f"AGENTRT_CPU_ISA={forced} is not available on this CPU (available: {', '.join(have)})"
+        )
     return forced, "AGENTRT_CPU_ISA"
 
 

@@ -70,10 +70,15 @@ def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
     assert hardware.kernel_isa(zen5, forced="avx2") == ("avx2", "AGENTRT_CPU_ISA")
     monkeypatch.setenv("AGENTRT_CPU_ISA", "avxvnni")
     assert hardware.kernel_isa(zen5) == ("avxvnni", "AGENTRT_CPU_ISA")
-    with pytest.raises(ValueError, match="AGENTRT_CPU_ISA=avx512vnni: this CPU lacks it"):
+    with pytest.raises(ValueError, match="AGENTRT_CPU_ISA=avx512vnni is not available on this CPU"):
         hardware.kernel_isa(hardware.cpu_info(ZEN1), forced="avx512vnni")
     with pytest.raises(ValueError, match="AGENTRT_CPU_ISA must be one of"):
         hardware.kernel_isa(zen5, forced="sse4")
+    with pytest.raises(
+        ValueError, match=r"AGENTRT_CPU_ISA=scalar is not available on this CPU \(available: avx2, avxvnni"
+    ):
+        hardware.kernel_isa(zen5, forced="scalar")  # the plain path is built only without AVX2
+    assert hardware.kernel_isa(hardware.cpu_info(OLD), forced="scalar") == ("scalar", "AGENTRT_CPU_ISA")
 
 
 def test_cpu_info_reads_the_first_processor_and_describes_it():
