@@ -224,6 +224,7 @@ def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) ->
         decode_slots = torch.tensor(padded, dtype=torch.int64, device=dev)
         lens = torch.tensor([len(s) for _, s in decode_rows], device=dev)
         decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+    i64 = {"dtype": torch.int64, "device": dev}
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=dev),
         decode_idx=decode_idx,
@@ -232,9 +233,13 @@ def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) ->
         prefills=prefills,
         decode_lens=lens,
         cpu_kernel=cpu_kernel,
-        rows=kernel_rows(chunks, dev) if cpu_kernel and chunks else None,
+        rows=None,
     )
-    i64 = {"dtype": torch.int64, "device": dev}
+    if cpu_kernel and chunks:  # a decode-only batch's rows are its decode slots (no second copy)
+        only_decode = not prefills and decode_slots is not None
+        meta.rows = (
+            KernelRows(decode_slots, torch.empty(0, **i64), lens) if only_decode else kernel_rows(chunks, dev)
+        )
     return BatchInputs(
         meta, torch.tensor(ids, **i64), torch.tensor(positions, **i64), torch.tensor(logit_idx, **i64)
     )
