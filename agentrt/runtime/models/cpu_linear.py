@@ -52,6 +52,12 @@ class OneDNNLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features:
+            # one row runs as two: oneDNN takes a GEMV kernel for a single row (AVX-512 CPUs, in >= 1536),
+            # whose sum order differs from its GEMM's, and a row must not change with the batch
+            two = x.reshape(1, self.in_features).expand(2, self.in_features).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")
+            return y[:1].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
