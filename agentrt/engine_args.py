@@ -100,10 +100,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--linear-kernel",
-        choices=["auto", "onednn", "aten"],
+        choices=["auto", "onednn", "aten", "triton"],
         default=ModelConfig.linear_kernel,
         help="dense linear layers: auto = oneDNN's packed fp32 matmul on the CPU at float32 (1.8x "
-        "F.linear at 16 rows, measured) unless --compile, else aten (F.linear) (default %(default)s)",
+        "F.linear at 16 rows, measured) unless --compile, the batch-invariant Triton matmul on CUDA with "
+        "--deterministic, else aten (F.linear); triton = that matmul and RMSNorm (default %(default)s)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="refuse any configuration whose greedy tokens could depend on the batch, the prefix cache or "
+        "the chunk size; on CUDA run the linear layers and norms on batch-invariant Triton kernels (the "
+        "CPU's default path is invariant without it)",
     )
     p.add_argument(
         "--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)"
@@ -232,6 +240,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enforce_eager=args.enforce_eager,
             compile_decode=args.compile_decode,
             linear_kernel=args.linear_kernel,
+            deterministic=args.deterministic,
         ),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_bytes,

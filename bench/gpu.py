@@ -130,9 +130,6 @@ class Bench:
         self.max_len = ctx + 2 * args.steps + 256
         self.bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
         tokens = max(args.batches) * self.max_len + 4 * (ctx + 128)
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        )
         self.table = SlotTable(2 * max(args.batches) + 8, self.max_len, device)
         self.capture_s = 0.0
         if args.host_only:  # slot bookkeeping only: a KV pool of 1-element tokens, no model
@@ -155,7 +152,6 @@ class Bench:
                 args.batches,
                 device,
                 device.type == "cuda" and not args.eager,
-                self.num_sms,
             )
             self.capture_s = time.perf_counter() - t
         self.gen = torch.Generator().manual_seed(1)
@@ -203,7 +199,6 @@ class Bench:
                     chunks,
                     self.device,
                     slot_table=self.table,
-                    num_sms=self.num_sms,
                 )
             else:
                 logits = self.graphs.run(chunks)
@@ -250,9 +245,7 @@ class Bench:
                 if name == "torch":
                     build_torch_metadata(chunks, self.device)
                 else:
-                    build_triton_metadata(
-                        chunks, self.table, self.arch.num_kv_heads, self.device, self.num_sms
-                    )
+                    build_triton_metadata(chunks, self.table, self.device)
                 sync(self.device)
                 if rep:
                     spent.append(time.perf_counter() - t)
@@ -283,7 +276,6 @@ class Bench:
                 chunks,
                 self.device,
                 slot_table=self.table,
-                num_sms=self.num_sms,
             )
             torch.argmax(logits, dim=-1).tolist()
             times.append(time.perf_counter() - t)
@@ -306,7 +298,6 @@ class Bench:
             [chunk],
             self.device,
             slot_table=self.table,
-            num_sms=self.num_sms,
         )
         torch.argmax(logits, dim=-1).tolist()
         return time.perf_counter() - t, slots

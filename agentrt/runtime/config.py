@@ -54,7 +54,13 @@ class ModelConfig:
         the next size; a larger one runs eagerly).
     linear_kernel: the dense linear layers' matmul: `auto` (oneDNN's packed fp32 matmul on the CPU
         at float32 unless the decode step is compiled, else aten), `onednn` (ValueError at load where
-        impossible) or `aten` (`F.linear`); see models/cpu_linear.py.
+        impossible), `aten` (`F.linear`) or `triton` (the batch-invariant Triton matmul and RMSNorm:
+        models/triton_linear.py; CUDA, or the CPU under TRITON_INTERPRET=1); see models/cpu_linear.py.
+    deterministic: refuse any configuration whose greedy tokens could depend on the batch, the prefix
+        cache or the chunk size (ValueError at start naming it): on the CPU the float32 kernel path
+        (what `auto` picks where AVX2 runs) is required; on CUDA the linear layers and norms take the
+        batch-invariant Triton kernels and quantization must be none. The CPU default is invariant
+        without it; CUDA's default (cuBLAS) is not.
     """
 
     model: str = DEFAULT_MODEL
@@ -71,10 +77,13 @@ class ModelConfig:
     compile_decode: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     linear_kernel: str = "auto"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
-        if self.linear_kernel not in ("auto", "onednn", "aten"):
-            raise ValueError(f"linear_kernel must be auto, onednn or aten, got {self.linear_kernel!r}")
+        if self.linear_kernel not in ("auto", "onednn", "aten", "triton"):
+            raise ValueError(
+                f"linear_kernel must be auto, onednn, aten or triton, got {self.linear_kernel!r}"
+            )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"

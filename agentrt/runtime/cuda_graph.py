@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from agentrt.runtime.kernels.decode_attention import default_num_splits
+from agentrt.runtime.kernels.decode_attention import decode_splits
 from agentrt.runtime.triton_attention import SlotTable, TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ class DecodeGraphRunner:
         batch_sizes,
         device: torch.device,
         capture: bool,
-        num_sms: int = 132,
     ):
         self.model, self.k_caches, self.v_caches, self.table = model, k_caches, v_caches, table
         self.batch_sizes = sorted(set(batch_sizes))
@@ -60,7 +59,6 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.page_rows = torch.zeros(n, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        num_kv_heads = model.arch.num_kv_heads
         self.metas = {
             bs: TritonAttentionMetadata(
                 slot_mapping=self.slot_mapping[:bs],
@@ -69,7 +67,7 @@ class DecodeGraphRunner:
                 page_rows=self.page_rows[:bs],
                 is_decode=True,
                 seq_lens=self.seq_lens[:bs],
-                num_splits=default_num_splits(bs, num_kv_heads, table.max_len, num_sms),
+                num_splits=decode_splits(table.max_len),
             )
             for bs in self.batch_sizes
         }

@@ -147,3 +147,23 @@ def choose_threads(threads: int | None) -> tuple[int, str]:
             raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {env!r}")
         return int(env), "OMP_NUM_THREADS"
     return physical_cores(), "physical cores"
+
+
+def deterministic_problem(
+    device: torch.device, dtype: torch.dtype, attention_backend: str, compiled: bool, quantization: str
+) -> str | None:
+    """Why a configuration's greedy tokens could depend on the batch, the prefix cache or the chunk
+    size (what --deterministic refuses), or None. The invariant paths: the C++ kernels on the CPU
+    (attention backend `cpu`, float32, decode not compiled); the Triton attention with the dense
+    (unquantized) layers on the batch-invariant Triton matmul (cpu_linear.choose_linear_kernel)."""
+    if attention_backend == "triton":
+        if quantization != "none":
+            return f"quantization {quantization} on {device} runs torchao's kernels, which are not batch-invariant"
+        return None
+    if device.type == "cpu" and dtype != torch.float32:
+        return f"on the CPU only float32 is batch-invariant (dtype {str(dtype).removeprefix('torch.')})"
+    if attention_backend != "cpu":
+        return f"attention backend {attention_backend} is not batch-invariant (cpu on the CPU, triton on CUDA are)"
+    if compiled:
+        return "the compiled decode step (--compile) runs aten matmuls, which are not batch-invariant"
+    return None

@@ -12,7 +12,7 @@ import torch
 
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
-from agentrt.runtime.hardware import choose_dtype, choose_threads
+from agentrt.runtime.hardware import choose_dtype, choose_threads, deterministic_problem
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.cpu_linear import choose_linear_kernel
@@ -179,6 +179,10 @@ class ModelRunner:
                 quantization, quantize_lm_head, group_size = "int4", True, 32
             else:
                 quantization, quantize_lm_head = ("int8", True) if kernel else ("none", quantize_lm_head)
+        if model_config.deterministic:
+            problem = deterministic_problem(self.device, self.dtype, backend, compiled, quantization)
+            if problem is not None:
+                raise ValueError(f"--deterministic: {problem}")
         model, self.weight_format = load_model(
             self.arch,
             self.max_model_len,
@@ -190,7 +194,14 @@ class ModelRunner:
             group_size,
             quantize_lm_head,
             model_config.cache_dir,
-            choose_linear_kernel(model_config.linear_kernel, self.device, self.dtype, compiled),
+            choose_linear_kernel(
+                model_config.linear_kernel,
+                self.device,
+                self.dtype,
+                compiled,
+                model_config.deterministic,
+                backend,
+            ),
             cpu_kernels=backend == "cpu" and not compiled,
         )
         if model_config.quantization == "auto":
@@ -237,11 +248,6 @@ class ModelRunner:
         )
         self.attention_backend = backend
         self.slot_table = self.graphs = None
-        self.num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 132
-        )
         if backend == "triton":
             from agentrt.runtime.cuda_graph import DecodeGraphRunner
             from agentrt.runtime.triton_attention import SlotTable
@@ -251,7 +257,7 @@ class ModelRunner:
             sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
             capture = self.device.type == "cuda" and not model_config.enforce_eager
             self.graphs = DecodeGraphRunner(
-                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.num_sms
+                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture
             )
         self.compiled = None  # CompiledDecode on CPU with compile_decode (see compiled_decode.py)
         decode = "decode eager"
@@ -298,7 +304,6 @@ class ModelRunner:
             self.device,
             return_hidden,
             self.slot_table,
-            self.num_sms,
             self.attention_backend == "cpu",
         )
 
@@ -342,7 +347,6 @@ def run_chunks(
     dev: torch.device,
     return_hidden: bool = False,
     slot_table: SlotTable | None = None,
-    num_sms: int = 132,
     cpu_kernel: bool = False,
 ):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
@@ -355,7 +359,7 @@ def run_chunks(
     if slot_table is not None:
         from agentrt.runtime.triton_attention import build_triton_metadata
 
-        batch = build_triton_metadata(chunks, slot_table, model.arch.num_kv_heads, dev, num_sms)
+        batch = build_triton_metadata(chunks, slot_table, dev)
     else:
         batch = build_torch_metadata(chunks, dev, cpu_kernel)
     hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.runtime.attention import BatchInputs, flatten_chunks
-from agentrt.runtime.kernels.decode_attention import decode_attention, default_num_splits
+from agentrt.runtime.kernels.decode_attention import decode_attention, decode_splits
 from agentrt.runtime.kernels.extend_attention import extend_attention
 from agentrt.runtime.kernels.rope_store import rope_and_store
 
@@ -146,9 +146,7 @@ class TritonAttentionMetadata:
         )
 
 
-def build_triton_metadata(
-    chunks, table: SlotTable, num_kv_heads: int, dev: torch.device, num_sms: int = 132
-) -> BatchInputs:
+def build_triton_metadata(chunks, table: SlotTable, dev: torch.device) -> BatchInputs:
     """Inputs of the Triton path for a flat batch of SeqChunks (model_runner.SeqChunk); uploads
     the chunks' new slots to `table`."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
@@ -172,7 +170,7 @@ def build_triton_metadata(
     )
     if is_decode:
         meta.seq_lens = torch.tensor([p + 1 for p in prefix_lens], **i32)
-        meta.num_splits = default_num_splits(len(chunks), num_kv_heads, max(prefix_lens) + 1, num_sms)
+        meta.num_splits = decode_splits(max(prefix_lens) + 1)
     else:
         meta.q_starts, meta.q_lens = torch.tensor(q_starts, **i32), torch.tensor(q_lens, **i32)
         meta.prefix_lens, meta.max_q_len = torch.tensor(prefix_lens, **i32), max(q_lens)

@@ -271,8 +271,14 @@ def test_linear_kernel_choice_names_why():
     assert choose_linear_kernel("aten", cpu, torch.float32, False) == ("aten", "requested")
     with pytest.raises(ValueError, match="linear_kernel onednn is not available: .*float32 only"):
         choose_linear_kernel("onednn", cpu, torch.bfloat16, False)
-    with pytest.raises(ValueError, match="linear_kernel must be auto, onednn or aten, got 'mkl'"):
+    with pytest.raises(ValueError, match="linear_kernel must be auto, onednn, aten or triton, got 'mkl'"):
         ModelConfig(linear_kernel="mkl")
+    # --deterministic: the batch-invariant Triton matmul with Triton attention, never aten
+    assert choose_linear_kernel("auto", cuda, torch.bfloat16, False, True, "triton")[0] == "triton"
+    if onednn_usable():
+        assert choose_linear_kernel("auto", cpu, torch.float32, False, True, "cpu")[0] == "onednn"
+    with pytest.raises(ValueError, match="aten is not batch-invariant"):
+        choose_linear_kernel("aten", cuda, torch.bfloat16, False, True, "triton")
 
 
 @pytest.mark.skipif(not onednn_usable(), reason="this torch build has no oneDNN (mkldnn)")

@@ -88,3 +88,18 @@ def test_cpu_info_reads_the_first_processor_and_describes_it():
     assert info.describe() == "AMD EPYC 9B45 (avx2 avx512_bf16 avx512_vnni avx512f avx512vl avx_vnni fma)"
     here = hardware.cpu_info()  # this machine: parses without error
     assert isinstance(here.flags, frozenset)
+
+
+def test_deterministic_problem_names_what_is_not_invariant():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert hardware.deterministic_problem(cpu, torch.float32, "cpu", False, "int4") is None
+    assert hardware.deterministic_problem(cuda, torch.bfloat16, "triton", False, "none") is None
+    assert "only float32" in hardware.deterministic_problem(cpu, torch.bfloat16, "torch", False, "none")
+    assert "attention backend torch" in hardware.deterministic_problem(
+        cpu, torch.float32, "torch", False, "none"
+    )
+    assert "--compile" in hardware.deterministic_problem(cpu, torch.float32, "cpu", True, "none")
+    assert "torchao" in hardware.deterministic_problem(cuda, torch.bfloat16, "triton", False, "int8")
+    assert "attention backend torch" in hardware.deterministic_problem(
+        cuda, torch.bfloat16, "torch", False, "none"
+    )

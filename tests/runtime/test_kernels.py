@@ -32,17 +32,22 @@ def paged_pool(
     return k.to(DEVICE), v.to(DEVICE), table.to(DEVICE)
 
 
-DECODE_CASES = [  # (batch, kv_heads, group, head_dim, page_size, num_splits, max_len)
-    (1, 4, 1, 64, 1, 1, 37),
-    (3, 2, 4, 64, 1, 3, 130),
-    (5, 1, 8, 32, 16, 2, 97),
-    (4, 2, 8, 40, 4, 4, 65),  # head_dim not a power of two
-    (2, 8, 1, 128, 16, 5, 33),  # more splits than some sequences have blocks
+DECODE_CASES = [  # (batch, kv_heads, group, head_dim, page_size, num_splits, max_len, split_tokens)
+    (1, 4, 1, 64, 1, 1, 37, 256),
+    (3, 2, 4, 64, 1, 3, 130, 1),  # splits of one key block (64): 3 for the longest
+    (5, 1, 8, 32, 16, 2, 97, 1),
+    (4, 2, 8, 40, 4, 4, 65, 1),  # head_dim not a power of two; a grid wider than needed
+    (2, 8, 1, 128, 16, 5, 33, 1),  # more splits than some sequences have blocks
+    (3, 2, 4, 64, 1, 1, 130, 1),  # a grid narrower than needed: the last split takes the rest
 ]
 
 
-@pytest.mark.parametrize("batch,kv_heads,group,head_dim,page_size,num_splits,max_len", DECODE_CASES)
-def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, page_size, num_splits, max_len):
+@pytest.mark.parametrize(
+    "batch,kv_heads,group,head_dim,page_size,num_splits,max_len,split_tokens", DECODE_CASES
+)
+def test_decode_attention_matches_reference(
+    batch, kv_heads, group, head_dim, page_size, num_splits, max_len, split_tokens
+):
     from agentrt.runtime.kernels.decode_attention import decode_attention, decode_attention_ref
 
     gen = torch.Generator().manual_seed(batch * 100 + group)
@@ -59,7 +64,15 @@ def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, pa
         table = table[torch.argsort(rows.long())].contiguous()
         table = torch.cat([table, table[:1]])  # one row more than the batch
     out = decode_attention(
-        q, k, v, table, seq_lens, page_size=page_size, num_splits=num_splits, page_rows=rows
+        q,
+        k,
+        v,
+        table,
+        seq_lens,
+        page_size=page_size,
+        num_splits=num_splits,
+        page_rows=rows,
+        split_tokens=split_tokens,
     )
     ref = decode_attention_ref(q, k, v, table, seq_lens, page_size=page_size, page_rows=rows)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -78,6 +91,35 @@ def test_decode_attention_padding_rows_and_bf16():
     assert torch.equal(out[0].float(), torch.zeros(8, 64, device=DEVICE))
     ref = decode_attention_ref(q, k, v, table, seq_lens)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_attention_rows_do_not_depend_on_the_batch():
+    """A row's output is bitwise the same alone (its own grid) and among other sequences of other
+    lengths (their grid, or the widest one): its splits follow its own length only, the merge has
+    a fixed width. Split sizes of one key block so the rows take several splits."""
+    from agentrt.runtime.kernels.decode_attention import MAX_SPLITS, decode_attention, decode_splits
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [150, 7, 301, 64, 2100]  # 2100 tokens: more than MAX_SPLITS blocks of 64, longer splits
+    k, v, table = paged_pool(lens, 2, 64, 1, gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    batched = decode_attention(
+        q, k, v, table, seq_lens, num_splits=decode_splits(max(lens), 1), split_tokens=1
+    )
+    wide = decode_attention(q, k, v, table, seq_lens, num_splits=MAX_SPLITS, split_tokens=1)
+    assert torch.equal(batched, wide)
+    for i, n in enumerate(lens):
+        alone = decode_attention(
+            q[i : i + 1],
+            k,
+            v,
+            table[i : i + 1],
+            seq_lens[i : i + 1],
+            num_splits=decode_splits(n, 1),
+            split_tokens=1,
+        )
+        assert torch.equal(alone[0], batched[i]), (i, n)
 
 
 EXTEND_CASES = [  # (batch, kv_heads, group, head_dim, page_size, max_new, max_prefix)
@@ -240,3 +282,34 @@ def test_extend_attention_bf16_and_fused_rope_bf16():
     )
     torch.testing.assert_close(qo.float(), qr.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_matmul_and_rms_norm(dtype):
+    """The batch-invariant matmul (odd M, N, K; with and without bias) and RMSNorm (rows longer than
+    one step) match their references, and a row's output is bitwise the same alone and among 4,
+    70 or 130 rows (a tile holds 64)."""
+    from agentrt.runtime.kernels import batch_invariant as bi
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(130, 100, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(75, 100, generator=gen) / 10).to(dtype).to(DEVICE)
+    bias = torch.randn(75, generator=gen).to(dtype).to(DEVICE)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    for b in (None, bias):
+        full = bi.matmul(x, w, b)
+        torch.testing.assert_close(full.float(), bi.matmul_ref(x, w, b).float(), **tol)
+        for rows in (1, 4, 70):
+            assert torch.equal(bi.matmul(x[:rows], w, b), full[:rows]), rows
+        assert torch.equal(bi.matmul(x[99:100], w, b), full[99:100])
+    h = torch.randn(130, 1500, generator=gen).to(dtype).to(DEVICE)
+    g = (1 + torch.randn(1500, generator=gen) / 10).to(dtype).to(DEVICE)
+    normed = bi.rms_norm(h, g, 1e-6)
+    torch.testing.assert_close(normed.float(), bi.rms_norm_ref(h, g, 1e-6).float(), **tol)
+    for rows in (1, 4, 70):
+        assert torch.equal(bi.rms_norm(h[:rows], g, 1e-6), normed[:rows]), rows
+    assert torch.equal(bi.rms_norm(h.view(2, 65, 1500), g, 1e-6).view(130, 1500), normed)
+    with pytest.raises(ValueError, match="does not fit"):
+        bi.matmul(x, w[:, :99])
+    with pytest.raises(ValueError, match="does not fit"):
+        bi.rms_norm(h, g[:10], 1e-6)

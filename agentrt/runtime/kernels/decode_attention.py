@@ -1,9 +1,12 @@
 """Paged decode attention: one query token per sequence over its KV in the pool, split-K.
 
 Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"): the context of
-each sequence is cut into `num_splits` pieces that run as separate programs (so a batch of one
-long sequence still fills the GPU); each writes a partial output and its log-sum-exp, and a
-second kernel merges them. Grouped-query attention (Ainslie et al. 2023) is handled per KV head:
+each sequence is cut into splits that run as separate programs (so a batch of one long sequence
+still fills the GPU); each writes a partial output and its log-sum-exp, and a second kernel merges
+them. The splits of a sequence depend on its own length only (at least `split_tokens` keys each,
+at most MAX_SPLITS of them, aligned to the key block), and the merge reduces a fixed MAX_SPLITS-wide
+vector: a row's sum order is the same whatever the batch (batch-invariant decoding, as SGLang's
+deterministic mode fixes the split size). Grouped-query attention (Ainslie et al. 2023) is handled per KV head:
 one program loads each K/V block once for the whole group of query heads that share it (the
 group is padded to 16 rows so the block products run on tensor cores, as SGLang's grouped
 decode kernel does).
@@ -33,6 +36,7 @@ def _decode_split_kernel(
     PartLse,
     sm_scale,
     num_splits,
+    split_tokens,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -54,15 +58,18 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     table_row = tl.load(PageRows + b).to(tl.int64) if HAS_ROWS else b
-    split_len = tl.cdiv(seq_len, num_splits)
+    # the split length is a function of seq_len alone (batch-invariant); the grid's last split takes
+    # any rest, so a grid smaller than decode_splits() stays correct (only not invariant)
+    split_len = tl.maximum(split_tokens, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    hi = tl.where(split == num_splits - 1, seq_len, tl.minimum(lo + split_len, seq_len))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,11 +160,16 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Splits per sequence so that batch x kv_heads x splits programs cover about two waves of
-    `num_sms` streaming multiprocessors, with at least 256 tokens per split; between 1 and 32."""
-    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
-    return int(max(1, min(32, want, math.ceil(max_seq_len / 256))))
+MAX_SPLITS = 32  # splits per sequence at most (the merge's fixed width)
+SPLIT_TOKENS = 256  # keys per split at least
+
+
+def decode_splits(max_seq_len: int, split_tokens: int = SPLIT_TOKENS) -> int:
+    """The grid's splits per sequence that cover every sequence of up to `max_seq_len` tokens (the
+    kernel cuts a sequence of L tokens into pieces of max(split_tokens, ceil(L / MAX_SPLITS)) keys
+    rounded up to its key block); between 1 and MAX_SPLITS. Depends on the longest sequence only:
+    callers pass the page table's capacity so the grid, too, is the same for every batch."""
+    return int(max(1, min(MAX_SPLITS, math.ceil(max_seq_len / max(1, split_tokens)))))
 
 
 def decode_attention(
@@ -171,6 +183,7 @@ def decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     page_rows: torch.Tensor | None = None,
+    split_tokens: int = SPLIT_TOKENS,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole context in the KV pool.
 
@@ -178,9 +191,11 @@ def decode_attention(
     new tokens' K/V already stored; page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
     context per sequence, new token included (0 = a padding row: its output is 0).
     H must be a multiple of Hkv; the last dimension of q and the caches must be contiguous. Returns out [B, H, D] in q's dtype (written into `out` if given).
-    `num_splits` sets the grid (static for CUDA graph capture); it is a runtime kernel argument,
-    so a new value compiles nothing (only its power-of-two ceiling is a compile-time constant).
-    Raises ValueError on mismatched shapes.
+    `num_splits` sets the grid (static for CUDA graph capture): `decode_splits(longest seq_len,
+    split_tokens)` covers every row (a smaller grid folds the rest into its last split: correct, not
+    batch-invariant); a runtime kernel argument, like `split_tokens` (keys per split at least), so
+    new values compile nothing. A row's output depends on its own q, context and split_tokens only.
+    Raises ValueError on mismatched shapes or num_splits / split_tokens < 1.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -188,8 +203,8 @@ def decode_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
     if (page_rows is None and page_table.shape[0] != batch) or seq_lens.shape[0] != batch:
         raise ValueError("page_table and seq_lens need one row per query")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits < 1 or split_tokens < 1:
+        raise ValueError(f"num_splits and split_tokens must be >= 1, got {num_splits} and {split_tokens}")
     require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     group = num_heads // num_kv_heads
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -209,6 +224,7 @@ def decode_attention(
         part_lse,
         sm_scale,
         num_splits,
+        split_tokens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -230,6 +246,7 @@ def decode_attention(
         UPCAST=upcast_dot(q.dtype),
         HAS_ROWS=page_rows is not None,
         PRECISION=dot_precision(q.dtype),
+        MAX_SPLITS=MAX_SPLITS,
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
@@ -245,7 +262,7 @@ def decode_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),  # a fixed width: batch-invariant
     )
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-LINEAR_KERNELS = ("auto", "onednn", "aten")
+LINEAR_KERNELS = ("auto", "onednn", "aten", "triton")
 
 
 def onednn_usable() -> bool:
@@ -65,15 +65,39 @@ class OneDNNLinear(nn.Module):
 
 
 def choose_linear_kernel(
-    kernel: str, device: torch.device, dtype: torch.dtype, compile_decode: bool
+    kernel: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_decode: bool,
+    deterministic: bool = False,
+    attention_backend: str = "auto",
 ) -> tuple[str, str]:
     """(kernel, reason) for the dense linear layers. `auto` picks oneDNN on the CPU at float32 when
     the build has it and the decode step is not compiled (the compiled graphs take the weights as
-    plain tensors); `onednn` where that is impossible raises ValueError naming why."""
+    plain tensors); with `deterministic` and the Triton attention the batch-invariant Triton matmul
+    (models/triton_linear.py). `onednn` or `triton` where impossible, or `aten` with
+    `deterministic` (cuBLAS and MKL choose their kernel by the batch's shape), raise ValueError
+    naming why."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
     if kernel == "aten":
+        if deterministic:
+            raise ValueError(
+                "linear_kernel aten is not batch-invariant (cuBLAS and MKL choose their kernel by the batch's "
+                "shape): leave it auto with --deterministic"
+            )
         return "aten", "requested"
+    if kernel == "triton" or (kernel == "auto" and deterministic and attention_backend == "triton"):
+        from agentrt.runtime.kernels import triton_usable
+
+        if not triton_usable(device):
+            raise ValueError(
+                "linear_kernel triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
+            )
+        return (
+            "triton",
+            "requested" if kernel == "triton" else "auto: --deterministic with Triton attention",
+        )
     why_not = None
     if device.type != "cpu":
         why_not = f"oneDNN packed linear layers are a CPU path (device {device})"

@@ -278,6 +278,11 @@ def load_model(
         fmt = dataclasses.replace(fmt, act_int8=bool(packed))
     if kernel == "onednn" and not pack_linears(model):
         kernel, kernel_reason = "aten", "no float32 linear layer to pack"
+    if kernel == "triton":
+        from agentrt.runtime.models.triton_linear import use_batch_invariant_kernels
+
+        if not use_batch_invariant_kernels(model):
+            kernel_reason += " (norms only: no dense linear layer)"
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))
     return model, WeightFormat(
         **{**fmt.__dict__, "bytes": sizes, "linear_kernel": kernel, "linear_reason": kernel_reason}
