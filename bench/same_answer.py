@@ -155,10 +155,37 @@ def llama_server(path: str, threads: int, prompts: dict[int, str]) -> None:
             print(f"llama-server TTFT {got} tokens: {best:.2f} s ({got / best:.0f} tok/s)", flush=True)
 
 
+def isa_paths(engine: Engine, n: int) -> None:
+    """The batch-1 step and TTFT of an n-token prompt on each integer-kernel ISA path of this CPU."""
+    from agentrt.runtime.kernels import cpu_kernels
+
+    best = cpu_kernels.active_isa()
+    paths = [best] if best == "avx2" else [best, "avx2"]
+    ids = [engine.runner.tokenizer.encode(" the", add_special_tokens=False)[0]] * n
+    steps: dict[str, list[float]] = {}
+    ttfts: dict[str, list[float]] = {}
+    for isa in paths * 2:
+        cpu_kernels.select_isa(isa)
+        steps.setdefault(isa, []).append(decode_step_ms(engine))
+        ttfts.setdefault(isa, []).append(ttft(engine, ids))
+    cpu_kernels.select_isa(best)
+    for isa in paths:
+        print(
+            f"ISA {isa}: batch-1 step {min(steps[isa]):.2f} ms, TTFT {n} tokens {min(ttfts[isa]):.2f} s",
+            flush=True,
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", help="a llama.cpp llama-server binary")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000, 8000 - 16])
+    p.add_argument(
+        "--isa-paths",
+        action="store_true",
+        help="only compare the integer kernels' ISA paths this CPU has (batch-1 step, TTFT of the first "
+        "--prompt-tokens size), alternating, best of 2 each",
+    )
     args = p.parse_args()
     info = hardware.cpu_info()
     print(f"CPU: {info.describe()}, torch threads {torch.get_num_threads()}", flush=True)
@@ -174,6 +201,9 @@ def main() -> int:
     runner = engine.runner
     print(f"agentrt: {runner.weight_format.describe()}; attention {runner.attention_backend}", flush=True)
     tok = runner.tokenizer
+    if args.isa_paths:
+        isa_paths(engine, args.prompt_tokens[0])
+        return 0
     step = decode_step_ms(engine)
     bound = step_bytes(engine) / bw * 1e3
     print(f"batch-1 step {step:.2f} ms, weight-read bound {bound:.2f} ms ({step / bound:.2f}x)", flush=True)
