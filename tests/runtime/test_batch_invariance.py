@@ -178,3 +178,14 @@ def test_dense_float32_linear_rows_do_not_depend_on_the_batch():
             assert torch.equal(lin(x[:rows]), full[:rows]), (out_features, in_features, rows)
         assert torch.equal(lin(x[7:8]), full[7:8])
         assert torch.equal(lin(x[7]), full[7])  # a 1-d input too
+
+
+def test_onednn_single_row_keeps_shape_checks():
+    """A single row of the wrong width is refused as F.linear refuses it, not reshaped."""
+    from agentrt.runtime.models.cpu_linear import OneDNNLinear, onednn_usable
+
+    if not onednn_usable():
+        pytest.skip("this torch build has no oneDNN")
+    lin = OneDNNLinear(torch.randn(4, 6), None)
+    with pytest.raises(RuntimeError):
+        lin(torch.randn(2, 3))

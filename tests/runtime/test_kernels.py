@@ -313,3 +313,35 @@ def test_batch_invariant_matmul_and_rms_norm(dtype):
         bi.matmul(x, w[:, :99])
     with pytest.raises(ValueError, match="does not fit"):
         bi.rms_norm(h, g[:10], 1e-6)
+
+
+def test_batch_invariant_kernels_take_strided_operands_and_refuse_bad_ones():
+    """A strided bias or norm weight is read as what it is (not as contiguous memory); mixed or
+    integer dtypes, a 0-d or empty row and a decode `out` unlike q are ValueErrors."""
+    from agentrt.runtime.kernels import batch_invariant as bi
+    from agentrt.runtime.kernels.decode_attention import decode_attention, decode_splits
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 8, generator=gen).to(DEVICE)
+    w = torch.randn(4, 8, generator=gen).to(DEVICE)
+    bias = torch.arange(8.0, device=DEVICE)[::2]  # stride 2
+    torch.testing.assert_close(bi.matmul(x, w, bias), bi.matmul_ref(x, w, bias))
+    g = torch.arange(1.0, 17.0, device=DEVICE)[::2]
+    h = torch.randn(5, 8, generator=gen).to(DEVICE)
+    torch.testing.assert_close(bi.rms_norm(h, g, 1e-6), bi.rms_norm_ref(h, g, 1e-6))
+    mixed = bi.rms_norm(h.to(torch.bfloat16), g, 1e-6)  # as RMSNorm: the promoted dtype
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, bi.rms_norm_ref(h.to(torch.bfloat16), g, 1e-6), atol=3e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="one floating dtype"):
+        bi.matmul(x, w, bias.double())
+    with pytest.raises(ValueError, match="one floating dtype"):
+        bi.matmul(x.int(), w.int())
+    for bad in (torch.tensor(1.0), torch.zeros(3, 0)):
+        with pytest.raises(ValueError, match="no rows"):
+            bi.rms_norm(bad.to(DEVICE), torch.ones(0, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="split_tokens must be >= 1"):
+        decode_splits(700, 0)
+    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
+    k, v, table = paged_pool([5, 9], 2, 16, 1, gen)
+    with pytest.raises(ValueError, match="out must be like q"):
+        decode_attention(q, k, v, table, torch.tensor([5, 9], dtype=torch.int32, device=DEVICE), out=q[:1])

@@ -81,7 +81,7 @@ def _matmul_kernel(
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T + bias, batch-invariant (see the module docstring).
 
-    x: [M, K]; weight: [N, K]; bias: [N] or None; all of one dtype with a contiguous last dimension.
+    x: [M, K]; weight: [N, K]; bias: [N] or None; all of one floating dtype (any strides).
     Returns y [M, N] in x's dtype. Raises ValueError on mismatched shapes or dtypes."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -89,10 +89,14 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"matmul: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"matmul: x is {x.dtype}, weight {weight.dtype}")
+    if not x.is_floating_point() or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"matmul: x, weight and bias must share one floating dtype, got {x.dtype}, {weight.dtype}"
+            f"{'' if bias is None else f', {bias.dtype}'}"
+        )
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -134,20 +138,25 @@ def _rms_norm_kernel(X, W, Y, H, stride_x, stride_y, eps, BLOCK: tl.constexpr):
         mask = h0 + offs < H
         x = tl.load(X + row * stride_x + h0 + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + h0 + offs, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
         tl.store(Y + row * stride_y + h0 + offs, (w * normed).to(Y.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row of x ([..., H], any float dtype) with weight [H]; returns x's shape and
-    dtype. Raises ValueError when weight does not have H elements."""
+    """RMSNorm of each row of x ([..., H], H >= 1, any float dtype) with weight [H]; returns x's
+    shape in the promoted dtype of x and weight (as RMSNorm: the normalized row is rounded to x's
+    dtype, then multiplied by the weight). Raises ValueError for a 0-d x, H = 0 or a weight that
+    does not have H elements."""
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} has no rows of at least one element")
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not fit rows of {h}")
+    weight = weight.contiguous()
     flat = x.reshape(-1, h)
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-    y = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
-    if flat.shape[0] and h:
+    y = torch.empty(flat.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if flat.shape[0]:
         _rms_norm_kernel[(flat.shape[0],)](
             flat,
             weight,

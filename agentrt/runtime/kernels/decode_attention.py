@@ -169,7 +169,9 @@ def decode_splits(max_seq_len: int, split_tokens: int = SPLIT_TOKENS) -> int:
     kernel cuts a sequence of L tokens into pieces of max(split_tokens, ceil(L / MAX_SPLITS)) keys
     rounded up to its key block); between 1 and MAX_SPLITS. Depends on the longest sequence only:
     callers pass the page table's capacity so the grid, too, is the same for every batch."""
-    return int(max(1, min(MAX_SPLITS, math.ceil(max_seq_len / max(1, split_tokens)))))
+    if split_tokens < 1:
+        raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
+    return int(max(1, min(MAX_SPLITS, math.ceil(max_seq_len / split_tokens))))
 
 
 def decode_attention(
@@ -213,6 +215,8 @@ def decode_attention(
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,

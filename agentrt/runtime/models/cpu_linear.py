@@ -52,7 +52,7 @@ class OneDNNLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:
+        if x.numel() == self.in_features and x.dim() and x.shape[-1] == self.in_features:
             # one row runs as two: oneDNN takes a GEMV kernel for a single row (AVX-512 CPUs, in >= 1536),
             # whose sum order differs from its GEMM's, and a row must not change with the batch
             two = x.reshape(1, self.in_features).expand(2, self.in_features).contiguous()

@@ -90,6 +90,8 @@ class WeightFormat:
             text += f", quantization {self.quantization} ({self.quant_reason})"
         if self.linear_kernel == "onednn":
             text += f", dense linear layers oneDNN packed ({self.linear_reason})"
+        elif self.linear_kernel == "triton":
+            text += f", linear layers and norms on the batch-invariant Triton kernels ({self.linear_reason})"
         return text
 
     def head_format(self) -> str:
