@@ -116,7 +116,7 @@ def choose_dtype(
         return torch.bfloat16, "auto: CUDA"
     info = cpu_info(cpuinfo)
     if {"avx2", "fma"} <= info.flags:
-        isa = kernel_isa(info, forced="")[0]
+        isa = kernel_isa(info)[0]  # $AGENTRT_CPU_ISA included: the path that will run
         return torch.float32, (
             f"auto: the CPU kernels' {isa} path runs at float32 (faster than bf16 and batch-invariant)"
         )

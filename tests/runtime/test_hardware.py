@@ -70,6 +70,9 @@ def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
     assert hardware.kernel_isa(zen5, forced="avx2") == ("avx2", "AGENTRT_CPU_ISA")
     monkeypatch.setenv("AGENTRT_CPU_ISA", "avxvnni")
     assert hardware.kernel_isa(zen5) == ("avxvnni", "AGENTRT_CPU_ISA")
+    assert (
+        "the CPU kernels' avxvnni path" in hardware.choose_dtype(CPU, "auto", cpuinfo=ZEN5)[1]
+    )  # the one that runs
     with pytest.raises(ValueError, match="AGENTRT_CPU_ISA=avx512vnni is not available on this CPU"):
         hardware.kernel_isa(hardware.cpu_info(ZEN1), forced="avx512vnni")
     with pytest.raises(ValueError, match="AGENTRT_CPU_ISA must be one of"):
