@@ -29,6 +29,12 @@ OLD = cpuinfo("Intel(R) Xeon(R) E5-2670", "avx")
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _no_forced_isa(monkeypatch):
+    """The simulated CPUs are judged unforced (a run under AGENTRT_CPU_ISA=avx2 forces the real one)."""
+    monkeypatch.delenv("AGENTRT_CPU_ISA", raising=False)
+
+
 @pytest.mark.parametrize(
     ("text", "dtype", "isa"),
     [
