@@ -40,6 +40,23 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gqa_llama_dir(default_model_dir, tmp_path_factory):
+    """A random-weight 2-layer Llama with grouped-query attention (8 query heads on 2 KV heads, hidden
+    128) and the default model's tokenizer: the Triton path's end-to-end tests."""
+    from tests.helpers import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-gqa") / "m",
+        default_model_dir,
+        "llama",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=128,
+        intermediate_size=256,
+    )
+
+
+@pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 

@@ -15,7 +15,6 @@ from agentrt.runtime.engine import Engine
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.model_runner import SeqChunk, plan_kv_budget, run_chunks
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
@@ -27,19 +26,6 @@ SCHEMA = {
     "required": ["ok", "n"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "m",
-        default_model_dir,
-        "llama",
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        hidden_size=128,
-        intermediate_size=256,
-    )
 
 
 def tiny_engine(path, backend: str, max_num_seqs: int = 4, graph_sizes=(1, 2, 4)) -> Engine:
@@ -78,14 +64,14 @@ def workload(tokenizer):
     return reqs
 
 
-def test_triton_engine_matches_torch_engine(tiny_dir, tokenizer):
+def test_triton_engine_matches_torch_engine(tiny_gqa_llama_dir, tokenizer):
     """Prefill in chunks (48-token budget), a prefix-cache hit (extend over a cached prefix), batched
     decode through the static-buffer graph path with padding (3 -> 4), a constrained request: token
     for token the same as the torch path, in a cold and a warm round."""
     reqs = workload(tokenizer)
     outs = {}
     for backend in ("torch", "triton"):
-        eng = tiny_engine(tiny_dir, backend)
+        eng = tiny_engine(tiny_gqa_llama_dir, backend)
         outs[backend] = [[o.token_ids for o in eng.generate(reqs)] for _ in range(2)]  # cold, then warm
         if backend == "triton":
             assert eng.runner.attention_backend == "triton"
@@ -96,10 +82,10 @@ def test_triton_engine_matches_torch_engine(tiny_dir, tokenizer):
     assert outs["torch"][0] == outs["torch"][1]
 
 
-def test_graph_path_logits_match_reference_with_padding(tiny_dir):
+def test_graph_path_logits_match_reference_with_padding(tiny_gqa_llama_dir):
     """Logits of a 3-sequence decode via the static buffers (padded to 4) and via the eager Triton
     path match the torch reference; padding rows write no KV."""
-    eng = tiny_engine(tiny_dir, "triton")
+    eng = tiny_engine(tiny_gqa_llama_dir, "triton")
     runner = eng.runner
     gen = torch.Generator().manual_seed(0)
     lens = [5, 17, 33]
@@ -188,12 +174,12 @@ def test_memory_plan(monkeypatch):
         ModelConfig(attention_backend="flash")
 
 
-def test_verify_chunks_with_draft_trees_match_reference(tiny_dir):
+def test_verify_chunks_with_draft_trees_match_reference(tiny_gqa_llama_dir):
     """Speculative verify chunks (explicit positions, a tree mask; a chain; a plain decode in the
     same batch) give the same logits on the Triton path as on the torch path."""
     from agentrt.speculative.tree import DraftTree
 
-    eng = tiny_engine(tiny_dir, "triton")
+    eng = tiny_engine(tiny_gqa_llama_dir, "triton")
     runner = eng.runner
     gen = torch.Generator().manual_seed(1)
     tree = DraftTree(torch.randint(0, 1000, (6,), generator=gen).tolist(), [-1, -1, 0, 0, 1, 2])
@@ -239,10 +225,10 @@ def test_verify_chunks_with_draft_trees_match_reference(tiny_dir):
     eng.grammar.shutdown()
 
 
-def test_triton_backend_needs_a_usable_device(tiny_dir, monkeypatch):
+def test_triton_backend_needs_a_usable_device(tiny_gqa_llama_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
-        tiny_engine(tiny_dir, "triton")
+        tiny_engine(tiny_gqa_llama_dir, "triton")
 
 
 def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
@@ -283,13 +269,13 @@ def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
     assert interpreting()
 
 
-def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny_dir):
+def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny_gqa_llama_dir):
     from agentrt.runtime.config import SpecConfig
     from agentrt.runtime.kv_cache import KVPool
 
     eng = Engine(
         EngineConfig(
-            model=ModelConfig(model=str(tiny_dir), device="cpu"),
+            model=ModelConfig(model=str(tiny_gqa_llama_dir), device="cpu"),
             speculative=SpecConfig(method="draft", draft_layers=1),
         )
     )

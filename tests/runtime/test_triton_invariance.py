@@ -12,25 +12,11 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.model_runner import SeqChunk, run_chunks
-from tests.helpers import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
     reason="needs triton (TRITON_INTERPRET=1 on CPU)",
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tiny") / "m",
-        default_model_dir,
-        "llama",
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        hidden_size=128,
-        intermediate_size=256,
-    )
 
 
 def engine(path, **model) -> Engine:
@@ -44,8 +30,8 @@ def engine(path, **model) -> Engine:
 
 
 @pytest.mark.slow  # ~2 minutes under the interpreter: 7 forwards through the 49152-row LM head's tiles
-def test_deterministic_triton_rows_do_not_depend_on_the_batch_or_the_chunks(tiny_dir):
-    eng = engine(tiny_dir, dtype="float32", attention_backend="triton", deterministic=True)
+def test_deterministic_triton_rows_do_not_depend_on_the_batch_or_the_chunks(tiny_gqa_llama_dir):
+    eng = engine(tiny_gqa_llama_dir, dtype="float32", attention_backend="triton", deterministic=True)
     runner = eng.runner
     assert runner.weight_format.linear_kernel == "triton"
     assert "TritonLinear" in repr(runner.model.lm_head)
@@ -87,6 +73,6 @@ def test_deterministic_triton_rows_do_not_depend_on_the_batch_or_the_chunks(tiny
         ({"dtype": "float32", "linear_kernel": "aten"}, "aten is not batch-invariant"),
     ],
 )
-def test_deterministic_refuses_what_is_not_invariant(tiny_dir, model, match):
+def test_deterministic_refuses_what_is_not_invariant(tiny_gqa_llama_dir, model, match):
     with pytest.raises(ValueError, match=match):
-        engine(tiny_dir, deterministic=True, **model)
+        engine(tiny_gqa_llama_dir, deterministic=True, **model)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agentrt.runtime.kernels import triton_usable
+
 LINEAR_KERNELS = ("auto", "onednn", "aten", "triton")
 
 
@@ -88,8 +90,6 @@ def choose_linear_kernel(
             )
         return "aten", "requested"
     if kernel == "triton" or (kernel == "auto" and deterministic and attention_backend == "triton"):
-        from agentrt.runtime.kernels import triton_usable
-
         if not triton_usable(device):
             raise ValueError(
                 "linear_kernel triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
