@@ -1,5 +1,5 @@
 """The `agentrt` command: `agentrt serve [MODEL] --host --port ...` (engine flags: engine_args.py), `agentrt sql`, `agentrt extract`
-(agentrt/extract/cli.py), `agentrt train-medusa`."""
+(agentrt/extract/cli.py), `agentrt train-medusa`, `agentrt check` (runtime/models/check.py)."""
 
 from __future__ import annotations
 
@@ -264,6 +264,38 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def add_check_parser(sub) -> None:
+    """`agentrt check MODEL`: the diagnosis of runtime/models/check.py; exit 1 when it finds an error."""
+    from agentrt.runtime.config import DEFAULT_MODEL
+
+    c = sub.add_parser(
+        "check",
+        help="diagnose a model without reading its weights: architecture, tokenizer and chat template, "
+        "weight formats, KV bytes and how many sequences fit; exit 1 on any error",
+    )
+    c.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL}); "
+        "a GGUF is read, not converted",
+    )
+    c.add_argument(
+        "--max-model-len", type=int, default=None, help="context in tokens (default: the model's limit)"
+    )
+    c.add_argument("--max-num-seqs", type=int, default=16, help="sequences at once (default %(default)s)")
+    c.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    c.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="run dtype"
+    )
+    c.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV budget in bytes (default: 1 GiB on CPU, free memory on CUDA)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agentrt", description="Serving runtime for agents and structured output"
@@ -317,7 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.extract.cli import add_extract_parser
 
     add_extract_parser(sub, add_engine_args)
+    add_check_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "check":
+        from agentrt.runtime.models.check import check_model
+
+        report = check_model(
+            args.model, args.max_model_len, args.max_num_seqs, args.device, args.dtype, args.kv_cache_bytes
+        )
+        print(report.describe(), flush=True)
+        return report.exit_status
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)

@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "head; elsewhere none",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template text) to use instead of the tokenizer's own",
+    )
+    p.add_argument(
         "--quant-group-size",
         type=int,
         choices=[32, 64, 128, 256],
@@ -241,6 +246,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             compile_decode=args.compile_decode,
             linear_kernel=args.linear_kernel,
             deterministic=args.deterministic,
+            chat_template=args.chat_template,
         ),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_bytes,

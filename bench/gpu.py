@@ -52,7 +52,9 @@ from agentrt.runtime.kernels import interpreting
 from agentrt.runtime.kernels.bitmask import apply_token_bitmask
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.model_runner import SeqChunk, run_chunks
-from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
+from agentrt.runtime.models.base import DecoderModel
+from agentrt.runtime.models.config import ModelArch
+from agentrt.runtime.models.registry import build_model as build_family_model
 from agentrt.runtime.triton_attention import SlotTable
 
 SCHEMA = {
@@ -88,11 +90,11 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def build_model(
-    arch: LlamaArch, max_positions: int, device: torch.device, dtype: torch.dtype
-) -> LlamaForCausalLM:
+    arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> DecoderModel:
     """Random weights N(0, 0.02) (norm weights 1 + N(0, 0.02)) allocated on the device in dtype."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = build_family_model(arch, max_positions)
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -106,7 +108,7 @@ def build_model(
     return model.eval()
 
 
-def weight_read_bytes(model: LlamaForCausalLM, batch: int) -> int:
+def weight_read_bytes(model: DecoderModel, batch: int) -> int:
     """Bytes a decode step reads: every weight once, except the untied embedding table (only
     `batch` rows of it)."""
     seen, total = set(), 0

@@ -11,7 +11,7 @@ attended one sequence at a time with a causal mask offset by the tokens already 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -21,8 +21,13 @@ from agentrt.runtime.kernels import cpu_kernels
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin [T, head_dim // 2] -> rotated x (half-split layout)."""
-    half = x.shape[-1] // 2
+    """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin
+    [T, rotary_dim // 2] -> x with its first rotary_dim features rotated (half-split layout within
+    them, as transformers' partial rotary: Phi-3/4) and the rest passed through."""
+    half = cos.shape[-1]
+    if 2 * half != x.shape[-1]:
+        rot = 2 * half
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
@@ -116,58 +121,140 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] int64 keys per decode sequence (the C++ kernel's input)
     cpu_kernel: bool = False  # attention through kernels/cpu_kernels.py (float32 on the CPU)
     rows: KernelRows | None = None  # every new token's keys, for the C++ kernel (set with cpu_kernel)
+    ops_fused: bool = False  # the layers' element-wise ops run the C++ ops (set by the model's forward)
+    positions: torch.Tensor | None = None  # [T] int64, set by prepare_rope
+    rope_dtype: torch.dtype | None = None
+    _rope_rows: dict = field(default_factory=dict, repr=False)
+    _windowed: dict = field(default_factory=dict, repr=False)
 
     def prepare_rope(
         self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        """Gather the cos/sin rows [T, head_dim // 2] of this batch's positions [T] once per forward."""
+        """Gather the cos/sin rows [T, rotary_dim // 2] of this batch's positions [T] once per forward
+        (the model's first RoPE table; `rope_rows` gathers a layer's other table once, on first use)."""
+        self.positions, self.rope_dtype = positions, dtype
         self.cos, self.sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
+        self._rope_rows = {id(cos_table): (self.cos, self.sin)}
+        self._windowed = {}
 
-    def rope_and_store(self, q, k, v, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool."""
-        q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+    def rope_rows(self, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rotary_dim // 2] of this batch's positions for a layer's tables `rope`
+        ((cos_table, sin_table) [max_positions, rotary_dim // 2] float32; None = the first)."""
+        if rope is None:
+            return self.cos, self.sin
+        rows = self._rope_rows.get(id(rope[0]))
+        if rows is None:
+            rows = (rope[0][self.positions].to(self.rope_dtype), rope[1][self.positions].to(self.rope_dtype))
+            self._rope_rows[id(rope[0])] = rows
+        return rows
+
+    def rope_and_store(self, q, k, v, k_cache, v_cache, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool.
+        rope: the layer's (cos, sin) tables, None = the model's first."""
+        cos, sin = self.rope_rows(rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache[self.slot_mapping] = k
         v_cache[self.slot_mapping] = v
         return q, k
 
-    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D]."""
+    def attend(self, q, k, v, k_cache, v_cache, scale=None, window=None, sinks=None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D].
+        scale: softmax scale (None = D ** -0.5); window: a query at position p attends keys at
+        positions in (p - window, p] (None = all); sinks: [H] float32 learned logits that join each
+        head's softmax without a value (gpt-oss), or None."""
         gqa = q.shape[1] != k.shape[1]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.rows is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-            return cpu_kernels.attention(q, k_cache, v_cache, self.rows)
+            rows = self.rows if window is None else self._windowed_rows(window)
+            return cpu_kernels.attention(q, k_cache, v_cache, rows, scale=scale, sinks=sinks)
         if self.decode_idx is not None and not self.prefills:
-            return self._decode(q, k_cache, v_cache, gqa)
+            return self._decode(q, k_cache, v_cache, gqa, scale, window, sinks)
         out = torch.empty_like(q)
         if self.decode_idx is not None:
-            out[self.decode_idx] = self._decode(q[self.decode_idx], k_cache, v_cache, gqa)
+            out[self.decode_idx] = self._decode(
+                q[self.decode_idx], k_cache, v_cache, gqa, scale, window, sinks
+            )
         for span in self.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            n = span.end - span.start
             if span.kv_slots is None:
                 ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
                 vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                mask = None
+                if window is not None or sinks is not None:
+                    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             else:
                 ks = gather_slots(k_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
                 vs = gather_slots(v_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
-                n, total = span.end - span.start, span.kv_slots.shape[0]
+                total = span.kv_slots.shape[0]
                 if span.tree_mask is None:
                     q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
                     mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
                 else:
                     mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
                     mask[:, span.context_len :] = span.tree_mask
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            if window is not None:  # key positions: the context's are its indexes, new tokens' their own
+                q_pos = self.positions[span.start : span.end]
+                key_pos = torch.cat((torch.arange(span.context_len, device=q.device), q_pos))
+                mask = mask & (key_pos[None, :] > q_pos[:, None] - window)
+            o = _sdpa(qs, ks, vs, mask, gqa, scale, sinks)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode(self, q, k_cache, v_cache, gqa: bool) -> torch.Tensor:
-        if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-            return cpu_kernels.decode_attention(q, k_cache, v_cache, self.decode_slots, self.decode_lens)
+    def _windowed_rows(self, window: int) -> KernelRows:
+        """self.rows cut to each token's last `window` keys (built once per window and forward)."""
+        rows = self._windowed.get(window)
+        if rows is None:
+            slots, seq, lens = self.rows
+            base = slots if seq.numel() == 0 else slots.index_select(0, seq)
+            width = min(window, base.shape[1])
+            start = (lens - window).clamp(min=0)
+            cols = (start[:, None] + torch.arange(width, device=lens.device)[None, :]).clamp(
+                max=base.shape[1] - 1
+            )
+            rows = KernelRows(
+                base.gather(1, cols), torch.empty(0, dtype=torch.int64, device=lens.device), lens - start
+            )
+            self._windowed[window] = rows
+        return rows
+
+    def _decode(self, q, k_cache, v_cache, gqa: bool, scale: float, window=None, sinks=None) -> torch.Tensor:
+        if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and window is None:
+            return cpu_kernels.decode_attention(
+                q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale=scale, sinks=sinks
+            )
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd = gather_slots(k_cache, self.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
         vd = gather_slots(v_cache, self.decode_slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
-        return o.squeeze(2)
+        mask = self.decode_mask
+        if window is not None:
+            first = (self.decode_lens - window)[:, None, None, None]
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
+        return _sdpa(qd, kd, vd, mask, gqa, scale, sinks).squeeze(2)
+
+
+def _sdpa(q, k, v, mask, gqa: bool, scale: float, sinks) -> torch.Tensor:
+    """Scaled dot-product attention. q [B, H, n, D], k/v [B, Hkv, L, D], mask [.., n, L] bool
+    (True = attend) or None (causal); sinks [H] float32 or None. Without sinks: torch SDPA; with
+    them: the softmax over the scores and one sink logit per head, the sink's share dropped
+    (transformers' GptOssAttention eager)."""
+    if sinks is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is None:
+        n, total = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class BatchInputs(NamedTuple):

@@ -134,10 +134,12 @@ class _WeightsAsInputs(nn.Module):
 def _source_hash() -> str:
     """Hash of the source of the modules the graphs trace, read once per process (the code running)."""
     from agentrt.runtime import attention
-    from agentrt.runtime.models import llama, quant
+    from agentrt.runtime.layers import attention as attention_layer
+    from agentrt.runtime.layers import mlp, norm
+    from agentrt.runtime.models import base, quant
 
     h = hashlib.sha256()
-    for mod in (attention, llama, quant):
+    for mod in (attention, attention_layer, mlp, norm, base, quant):
         h.update(inspect.getsource(mod).encode())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -145,7 +147,7 @@ def _source_hash() -> str:
 
 def cache_key(pieces: dict[str, nn.Module], arch, max_batch_size: int, threads: int) -> str:
     """Hex digest naming a build: torch version, CPU capability, threads, max batch, the model's
-    LlamaArch (norm epsilon and the like are constants of the graphs), the source of the traced
+    ModelArch (norm epsilon and the like are constants of the graphs), the source of the traced
     modules and each piece's module types and tensor names, shapes and dtypes."""
     h = hashlib.sha256()
     h.update(
@@ -209,7 +211,7 @@ class CompiledDecode:
     """Plain-decode batches (cuda_graph.is_plain_decode) of at most `max_batch_size` sequences through
     the three AOTInductor graphs of the module docstring, eager attention over the KV pool between.
 
-    model: a models/llama.LlamaForCausalLM on the CPU (dense, Int8Linear or Int4Linear layers);
+    model: a models/base.DecoderModel of the Llama layout (ModelArch.llama_layout) on the CPU (dense, Int8Linear or Int4Linear layers);
     k_caches / v_caches: the KVPool's per-layer [slots, Hkv, D] tensors; cache_dir: the AGENTRT_CACHE
     root; threads: torch intra-op threads (part of the cache key). Call `start` once before `run`;
     `failure` is None while the compiled path is on, else why it is off.

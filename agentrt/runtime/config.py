@@ -56,6 +56,8 @@ class ModelConfig:
         at float32 unless the decode step is compiled, else aten), `onednn` (ValueError at load where
         impossible), `aten` (`F.linear`) or `triton` (the batch-invariant Triton matmul and RMSNorm:
         models/triton_linear.py; CUDA, or the CPU under TRITON_INTERPRET=1); see models/cpu_linear.py.
+    chat_template: a Jinja chat template file (or the template text itself) used instead of the
+        tokenizer's own, as vLLM's --chat-template (a base model's GGUF carries none).
     deterministic: refuse any configuration whose greedy tokens could depend on the batch, the prefix
         cache or the chunk size (ValueError at start naming it): on the CPU the float32 kernel path
         (what `auto` picks where AVX2 runs) is required; on CUDA the linear layers and norms take the
@@ -78,6 +80,7 @@ class ModelConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     linear_kernel: str = "auto"
     deterministic: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in ("auto", "onednn", "aten", "triton"):

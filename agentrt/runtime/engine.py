@@ -446,6 +446,7 @@ class Engine:
             len(self.scheduler.running),
             len(self.scheduler.waiting) + len(self.grammar_wait),
             cached / kv.num_slots,
+            self.runner.expert_load(),
         )
 
     def _collect_grammars(self) -> list[RequestOutput]:

@@ -72,6 +72,7 @@ class LoadGauges(NamedTuple):
     num_running: int
     num_waiting: int
     kv_cache_usage: float = 0.0
+    expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()  # MoE: (layer, tokens per expert)
 
 
 # Prometheus counter name -> (help, EngineStats field)
@@ -153,6 +154,15 @@ class _StatsCollector:
             "Tokens emitted per verify pass since start (accepted draft tokens + the target's own)",
             value=(s.num_accepted_tokens + s.num_spec_steps) / max(1, s.num_spec_steps),
         )
+        experts = CounterMetricFamily(
+            "agentrt_moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer (expert load)",
+            labels=["layer", "expert"],
+        )
+        for layer, counts in load.expert_tokens:
+            for e, n in enumerate(counts):
+                experts.add_metric([str(layer), str(e)], n)
+        yield experts
         pos = GaugeMetricFamily(
             "agentrt_spec_position_acceptance_rate",
             "Verify passes accepting a token at draft depth / passes drafting it",

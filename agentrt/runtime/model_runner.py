@@ -17,8 +17,14 @@ from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.cpu_linear import choose_linear_kernel
 from agentrt.runtime.models.formats import four_bit_layers, load_model
-from agentrt.runtime.models.llama import LlamaArch
-from agentrt.runtime.models.loader import load_tokenizer, resolve_device_dtype, resolve_model_dir
+from agentrt.runtime.models.loader import (
+    collect_stop_ids,
+    load_tokenizer,
+    read_chat_template,
+    resolve_device_dtype,
+    resolve_model_dir,
+)
+from agentrt.runtime.models.registry import arch_from_hf_config
 
 if TYPE_CHECKING:
     from agentrt.runtime.triton_attention import SlotTable
@@ -146,16 +152,13 @@ class ModelRunner:
 
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
-        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.arch = arch_from_hf_config(hf_config)
         self.device, self.dtype = resolve_device_dtype(model_config.device, model_config.dtype)
         dtype_reason = choose_dtype(self.device, model_config.dtype)[1]
         self.num_threads, threads_reason = choose_threads(model_config.threads)
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)
         limit = self.arch.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            limit = min(limit, window)  # full attention is exact only inside the window
         self.max_model_len = model_config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(
@@ -164,11 +167,22 @@ class ModelRunner:
         backend, backend_reason = choose_attention_backend(
             model_config.attention_backend, self.device, self.dtype, model_config.cache_dir
         )
+        if backend == "triton" and any(r.rotary_dim != self.arch.head_dim for r in self.arch.ropes):
+            raise ValueError(
+                f"attention backend triton: {self.arch.architecture} rotates part of each head (partial "
+                "rotary), which the Triton RoPE kernel does not; use --attention-backend torch"
+            )
         compiled = (
-            model_config.compile_decode and not model_config.enforce_eager and backend in ("torch", "cpu")
+            model_config.compile_decode
+            and not model_config.enforce_eager
+            and backend in ("torch", "cpu")
+            and self.arch.llama_layout()
         )
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+        if model_config.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(model_config.chat_template)
+            self.stop_ids = collect_stop_ids(self.tokenizer, self.model_dir, hf_config)
         quantization, quantize_lm_head = model_config.quantization, model_config.quantize_lm_head
         group_size = model_config.quant_group_size
         four_bit = False
@@ -264,6 +278,8 @@ class ModelRunner:
         if model_config.compile_decode and backend in ("torch", "cpu") and self.device.type == "cpu":
             if model_config.enforce_eager:
                 decode = "decode eager (enforce_eager)"
+            elif not self.arch.llama_layout():
+                decode = f"decode eager (the compiled decode knows the Llama layout only, not {self.arch.architecture})"
             else:
                 from agentrt.runtime.compiled_decode import CompiledDecode
 
@@ -284,6 +300,15 @@ class ModelRunner:
             self.max_model_len,
             decode,
             self.memory_plan.describe(),
+        )
+
+    def expert_load(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(layer index, tokens routed to each expert since start) of every MoE layer; () for a dense
+        model. Plain reads (the HTTP thread calls it at scrape time)."""
+        return tuple(
+            (i, tuple(layer.mlp.expert_tokens.tolist()))
+            for i, layer in enumerate(getattr(self.model, "layers", ()))
+            if hasattr(layer.mlp, "expert_tokens")
         )
 
     @torch.inference_mode()

@@ -110,15 +110,25 @@ class TritonAttentionMetadata:
         """Keep the fp32 cos/sin tables [max_positions, head_dim // 2]; the kernel gathers rows."""
         self.cos_table, self.sin_table = cos_table, sin_table
 
-    def rope_and_store(self, q, k, v, k_cache, v_cache):
-        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, k unrotated: the kernels read K from the pool)."""
-        q = rope_and_store(
-            q, k, v, self.cos_table, self.sin_table, self.positions, self.slot_mapping, k_cache, v_cache
-        )
+    def rope_rows(self, rope=None):
+        """The layer's (cos, sin) tables themselves: the Triton kernels gather the positions' rows."""
+        return rope if rope is not None else (self.cos_table, self.sin_table)
+
+    def rope_and_store(self, q, k, v, k_cache, v_cache, rope=None):
+        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, k unrotated: the kernels read K from the pool).
+        rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2], None = the model's first."""
+        cos_table, sin_table = self.rope_rows(rope)
+        q = rope_and_store(q, k, v, cos_table, sin_table, self.positions, self.slot_mapping, k_cache, v_cache)
         return q, k
 
-    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
-        """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored)."""
+    def attend(self, q, k, v, k_cache, v_cache, scale=None, window=None, sinks=None) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored). scale,
+        window, sinks: as runtime/attention.AttentionMetadata.attend."""
+        extra = {}
+        if window is not None:
+            extra["window"] = window
+        if sinks is not None:
+            extra["sinks"] = sinks
         if self.is_decode:
             return decode_attention(
                 q,
@@ -126,8 +136,10 @@ class TritonAttentionMetadata:
                 v_cache,
                 self.page_table,
                 self.seq_lens,
+                sm_scale=scale,
                 num_splits=self.num_splits,
                 page_rows=self.page_rows,
+                **extra,
             )
         out = torch.zeros_like(q)
         return extend_attention(
@@ -141,8 +153,10 @@ class TritonAttentionMetadata:
             self.max_q_len,
             tree_mask=self.tree_mask,
             tree_offsets=self.tree_offsets,
+            sm_scale=scale,
             out=out,
             page_rows=self.page_rows,
+            **extra,
         )
 
 

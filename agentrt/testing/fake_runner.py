@@ -191,6 +191,10 @@ class FakeModelRunner:
 
     # ---- the forward -----------------------------------------------------------------------------
     @torch.inference_mode()
+    def expert_load(self) -> tuple:
+        """A dense model: no MoE layer (ModelRunner.expert_load)."""
+        return ()
+
     def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):
         """Logits [N, vocab_size] float32 (N = sum of num_logits over chunks with need_logits, in
         chunk order: the last num_logits new tokens of each); with return_hidden, (logits, hidden

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentrt.runtime.attention import gather_slots
+from agentrt.runtime.attention import KernelRows, gather_slots
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
@@ -174,3 +174,177 @@ def test_no_compiler_falls_back_and_a_damaged_cache_entry_is_rebuilt(tmp_path):
     assert "auto ('torch', " in out and "auto: the C++ kernels are unavailable: " in out
     assert "explicit attention_backend 'cpu': the C++ kernels are unavailable" in out
     assert "damaged None True" in out, out + proc.stderr
+
+
+# --- attention sinks (gpt-oss) and an explicit softmax scale -------------------------------------
+
+
+def sink_reference(q, k_cache, v_cache, slots, seq, lens, scale, sinks):
+    """Direct torch, in float64, of transformers' GptOssAttention eager path over the pool: per query
+    row t, the scores of its first lens[t] slots (slot row seq[t]) times scale, one sink column
+    sinks[h] appended, softmax, the sink column dropped, times V. sinks None: plain softmax."""
+    H, Hkv = q.shape[1], k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        idx = slots[seq[t], : lens[t]]
+        k = k_cache[idx].double().repeat_interleave(H // Hkv, dim=1)  # [l, H, D]
+        v = v_cache[idx].double().repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[t].double(), k) * scale
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        probs = torch.softmax(scores, dim=1)[:, : idx.numel()]
+        out[t] = torch.einsum("hl,lhd->hd", probs, v)
+    return out.float()
+
+
+def sink_problem(heads, kv_heads, head_dim, length, seed):
+    """A pool of 3 * length + 5 slots, 3 sequences' slot rows (random slots: the pool after frees),
+    q of 3 decode rows, and sinks [heads] with head 0's sink far above every score."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 3 * length + 5
+    k = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[: 3 * length].view(3, length).clone()
+    lens = torch.tensor([length, max(1, length // 2), max(1, length - 3)])
+    q = torch.randn(3, heads, head_dim, generator=gen) * 2
+    sinks = torch.randn(heads, generator=gen) * 2
+    sinks[0] = 200.0  # far above every score: m must be the sink (exp(200 - max score) overflows float32)
+    return q, k, v, slots, lens, sinks
+
+
+SINK_CASES = [(h, hkv, d, n) for h, hkv in ((4, 2), (4, 4)) for d in (64, 256) for n in (1, 7, 300)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length", SINK_CASES)
+def test_decode_attention_with_sinks_matches_torch(heads, kv_heads, head_dim, length):
+    q, k, v, slots, lens, sinks = sink_problem(
+        heads, kv_heads, head_dim, length, seed=head_dim + length + heads
+    )
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=sinks)
+    want = sink_reference(q, k, v, slots, torch.arange(3), lens, head_dim**-0.5, sinks)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # the sink changes the result (not silently ignored): head 0's sink takes nearly all the weight
+    plain = cpu_kernels.decode_attention(q, k, v, slots, lens)
+    assert got[:, 0].abs().max() < 1e-6 < plain[:, 0].abs().max()
+    assert not torch.allclose(got[:, 1:], plain[:, 1:], atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length", SINK_CASES)
+def test_attention_prefill_rows_with_sinks_match_torch(heads, kv_heads, head_dim, length):
+    """The general op: sequence 0's whole prompt as one prefill chunk (row t attends its first t + 1
+    slots), behind sequence 1's decode row, with sinks."""
+    _, k, v, slots, lens, sinks = sink_problem(heads, kv_heads, head_dim, length, seed=7 * head_dim + length)
+    gen = torch.Generator().manual_seed(length)
+    qp = torch.randn(length + 1, heads, head_dim, generator=gen) * 2
+    seq = torch.tensor([1] + [0] * length)
+    row_lens = torch.tensor([lens[1].item(), *range(1, length + 1)])
+    rows = KernelRows(slots[:2].clone(), seq, row_lens)
+    got = cpu_kernels.attention(qp, k, v, rows, sinks=sinks)
+    want = sink_reference(qp, k, v, slots, seq, row_lens, head_dim**-0.5, sinks)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+def test_explicit_scale_matches_torch(scale):
+    q, k, v, slots, lens, sinks = sink_problem(4, 2, 64, 37, seed=3)
+    q = q / 4  # scale 1.0 on D = 64: keep the softmax rows from being one-hot
+    for s in (None, sinks):
+        got = cpu_kernels.decode_attention(q, k, v, slots, lens, scale=scale, sinks=s)
+        torch.testing.assert_close(
+            got, sink_reference(q, k, v, slots, range(3), lens, scale, s), atol=2e-5, rtol=1e-5
+        )
+        rows = KernelRows(slots, torch.tensor([], dtype=torch.long), lens)
+        assert torch.equal(cpu_kernels.attention(q, k, v, rows, scale=scale, sinks=s), got)
+    # scale None is D ** -0.5, and a different scale gives a different result
+    default = cpu_kernels.decode_attention(q, k, v, slots, lens)
+    assert torch.equal(default, cpu_kernels.decode_attention(q, k, v, slots, lens, scale=64**-0.5))
+    assert not torch.allclose(
+        default, cpu_kernels.decode_attention(q, k, v, slots, lens, scale=scale), atol=1e-3
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (4, 4, 256), (8, 2, 128)])
+def test_rows_with_sinks_are_batch_invariant(heads, kv_heads, head_dim):
+    """A row's output with sinks is the same bits alone (a decode step) and inside a batch (a
+    prefill chunk at odd boundaries behind another sequence's decode row)."""
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    num_slots, n = 400, 131
+    k = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    seq_a = torch.randperm(num_slots, generator=gen)[:n]
+    seq_b = torch.randperm(num_slots, generator=gen)[:n]
+    q = torch.randn(n, heads, head_dim, generator=gen) * 2
+    qb = torch.randn(1, heads, head_dim, generator=gen)
+    sinks = torch.randn(heads, generator=gen) * 3
+    slots = torch.stack([seq_a, seq_b])
+    whole = cpu_kernels.attention(q, k, v, KernelRows(slots[:1], torch.zeros(n, dtype=torch.long),
+                                                      torch.arange(1, n + 1)), sinks=sinks)  # fmt: skip
+    for start, end in ((0, 1), (1, 6), (6, 70), (70, n)):
+        batch = torch.cat([qb, q[start:end]])
+        seq = torch.tensor([1] + [0] * (end - start))
+        lens = torch.tensor([50, *range(start + 1, end + 1)])
+        got = cpu_kernels.attention(batch, k, v, KernelRows(slots, seq, lens), sinks=sinks)
+        assert torch.equal(got[1:], whole[start:end]), (start, end)
+    for t in (0, 5, 64, 65, n - 1):
+        alone = cpu_kernels.decode_attention(
+            q[t : t + 1], k, v, slots[:1], torch.tensor([t + 1]), sinks=sinks
+        )
+        assert torch.equal(alone[0], whole[t]), t
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 256, 40])
+def test_no_sinks_gives_the_same_bits_as_before(head_dim):
+    """sinks=None is the call without sinks (the op's old 6-argument form included); a sink of -inf
+    (weight exactly 0 after rounding) takes the sink path and still gives the same bits, so that path
+    adds to the arithmetic without reordering it."""
+    q, k, v, slots, lens, _ = sink_problem(4, 2, head_dim, 70, seed=head_dim)
+    old = torch.ops.agentrt_cpu.decode_attention(q, k, v, slots, lens, head_dim**-0.5)
+    assert torch.equal(cpu_kernels.decode_attention(q, k, v, slots, lens), old)
+    assert torch.equal(cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=None), old)
+    minus_inf = torch.full((4,), float("-inf"))
+    assert torch.equal(cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=minus_inf), old)
+    rows = KernelRows(slots, torch.tensor([0, 1, 2]), lens)
+    assert torch.equal(cpu_kernels.attention(q, k, v, rows, sinks=minus_inf), old)
+
+
+@needs_kernel
+def test_bad_sinks_and_head_dims_are_refused():
+    q, k, v, slots, lens, sinks = sink_problem(4, 2, 8, 5, seed=0)
+    rows = KernelRows(slots, torch.tensor([], dtype=torch.long), lens)
+    bad = [
+        (sinks.double(), "sinks must be float32"),
+        (sinks[:3], r"sinks must be \[H\] = \[4\]"),
+        (torch.zeros(8), r"sinks must be \[H\] = \[4\]"),
+        (sinks.view(2, 2), r"sinks must be \[H\] = \[4\]"),
+        (torch.zeros(8)[::2], "sinks must be contiguous"),
+    ]
+    for s, match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=s)
+        with pytest.raises(RuntimeError, match=match):
+            cpu_kernels.attention(q, k, v, rows, sinks=s)
+    with pytest.raises(RuntimeError, match="at most 256"):
+        cpu_kernels.decode_attention(torch.zeros(1, 2, 264), torch.zeros(4, 1, 264), torch.zeros(4, 1, 264),
+                                     torch.tensor([[1]]), torch.tensor([1]))  # fmt: skip
+
+
+@needs_kernel
+def test_a_sink_far_above_every_score_takes_all_the_weight():
+    """Scores all 0 (q = 0) and sinks 89.5 .. 1e4 above them: exp(sink - max score) overflows
+    float32, so the softmax must subtract m = max(max score, sink) (the reference's max over the
+    appended column); every real key's weight then underflows and the output is ~0, where plain
+    attention gives the mean of V."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(20, 2, 16, generator=gen), torch.randn(20, 2, 16, generator=gen)
+    q = torch.zeros(2, 4, 16)
+    slots, lens = torch.arange(20).view(2, 10), torch.tensor([10, 3])
+    sinks = torch.tensor([89.5, 120.0, 200.0, 1e4])
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=sinks)
+    assert got.isfinite().all() and got.abs().max() < 1e-30
+    plain = cpu_kernels.decode_attention(q, k, v, slots, lens)
+    torch.testing.assert_close(plain[1, 0], v[10:13, 0].mean(0))  # row 1: slots 10, 11, 12

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from agentrt.runtime.attention import apply_rope
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.layers.norm import RMSNorm
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
-from agentrt.runtime.models.llama import RMSNorm
 from agentrt.runtime.models.quant import (
     Int4BlockLinear,
     Int8Linear,

@@ -7,12 +7,18 @@
 // attention(q [T, H, D] float32, k_cache / v_cache [S, Hkv, D] float32 (contiguous),
 //           slots [R, L] int64 (rows of pool slots, padded), seq [T] int64 (the slot row of each
 //           query row; empty: row t reads slot row t), lens [T] int64 (keys row t attends: the first
-//           lens[t] slots of its slot row, in [1, L]), scale) -> out [T, H, D] float32:
+//           lens[t] slots of its slot row, in [1, L]), scale, sinks [H] float32 contiguous or None)
+//           -> out [T, H, D] float32:
 //   out[t, h] = sum_l softmax_l(q[t, h] . k_l * scale) v_l, query head h reading KV head h / (H / Hkv).
-// decode_attention(q [B, H, D], k_cache, v_cache, slots [B, L], lens [B], scale): the same, row b
-//   reading slot row b (a decode step: one new token per sequence).
-// Raises RuntimeError on bad shapes or dtypes, D not a multiple of 8, a slot outside the pool or a
-// length outside [1, L].
+//   With sinks (learned attention sinks, gpt-oss: transformers' GptOssAttention eager path), head h's
+//   softmax gets one more logit sinks[h] that has no value row:
+//   out[t, h] = sum_l exp(s_l - m) v_l / (sum_l exp(s_l - m) + exp(sinks[h] - m)),
+//   m = max(max_l s_l, sinks[h]).
+// decode_attention(q [B, H, D], k_cache, v_cache, slots [B, L], lens [B], scale, sinks): the same,
+//   row b reading slot row b (a decode step: one new token per sequence).
+// D up to 256 (Gemma 3's 256 included). Raises RuntimeError on bad shapes or dtypes, D not a multiple
+// of 8 or above 256, a slot outside the pool, a length outside [1, L], or sinks that are not a
+// contiguous float32 [H] CPU tensor.
 //
 // Order of the arithmetic, per query row and head (the invariant the tests check bitwise):
 // - scores: keys in groups of 8 from key 0; s_l = sum over d of q[d] k_l[d] as 8 lanes (lane i:
@@ -20,6 +26,8 @@
 //   `scale`;
 // - softmax: m = max_l s_l; e_l = exp(s_l - m) (a Cephes-style polynomial, the same on every lane);
 //   sum_l e_l in 8 lanes (lane i: l = i mod 8), then the same tree;
+//   with sinks: m = max(max_l s_l, sinks[h]) instead, and after the tree sum += exp(sinks[h] - m) (the
+//   same polynomial), one scalar add; without sinks none of this runs (the same bits as before sinks);
 // - out = (sum_l e_l v_l, FMA in key order) * (1 / sum).
 // Rows that share a slot row and are adjacent in the batch (a prefill chunk) are worked on together,
 // up to 4 at a time, so each K and V row is read once for all of them; that changes which row is
@@ -164,6 +172,7 @@ struct Problem {
   float* out;
   int64_t H, Hkv, G, D, L;
   float scale;
+  const float* sinks;  // [H] attention-sink logits, or nullptr
 };
 
 // One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads; ND = D / 8
@@ -209,14 +218,23 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
     for (int64_t l = n[p]; l < np8; ++l) sp[l] = -std::numeric_limits<float>::infinity();
     V8 mv = vload(sp);
     for (int64_t l = 8; l < np8; l += 8) mv = vmax(mv, vload(sp + l));
-    const V8 m = vset1(lanes_max(mv));
+    float mx = lanes_max(mv);
+    const float sink = P.sinks ? P.sinks[hk * G + p % G] : 0.f;  // query head hk * G + p % G
+    if (P.sinks) mx = std::max(mx, sink);
+    const V8 m = vset1(mx);
     V8 sum = vzero();
     for (int64_t l = 0; l < np8; l += 8) {
       const V8 e = vkeep(vexp(vadd(vload(sp + l), vmul(m, vset1(-1.f)))), n[p] - l);
       vstore(sp + l, e);
       sum = vadd(sum, e);
     }
-    inv[p] = 1.f / lanes_sum(sum);
+    float total = lanes_sum(sum);
+    if (P.sinks) {  // the sink's exp(sinks[h] - m): a numerator with no value row
+      alignas(32) float es[8];
+      vstore(es, vexp(vset1(sink - mx)));
+      total += es[0];
+    }
+    inv[p] = 1.f / total;
   }
   // out = sum_l e_l v_l, key by key, per (row, head) in registers over a tile of keys
   std::vector<float> acc(np * D, 0.f);
@@ -250,7 +268,8 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
 namespace agentrt_cpu {
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& slots, const at::Tensor& seq, const at::Tensor& lens, double scale) {
+                     const at::Tensor& slots, const at::Tensor& seq, const at::Tensor& lens, double scale,
+                     const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "attention: q [T,H,D], caches [S,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "attention: float32 only");
@@ -266,6 +285,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(lens.size(0) == T, "attention: one length per query row");
   TORCH_CHECK(seq.numel() == 0 ? R == T : seq.size(0) == T, "attention: one slot row per query row");
+  const float* sinks_p = nullptr;
+  if (sinks.has_value()) {
+    const at::Tensor& s = *sinks;
+    TORCH_CHECK(s.scalar_type() == at::kFloat, "attention: sinks must be float32, got ", s.scalar_type());
+    TORCH_CHECK(s.device().is_cpu(), "attention: sinks must be on the CPU");
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == H, "attention: sinks must be [H] = [", H, "], got ", s.sizes());
+    TORCH_CHECK(s.is_contiguous(), "attention: sinks must be contiguous");
+    sinks_p = s.data_ptr<float>();
+  }
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* qs = seq.numel() ? seq.data_ptr<int64_t>() : nullptr;
@@ -290,7 +318,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t nblocks = static_cast<int64_t>(starts.size());
   starts.push_back(T);
   const Problem P{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, lp,
-                  out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale)};
+                  out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale), sinks_p};
   at::parallel_for(0, nblocks * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -307,17 +335,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
+                            const at::Tensor& slots, const at::Tensor& lens, double scale,
+                            const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(slots.dim() == 2 && q.dim() == 3 && slots.size(0) == q.size(0),
               "decode_attention: one slot row per sequence");
-  return attention(q, k_cache, v_cache, slots, at::empty({0}, slots.options()), lens, scale);
+  return attention(q, k_cache, v_cache, slots, at::empty({0}, slots.options()), lens, scale, sinks);
 }
 
 }  // namespace agentrt_cpu
 
 TORCH_LIBRARY(agentrt_cpu, m) {
-  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq, Tensor lens, float scale) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq, Tensor lens, float scale, "
+        "Tensor? sinks=None) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {

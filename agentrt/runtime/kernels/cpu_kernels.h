@@ -15,8 +15,10 @@
 
 namespace agentrt_cpu {
 
+// sinks: [H] float32 attention-sink logits (gpt-oss), or none (cpu_decode_attention.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale);
+                            const at::Tensor& slots, const at::Tensor& lens, double scale,
+                            const c10::optional<at::Tensor>& sinks = c10::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);

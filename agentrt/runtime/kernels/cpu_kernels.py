@@ -56,6 +56,8 @@ OPS = (
     "attention", "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
     "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa",
 )  # fmt: skip
+# arguments an op's schema must name (a library built before them registers the op without them)
+OP_ARGS = {"attention": ("sinks",), "decode_attention": ("sinks",)}
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
@@ -175,6 +177,14 @@ def active_isa() -> str:
     return torch.ops.agentrt_cpu.get_cpu_isa()
 
 
+def _registered(op: str) -> bool:
+    """Whether torch.ops.agentrt_cpu registers `op` with every argument OP_ARGS names for it."""
+    if not hasattr(torch.ops.agentrt_cpu, op):
+        return False
+    names = {a.name for a in getattr(torch.ops.agentrt_cpu, op).default._schema.arguments}
+    return all(a in names for a in OP_ARGS.get(op, ()))
+
+
 def _load(cache_dir: Path) -> str | None:
     target = library_path(cache_dir)
     with _lock:
@@ -182,7 +192,7 @@ def _load(cache_dir: Path) -> str | None:
             return _loaded[str(target)]
         failure = None
         try:
-            if all(hasattr(torch.ops.agentrt_cpu, op) for op in OPS):
+            if all(_registered(op) for op in OPS):
                 pass  # loaded already (another cache dir, same source)
             else:
                 if target.is_file():
@@ -195,10 +205,10 @@ def _load(cache_dir: Path) -> str | None:
                     logger.info("building the CPU kernels -> %s", target)
                     _build(target)
                     torch.ops.load_library(str(target))
-                missing = [op for op in OPS if not hasattr(torch.ops.agentrt_cpu, op)]
+                missing = [op for op in OPS if not _registered(op)]
                 if missing:  # a library that loads but is not ours (or an older build)
                     raise RuntimeError(
-                        f"{target} does not register {', '.join(missing)}: delete it to rebuild"
+                        f"{target} does not register {', '.join(missing)} (or an older schema): delete it to rebuild"
                     )
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
             failure = f"{type(e).__name__}: {e}"
@@ -208,23 +218,53 @@ def _load(cache_dir: Path) -> str | None:
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] float32, caches [S, Hkv, D] float32, slots [B, L] int64 (padded), lens [B] int64
-    -> out [B, H, D] float32: softmax(q k^T / sqrt(D)) v over each sequence's first lens[b] slots
-    (grouped-query: query head h reads KV head h // (H / Hkv)). Raises RuntimeError on bad shapes,
-    dtypes, a slot outside the pool or a length outside [1, L]."""
+    -> out [B, H, D] float32: softmax(q k^T * scale) v over each sequence's first lens[b] slots
+    (grouped-query: query head h reads KV head h // (H / Hkv)); D a multiple of 8, at most 256.
+
+    scale: the softmax scale, None for D ** -0.5. sinks: None, or [H] float32 (contiguous, CPU)
+    learned attention-sink logits (gpt-oss; transformers' GptOssAttention eager path): head h's
+    softmax gets one more logit sinks[h] with no value row, so the weights of the real keys sum to
+    less than 1 (out = sum_l exp(s_l - m) v_l / (sum_l exp(s_l - m) + exp(sinks[h] - m)),
+    m = max(max_l s_l, sinks[h])). Raises RuntimeError on bad shapes, dtypes, a slot outside the
+    pool, a length outside [1, L], or sinks of the wrong dtype, shape or layout."""
     return torch.ops.agentrt_cpu.decode_attention(
-        q.contiguous(), k_cache, v_cache, slots, lens, q.shape[-1] ** -0.5
+        q.contiguous(), k_cache, v_cache, slots, lens, q.shape[-1] ** -0.5 if scale is None else scale, sinks
     )
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, H, D] float32, caches [S, Hkv, D] float32, rows: attention.KernelRows (slots [R, L],
-    seq [T], lens [T] int64) -> out [T, H, D] float32: for each new token t, softmax(q k^T / sqrt(D)) v
+    seq [T], lens [T] int64) -> out [T, H, D] float32: for each new token t, softmax(q k^T * scale) v
     over the first lens[t] slots of its slot row, in an order that depends on that token alone
-    (batch-invariant: kernels/cpu_decode_attention.cpp). Raises RuntimeError on bad shapes, dtypes,
-    a slot outside the pool or a length outside [1, L]."""
+    (batch-invariant: kernels/cpu_decode_attention.cpp); D a multiple of 8, at most 256.
+
+    scale: the softmax scale, None for D ** -0.5. sinks: None, or [H] float32 (contiguous, CPU)
+    attention-sink logits, one per query head, as in `decode_attention`. Raises RuntimeError on bad
+    shapes, dtypes, a slot outside the pool, a length outside [1, L], or sinks of the wrong dtype,
+    shape or layout."""
     return torch.ops.agentrt_cpu.attention(
-        q.contiguous(), k_cache, v_cache, rows.slots, rows.seq, rows.lens, q.shape[-1] ** -0.5
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        rows.slots,
+        rows.seq,
+        rows.lens,
+        q.shape[-1] ** -0.5 if scale is None else scale,
+        sinks,
     )

@@ -10,6 +10,13 @@ deterministic mode fixes the split size). Grouped-query attention (Ainslie et al
 one program loads each K/V block once for the whole group of query heads that share it (the
 group is padded to 16 rows so the block products run on tensor cores, as SGLang's grouped
 decode kernel does).
+
+Per-layer options (gpt-oss style, as Hugging Face transformers computes them): a sliding `window`
+W restricts the query at position L-1 to the keys L-W .. L-1; the splits then cover those W keys
+only (blocks before L-W are never loaded: O(W) per token however long the context), and their
+plan is a function of min(L, W). Learned attention `sinks` (one logit per query head) add a
+value-less column to the softmax; the merge adds it once, after the splits, so the result does
+not depend on how many splits there are.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ def _decode_split_kernel(
     sm_scale,
     num_splits,
     split_tokens,
+    window,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -59,16 +67,20 @@ def _decode_split_kernel(
     HAS_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     table_row = tl.load(PageRows + b).to(tl.int64) if HAS_ROWS else b
-    # the split length is a function of seq_len alone (batch-invariant); the grid's last split takes
-    # any rest, so a grid smaller than decode_splits() stays correct (only not invariant)
-    split_len = tl.maximum(split_tokens, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)
-    lo = split * split_len
+    # keys first_key .. seq_len-1 are attended (a window skips the older ones: never loaded)
+    first_key = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    # the split length is a function of the attended length alone (batch-invariant); the grid's
+    # last split takes any rest, so a grid smaller than decode_splits() stays correct (only not
+    # invariant)
+    split_len = tl.maximum(split_tokens, tl.cdiv(tl.cdiv(seq_len - first_key, MAX_SPLITS), BLOCK_N) * BLOCK_N)
+    lo = first_key + split * split_len
     hi = tl.where(split == num_splits - 1, seq_len, tl.minimum(lo + split_len, seq_len))
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -128,6 +140,7 @@ def _decode_merge_kernel(
     PartOut,
     PartLse,
     Out,
+    Sinks,
     num_splits,
     stride_pb,
     stride_ph,
@@ -136,9 +149,11 @@ def _decode_merge_kernel(
     stride_lh,
     stride_ob,
     stride_oh,
+    stride_sink,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,6 +163,9 @@ def _decode_merge_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink's logit joins the softmax once, here: its value is 0
+        sink = tl.load(Sinks + h * stride_sink)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)  # empty splits (lse -inf) weigh 0
     parts = tl.load(
@@ -156,21 +174,54 @@ def _decode_merge_kernel(
         other=0.0,
     )
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 MAX_SPLITS = 32  # splits per sequence at most (the merge's fixed width)
 SPLIT_TOKENS = 256  # keys per split at least
+_INT32_MAX = 2**31 - 1
 
 
-def decode_splits(max_seq_len: int, split_tokens: int = SPLIT_TOKENS) -> int:
+def check_window_sinks(window, sinks, q: torch.Tensor) -> int:
+    """Validate the per-layer attention options of a kernel call with queries q [..., H, D].
+
+    window: None or 0 (no window) or a positive int (keys in (p - window, p] for a query at p);
+    sinks: None or a float32 tensor [H] on q's device (one learned logit per query head).
+    Returns the window as an int (0 = none; clamped to 2**31 - 1, beyond any int32 length).
+    Raises ValueError on a window that is not a non-negative int (bools included) or sinks of
+    another dtype, shape or device.
+    """
+    if window is None:
+        window = 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a positive int, 0 or None, got {window!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+            raise ValueError(f"sinks must be a float32 tensor, got {getattr(sinks, 'dtype', type(sinks))}")
+        if sinks.shape != (q.shape[-2],) or sinks.device != q.device:
+            raise ValueError(
+                f"sinks must be [H] = [{q.shape[-2]}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}"
+            )
+    return min(window, _INT32_MAX)
+
+
+def decode_splits(max_seq_len: int, split_tokens: int = SPLIT_TOKENS, window: int | None = None) -> int:
     """The grid's splits per sequence that cover every sequence of up to `max_seq_len` tokens (the
-    kernel cuts a sequence of L tokens into pieces of max(split_tokens, ceil(L / MAX_SPLITS)) keys
-    rounded up to its key block); between 1 and MAX_SPLITS. Depends on the longest sequence only:
-    callers pass the page table's capacity so the grid, too, is the same for every batch."""
+    kernel cuts the A = min(L, window) attended keys of a sequence of L tokens into pieces of
+    max(split_tokens, ceil(A / MAX_SPLITS)) keys rounded up to its key block); between 1 and
+    MAX_SPLITS. Depends on the longest sequence (and the window) only: callers pass the page
+    table's capacity so the grid, too, is the same for every batch. A grid computed without the
+    window also serves a windowed layer (its extra splits are empty).
+    Raises ValueError on split_tokens < 1 or a window that is not a positive int, 0 or None."""
     if split_tokens < 1:
         raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be a positive int, 0 or None, got {window!r}")
+    if window:
+        max_seq_len = min(max_seq_len, window)
     return int(max(1, min(MAX_SPLITS, math.ceil(max_seq_len / split_tokens))))
 
 
@@ -186,6 +237,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     page_rows: torch.Tensor | None = None,
     split_tokens: int = SPLIT_TOKENS,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole context in the KV pool.
 
@@ -194,10 +247,15 @@ def decode_attention(
     context per sequence, new token included (0 = a padding row: its output is 0).
     H must be a multiple of Hkv; the last dimension of q and the caches must be contiguous. Returns out [B, H, D] in q's dtype (written into `out` if given).
     `num_splits` sets the grid (static for CUDA graph capture): `decode_splits(longest seq_len,
-    split_tokens)` covers every row (a smaller grid folds the rest into its last split: correct, not
-    batch-invariant); a runtime kernel argument, like `split_tokens` (keys per split at least), so
-    new values compile nothing. A row's output depends on its own q, context and split_tokens only.
-    Raises ValueError on mismatched shapes or num_splits / split_tokens < 1.
+    split_tokens, window)` covers every row (a smaller grid folds the rest into its last split:
+    correct, not batch-invariant); a runtime kernel argument, like `split_tokens` (keys per split at
+    least) and `window`, so new values compile nothing. A row's output depends on its own q,
+    context, split_tokens, window and sinks only.
+    window (optional): a sliding window of W keys, the query (position L-1) attends keys
+    L-W .. L-1 only (None or 0: the whole context). sinks (optional): float32 [H] learned logits,
+    one per query head, added to each head's softmax as a column with no value (gpt-oss).
+    Raises ValueError on mismatched shapes, num_splits / split_tokens < 1, a window that is not a
+    positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -207,6 +265,7 @@ def decode_attention(
         raise ValueError("page_table and seq_lens need one row per query")
     if num_splits < 1 or split_tokens < 1:
         raise ValueError(f"num_splits and split_tokens must be >= 1, got {num_splits} and {split_tokens}")
+    window = check_window_sinks(window, sinks, q)
     require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     group = num_heads // num_kv_heads
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -229,6 +288,7 @@ def decode_attention(
         sm_scale,
         num_splits,
         split_tokens,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -251,11 +311,13 @@ def decode_attention(
         HAS_ROWS=page_rows is not None,
         PRECISION=dot_precision(q.dtype),
         MAX_SPLITS=MAX_SPLITS,
+        HAS_WINDOW=window > 0,
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
         part_lse,
         out,
+        sinks if sinks is not None else part_lse,
         num_splits,
         part_out.stride(0),
         part_out.stride(1),
@@ -264,9 +326,11 @@ def decode_attention(
         part_lse.stride(1),
         out.stride(0),
         out.stride(1),
+        sinks.stride(0) if sinks is not None else 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),  # a fixed width: batch-invariant
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -280,10 +344,33 @@ def gather_kv_ref(
     return cache[slots]
 
 
+def softmax_with_sinks_ref(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of fp32 scores [H, ..., N] (-inf where not attended); with
+    sinks (float32 [H]) one more logit per head joins it and its probability is dropped, as in
+    transformers' GptOssAttention (eager): cat, subtract the max, softmax, drop the last column."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
 def decode_attention_ref(
-    q, k_cache, v_cache, page_table, seq_lens, sm_scale=None, page_size: int = 1, page_rows=None
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    sm_scale=None,
+    page_size: int = 1,
+    page_rows=None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
-    """Torch reference of `decode_attention` (fp32 math, one sequence at a time)."""
+    """Torch reference of `decode_attention` (fp32 math, one sequence at a time); same arguments,
+    shapes and errors."""
+    window = check_window_sinks(window, sinks, q)
     if page_rows is not None:
         page_table = page_table[page_rows.long()]
     batch, num_heads, head_dim = q.shape
@@ -294,8 +381,11 @@ def decode_attention_ref(
         n = int(seq_lens[b])
         if n == 0:
             continue
-        k = gather_kv_ref(k_cache, page_table, b, n, page_size).float().repeat_interleave(group, dim=1)
-        v = gather_kv_ref(v_cache, page_table, b, n, page_size).float().repeat_interleave(group, dim=1)
+        first = max(0, n - window) if window else 0
+        k = gather_kv_ref(k_cache, page_table, b, n, page_size)[first:]
+        v = gather_kv_ref(v_cache, page_table, b, n, page_size)[first:]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        out[b] = torch.einsum("hn,nhd->hd", softmax_with_sinks_ref(scores, sinks), v).to(q.dtype)
     return out

@@ -6,6 +6,11 @@ over the paged KV pool: the new tokens' K/V are stored in the pool first (rope_s
 loop over the page table covers prefix and new tokens alike. A speculative draft tree replaces
 the causal rule among the new tokens with its own mask (SpecInfer, Miao et al. 2023; Medusa,
 Cai et al. 2024): `tree_mask` rows say which new tokens each new token sees.
+
+Per-layer options (gpt-oss style, as Hugging Face transformers computes them): a sliding `window`
+W (a query at position p sees the keys in (p - W, p]; key blocks wholly before a query block's
+window are not visited) and learned attention `sinks` (one logit per query head, a softmax column
+with no value: folded into the running max and denominator after the key loop).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import triton
 import triton.language as tl
 
 from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
+from agentrt.runtime.kernels.decode_attention import check_window_sinks, gather_kv_ref, softmax_with_sinks_ref
 from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
 
 
@@ -33,7 +39,10 @@ def _extend_kernel(
     PageRows,
     TreeMask,
     TreeOffsets,
+    Sinks,
     sm_scale,
+    window,
+    stride_sink,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -53,6 +62,8 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,10 +91,18 @@ def _extend_kernel(
     # keys needed by this block: the prefix plus new tokens up to its last row (none past q_len)
     hi = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_M)
     hi = tl.where(mb * BLOCK_M < q_len, hi, 0)
+    lo = 0
+    if HAS_WINDOW:
+        # the block's first row (position prefix + mb * BLOCK_M) sees no key before `lo`; under a
+        # tree the new tokens are seen by the tree rule, whatever their distance
+        lo = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
+        if HAS_TREE:
+            lo = tl.minimum(lo, prefix)
+        lo = lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         k, v = load_paged_kv(
@@ -111,13 +130,25 @@ def _extend_kernel(
             tree = tl.load(
                 TreeMask + tree_off + offs_m[:, None] * q_len + new_col[None, :], mask=in_new, other=0
             )
-            allowed = (new_col[None, :] < 0) | (tree != 0)
+            old = new_col[None, :] < 0
+            if HAS_WINDOW:  # the window applies to the prefix keys by position
+                old = old & (offs_n[None, :] > prefix + offs_m[:, None] - window)
+            allowed = old | (tree != 0)
         else:
             allowed = new_col[None, :] <= offs_m[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (offs_n[None, :] > prefix + offs_m[:, None] - window)
         allowed = allowed & n_mask[None, :] & m_mask[:, None]
         s = tl.where(allowed, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
+    if HAS_SINKS:  # one more logit per head, with no value: it only scales the denominator
+        sink = tl.load(Sinks + h * stride_sink)
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sink - m_safe)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -141,6 +172,8 @@ def extend_attention(
     tree_offsets: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     page_rows: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens of B sequences laid out in one flat batch.
 
@@ -156,7 +189,15 @@ def extend_attention(
     The last dimension of q and the caches must be contiguous.
     Rows of q not covered by any sequence are left untouched in `out`. page_rows (optional): [B]
     int32 row of page_table per sequence (a persistent per-request table); None = row b.
-    Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes.
+    window (optional): a sliding window of W keys: new token i of sequence b (position
+    p = prefix_lens[b] + i) attends keys at positions in (p - W, p] only, within the causal rule
+    (None or 0: no window; a runtime argument, new values compile nothing). With a tree_mask the
+    tree rule alone decides among the new tokens (a draft is far shorter than a window) and the
+    window applies to the prefix keys by position: prefix key j is attended iff j > p - W.
+    sinks (optional): float32 [H] learned logits, one per query head, added to each head's softmax
+    as a column with no value (gpt-oss).
+    Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes, a window that is
+    not a positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
@@ -165,6 +206,7 @@ def extend_attention(
     batch = q_lens.shape[0]
     if (tree_mask is None) != (tree_offsets is None):
         raise ValueError("tree_mask and tree_offsets go together")
+    window = check_window_sinks(window, sinks, q)
     require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     if out is None:
@@ -185,7 +227,10 @@ def extend_attention(
         page_rows if page_rows is not None else q_lens,
         tree_mask if has_tree else q_lens,
         tree_offsets if has_tree else q_lens,
+        sinks if sinks is not None else q_lens,
         sm_scale,
+        window,
+        sinks.stride(0) if sinks is not None else 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -205,6 +250,8 @@ def extend_attention(
         UPCAST=upcast_dot(q.dtype),
         HAS_ROWS=page_rows is not None,
         PRECISION=dot_precision(q.dtype),
+        HAS_WINDOW=window > 0,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -221,13 +268,14 @@ def extend_attention_ref(
     page_size: int = 1,
     tree_masks: list | None = None,
     page_rows=None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Torch reference of `extend_attention` (fp32 math); tree_masks: per sequence a [n, n] bool
-    tensor or None (causal)."""
+    tensor or None (causal); window and sinks as there (same errors)."""
+    window = check_window_sinks(window, sinks, q)
     if page_rows is not None:
         page_table = page_table[page_rows.long()]
-    from agentrt.runtime.kernels.decode_attention import gather_kv_ref
-
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[1]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -243,7 +291,13 @@ def extend_attention_ref(
         allowed[:, p:] = (
             tree if tree is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         )
+        if window:  # key j seen by new token i (position p + i) iff j > p + i - window
+            pos = torch.arange(p + n, device=q.device)
+            in_window = pos[None, :] > (p + pos[:n, None]) - window
+            if tree is not None:
+                in_window[:, p:] = True  # the tree rule alone among the new tokens
+            allowed &= in_window
         scores = torch.einsum("thd,nhd->htn", q[s : s + n].float(), k) * sm_scale
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[s : s + n] = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        out[s : s + n] = torch.einsum("htn,nhd->thd", softmax_with_sinks_ref(scores, sinks), v).to(q.dtype)
     return out

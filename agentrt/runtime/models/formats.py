@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.models.base import DecoderModel
+from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.cpu_linear import pack_linears
-from agentrt.runtime.models.llama import LlamaArch, LlamaForCausalLM
 from agentrt.runtime.models.quant import (
     INT4_GROUP_SIZES,
     QUANTIZATIONS,
@@ -40,6 +41,7 @@ from agentrt.runtime.models.quant import (
     quantize_cpu,
     quantize_cuda,
 )
+from agentrt.runtime.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +156,15 @@ def quant_cache_dir(
     return Path(cache_dir) / f"quant-{key}"
 
 
-def _build_dense(
-    arch: LlamaArch, max_positions: int, dtype: torch.dtype, device, tensors
-) -> LlamaForCausalLM:
+def _build_dense(arch: ModelArch, max_positions: int, dtype: torch.dtype, device, tensors) -> DecoderModel:
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = build_model(arch, max_positions)
     model = model.to(dtype).to_empty(device=device)  # dtype on meta: no copy
     model.load_hf_state_dict(tensors)
     return model
 
 
-def _save_quantized(model: LlamaForCausalLM, target: Path) -> None:
+def _save_quantized(model: DecoderModel, target: Path) -> None:
     """Write the quantized state dict (tied weights once) atomically: a temporary directory renamed."""
     from safetensors.torch import save_file
 
@@ -176,12 +176,12 @@ def _save_quantized(model: LlamaForCausalLM, target: Path) -> None:
 
 
 def _load_quantized(
-    arch: LlamaArch, max_positions: int, dtype, act_dtype, quantization, group_size, lm_head, path: Path
-) -> LlamaForCausalLM:
+    arch: ModelArch, max_positions: int, dtype, act_dtype, quantization, group_size, lm_head, path: Path
+) -> DecoderModel:
     from safetensors.torch import load_file
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = build_model(arch, max_positions)
         model = model.to(dtype)
         empty_quantized_like(model, quantization, act_dtype, group_size, lm_head)
     model = model.to_empty(device="cpu")
@@ -210,7 +210,7 @@ def _load_quantized(
 
 
 def load_model(
-    arch: LlamaArch,
+    arch: ModelArch,
     max_positions: int,
     model_dir: Path,
     device: torch.device,
@@ -222,7 +222,7 @@ def load_model(
     cache_dir: Path,
     linear_kernel: tuple[str, str] = ("aten", "requested"),
     cpu_kernels: bool = False,
-) -> tuple[LlamaForCausalLM, WeightFormat]:
+) -> tuple[DecoderModel, WeightFormat]:
     """Build the model with its weights in the chosen format (see the module docstring) and RoPE
     tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
     reason) from cpu_linear.choose_linear_kernel; with `onednn` the float32 linear layers left dense

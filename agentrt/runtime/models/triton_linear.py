@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from agentrt.runtime.kernels import batch_invariant
-from agentrt.runtime.models.llama import RMSNorm
+from agentrt.runtime.layers.norm import RMSNorm
 
 
 class TritonLinear(nn.Module):

@@ -1,0 +1,564 @@
+"""`agentrt check MODEL`: what serving a model would run into, found before any weight is read.
+
+Three layers, each a list of findings (ok / warning / error):
+
+1. architecture: the family `registry.arch_from_hf_config` picks, or its ValueError naming what is
+   missing;
+2. tokenizer and chat template: the tokenizer loads, its largest id fits the embedding rows, the
+   embedding / LM head shapes in the weight headers agree with the config (tied or not), the call
+   format and reasoning format the template implies, BOS / EOS and every stop id;
+3. weights and memory: bytes per storage format, KV bytes per token at the run dtype (sliding-window
+   layers counted with their window) and how many --max-model-len sequences the KV budget holds.
+
+Only config.json / GGUF metadata, tokenizer files and safetensors headers / GGUF tensor infos are
+read, never tensor data, and a GGUF is never converted (its metadata through gguf_meta.py, its
+tokenizer built from the metadata as serve's conversion builds it: 8 s for all of Gemma 3 270M).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+from agentrt.runtime.models.gguf_meta import StringArray, gguf_hf_config, read_gguf
+
+OK, WARNING, ERROR = "ok", "warning", "error"
+
+REASONING_FORMATS = (  # (text in the chat template, the reasoning format it implies), first match wins
+    ("<|channel|>", "harmony (gpt-oss)"),
+    ("[THINK]", "[THINK] (Magistral)"),
+    ("<think>", "think tags (<think>...</think>)"),
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+NO_TEMPLATE_ROUTES = "/v1/chat/completions, /v1/messages and /v1/responses"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One result: `level` ok / warning / error, `topic` what was checked, `message` what was found."""
+
+    level: str
+    topic: str
+    message: str
+
+
+@dataclass(frozen=True)
+class KVEstimate:
+    """KV bytes of a model at a dtype. `layer_bytes`: K + V of one token in one layer (bytes);
+    `full_layers`: layers attending to the whole context; `windows`: ((window tokens, layers), ...)
+    of the sliding-window layers, which hold at most `window` tokens per sequence."""
+
+    dtype: str
+    num_layers: int
+    layer_bytes: int
+    full_layers: int
+    windows: tuple[tuple[int, int], ...]
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """Bytes per token of the full-attention layers together."""
+        return self.full_layers * self.layer_bytes
+
+    @property
+    def pool_bytes_per_token(self) -> int:
+        """Bytes per token the engine's pool (kv_cache.KVPool) reserves: every layer, window or not."""
+        return self.num_layers * self.layer_bytes
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """KV bytes one sequence of `tokens` tokens needs when a windowed layer keeps only its window:
+        full x tokens + per windowed layer min(tokens, window)."""
+        windowed = sum(n * self.layer_bytes * min(tokens, w) for w, n in self.windows)
+        return self.full_bytes_per_token * tokens + windowed
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Sequences of `max_model_len` tokens a KV budget holds. `budget_bytes` None: not measurable
+    here (`source` says why). `pool_sequences`: with the pool as built (every layer per token);
+    `window_sequences`: if windowed layers kept only their window."""
+
+    device: str
+    budget_bytes: int | None
+    source: str
+    max_model_len: int
+    pool_sequences: int = 0
+    window_sequences: int = 0
+
+
+@dataclass
+class CheckReport:
+    """What `check_model` found. `exit_status` 1 when any finding is an error, else 0."""
+
+    model: str
+    source: str = ""
+    findings: list[Finding] = field(default_factory=list)
+    architecture: str | None = None
+    family: str | None = None
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    tool_format: str | None = None
+    reasoning_format: str | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    kv: KVEstimate | None = None
+    capacity: Capacity | None = None
+
+    def add(self, level: str, topic: str, message: str) -> None:
+        self.findings.append(Finding(level, topic, message))
+
+    def of(self, topic: str) -> list[Finding]:
+        """The findings about `topic`."""
+        return [f for f in self.findings if f.topic == topic]
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == ERROR]
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if self.errors else 0
+
+    def describe(self) -> str:
+        """The report as text: a header line, one line per finding, a summary line."""
+        lines = [f"agentrt check {self.model}: {self.source}"]
+        lines += [f"  [{f.level}] {f.topic}: {f.message}" for f in self.findings]
+        warnings = sum(f.level == WARNING for f in self.findings)
+        lines.append(f"{len(self.errors)} errors, {warnings} warnings: exit {self.exit_status}")
+        return "\n".join(lines)
+
+
+# ---- pure pieces --------------------------------------------------------------------------------
+
+
+def reasoning_format(template: str | None) -> str:
+    """The reasoning format a chat template implies (REASONING_FORMATS), or "none"."""
+    return next((name for marker, name in REASONING_FORMATS if marker in (template or "")), "none")
+
+
+def kv_estimate(arch, dtype) -> KVEstimate:
+    """KV bytes of `arch` (a ModelArch) at torch dtype `dtype`, windowed layers grouped by window."""
+    from agentrt.runtime.kv_cache import KVPool
+
+    layer = KVPool.bytes_per_token_of(1, arch.num_kv_heads, arch.head_dim, dtype)
+    windows: dict[int, int] = {}
+    for w in arch.layer_windows:
+        if w is not None:
+            windows[int(w)] = windows.get(int(w), 0) + 1
+    full = sum(w is None for w in arch.layer_windows)
+    name = str(dtype).removeprefix("torch.")
+    return KVEstimate(name, arch.num_layers, layer, full, tuple(sorted(windows.items())))
+
+
+def capacity(kv: KVEstimate, max_model_len: int, budget: int | None, device: str, source: str) -> Capacity:
+    """Sequences of `max_model_len` tokens that `budget` KV bytes hold (0 when budget is None)."""
+    if budget is None:
+        return Capacity(device, None, source, max_model_len)
+    return Capacity(
+        device,
+        budget,
+        source,
+        max_model_len,
+        budget // (kv.pool_bytes_per_token * max_model_len),
+        budget // kv.sequence_bytes(max_model_len),
+    )
+
+
+def safetensors_headers(model_dir: Path) -> tuple[dict[str, dict], list[str]]:
+    """({tensor name: {"dtype", "shape", "nbytes", "file"}}, problems) from the headers of the
+    *.safetensors files of `model_dir` (8-byte length + JSON; no tensor data is read). A problem
+    names the file: not a safetensors file, or shorter than its header says (cut short)."""
+    tensors: dict[str, dict] = {}
+    problems = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 2 <= n <= min(size - 8, 100 << 20):
+                problems.append(f"{path.name} is not a safetensors file (no valid header length)")
+                continue
+            try:
+                header = json.loads(f.read(n))
+            except (ValueError, UnicodeDecodeError):
+                problems.append(f"{path.name} has a header that is not JSON")
+                continue
+        header.pop("__metadata__", None)
+        end = 0
+        for name, t in header.items():
+            start, stop = t["data_offsets"]
+            end = max(end, stop)
+            tensors[name] = {
+                "dtype": t["dtype"],
+                "shape": tuple(t["shape"]),
+                "nbytes": stop - start,
+                "file": path.name,
+            }
+        if 8 + n + end > size:
+            problems.append(f"{path.name} is cut short: {size} bytes, its header describes {8 + n + end}")
+    return tensors, problems
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _formats(bytes_by_format: dict[str, int]) -> str:
+    return ", ".join(f"{k} {_mb(v)}" for k, v in sorted(bytes_by_format.items(), key=lambda kv: -kv[1]))
+
+
+def _template_text(template) -> str | None:
+    if template is None or isinstance(template, str):
+        return template
+    return json.dumps(template)  # several named templates
+
+
+# ---- the check ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    """What check_model reads before the layers: the config, the tokenizer, the weight headers."""
+
+    config: object = None
+    tokenizer: object = None
+    stop_dir: Path | None = None
+    tensors: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # name -> (shape, elements)
+    embed: str | None = None
+    head: str | None = None
+
+
+def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
+    """("gguf" | "hf", path) of `model`, or None after adding the error that says why not."""
+    from agentrt.runtime.models.loader import PICKLE_SUFFIXES, REGISTERED_MODELS, find_registered_gguf
+
+    try:
+        if model in REGISTERED_MODELS:
+            return "gguf", find_registered_gguf(model)
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return "gguf", path
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model directory '{model}' has no config.json")
+            return "hf", path
+        if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+            raise ValueError(
+                f"{path} is a pickle checkpoint: agentrt loads only .safetensors or .gguf weights"
+            )
+        if path.exists():
+            raise ValueError(f"model '{model}' is neither a Hugging Face directory nor a .gguf file")
+        from agentrt.runtime.models.loader import resolve_model_dir
+
+        return "hf", resolve_model_dir(model, Path("/nonexistent"))  # a hub id: never converted
+    except ValueError as e:
+        report.add(ERROR, "model", str(e))
+        return None
+
+
+def _read_gguf_model(path: Path, report: CheckReport, m: _Model) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    info = read_gguf(path)
+    total = sum(t.nbytes or 0 for t in info.tensors)
+    by_type: dict[str, int] = {}
+    for t in info.tensors:
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + (t.nbytes or 0)
+    report.weight_bytes = by_type
+    params = sum(prod(t.shape) for t in info.tensors)
+    unknown = sorted({t.type_name for t in info.tensors if t.nbytes is None})
+    level = ERROR if unknown else OK
+    extra = f"; unknown tensor types {', '.join(unknown)}" if unknown else ""
+    report.add(
+        level,
+        "weights",
+        f"GGUF {_mb(total)}: {_formats(by_type)} ({len(info.tensors)} tensors, {params:,} parameters){extra}",
+    )
+    m.tensors = {t.name: (t.shape, prod(t.shape)) for t in info.tensors}
+    m.embed = "token_embd.weight" if "token_embd.weight" in m.tensors else None
+    m.head = "output.weight" if "output.weight" in m.tensors else None
+    try:
+        m.config = gguf_hf_config(info)
+    except ValueError as e:
+        report.add(ERROR, "architecture", str(e))
+    if not isinstance(info.metadata.get("tokenizer.ggml.tokens"), StringArray):
+        report.add(
+            ERROR, "tokenizer", f"{path.name} holds no tokenizer (no tokenizer.ggml.tokens in its metadata)"
+        )
+        return
+    try:
+        m.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - any failure here is the finding
+        report.add(ERROR, "tokenizer", f"the tokenizer of {path.name} does not load: {type(e).__name__}: {e}")
+
+
+def _read_hf_model(path: Path, report: CheckReport, m: _Model) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from agentrt.runtime.models.loader import check_weight_files
+
+    try:
+        check_weight_files(path)
+    except ValueError as e:
+        report.add(ERROR, "weights", str(e))
+    headers, problems = safetensors_headers(path)
+    by_dtype: dict[str, int] = {}
+    for t in headers.values():
+        by_dtype[t["dtype"]] = by_dtype.get(t["dtype"], 0) + t["nbytes"]
+    report.weight_bytes = by_dtype
+    for p in problems:
+        report.add(ERROR, "weights", p)
+    if headers:
+        files = len({t["file"] for t in headers.values()})
+        params = sum(prod(t["shape"]) for t in headers.values())
+        report.add(
+            OK,
+            "weights",
+            f"safetensors {_mb(sum(by_dtype.values()))}: {_formats(by_dtype)} ({len(headers)} tensors in "
+            f"{files} file{'s' if files > 1 else ''}, {params:,} parameters)",
+        )
+    m.tensors = {k: (t["shape"], prod(t["shape"])) for k, t in headers.items()}
+    embeds = sorted((k for k in m.tensors if k.endswith("embed_tokens.weight")), key=len)
+    heads = sorted((k for k in m.tensors if k.endswith("lm_head.weight")), key=len)
+    m.embed, m.head = (embeds or [None])[0], (heads or [None])[0]
+    m.stop_dir = path
+    try:
+        m.config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - an unreadable config is the finding
+        report.add(ERROR, "architecture", f"config.json cannot be read by transformers: {e}")
+    present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not present:
+        report.add(
+            ERROR,
+            "tokenizer",
+            f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): copy the checkpoint's tokenizer files there",
+        )
+        return
+    try:
+        m.tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure here is the finding
+        report.add(ERROR, "tokenizer", f"the tokenizer in {path} does not load: {type(e).__name__}: {e}")
+
+
+def _check_shapes(report: CheckReport, m: _Model, vocab: int, hidden: int, tied: bool) -> None:
+    if not m.tensors:
+        return
+    if m.embed is None:
+        report.add(
+            ERROR, "embedding", "no embedding tensor (embed_tokens.weight / token_embd.weight) in the weights"
+        )
+        return
+    problems = []
+    shape = m.tensors[m.embed][0]
+    if tuple(shape) != (vocab, hidden):
+        problems.append(
+            f"{m.embed} is {list(shape)} but the config says vocab_size {vocab} x hidden_size {hidden}: "
+            "the config does not match the weights"
+        )
+    if m.head is not None and tuple(m.tensors[m.head][0]) != (vocab, hidden):
+        problems.append(f"{m.head} is {list(m.tensors[m.head][0])}, not [{vocab}, {hidden}]")
+    if m.head is None and not tied:
+        problems.append(
+            "tie_word_embeddings is false but the weights hold no LM head (lm_head.weight / output.weight)"
+        )
+    if problems:
+        for p in problems:
+            report.add(ERROR, "embedding", p)
+        return
+    head = "tied to the embedding" if m.head is None else f"{m.head} {list(m.tensors[m.head][0])}"
+    head += " (tie_word_embeddings)" if tied and m.head is not None else ""
+    report.add(
+        OK, "embedding", f"{m.embed} {list(shape)} = vocab {vocab:,} x hidden {hidden:,}; LM head {head}"
+    )
+
+
+def _check_tokenizer(report: CheckReport, m: _Model, vocab: int | None) -> None:
+    from agentrt.api.tools.rendering import detect_format
+    from agentrt.runtime.models.loader import collect_stop_ids
+
+    tok = m.tokenizer
+    max_id = max(tok.get_vocab().values())
+    if vocab is not None and max_id >= vocab:
+        report.add(
+            ERROR,
+            "tokenizer",
+            f"token id {max_id} but the embedding has only {vocab} rows: tokenizer and model do not match",
+        )
+    else:
+        rows = f" < {vocab:,} embedding rows" if vocab is not None else ""
+        report.add(
+            OK, "tokenizer", f"loads ({type(tok).__name__}, {len(tok):,} tokens, largest id {max_id:,}{rows})"
+        )
+    template = _template_text(getattr(tok, "chat_template", None))
+    fmt, native = detect_format(template)
+    report.tool_format, report.reasoning_format = fmt, reasoning_format(template)
+    how = "the template renders tools" if native else "generic prompt: the template renders no tools"
+    formats = f"tool calls {fmt} ({how}); reasoning {report.reasoning_format}"
+    if template:
+        report.add(OK, "chat template", f"present ({len(template):,} characters): {formats}")
+    else:
+        report.add(WARNING, "chat template", f"absent: {NO_TEMPLATE_ROUTES} will answer 400; {formats}")
+    stop_dir = m.stop_dir or Path("/nonexistent")  # a GGUF's conversion reads no generation_config.json
+    report.stop_ids = collect_stop_ids(tok, stop_dir, m.config) if m.config is not None else ()
+    report.bos_id, report.eos_id = tok.bos_token_id, tok.eos_token_id
+
+    def name(i):
+        return "none" if i is None else f"{i} {tok.convert_ids_to_tokens(i)!r}"
+
+    stops = ", ".join(name(i) for i in report.stop_ids)
+    level = OK if report.stop_ids else WARNING
+    why = "" if report.stop_ids else " (generation stops only at max_tokens or a stop string)"
+    report.add(
+        level,
+        "special tokens",
+        f"BOS {name(report.bos_id)}, EOS {name(report.eos_id)}; stop ids [{stops}]{why}",
+    )
+
+
+def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
+    import torch
+
+    from agentrt.runtime.config import CacheConfig
+    from agentrt.runtime.hardware import choose_dtype
+
+    device = options["device"]
+    try:
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        if dev.type not in ("cpu", "cuda"):
+            raise RuntimeError
+        dtype, why = choose_dtype(dev, options["dtype"])
+    except (RuntimeError, ValueError) as e:
+        report.add(
+            ERROR,
+            "kv cache",
+            str(e) if isinstance(e, ValueError) else f"device '{device}' is not cpu / cuda / cuda:N",
+        )
+        return
+    limit = arch.max_position_embeddings
+    n = options["max_model_len"] or limit
+    if not 1 <= n <= limit:
+        report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
+        return
+    kv = report.kv = kv_estimate(arch, dtype)
+    parts = [f"full-attention layers ({kv.full_layers}): {kv.full_bytes_per_token:,} bytes/token"]
+    parts += [
+        f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
+    ]
+    note = ""
+    if kv.windows:
+        note = (
+            f"; the engine's pool today stores every layer's K/V for every token: {kv.pool_bytes_per_token:,} "
+            f"bytes/token, {kv.pool_bytes_per_token * n:,} bytes per {n:,}-token sequence"
+        )
+    report.add(
+        OK,
+        "kv cache",
+        f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes{note}",
+    )
+    budget, source = options["kv_cache_bytes"], "--kv-cache-bytes"
+    if budget is None and dev.type == "cpu":
+        budget, source = 1 << 30, "the CPU default, 1 GiB"
+    elif budget is None and not torch.cuda.is_available():
+        budget, source = None, "not measurable here: CUDA is not available (give --kv-cache-bytes)"
+    elif budget is None:  # the runner's rule, with the weights estimated from the headers
+        try:
+            free, total = torch.cuda.mem_get_info(dev)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            report.add(WARNING, "capacity", f"{dev}: not measurable: {e}")
+            return
+        weights = sum(e for _, e in m.tensors.values()) * dtype.itemsize
+        reserve = max(1 << 30, 16 * options["max_num_seqs"] * (arch.vocab_size + 8 * arch.hidden_size))
+        budget = int(CacheConfig.gpu_memory_utilization * total) - (total - free) - weights - reserve
+        source = (
+            f"{CacheConfig.gpu_memory_utilization} x {total / 2**30:.1f} GiB - {(total - free) / 2**30:.1f} GiB in use "
+            f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
+        )
+    cap = report.capacity = capacity(kv, n, budget, str(dev), source)
+    if budget is None:
+        report.add(WARNING, "capacity", f"{dev}: {source}")
+        return
+    slots = budget // kv.pool_bytes_per_token if budget > 0 else 0
+    text = f"{dev} KV budget {budget:,} bytes ({source}): {cap.pool_sequences} sequences of {n:,} tokens"
+    if kv.windows:
+        text += f" with the pool as built ({cap.window_sequences} if windowed layers kept only their window)"
+    estimated = dev.type == "cuda" and options["kv_cache_bytes"] is None  # the runner refuses it then
+    if slots < 1 or (estimated and cap.pool_sequences < 1):
+        report.add(
+            ERROR,
+            "capacity",
+            f"{text}: the pool cannot hold one sequence; lower --max-model-len or give more memory",
+        )
+    elif cap.pool_sequences < 1:
+        report.add(
+            WARNING, "capacity", f"{text}: the pool holds {slots:,} tokens, so requests are limited to that"
+        )
+    else:
+        fewer = options["max_num_seqs"] > cap.pool_sequences
+        extra = f"; fewer than --max-num-seqs {options['max_num_seqs']} at full context" if fewer else ""
+        report.add(OK, "capacity", text + extra)
+
+
+def check_model(
+    model: str,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 16,
+    device: str = "auto",
+    dtype: str = "auto",
+    kv_cache_bytes: int | None = None,
+) -> CheckReport:
+    """Diagnose `model` (registered name, HF directory, .gguf file or cached hub id) without
+    reading any weight: the findings of the module docstring. Never raises for a broken model: every
+    problem is an error finding (exit_status 1). max_model_len None = the model's limit."""
+    from agentrt.runtime.models.registry import ARCHITECTURES, arch_from_hf_config
+
+    report = CheckReport(model)
+    located = _locate(model, report)
+    if located is None:
+        return report
+    kind, path = located
+    report.source = (
+        f"GGUF file {path} (metadata only, not converted)"
+        if kind == "gguf"
+        else f"Hugging Face directory {path}"
+    )
+    m = _Model()
+    try:
+        (_read_gguf_model if kind == "gguf" else _read_hf_model)(path, report, m)
+    except ValueError as e:
+        report.add(ERROR, "model", str(e))
+    arch = None
+    if m.config is not None:
+        try:
+            arch = arch_from_hf_config(m.config)
+        except ValueError as e:
+            report.add(ERROR, "architecture", str(e))
+    text = getattr(m.config, "text_config", None) or m.config
+    vocab = getattr(text, "vocab_size", None)
+    if arch is not None:
+        report.architecture, report.family = arch.architecture, ARCHITECTURES[arch.architecture][0]
+        moe = f", {arch.num_experts} experts (top {arch.num_experts_per_tok})" if arch.num_experts else ""
+        kv_heads = f"{arch.num_kv_heads} KV head{'s' if arch.num_kv_heads > 1 else ''}"
+        shape = (
+            f"{arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_heads} heads / {kv_heads} x "
+            f"{arch.head_dim}{moe}, vocab {arch.vocab_size:,}, context {arch.max_position_embeddings:,}"
+        )
+        report.findings.insert(
+            0, Finding(OK, "architecture", f"{arch.architecture} (family {report.family}): {shape}")
+        )
+        _check_shapes(report, m, arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings)
+    if m.tokenizer is not None:
+        _check_tokenizer(report, m, vocab)
+    if arch is not None:
+        options = {
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "device": device,
+            "dtype": dtype,
+            "kv_cache_bytes": kv_cache_bytes,
+        }
+        _check_memory(report, arch, m, options)
+    return report

@@ -1,0 +1,137 @@
+"""`ModelArch`: the shape and the per-layer layout of a decoder, read from a Hugging Face config.
+
+One typed record for every family: the families (models/<family>.py) fill it from their config
+with `base_arch` plus their own fields; the shared layers (runtime/layers/) are built from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyper-parameters of a decoder-only model.
+
+    Per layer: `layer_windows[i]` the sliding window of layer i (None: full attention),
+    `layer_rope[i]` the index into `ropes` of its rotary embedding, `moe_layers[i]` whether its MLP
+    is the sparse MoE block. `attn_scale` None = head_dim ** -0.5. `norm_offset` is added to every
+    RMSNorm weight at load (Gemma's `1 + w`); `sandwich_norms`: Gemma's norms after attention and
+    after the MLP as well as before them. `embed_scale`: the embeddings are multiplied by it
+    (Gemma: sqrt(hidden)). `final_logit_softcap`: logits = cap * tanh(logits / cap)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    ropes: tuple[RopeSpec, ...]
+    layer_rope: tuple[int, ...]
+    layer_windows: tuple[int | None, ...]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    norm_cast_last: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    attn_sinks: bool = False
+    final_logit_softcap: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    moe_routing: str = "softmax_topk"
+    moe_renormalize: bool = True
+    router_bias: bool = False
+    expert_act: str = "silu"
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
+
+    def llama_layout(self) -> bool:
+        """Whether every layer is the plain Llama layout the C++ whole-stack decode op and the compiled
+        decode graphs know: one full-width RoPE, no window, no sinks, no q/k norm, no sandwich norms,
+        SiLU dense MLP, default scale, no embedding scale or logit soft-cap."""
+        return (
+            len(self.ropes) == 1
+            and self.ropes[0].rotary_dim == self.head_dim
+            and not self.windowed
+            and not (self.attn_sinks or self.qk_norm or self.sandwich_norms or self.o_bias)
+            and self.hidden_act == "silu"
+            and not any(self.moe_layers)
+            and self.attn_scale is None
+            and self.embed_scale is None
+            and self.final_logit_softcap is None
+            and self.norm_offset == 0.0
+        )
+
+
+def layer_windows(cfg, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer: the sliding window from `layer_types` ("sliding_attention" layers get
+    `sliding_window`), else `sliding_window` on every layer when set (Mistral, Phi-3; Qwen2 only
+    with `use_sliding_window`)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" and window else None for t in types[:num_layers])
+    if window and getattr(cfg, "use_sliding_window", True):
+        return (int(window),) * num_layers
+    return (None,) * num_layers
+
+
+def base_arch(cfg, architecture: str, **fields) -> ModelArch:
+    """A ModelArch with the fields every family reads the same way; `fields` override or add.
+    Raises ValueError for a RoPE scaling transformers does not know."""
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    num_layers = cfg.num_hidden_layers
+    params = getattr(cfg, "rope_parameters", None) or {}
+    types = getattr(cfg, "layer_types", None) or []
+    if types and all(t in params for t in set(types)):  # one RoPE per layer type (Gemma 3)
+        kinds = sorted(set(types[:num_layers]))
+        ropes = tuple(rope_spec(cfg, head_dim, t) for t in kinds)
+        layer_rope = tuple(kinds.index(t) for t in types[:num_layers])
+    else:
+        ropes, layer_rope = (rope_spec(cfg, head_dim),), (0,) * num_layers
+    values = {
+        "architecture": architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_layers": num_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "ropes": ropes,
+        "layer_rope": layer_rope,
+        "layer_windows": layer_windows(cfg, num_layers),
+        "qkv_bias": bool(getattr(cfg, "attention_bias", False)),
+        "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+    }
+    values.update(fields)
+    return ModelArch(**values)
