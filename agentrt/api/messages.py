@@ -34,6 +34,7 @@ from agentrt.api.errors import APIError, to_api_error
 from agentrt.api.protocol import ChatCompletionRequest
 from agentrt.api.serving import ClientGone, Generation, OpenAIServing, ServingResult, renamed
 from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.api.tools.turns import ToolUseIds
 from agentrt.errors import InternalError
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput
@@ -172,7 +173,7 @@ def _tool_result_text(block: dict, where: str) -> str:
     return f"Error: {text}" if is_error else text
 
 
-def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: set[str]) -> dict:
+def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds) -> dict:
     """A chat assistant message from an assistant turn's text and tool_use blocks."""
     texts, calls = [], []
     for w, block in blocks:
@@ -190,7 +191,7 @@ def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: set[str]) -> dict:
             if not isinstance(block.get(key), kind) or (kind is str and not block[key]):
                 what = "an object" if kind is dict else "a non-empty string"
                 raise _bad(f"{w}.{key} must be {what}", f"{w}.{key}")
-        tool_ids.add(block["id"])
+        tool_ids.add(block["id"], f"{w}.id")
         arguments = json.dumps(block["input"], ensure_ascii=False)
         calls.append(
             {
@@ -205,7 +206,7 @@ def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: set[str]) -> dict:
     return message
 
 
-def _user_turn(blocks: list[tuple[str, dict]], tool_ids: set[str], turn: str) -> list[tuple[str, dict]]:
+def _user_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds, turn: str) -> list[tuple[str, dict]]:
     """(where, chat message) for a user turn (`turn`: where it begins): its text as user messages
     and each tool_result as a tool message, in the order given."""
     out: list[tuple[str, dict]] = []
@@ -219,12 +220,7 @@ def _user_turn(blocks: list[tuple[str, dict]], tool_ids: set[str], turn: str) ->
             if texts:
                 out.append((turn, {"role": "user", "content": _parts(texts)}))
                 texts = []
-            tid = block.get("tool_use_id")
-            if not isinstance(tid, str) or tid not in tool_ids:
-                raise _bad(
-                    f"{w}.tool_use_id {json.dumps(tid)} answers no tool_use block of an earlier assistant turn",
-                    f"{w}.tool_use_id",
-                )
+            tid = tool_ids.answer(block.get("tool_use_id"), f"{w}.tool_use_id")
             out.append((w, {"role": "tool", "tool_call_id": tid, "content": _tool_result_text(block, w)}))
     if texts or not out:
         out.append((turn, {"role": "user", "content": _parts(texts)}))
@@ -367,10 +363,10 @@ def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
             "supported: end with a user turn",
             f"messages[{last}]",
         )
-    tool_ids: set[str] = set()
+    tool_ids = ToolUseIds()  # unique; a user turn's results answer the assistant turn before it
     for role, w, blocks in turns:
         if role == "assistant":
-            messages.append(_assistant_turn(blocks, tool_ids))
+            messages.append(_assistant_turn(blocks, tool_ids.new_turn()))
             where.append(w)
         else:
             for bw, message in _user_turn(blocks, tool_ids, w):

@@ -25,6 +25,8 @@ __all__ = [
 
 MAX_N = 16
 """The most choices (`n`) one request may ask for: each is a sequence the engine decodes."""
+MAX_TEMPERATURE = 2.0
+"""The highest `temperature` accepted (OpenAI's range is 0 to 2)."""
 
 
 class TextPart(BaseModel):
@@ -195,6 +197,13 @@ class _CommonRequest(SamplingFields):
                 raise APIError(f"{name} is not supported by this server", param=name)
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise APIError(
+                f"temperature must be between 0 and {MAX_TEMPERATURE} (OpenAI's range), got {self.temperature}",
+                param="temperature",
+            )
+        if self.cache_salt == "":  # as vLLM: an empty salt would share the cache of unsalted requests
+            raise APIError("cache_salt must be a non-empty string when given", param="cache_salt")
         if self.seed is not None and self.n > 1 and self.seed + self.n - 1 >= 2**63:
             raise APIError(
                 f"seed + n - 1 must be below 2^63 (choice i samples with seed + i), got seed {self.seed}",

@@ -37,6 +37,7 @@ from agentrt.api.errors import APIError
 from agentrt.api.protocol import ChatCompletionRequest, SamplingFields, usage
 from agentrt.api.serving import ClientGone, Generation, OpenAIServing, ServingResult, renamed
 from agentrt.api.tools import ParseEvent, ToolPlan
+from agentrt.api.tools.turns import add_function_call, check_function_call_output
 from agentrt.errors import InternalError
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput
@@ -300,14 +301,10 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origins.append(where)
-            call_ids.add(call_id)
+            add_function_call(call_ids, call_id, arguments, where)
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
-            if call_id not in call_ids:
-                raise APIError(
-                    f"{where}.call_id '{call_id}' answers no function_call item before it",
-                    param=f"{where}.call_id",
-                )
+            check_function_call_output(call_ids, call_id, where)
             messages.append(
                 {
                     "role": "tool",
@@ -506,7 +503,7 @@ class ResponsesShape:
         """The `response` object of a finished generation."""
         output = _Output(gen.tools)
         output.feed(last.text)
-        output.finish(last.finish_reason)
+        output.finish(last.finish_reason, last.closed_by_budget)
         return self._response(gen, created, output.items, last, not_enforced)
 
     async def events(
@@ -537,7 +534,7 @@ class ResponsesShape:
                 try:
                     events = output.feed(out.delta_text)
                     if out.finished:
-                        events += output.finish(out.finish_reason)
+                        events += output.finish(out.finish_reason, out.closed_by_budget)
                 except Exception as e:  # a parser fault fails this stream alone, with an error event
                     logger.exception("output parsing failed for %s", stream.request_id)
                     error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
@@ -567,10 +564,10 @@ class ResponsesShape:
         not_enforced: list[str],
     ) -> dict:
         """The `response` object: in progress while `last` is None, else finished ("incomplete" with
-        reason max_output_tokens when the output hit its token limit)."""
+        reason max_output_tokens when the output hit its token limit: its last item is incomplete)."""
         status = "in_progress"
         if last is not None:
-            status = "incomplete" if last.finish_reason == "length" else "completed"
+            status = "incomplete" if items[-1]["status"] == "incomplete" else "completed"
         body = {
             "id": "resp_" + gen.request_id.split("-", 1)[-1],
             "object": "response",
@@ -625,13 +622,13 @@ class _Output:
         parsed = self.parser.feed(text) if self.parser is not None else [ParseEvent("content", text)]
         return self._apply(parsed)
 
-    def finish(self, finish_reason: str) -> list[dict]:
+    def finish(self, finish_reason: str, closed_by_budget: bool = False) -> list[dict]:
         """The events that end the output: the parser's last ones, the open item closed (status
-        "incomplete" when finish_reason is "length"), and one message item when there was no output
-        at all (its text possibly empty)."""
+        "incomplete" when finish_reason is "length", or text `closed_by_budget` cut: ToolCallParser
+        .close), and one message item when there was no output at all (its text possibly empty)."""
         events: list[dict] = []
         if self.parser is not None:
-            parsed, _ = self.parser.close(finish_reason)
+            parsed, finish_reason = self.parser.close(finish_reason, closed_by_budget)
             events += self._apply(parsed)
         if not self.items:
             events += self._open_message()

@@ -460,8 +460,10 @@ class OpenAIServing:
                 choice["text"] = last.text
             if gen.params.repetition_repair:  # agentrt's extension: the values closed as runaways
                 choice["agentrt_repaired"] = list(last.repaired)
-            if gen.params.max_tokens_policy == "close":  # agentrt's extension: closed by the budget
-                choice["agentrt_closed_by_budget"] = last.closed_by_budget
+            if gen.params.max_tokens_policy == "close":  # agentrt's extension: closed (not cut) by the budget
+                choice["agentrt_closed_by_budget"] = (
+                    last.closed_by_budget and choice["finish_reason"] != "length"
+                )
             choices.append(choice)
         body = {
             "id": gen.request_id,
@@ -558,7 +560,7 @@ def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
         return {"role": "assistant", "content": last.text}, last.finish_reason
     parser = plan.new_parser()
     parser.feed(last.text)
-    _, finish = parser.close(last.finish_reason)
+    _, finish = parser.close(last.finish_reason, last.closed_by_budget)
     message = {"role": "assistant", "content": parser.content or None}
     if parser.calls:
         message["tool_calls"] = [c.as_openai() for c in parser.calls]

@@ -253,11 +253,15 @@ def _deltas(
     if out.finished:
         finish = out.finish_reason
         if parser is not None:
-            events, finish = parser.close(finish)
+            events, finish = parser.close(finish, out.closed_by_budget)
             chunks += writer.events(events, pending())
         chunks.append(
             writer.text(
-                None, finish, logprobs=pending(), repaired=out.repaired, closed_by_budget=out.closed_by_budget
+                None,
+                finish,
+                logprobs=pending(),
+                repaired=out.repaired,
+                closed_by_budget=out.closed_by_budget and finish != "length",  # text cut: not closed
             )
         )
     if chunks and logprobs is not None:

@@ -161,7 +161,8 @@ class ConstraintSpec:
 
     @classmethod
     def tool_calls(cls, plan: str) -> ConstraintSpec:
-        """Tool calls in a model's format: `plan` is canonical JSON {"format", "mode" ("auto" |
+        """Tool calls in a model's format: `plan` is JSON, in a fixed key order with each tool's
+        properties in their declared order (the grammar keeps that order), {"format", "mode" ("auto" |
         "required"), "parallel", "tools": [{"name", "parameters" (a checked JSON Schema), "strict"}]}
         (built by agentrt/api/tools/validation.py; compiled as an xgrammar structural tag, see
         grammars/tool_calls.py)."""

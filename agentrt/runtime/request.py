@@ -180,7 +180,8 @@ class RequestOutput:
     values that were closed because they repeated themselves, in order (empty: none).
     closed_by_budget: with max_tokens_policy "close", True when the budget ran short and the output
     was steered onto the planner's closing path (its end is the shortest valid completion, not the
-    model's own; finish_reason stays "stop")."""
+    model's own; finish_reason stays "stop" here: the API reports "length" when what the budget
+    ended was free text beside tool calls, cut rather than closed, api/tools/parsing.py)."""
 
     request_id: str
     text: str

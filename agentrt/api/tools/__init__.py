@@ -19,6 +19,8 @@ naming the tool). ``required`` / a named tool: the whole output is one call (or 
 The package, in request order:
 
 - ``validation``: `tools` / `tool_choice` / tool turns -> ``ToolPlan`` (APIError naming the field);
+- ``turns``: the tool turns of Responses input items and Messages turns (call ids unique, each
+  answer to a call its API allows);
 - ``rendering``: the call format read from the chat template (``ToolPrompt``), tools and tool turns
   written into the prompt;
 - ``parsing``: ``ToolCallParser``, model text -> content and calls, incrementally (one machine for

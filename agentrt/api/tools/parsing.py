@@ -89,11 +89,25 @@ class ToolCallParser:
 
     _cut_off: bool = False
 
-    def close(self, finish_reason: str) -> tuple[list[ParseEvent], str]:
+    def close(self, finish_reason: str, closed_by_budget: bool = False) -> tuple[list[ParseEvent], str]:
         """`finish` at the end of an output that ended with `finish_reason`: the rest of the events,
-        and the finish_reason to report ("tool_calls" when calls were made and the output stopped)."""
+        and the finish_reason to report ("tool_calls" when calls were made and the output stopped).
+        closed_by_budget: max_tokens_policy "close" ended the output (RequestOutput.closed_by_budget);
+        when it ended in free text (nothing after the last call but whitespace counts as a call's
+        end) the text was cut, not closed: reported as "length", as without tools."""
+        if closed_by_budget and finish_reason == "stop" and self._in_free_text():
+            finish_reason = "length"
         events = self.finish(cut_off=finish_reason == "length")
         return events, "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
+
+    def _in_free_text(self) -> bool:
+        """Whether the text so far ends in free text: outside a call block, with text other than
+        whitespace since the last call (or no call at all)."""
+        if self._state != "text":
+            return False
+        return not self.calls or bool((self._content[self._content_at_call :] + self._buf).strip())
+
+    _content_at_call: int = 0  # len(content) when the last call started
 
     @property
     def content(self) -> str:
@@ -171,6 +185,7 @@ class ToolCallParser:
             return
         call = ToolCall(new_call_id(), name)
         self.calls.append(call)
+        self._content_at_call = len(self._content)
         ev.append(ParseEvent("call", index=len(self.calls) - 1, id=call.id, name=name))
         self._buf = self._buf[m.end() :]
         self._block = ""
@@ -234,6 +249,7 @@ class ToolCallParser:
             return
         call = ToolCall(new_call_id(), name, json.dumps(args if args is not None else {}, ensure_ascii=False))
         self.calls.append(call)
+        self._content_at_call = len(self._content)
         ev.append(ParseEvent("call", index=len(self.calls) - 1, id=call.id, name=name))
         ev.append(ParseEvent("args", call.arguments, index=len(self.calls) - 1))
         self._block = ""

@@ -46,7 +46,9 @@ class ToolPlan:
         return self.mode != "none"
 
     def constraint_value(self) -> str:
-        """The canonical JSON value of the "tool_calls" ConstraintSpec."""
+        """The JSON value of the "tool_calls" ConstraintSpec: its keys in a fixed order, each tool's
+        parameters in the order the request declares them (never sorted: property order is the order
+        the grammar makes the arguments follow, and the value is the compiled grammar's cache key)."""
         return json.dumps(
             {
                 "format": self.fmt.name,
@@ -57,7 +59,6 @@ class ToolPlan:
                     for t in self.tools
                 ],
             },
-            sort_keys=True,
             ensure_ascii=False,
             separators=(",", ":"),
         )
@@ -86,10 +87,12 @@ def plan_tools(
     constrained: bool = True,
 ) -> ToolPlan | None:
     """Validate `tools` / `tool_choice` (OpenAI's shapes). None when the request has no tools and
-    no tool_choice. Raises APIError (400) naming the field."""
-    if not tools:
-        if tool_choice not in (None, "none"):
-            raise APIError("tool_choice needs tools", param="tool_choice")
+    tool_choice is absent, "none" or "auto" (plain text). Raises APIError (400) naming the field."""
+    if not tools:  # "auto" over no tools is plain text (Responses objects echo that pair)
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError(
+                'tool_choice needs tools ("auto" or "none" without tools is plain text)', param="tool_choice"
+            )
         return None
     if len(tools) > MAX_TOOLS:
         raise APIError(f"at most {MAX_TOOLS} tools per request (as OpenAI), got {len(tools)}", param="tools")
