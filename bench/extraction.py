@@ -110,6 +110,9 @@ def main() -> None:
         "--llama-server", help="also benchmark this llama.cpp llama-server binary on the same GGUF"
     )
     ap.add_argument("--gguf", help="GGUF for llama-server (default: the registered model's file)")
+    ap.add_argument(
+        "--llama-server-arg", action="append", default=[], help="extra llama-server argument (e.g. --jinja)"
+    )
     args = ap.parse_args()
     docs = [json.loads(line) for line in (DATA / "docs.jsonl").read_text().splitlines()][: args.docs]
     schemas = {p.stem: json.loads(p.read_text()) for p in (DATA / "schemas").glob("*.json")}
@@ -140,6 +143,7 @@ def main() -> None:
                     str(4096 * slots),
                     "--host",
                     "127.0.0.1",
+                    *args.llama_server_arg,
                 ],
                 None,
             )

@@ -167,11 +167,6 @@ class ModelRunner:
         backend, backend_reason = choose_attention_backend(
             model_config.attention_backend, self.device, self.dtype, model_config.cache_dir
         )
-        if backend == "triton" and any(r.rotary_dim != self.arch.head_dim for r in self.arch.ropes):
-            raise ValueError(
-                f"attention backend triton: {self.arch.architecture} rotates part of each head (partial "
-                "rotary), which the Triton RoPE kernel does not; use --attention-backend torch"
-            )
         compiled = (
             model_config.compile_decode
             and not model_config.enforce_eager

@@ -207,6 +207,83 @@ def test_rope_and_store_matches_reference(num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(caches[1], caches[3])
 
 
+PARTIAL_ROPE_CASES = [  # (num_heads, num_kv_heads, head_dim, rotary_dim)
+    (8, 2, 64, 32),  # Phi-3 style: half the head rotated, GQA 4
+    (6, 2, 128, 96),  # Phi-4-mini: rotary_dim // 2 = 48 and 32 pass-through features
+    (4, 1, 40, 10),  # odd rotary half (5), 30 pass-through features, GQA 4
+    (4, 4, 64, 64),  # full rotary through the same test
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", PARTIAL_ROPE_CASES)
+def test_rope_and_store_partial_rotary(num_heads, num_kv_heads, head_dim, rotary_dim, dtype):
+    """Partial rotary (cos/sin tables [max_positions, rotary_dim // 2]): the first rotary_dim features of
+    q and k rotated as the reference and attention.apply_rope (transformers' Phi-3) rotate them, the
+    rest of q, k and all of v copied bit for bit; padding rows store nothing."""
+    from agentrt.runtime.attention import apply_rope
+    from agentrt.runtime.kernels.rope_store import rope_and_store, rope_and_store_ref
+
+    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
+    t = 9
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(t, sum(sizes), generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split(sizes, dim=-1)  # views of a fused projection: strided rows
+    q, k, v = (
+        q.view(t, num_heads, head_dim),
+        k.view(t, num_kv_heads, head_dim),
+        v.view(t, num_kv_heads, head_dim),
+    )
+    freqs = torch.outer(torch.arange(80.0), torch.rand(rotary_dim // 2, generator=gen)).to(DEVICE)
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 80, (t,), generator=gen).to(DEVICE)
+    slots = torch.randperm(20, generator=gen)[:t].to(DEVICE)
+    slots[4] = -1
+    caches = [torch.randn(20, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    before = caches[0].clone()
+    out = rope_and_store(q, k, v, cos, sin, positions, slots, caches[0], caches[1])
+    ref = rope_and_store_ref(q, k, v, cos, sin, positions, slots, caches[2], caches[3])
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), **tol)
+    assert torch.equal(caches[1], caches[3])
+
+    keep = slots >= 0
+    stored = slots[keep]
+    assert torch.equal(out[..., rotary_dim:], q[..., rotary_dim:])
+    assert torch.equal(caches[0][stored][..., rotary_dim:], k[keep][..., rotary_dim:])
+    assert torch.equal(caches[1][stored], v[keep])
+    untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    untouched[stored] = False
+    assert torch.equal(caches[0][untouched], before[untouched])
+
+    c, s = cos[positions], sin[positions]
+    torch.testing.assert_close(out.float(), apply_rope(q.float(), c, s), **tol)
+    torch.testing.assert_close(caches[0][stored].float(), apply_rope(k.float(), c, s)[keep], **tol)
+    if dtype == torch.float32 and DEVICE.type == "cpu":
+        # the interpreter rounds each op as torch does: the kernel is the reference bit for bit
+        assert torch.equal(out, ref) and torch.equal(caches[0], caches[2])
+
+
+def test_rope_and_store_rejects_bad_rotary_dims():
+    from agentrt.runtime.kernels.rope_store import rope_and_store, rope_and_store_ref
+
+    q, k, v = torch.zeros(2, 4, 32), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32)
+    caches = (torch.zeros(4, 2, 32), torch.zeros(4, 2, 32))
+    pos = slots = torch.zeros(2, dtype=torch.int64)
+    bad = [
+        (torch.zeros(8, 17), torch.zeros(8, 17)),  # rotary_dim 34 > head_dim 32
+        (torch.zeros(8, 0), torch.zeros(8, 0)),  # rotary_dim 0
+        (torch.zeros(8, 8), torch.zeros(8, 4)),  # cos and sin disagree
+    ]
+    for cos, sin in bad:
+        for fn in (rope_and_store, rope_and_store_ref):
+            args = [x.to(DEVICE) for x in (q, k, v, cos, sin, pos, slots, *caches)]
+            with pytest.raises(ValueError, match="rope_and_store"):
+                fn(*args)
+
+
 @pytest.mark.parametrize("vocab", [1000, 49152, 4097])
 def test_apply_token_bitmask_matches_reference_and_xgrammar(vocab):
     from agentrt.runtime.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_ref

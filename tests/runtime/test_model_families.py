@@ -197,9 +197,10 @@ def test_greedy_tokens_match_transformers_batched_cached_chunked_speculated(fami
     assert run(spec, prompts) == refs, f"{family}: n-gram speculation changed the tokens"
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen3_moe", "phi3"])
 def test_triton_path_logits_match_transformers(family_dirs, family):
-    """The Triton attention kernels (the interpreter on a CPU) with windows, sinks and per-layer RoPE."""
+    """The Triton attention kernels (the interpreter on a CPU) with windows, sinks, per-layer RoPE and
+    partial rotary (phi3)."""
     from agentrt.runtime.kernels import triton_usable
 
     if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
@@ -222,16 +223,6 @@ def test_triton_path_logits_match_transformers(family_dirs, family):
     expected = ref[[39, 59, *range(60, 64)]]
     err = (torch.cat(got) - expected).abs().max().item()
     assert err < 1e-4, f"{family} (triton): max logit error {err}"
-
-
-def test_partial_rotary_on_triton_is_a_clear_error(family_dirs):
-    with pytest.raises(ValueError, match="partial rotary"):
-        ModelRunner(
-            ModelConfig(
-                model=str(family_dirs["phi3"]), device="cpu", dtype="float32", attention_backend="triton"
-            ),
-            CacheConfig(kv_cache_bytes=8 << 20),
-        )
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -272,3 +263,74 @@ def test_cpu_int_kernels_stay_close_to_transformers(family_dirs, family, quantiz
     # positions), not that the formats are lossless. Measured: docs/benchmarks.md
     assert err < (0.75 if quantization == "int8" else 1.0) * scale
     assert agree >= (0.85 if quantization == "int8" else 0.35)
+
+
+def test_expert_load_is_exported_on_metrics(family_dirs):
+    engine = _engine(family_dirs["qwen3_moe"])
+    ids = list(range(100, 130))
+    engine.generate([(ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), None)])
+    text = engine.metrics.render().decode()
+    rows = [line for line in text.splitlines() if line.startswith("agentrt_moe_expert_tokens_total{")]
+    # layers 0 and 2 are MoE (mlp_only_layers=[1]), 4 experts each; every token picks 2 experts
+    assert {line.split('layer="')[1].split('"')[0] for line in rows} == {"0", "2"}
+    assert len(rows) == 8
+    per_layer = {}
+    for line in rows:
+        layer = line.split('layer="')[1].split('"')[0]
+        per_layer[layer] = per_layer.get(layer, 0) + float(line.rsplit(" ", 1)[1])
+    # 30 prompt tokens + 4 decoded inputs (the 5th token is sampled, never fed back), 2 experts each
+    assert per_layer == {"0": 2 * 34, "2": 2 * 34}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"act": "silu"},
+        {
+            "act": "swiglu_clamp",
+            "expert_bias": True,
+            "router_bias": True,
+            "limit": 0.5,
+            "routing": "topk_softmax",
+        },
+    ],
+)
+def test_moe_block_grouped_triton_path_matches_its_torch_path(kw):
+    """SparseMoE's CUDA path (the experts stacked into one Triton grouped GEMM, the interpreter on a
+    CPU) against its per-expert torch path on the same routing."""
+    from agentrt.runtime.kernels import triton_usable
+    from agentrt.runtime.layers.moe import SparseMoE, route
+
+    if not triton_usable(torch.device("cpu")):
+        pytest.skip("needs triton (TRITON_INTERPRET=1 on CPU)")
+    torch.manual_seed(5)
+    moe = SparseMoE(64, 32, num_experts=4, top_k=2, **kw)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(13, 64)
+    with torch.no_grad():
+        expected = moe(x)
+        weights, ids = route(moe.gate(x), moe.top_k, moe.routing, moe.renormalize)
+        got = moe.forward_grouped(x, weights, ids)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_sharded_checkpoint_loads_as_one(family_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = family_dirs["qwen3"]
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).save_pretrained(
+        str(sharded), max_shard_size="2MB"
+    )
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(sharded))
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    ids = list(range(200, 240))
+    out = []
+    for path in (src, sharded):
+        runner = ModelRunner(
+            ModelConfig(model=str(path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+        )
+        out.append(runner.execute([SeqChunk(ids, 0, runner.kv.allocate(len(ids)))]))
+    assert torch.equal(out[0], out[1])

@@ -1,6 +1,10 @@
 """Fused rotary position embedding + KV store: one kernel rotates the new tokens' queries and
 keys (RoFormer, Su et al. 2021, arXiv 2104.09864; the half-split layout of Llama/GPT-NeoX) and
-writes the keys and values into their KV pool slots, instead of four separate torch ops."""
+writes the keys and values into their KV pool slots, instead of four separate torch ops.
+
+Partial rotary (Phi-3 / Phi-4-mini, transformers' `partial_rotary_factor`): the cos/sin tables
+have rotary_dim // 2 columns with rotary_dim < head_dim; the first rotary_dim features of each q/k
+head are rotated (half-split within them) and the rest pass through unchanged."""
 
 from __future__ import annotations
 
@@ -40,7 +44,11 @@ def _rope_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
+    # HALF = rotary_dim // 2: features [0, HALF) pair with [HALF, 2 * HALF); features
+    # [2 * HALF, 2 * HALF + PASS) (partial rotary, PASS = head_dim - rotary_dim) are copied as is.
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -56,6 +64,13 @@ def _rope_store_kernel(
     op = QOut + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(op, (q1 * c - q2 * s).to(QOut.dtype.element_ty), mask=qm)
     tl.store(op + HALF, (q2 * c + q1 * s).to(QOut.dtype.element_ty), mask=qm)
+    if PASS > 0:
+        offs_p = tl.arange(0, BLOCK_PASS)
+        p_mask = offs_p < PASS
+        qpm = (offs_h < NUM_HEADS)[:, None] & p_mask[None, :]
+        qpp = Q + t * stride_qt + offs_h[:, None] * stride_qh + 2 * HALF + offs_p[None, :]
+        opp = QOut + t * stride_ot + offs_h[:, None] * stride_oh + 2 * HALF + offs_p[None, :]
+        tl.store(opp, tl.load(qpp, mask=qpm, other=0.0).to(QOut.dtype.element_ty), mask=qpm)
 
     slot = tl.load(SlotMapping + t)
     if slot >= 0:
@@ -71,6 +86,29 @@ def _rope_store_kernel(
         vc = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + offs_d[None, :]
         tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
         tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+        if PASS > 0:
+            offs_p = tl.arange(0, BLOCK_PASS)
+            kpm = (offs_kh < NUM_KV_HEADS)[:, None] & (offs_p < PASS)[None, :]
+            kpp = K + t * stride_kt + offs_kh[:, None] * stride_kh + 2 * HALF + offs_p[None, :]
+            kcp = KCache + slot * stride_kcs + offs_kh[:, None] * stride_kch + 2 * HALF + offs_p[None, :]
+            tl.store(kcp, tl.load(kpp, mask=kpm, other=0.0).to(KCache.dtype.element_ty), mask=kpm)
+            vpp = V + t * stride_vt + offs_kh[:, None] * stride_vh + 2 * HALF + offs_p[None, :]
+            vcp = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + 2 * HALF + offs_p[None, :]
+            tl.store(vcp, tl.load(vpp, mask=kpm, other=0.0).to(VCache.dtype.element_ty), mask=kpm)
+
+
+def _rotary_half(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
+    """rotary_dim // 2 of the cos / sin tables [max_positions, rotary_dim // 2]; ValueError unless
+    0 < rotary_dim <= head_dim (rotary_dim = 2 * columns is even by construction)."""
+    half = cos.shape[-1]
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope_and_store: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} tables differ")
+    if half < 1 or 2 * half > head_dim:
+        raise ValueError(
+            f"rope_and_store: rotary_dim {2 * half} (2 x the cos/sin columns) must be even, "
+            f"positive and at most head_dim {head_dim}"
+        )
+    return half
 
 
 def rope_and_store(
@@ -88,20 +126,23 @@ def rope_and_store(
     """Rotate q and k of T new tokens and store k, v into the pool.
 
     q: [T, H, D], k / v: [T, Hkv, D] (views of the fused QKV projection are fine: the last dim
-    must be contiguous); cos / sin: [max_positions, D // 2] fp32 tables; positions: [T] int64;
+    must be contiguous); cos / sin: [max_positions, rotary_dim // 2] fp32 tables, rotary_dim <= D
+    (< D: partial rotary, features [rotary_dim, D) of q and k pass through); positions: [T] int64;
     slot_mapping: [T] int64 pool slot per token (-1 = do not store: a padding row);
     k_cache / v_cache: [S, Hkv, D]. Math in fp32. Returns the rotated q [T, H, D] (`q_out` if
-    given, else a new tensor). Raises ValueError on an odd head_dim or a non-contiguous last dim.
+    given, else a new tensor). Raises ValueError on a rotary_dim of 0 or over D, cos / sin tables
+    of different shapes, or a non-contiguous last dim.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if head_dim % 2 or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("rope_and_store needs an even head_dim and contiguous head vectors")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("rope_and_store needs contiguous head vectors")
+    half = _rotary_half(cos, sin, head_dim)
     if q_out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
-    half = head_dim // 2
+    passthrough = head_dim - 2 * half
     _rope_store_kernel[(num_tokens,)](
         q,
         k,
@@ -132,18 +173,22 @@ def rope_and_store(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
+        PASS=passthrough,
+        BLOCK_PASS=triton.next_power_of_2(max(passthrough, 1)),
     )
     return q_out
 
 
 def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
-    """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes)."""
-    half = q.shape[-1] // 2
+    """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes); partial rotary
+    (rotary_dim = 2 * cos.shape[-1] < head_dim) leaves features [rotary_dim, head_dim) as they are."""
+    half = _rotary_half(cos, sin, q.shape[-1])
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
 
     def rot(x):
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        return torch.cat((out, x[..., 2 * half :]), dim=-1)
 
     keep = slot_mapping >= 0
     k_cache[slot_mapping[keep]] = rot(k)[keep].to(k_cache.dtype)

@@ -57,7 +57,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         fused = getattr(meta, "ops_fused", False)
         cos, sin = meta.rope_rows(rope) if fused else (None, None)
-        if fused and not self.cfg.qk_norm and 2 * cos.shape[-1] == self.head_dim:
+        if fused and 2 * cos.shape[-1] == self.head_dim:
+            if self.cfg.qk_norm:  # norm each head of q and k in place, then the one op below
+                q_end, k_end = self.q_size, self.q_size + self.kv_size
+                qkv[:, :q_end] = self.q_norm.forward_fused(qkv[:, :q_end], True)
+                qkv[:, q_end:k_end] = self.k_norm.forward_fused(qkv[:, q_end:k_end], True)
             # rotate q and k, write k and v to the pool: one C++ op
             q, k = torch.ops.agentrt_cpu.rope_store(
                 qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads

@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
             return (x * self.weight.float()).to(dtype)
         return self.weight * x.to(dtype)
 
+    def forward_fused(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """forward(x) over every `dim` features of x [..., n * dim] (a row of heads: q/k norm);
+        fused: the C++ rms_norm (float32 CPU), else the torch ops."""
+        dim = self.weight.shape[0]
+        if fused and self.kernel is None:
+            rows = x.contiguous().view(-1, dim)
+            return torch.ops.agentrt_cpu.rms_norm(rows, self.weight, self.eps).view(x.shape)
+        return self(x.reshape(-1, dim)).view(x.shape)
+
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,9 +79,9 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, k_cache, v_cache, meta, rope)
         if self.sandwich:  # Gemma: norm the attention output, then the MLP input; norm its output
             residual, h = self.pre_feedforward_layernorm.add_forward(
-                self.post_attention_layernorm(h), residual, fused
+                self.post_attention_layernorm.forward_fused(h, fused), residual, fused
             )
-            return self.post_feedforward_layernorm(self.mlp(h, fused)), residual
+            return self.post_feedforward_layernorm.forward_fused(self.mlp(h, fused), fused), residual
         residual, h = self.post_attention_layernorm.add_forward(h, residual, fused)
         return self.mlp(h, fused), residual
 
@@ -112,9 +112,14 @@ class DecoderModel(nn.Module):
 
     def init_rope(self) -> None:
         """(Re)compute the fp32 cos/sin tables [max_positions, rotary_dim // 2] of each RoPE on the
-        model's device (call after `to_empty` when the model was built on the meta device).
-        `rope_cos` / `rope_sin` are the first's (every layer's, in the Llama layout)."""
+        model's device, and zero the MoE expert-load counters (call after `to_empty` when the model
+        was built on the meta device). `rope_cos` / `rope_sin` are the first's (every layer's, in the
+        Llama layout)."""
         device = self.embed_tokens.weight.device
+        if device.type != "meta":
+            for m in self.modules():
+                if isinstance(m, SparseMoE):
+                    m.expert_tokens.zero_()
         for i, spec in enumerate(self.arch.ropes):
             cos, sin = (
                 (None, None) if device.type == "meta" else rope_tables(spec, self.max_positions, device)
