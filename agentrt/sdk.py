@@ -223,8 +223,8 @@ class LLM:
         max_rows, before anything is generated."""
         from agentrt.sql.dialect import dialect_name
         from agentrt.sql.introspect import dialect_of, introspect, open_database
-        from agentrt.sql.schema import load_schema
         from agentrt.sql.service import sql_constraint, sql_messages
+        from agentrt.sql.sources import load_schema
         from agentrt.sql.validate import QueryError, validate
         from agentrt.sql.validate import execute as run_query
 

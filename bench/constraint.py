@@ -259,12 +259,12 @@ def part2(model_dir: str, n_docs: int):
 
 def part3():
     from agentrt.grammars.finite import unproductive_rules
-    from agentrt.grammars.xgrammar_backend import _schema_ebnf
+    from agentrt.grammars.pipeline import schema_ebnf
 
     times, sizes, refused = [], [], 0
     for path in sorted((SHARED / "jsonschemabench" / "schemas").glob("*.json")):
         try:
-            ebnf = _schema_ebnf(
+            ebnf = schema_ebnf(
                 json.loads(path.read_text()), None, [], {"any_whitespace": False, "indent": None}
             )
         except ValueError:

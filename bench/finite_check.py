@@ -43,18 +43,18 @@ def main() -> None:
     args = ap.parse_args()
     import xgrammar as xgr
 
-    from agentrt.grammars.xgrammar_backend import _schema_ebnf
+    from agentrt.grammars.pipeline import schema_ebnf
 
     finite = _module(args.finite)
     ws = {"any_whitespace": False, "indent": None}
-    _schema_ebnf({"type": "object"}, None, [], ws)  # (first-use imports are not the conversion's time)
+    schema_ebnf({"type": "object"}, None, [], ws)  # (first-use imports are not the conversion's time)
     print("| grammar | EBNF chars | rules | conversion s | check_finite s | bound |")
     print("|---|---|---|---|---|---|")
     for n in args.sizes:
         props = {f"p{i}": {"type": "string"} for i in range(n)}
         schema = {"type": "object", "properties": props, "required": list(props)}
         t0 = time.perf_counter()
-        printed = str(xgr.Grammar.from_ebnf(_schema_ebnf(schema, None, [], ws)))
+        printed = str(xgr.Grammar.from_ebnf(schema_ebnf(schema, None, [], ws)))
         t1 = time.perf_counter()
         bound = finite.check_finite(printed)
         t2 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Shared fixtures: the default model (installed by `make test`), its engine, API client and server.
-Plain helpers and constants (ROOT, shared_path, chat_ids, ...) are in tests/helpers.py."""
+Plain helpers and constants (ROOT, shared_path, chat_ids, ...) are in tests/support/."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def default_model_dir() -> Path:
 def tiny_gqa_llama_dir(default_model_dir, tmp_path_factory):
     """A random-weight 2-layer Llama with grouped-query attention (8 query heads on 2 KV heads, hidden
     128) and the default model's tokenizer: the Triton path's end-to-end tests."""
-    from tests.helpers import make_tiny_model
+    from tests.support.models import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny-gqa") / "m",

@@ -64,7 +64,7 @@ def test_llm_sql_reports_a_query_cut_by_max_tokens_as_invalid(engine, music_db):
 
 def test_llm_sql_bad_database_is_a_clear_error(engine, tmp_path):
     from agentrt.sdk import LLM
-    from agentrt.sql.schema import SchemaError
+    from agentrt.sql.errors import SchemaError
 
     with pytest.raises(SchemaError, match="unsupported database"):
         LLM.from_engine(engine).sql(QUESTION, "mysql://x/y")

@@ -3,7 +3,12 @@
 
     routes.py     HTTP handlers: parse -> serving -> response
     serving.py    request -> engine (sampling params, constraint, tool plan) -> result
+    generation.py Generation, ServingResult, ResponseShape (what serving passes between its parts)
+    disconnect.py client_gone: a request's work cancelled when its client leaves
+    chat_shape.py chat and text completions bodies (ChatShape)
     streaming.py  SSE chunks (content and tool-call deltas)
+    responses/    /v1/responses: request.py (the request, its translation), shape.py (the response)
+    messages/     /v1/messages: request.py (the request, its translation), shape.py (the Message)
     errors.py     typed errors -> HTTP status and OpenAI's error shape; the exception handlers
     middleware.py API keys, body-size limit (pure ASGI) and ServerOptions
     protocol.py   request models (pydantic)

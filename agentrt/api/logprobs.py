@@ -29,9 +29,9 @@ class TokenPieces:
 
     @classmethod
     def of_engine(cls, engine) -> TokenPieces:
-        """From an Engine (its grammar backend's tokenizer info and its tokenizer's special ids)."""
+        """From an AsyncEngine (its `decoded_vocab` and its tokenizer's special ids)."""
         special = set(getattr(engine.tokenizer, "all_special_ids", None) or [])
-        return cls(engine.grammar.info.decoded_vocab, special)
+        return cls(engine.decoded_vocab, special)
 
     def bytes(self, token_id: int) -> bytes:
         """The token's bytes (b"" for an id outside the vocabulary)."""

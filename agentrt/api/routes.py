@@ -12,10 +12,12 @@ from importlib.metadata import version as package_version
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agentrt.api.disconnect import client_gone
+from agentrt.api.generation import ServingResult
 from agentrt.api.messages import MessagesRequest, create_message
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from agentrt.api.responses import ResponsesRequest, create_response
-from agentrt.api.serving import OpenAIServing, ServingResult, client_gone
+from agentrt.api.serving import OpenAIServing
 
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LOG_REQUEST_MAX_CHARS = 4000
@@ -120,12 +122,12 @@ async def completions(req: CompletionRequest, raw: Request) -> Response:
 
 
 async def responses(req: ResponsesRequest, raw: Request) -> Response:
-    """OpenAI's Responses API (agentrt/api/responses.py): no server-side state."""
+    """OpenAI's Responses API (agentrt/api/responses/): no server-side state."""
     _log_request(raw, req)
     return _respond(await create_response(_serving(raw), req, client_gone(raw.receive)))
 
 
 async def messages(req: MessagesRequest, raw: Request) -> Response:
-    """Anthropic's Messages API (agentrt/api/messages.py); errors in Anthropic's shape (errors.py)."""
+    """Anthropic's Messages API (agentrt/api/messages/); errors in Anthropic's shape (errors.py)."""
     _log_request(raw, req)
     return _respond(await create_message(_serving(raw), req, client_gone(raw.receive)))

@@ -6,11 +6,9 @@ Per request: validate (tools, tool turns), render the chat template and tokenize
 loop), build a `Generation` (sampling params, the one constraint, the tool plan), submit it to the
 AsyncEngine (which validates, compiles the constraint once and queues), then stream or collect.
 
-The client is watched the whole time (`ClientGone`, a task waiting for the ASGI disconnect message,
-not a poll between outputs): when it leaves, the request's work is cancelled wherever it is
-(tokenizing, waiting for its constraint to compile: it never starts; queued or running: the engine
-aborts it before its next step, freeing its KV slots, radix-tree locks and grammar matcher), for
-streamed and non-streamed requests alike.
+The result is rendered by a ResponseShape (generation.py): chat and text completions by
+chat_shape.py, the Responses and Messages APIs by their own. The client is watched the whole time
+(disconnect.py): when it leaves, the request's work is cancelled wherever it is.
 """
 
 from __future__ import annotations
@@ -18,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
 
+from agentrt.api.chat_shape import ChatShape
+from agentrt.api.disconnect import ClientGone, while_connected
 from agentrt.api.errors import APIError, to_api_error
-from agentrt.api.logprobs import LogprobStream, TokenPieces, chat_logprobs, completion_logprobs
+from agentrt.api.generation import Generation, ResponseShape, ServingResult, renamed
 from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import (
     ChatCompletionRequest,
@@ -31,99 +29,13 @@ from agentrt.api.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     _CommonRequest,
-    usage,
 )
 from agentrt.api.sql_constraint import SQLTarget, add_sql_checks, sql_target
-from agentrt.api.streaming import ChunkWriter, stream_events
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
-from agentrt.errors import AgentrtError, ConstraintError, InternalError, InvalidRequestError
-from agentrt.grammars.spec import ConstraintSpec
+from agentrt.errors import ConstraintError, InvalidRequestError
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
-from agentrt.runtime.request import RequestOutput, SamplingParams
+from agentrt.runtime.request import RequestOutput
 from agentrt.sql.service import SQLDatabases
-
-ClientGone = Callable[[], Awaitable[object]]
-"""Returns when the client has gone (its connection closed); the caller cancels it when it no
-longer needs to know. `client_gone(receive)` makes one from an ASGI `receive`."""
-
-
-def client_gone(receive: Callable[[], Awaitable[Mapping]]) -> ClientGone:
-    """A ClientGone over an ASGI `receive` callable: waits for its "http.disconnect" message. Use it
-    once the request body has been read (a route's parsed body): the server then sends nothing else,
-    and several waiters may share one `receive` (uvicorn answers every call after a disconnect)."""
-
-    async def wait() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One request as the engine runs it, and what its response needs.
-
-    constraint_param: the request field named when the constraint fails to compile ("" when none);
-    tools: the tool plan when the output may hold tool calls (None: plain text); param_names: the
-    engine's field names -> this request's (the chat API's prompt is its "messages", its max_tokens
-    may be "max_completion_tokens")."""
-
-    request_id: str
-    chat: bool
-    prompt_ids: list[int]
-    params: SamplingParams
-    constraint: ConstraintSpec | None
-    constraint_param: str
-    tools: ToolPlan | None
-    param_names: Mapping[str, str]
-    cache_salt: str
-    stream: bool
-    include_usage: bool
-    n: int = 1
-
-    def api_error(self, e: AgentrtError | None, default_param: str | None = None) -> APIError:
-        """The HTTP error of a failed request (None: a failure without a reason), naming the field
-        as this request calls it; default_param: the field when the error names none."""
-        if e is None:
-            e = InternalError("generation failed")
-        if isinstance(e, ConstraintError) and default_param is None:  # e.g. every token masked mid-output
-            default_param = self.constraint_param or None
-        param = (e.param or default_param) if isinstance(e, InvalidRequestError) else None
-        return to_api_error(e, self.param_names.get(param, param))
-
-
-@dataclass(frozen=True)
-class ServingResult:
-    """What a request gives back: a complete JSON `body`, or the SSE `events` of a stream (and the
-    engine `streams` behind them, one per choice, to abort them when the events are never read);
-    `headers` either way (X-Agentrt-Not-Enforced names schema keywords dropped under strict: false)."""
-
-    body: dict | None = None
-    events: AsyncIterator[str] | None = None
-    headers: dict[str, str] | None = None
-    streams: tuple[RequestStream, ...] = ()
-
-
-class ResponseShape(Protocol):
-    """How an API other than chat completions (Responses, Messages) shows a chat generation: the
-    request is translated to a ChatCompletionRequest, run by `OpenAIServing.chat(..., shape=)`, and
-    its result rendered by the shape (n is always 1)."""
-
-    def body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
-        """The complete response of a finished generation."""
-        ...
-
-    def events(
-        self, gen: Generation, stream: RequestStream, first: RequestOutput, created: int
-    ) -> AsyncIterator[str]:
-        """The SSE events of a streamed generation, `first` (its first output) included; errors
-        after the first output (gen.api_error) become an error event. Closing it aborts `stream`."""
-        ...
-
-    def param(self, name: str | None) -> str | None:
-        """This API's name for a chat completions request field ("messages", "tools[0]...",
-        "response_format.json_schema.schema"), to name it in errors."""
-        ...
 
 
 class OpenAIServing:
@@ -143,15 +55,8 @@ class OpenAIServing:
         limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
         self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
         # a JSON Schema over the compile limit is refused before its (costly) meta-schema check
-        self._max_constraint_bytes = engine.engine.config.grammar.max_constraint_bytes
-        self._pieces: TokenPieces | None = None
-
-    @property
-    def pieces(self) -> TokenPieces:
-        """Token texts and bytes for logprobs (built at the first request that asks)."""
-        if self._pieces is None:
-            self._pieces = TokenPieces.of_engine(self.engine.engine)
-        return self._pieces
+        self._max_constraint_bytes = engine.grammar_config.max_constraint_bytes
+        self.chat_shape = ChatShape(model_name, engine)
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
@@ -234,14 +139,13 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, gone: ClientGone, shape: ResponseShape | None = None
     ) -> ServingResult:
         """/v1/chat/completions; `gone` returns when the client leaves (its work is then cancelled);
-        `shape` renders the result for another API (None: chat completions). Raises APIError (4xx
-        naming the field, in the shape's names; 499 when the client left) or an AgentrtError the
-        engine raised (QueueFullError, RequestTimeoutError, ServiceUnavailableError while shutting
-        down, ...)."""
-        if shape is None:
-            return await _while_connected(self._chat(req), gone)
+        `shape` renders the result for another API (None: chat completions, `chat_shape`). Raises
+        APIError (4xx naming the field, in the shape's names; 499 when the client left) or an
+        AgentrtError the engine raised (QueueFullError, RequestTimeoutError,
+        ServiceUnavailableError while shutting down, ...)."""
+        shape = self.chat_shape if shape is None else shape
         try:
-            return await _while_connected(self._chat(req, shape), gone)
+            return await while_connected(self._chat(req, shape), gone)
         except (APIError, InvalidRequestError) as e:  # e.g. a prompt beyond the context
             error = renamed(e if isinstance(e, APIError) else to_api_error(e, e.param), shape)
             if error is e:
@@ -251,9 +155,9 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, gone: ClientGone) -> ServingResult:
         """/v1/completions (one prompt: text, a one-element list of text, or token ids). Raises as
         `chat`."""
-        return await _while_connected(self._completion(req), gone)
+        return await while_connected(self._completion(req), gone)
 
-    async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape | None = None) -> ServingResult:
+    async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape) -> ServingResult:
         self.check_model(req.model)
         # tools, tool turns and the template: client-sized work, off the event loop
         plan, prompt_ids = await asyncio.to_thread(self._chat_prompt, req)
@@ -265,8 +169,7 @@ class OpenAIServing:
         gen = await asyncio.to_thread(
             self._generation, req, True, prompt_ids, max_tokens, plan, names, target
         )
-        result = await self._run(gen, shape)
-        return result if shape is not None else await add_sql_checks(result, target)
+        return await add_sql_checks(await self._run(gen, shape), target)
 
     async def _completion(self, req: CompletionRequest) -> ServingResult:
         self.check_model(req.model)
@@ -287,7 +190,7 @@ class OpenAIServing:
         gen = await asyncio.to_thread(
             self._generation, req, False, prompt_ids, req.max_tokens, None, {"prompt": "prompt"}, target
         )
-        return await add_sql_checks(await self._run(gen), target)
+        return await add_sql_checks(await self._run(gen, self.chat_shape), target)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, list[int]]:
         """The tool plan (tools and tool_choice checked, parameter schemas meta-validated) and the
@@ -376,7 +279,7 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise gen.api_error(e, default_param=gen.param_names["prompt"]) from None
 
-    async def _run(self, gen: Generation, shape: ResponseShape | None = None) -> ServingResult:
+    async def _run(self, gen: Generation, shape: ResponseShape) -> ServingResult:
         """Submit `gen` (its n choices), wait for the first outputs, then return the events
         (streamed) or the body made from the last outputs. Choices after the first are submitted
         once the first has its first output: its prompt's KV is then in the radix tree, so the
@@ -408,25 +311,7 @@ class OpenAIServing:
             not_enforced = streams[0].not_enforced
             headers = {"X-Agentrt-Not-Enforced": ", ".join(not_enforced)} if not_enforced else None
             if gen.stream:
-                if shape is not None:
-                    events = shape.events(gen, streams[0], firsts[0], created)
-                else:
-                    writer = ChunkWriter(
-                        gen.request_id,
-                        created,
-                        self.model_name,
-                        gen.chat,
-                        gen.include_usage,
-                        repair=gen.params.repetition_repair,
-                        close=gen.params.max_tokens_policy == "close",
-                    )
-                    parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in gens]
-                    logprobs = (
-                        [LogprobStream(self.pieces, gen.chat) for _ in gens]
-                        if gen.params.logprobs is not None
-                        else None
-                    )
-                    events = stream_events(streams, firsts, writer, parsers, gen.api_error, logprobs)
+                events = shape.events(gen, streams, firsts, created)
                 return ServingResult(events=events, headers=headers, streams=tuple(streams))
             lasts = [await _collect(stream, first) for stream, first in zip(streams, firsts)]
         except BaseException:
@@ -436,54 +321,7 @@ class OpenAIServing:
         for last in lasts:
             if last.finish_reason == "error":
                 raise gen.api_error(last.error)
-        if shape is not None:
-            body = shape.body(gen, lasts[0], created, not_enforced)
-        else:
-            body = self._body(gen, lasts, created, not_enforced)
-        return ServingResult(body=body, headers=headers)
-
-    def _body(
-        self, gen: Generation, lasts: list[RequestOutput], created: int, not_enforced: list[str]
-    ) -> dict:
-        """The non-streamed response of a finished request (one choice per output). With logprobs,
-        every generated token's (the final stop token included, as counted in usage; with tool
-        calls, the tokens of the calls too, all under `content`, as vLLM does)."""
-        choices = []
-        for i, last in enumerate(lasts):
-            choice: dict = {"index": i, "finish_reason": last.finish_reason, "logprobs": None}
-            if last.logprobs is not None:
-                make = chat_logprobs if gen.chat else completion_logprobs
-                choice["logprobs"] = make(self.pieces, last.logprobs)
-            if gen.chat:
-                choice["message"], choice["finish_reason"] = _message(last, gen.tools)
-            else:
-                choice["text"] = last.text
-            if gen.params.repetition_repair:  # agentrt's extension: the values closed as runaways
-                choice["agentrt_repaired"] = list(last.repaired)
-            if gen.params.max_tokens_policy == "close":  # agentrt's extension: closed (not cut) by the budget
-                choice["agentrt_closed_by_budget"] = (
-                    last.closed_by_budget and choice["finish_reason"] != "length"
-                )
-            choices.append(choice)
-        body = {
-            "id": gen.request_id,
-            "object": "chat.completion" if gen.chat else "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage(*lasts),
-        }
-        if not_enforced:
-            body["not_enforced"] = not_enforced
-        return body
-
-
-def renamed(e: APIError, shape: ResponseShape) -> APIError:
-    """`e` with its param, and the param's mentions in its message, in `shape`'s names."""
-    name = shape.param(e.param)
-    if e.param and name != e.param:
-        e.message, e.param = e.message.replace(e.param, name), name
-    return e
+        return ServingResult(body=shape.body(gen, lasts, created, not_enforced), headers=headers)
 
 
 async def _collect(stream: RequestStream, first: RequestOutput) -> RequestOutput:
@@ -492,79 +330,6 @@ async def _collect(stream: RequestStream, first: RequestOutput) -> RequestOutput
     async for out in stream:
         last = out
     return last
-
-
-async def _while_connected(work: Coroutine[Any, Any, ServingResult], gone: ClientGone) -> ServingResult:
-    """Run `work` (one request) while waiting for the client to leave. When it leaves first, `work` is
-    cancelled (which aborts its request wherever it is) and APIError 499 is raised. A streamed
-    result keeps the watch until its events end: its request is aborted when the client leaves even
-    if the events are never read (the response may be cancelled before it starts)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
-        raise
-    if not task.done():  # the client left first
-        task.cancel()
-        await asyncio.wait((task,))
-    if watch.done():
-        _retrieve(watch)
-        if not task.cancelled() and task.exception() is None:
-            for stream in task.result().streams:
-                stream.cancel()  # finished just as the client left: nobody reads it
-        if task.cancelled() or task.exception() is None:
-            raise APIError("client disconnected", status=499)
-    try:
-        result = task.result()
-    except BaseException:
-        watch.cancel()
-        raise
-    if not result.streams:
-        watch.cancel()
-        return result
-    streams = result.streams
-
-    def on_gone(w: asyncio.Future) -> None:
-        if not w.cancelled():
-            _retrieve(w)
-            for stream in streams:
-                stream.cancel()
-
-    watch.add_done_callback(on_gone)
-    return replace(result, events=_watched(result.events, watch))
-
-
-async def _watched(events: AsyncIterator[str], watch: asyncio.Future) -> AsyncIterator[str]:
-    """`events`, then the end of `watch` (the wait for the client to leave)."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        watch.cancel()
-        await events.aclose()
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark a finished future's exception as retrieved (a wait that failed counts as the client gone)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
-    """(the assistant message, the finish_reason to report) of a finished chat output; with a tool
-    plan the text is parsed into content and tool_calls."""
-    if plan is None:
-        return {"role": "assistant", "content": last.text}, last.finish_reason
-    parser = plan.new_parser()
-    parser.feed(last.text)
-    _, finish = parser.close(last.finish_reason, last.closed_by_budget)
-    message = {"role": "assistant", "content": parser.content or None}
-    if parser.calls:
-        message["tool_calls"] = [c.as_openai() for c in parser.calls]
-    return message, finish
 
 
 def _encode(tokenizer, text: str, param: str, bound: PromptBound | None = None) -> list[int]:

@@ -14,7 +14,7 @@ from agentrt.sql.dialect import dialect_name
 from agentrt.sql.service import SQLDatabases
 
 if TYPE_CHECKING:
-    from agentrt.api.serving import ServingResult
+    from agentrt.api.generation import ServingResult
 
 
 class SQLTarget(NamedTuple):
@@ -34,7 +34,7 @@ async def sql_target(databases: SQLDatabases | None, sql: SQLConstraint) -> SQLT
     unknown database, a schema that is empty, unparsable or too large, a dialect that disagrees
     with the named database's, a table `tables` names that the schema lacks; 503 (the server's
     side, retryable) when a named database asked to `refresh` cannot be reached."""
-    from agentrt.sql.schema import DatabaseUnreachableError, SchemaError
+    from agentrt.sql.errors import DatabaseUnreachableError, SchemaError
     from agentrt.sql.service import schema_from_request, sql_constraint
 
     if (sql.schema_ is None) == (sql.database is None):

@@ -1,50 +1,37 @@
 """Constraint compiles in child processes that can be killed at their deadline.
 
-xgrammar compiles in C++ without a cancellation point. In a thread, a compile past
-`compile_timeout_s` was answered (400) but kept running: two requests with schemas that take
-minutes (an `anyOf` of 2,000 objects, an object with 5,000 required properties) held the compile
-threads and every new constraint on the server got a 503 for minutes. The same held for the
-Python work before the compile (JSON Schema normalization and conversion, regex / Lark -> EBNF,
-tool-call structural tags, the finite-output check), which also holds the GIL: measured with two
-3,000-rule `grammar` constraints and a 10 s limit when only xgrammar's compile ran here, every new
-constraint got a 503 from 38 s to past 97 s, the conversion still running on unkillable threads.
-So the child runs the whole pipeline, `xgrammar_backend.build_constraint` (spec -> grammar ->
-finite check -> compile): the deadline covers all of it (same test: both 400 at 10 and 15 s, every
-new constraint compiled meanwhile).
+xgrammar compiles in C++ without a cancellation point, and the Python work before it (JSON Schema
+normalization and conversion, regex / Lark -> EBNF, tool-call structural tags, the finite-output
+check) holds the GIL: on a thread neither can be stopped. So a child process runs the whole
+pipeline, `pipeline.build_constraint` (spec -> grammar -> finite check -> compile), and the
+deadline covers all of it.
 
-A `Zygote` is a small single-threaded helper process (`python -m agentrt.grammars.compile_child`)
-holding xgrammar, the tokenizer's `TokenizerInfo` and the conversion's modules (loaded once before
-any fork: importing jsonschema alone takes ~2 s). For each compile it forks a child (a fork of a
-single-threaded process is safe; forking the multi-threaded server is not: a child can inherit a
-lock another thread holds, and hang). The child receives the spec (kind, value, strict) and the
-JSON layout options, runs the pipeline, and sends back over its own socket, whose other end the
-zygote hands to the server (SCM_RIGHTS): the grammar as EBNF text (xgrammar's own printing of
-it, which `Grammar.from_ebnf` reads back exactly) with the keywords dropped under best effort and
-the forced-text bound, once the child has compiled it (the proof that the compile ends within the
-deadline); or the ConstraintError's fields (message, param, keyword, JSON pointer, tool index),
-raised here as they were; or the traceback of an unexpected exception (CompileChildError: a bug,
-not a 400). Past the deadline the server kills the child; its CPU time (/proc) tells an expensive
-constraint (400) from a starved one (503). The child lowers its priority to the calling compile
-thread's nice value.
+What runs where: a `Zygote` is a small single-threaded helper process (`python -m
+agentrt.grammars.compile_child`) holding xgrammar, the tokenizer's `TokenizerInfo` and the
+pipeline's modules, loaded once before any fork. For each compile it forks a child (a fork of a
+single-threaded process is safe; a fork of the multi-threaded server could inherit a lock another
+thread holds, and hang). The child lowers its priority to the calling compile thread's nice value
+and may grow its address space by at most `memory_bytes` past the zygote's (RLIMIT_AS).
 
-Why the text and not the compiled grammar: the server compiles the grammar again from its text
-(xgrammar_backend.GrammarBackend: the same work the child just finished, so bounded by the same
-deadline; xgrammar releases the GIL while it compiles, measured: the event loop's longest pause
-5 ms during a 3 s compile). xgrammar's JSON serialization of a grammar is not proportional to it:
-measured on this box, the schema-aware SQL grammar of a 4-table Spider database (274 kB of EBNF,
-compiled in 1.0 s, 9 MB in memory) serialized to 1.1 GB of JSON in 87 s, a bounded variant of it
-ran out of memory (std::bad_alloc past 8 GB), and so did one JSONSchemaBench sample schema; another
-(0.1 s to compile, 0.6 MB) took 5.3 s to serialize and load. Its printed EBNF is 22 kB for a
-schema whose serialization is 18 MB, and reads back in 7 ms. Over a third of the JSONSchemaBench
-sample the compile and the serialize+load cost the same in total (13 s each), so compiling twice
-costs about what the transfer did, without its blow-ups.
+What crosses the process boundary: to the child, the spec (kind, value, strict) and the JSON
+layout options as JSON; back, over the child's own socket, whose other end the zygote hands to the
+server (SCM_RIGHTS), one of: the grammar as EBNF text (xgrammar's own printing of it, which
+`Grammar.from_ebnf` reads back exactly) with the keywords dropped under best effort, the
+forced-text bound and the unique-strings plan, sent once the child has compiled it (the proof that
+the compile ends within the deadline); the ConstraintError's fields (message, param, keyword, JSON
+pointer, tool index), raised here as they were; or the traceback of an unexpected exception. The
+compiled grammar does not cross: the server compiles the EBNF again (GrammarBackend in
+xgrammar_backend.py: the work the child just finished, so bounded by the same deadline; xgrammar
+releases the GIL while it compiles), because xgrammar's serialization of a compiled grammar is not
+proportional to it (docs/benchmarks.md, "The compile child sends EBNF text").
 
-Costs, 2-core dev box, SmolLM2's 49k vocabulary: the zygote starts in ~5 s on an idle box
-(importing xgrammar imports torch), ~2 s more with the conversion's modules, and holds ~300 MB
-(measured on a loaded box, load ~5: 13.2 s and 305 MB RSS vs 8.1 s and 283 MB when it loaded
-xgrammar only); per compile a fork and the transfers (a small JSON Schema, same loaded box: 0.26 s
-in a child vs 0.13 s in process). POSIX only; GrammarConfig.compile_in_child turns it off (the same
-pipeline then runs on the compile thread, unkillable).
+Limits and errors: past the deadline the server kills the child and raises CompileTimeout with
+the CPU time it used (/proc), which tells an expensive constraint (400) from a starved one (503);
+a compile past the memory budget is a ConstraintError naming the limit; a bug in the child is
+CompileChildError (not a 400); a zygote or child that died is RuntimeError. The zygote takes
+seconds to start and holds ~300 MB; a compile in a child costs a fork and the transfers
+(docs/benchmarks.md, "All of a compile in the child"). POSIX only; GrammarConfig.compile_in_child
+turns it off (the same pipeline then runs on the compile thread, unkillable).
 """
 
 from __future__ import annotations
@@ -64,30 +51,16 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import NamedTuple
 
 import xgrammar as xgr
 
 from agentrt.errors import ConstraintError
 from agentrt.grammars.finite import ForcedBound
+from agentrt.grammars.pipeline import Built, build_constraint, spec_grammar
 from agentrt.grammars.spec import ConstraintSpec
 
 _HEADER = struct.Struct("!Q")
 _OK, _ERROR, _FAULT = b"O", b"E", b"F"
-
-
-class Built(NamedTuple):
-    """What one constraint compiles to (xgrammar_backend.build_constraint), here or in a child:
-    the compiled grammar (None when it comes from a child: compile `ebnf` again), the grammar's
-    EBNF text (xgrammar's printing, root rule "root"), the keywords dropped under best effort
-    ("keyword at /pointer"), and the bound on text the grammar can force (grammars/finite.py;
-    None: unknown)."""
-
-    grammar: xgr.CompiledGrammar | None
-    ebnf: str
-    not_enforced: list[str]
-    forced_bound: ForcedBound | None
-    unique_plan: list | None = None  # the unique-strings check's plan (grammars/unique_items.py)
 
 
 class CompileChildError(Exception):
@@ -135,7 +108,7 @@ class Zygote:
             self._ensure_started()
 
     def compile(self, spec: ConstraintSpec, ws: dict, deadline: float, nice: int = 0) -> Built:
-        """`xgrammar_backend.build_constraint(spec, ws, GrammarCompiler(info))` in a child at `nice`:
+        """`pipeline.build_constraint(spec, ws, GrammarCompiler(info))` in a child at `nice`:
         all of it (JSON parsing, schema normalization and conversion, the finite check, the
         compile) is bounded by `deadline`, time.monotonic() after which the child is killed. The
         result's `grammar` is None: the caller compiles `ebnf` (see the module docstring).
@@ -314,14 +287,13 @@ def _zygote_main(fd: int) -> None:
 
 
 def _warm_up() -> None:
-    """Load once, before any fork, what a compile imports on first use: the backend's pipeline,
-    jsonschema (~2 s: its format checkers build Lark parsers at import), lark, the tool formats;
-    and convert one small schema (the normalizer's lazy set-up). Single-threaded, so forks stay
-    safe. A failure here is left to the compile that meets it."""
+    """Load once, before any fork, what a compile imports on first use beside the pipeline (imported
+    with this module): jsonschema (its format checkers build Lark parsers at import), lark, the
+    tool formats; and convert one small schema (the normalizer's lazy set-up). Single-threaded, so
+    forks stay safe. A failure here is left to the compile that meets it."""
     with contextlib.suppress(Exception):
         import agentrt.grammars.lark_grammar
         import agentrt.grammars.tool_calls  # noqa: F401
-        from agentrt.grammars.xgrammar_backend import spec_grammar
 
         schema = '{"type":"object","properties":{"a":{"type":"string","pattern":"^a"}},"required":["a"]}'
         spec_grammar(ConstraintSpec("json_schema", schema), [], {"any_whitespace": False, "indent": None})
@@ -351,8 +323,6 @@ def _child(
 def _run_job(info: xgr.TokenizerInfo, job_json: bytes, memory: int | None = None) -> bytes:
     """The answer to one compile job (the format Zygote._load reads). Running out of the memory
     budget (MemoryError: Python's, or xgrammar's std::bad_alloc) is the constraint's error."""
-    from agentrt.grammars.xgrammar_backend import build_constraint  # (loaded by _warm_up)
-
     try:
         job = json.loads(job_json)
         spec = ConstraintSpec(job["kind"], job["value"], job["strict"])

@@ -1,6 +1,8 @@
-"""Instance-level conformance of compiled JSON-Schema constraints: feed valid and invalid instances
-(in the grammar's canonical form) through a matcher and count agreement with the schema. Used by the
-test suite and `bench/schema_conformance.py`."""
+"""Checks of compiled constraints against texts. `accepts`: does a fresh matcher of a compiled
+constraint take a whole text and end there (any constraint kind; the grammar, SQL and tool-call
+tests use it). `check_schema` and its `Counts`: a JSON Schema's conformance, valid and invalid
+instances (in the grammar's canonical form, json_schema/canonical.py) fed through a matcher and
+counted against the schema's verdict (tests/grammars, `bench/constraint.py`)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ class Counts:
     rejected_invalid: int = 0
     rejected_valid: int = 0  # over-narrow: sound, but a valid answer the grammar cannot produce
     # of those, instances with a character JSON escapes (quote, backslash, control) under a schema
-    # with maxLength/minLength: the documented limit of length-bounded strings (xgrammar_backend)
+    # with maxLength/minLength: the documented limit of length-bounded strings (grammars/pipeline.py)
     rejected_valid_escaped: int = 0
     accepted_invalid: int = 0  # unsound: the grammar lets an invalid instance through
     compile_s: list = field(default_factory=list)

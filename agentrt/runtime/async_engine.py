@@ -26,7 +26,7 @@ from agentrt.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from agentrt.grammars.spec import ConstraintSpec
+from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import CompiledConstraint
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.engine import Engine
@@ -144,6 +144,17 @@ class AsyncEngine:
     def runner(self):
         """The engine's ModelRunner (device, dtype, KV pool, memory plan: read-only use)."""
         return self.engine.runner
+
+    @property
+    def grammar_config(self) -> GrammarConfig:
+        """The engine's constraint settings (compile limits, e.g. max_constraint_bytes: read-only use)."""
+        return self.engine.config.grammar
+
+    @property
+    def decoded_vocab(self) -> list[bytes]:
+        """Each token id's raw bytes as the grammar backend decodes the vocabulary (xgrammar's
+        TokenizerInfo.decoded_vocab: one entry per logit row; read-only use)."""
+        return self.engine.grammar.info.decoded_vocab
 
     def metrics_text(self) -> bytes:
         """The engine's Prometheus metrics (text exposition format)."""

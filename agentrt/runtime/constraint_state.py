@@ -1,13 +1,24 @@
-"""A constrained request's grammar state: its matcher, the length policy's closing guard and
-jump-forward, behind one object so the engine never reaches into the pieces."""
+"""A constrained request's grammar state and its lifecycle in the engine. `ConstraintState`: its
+matcher, the length policy's closing guard and jump-forward, behind one object so the engine never
+reaches into the pieces. `ConstraintSteps`: what one engine does with it, from the compiled
+constraint to the request's end: setting the state up (closing guard, runaway-value repair), the
+per-token constraint step around each output token, and dropping the state when the request ends."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from agentrt.errors import AgentrtError, ConstraintError, InvalidRequestError
 from agentrt.grammars.finite import ForcedBound
 from agentrt.grammars.jump_forward import FAST_MAX_CHARS, ForcedTextFinder, forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard
+from agentrt.runtime.repetition import REPAIRABLE_KINDS, RepetitionConfig, RepetitionGuard, vocab_bytes
+
+if TYPE_CHECKING:
+    from agentrt.grammars.spec import GrammarConfig
+    from agentrt.grammars.xgrammar_backend import CompiledConstraint, GrammarBackend
+    from agentrt.runtime.metrics import EngineStats
+    from agentrt.runtime.request import Request, TokenLogprob
 
 
 class Accepted(NamedTuple):
@@ -157,3 +168,101 @@ class ConstraintState:
         move(lo)
         closing.path = found[lo] if lo else verified
         return ids[:lo]
+
+
+class ConstraintSteps:
+    """One engine's constraint steps (engine thread only). grammar: the engine's GrammarBackend;
+    stop_ids: the model's stop ids (a closing path ends with the first); tokenizer: for
+    jump-forward's token ids; config: the engine's GrammarConfig (its `jump_forward`, read at each
+    token); stats: the engine's EngineStats (length-forced and jump-forward token counts)."""
+
+    def __init__(
+        self,
+        grammar: GrammarBackend,
+        stop_ids: tuple[int, ...],
+        tokenizer,
+        config: GrammarConfig,
+        stats: EngineStats,
+    ):
+        self.grammar, self.stop_ids, self.tokenizer = grammar, stop_ids, tokenizer
+        self.config, self.stats = config, stats
+        self._vocab_bytes: list[bytes] | None = None  # token bytes for runaway repair, on first use
+
+    def start(self, r: Request, compiled: CompiledConstraint) -> AgentrtError | None:
+        """Give r its ConstraintState (r.grammar: a new matcher; with max_tokens_policy "close" the
+        closing guard) and, with repetition_repair on a JSON constraint, its RepetitionGuard. Returns
+        the error r must finish with (ConstraintError: no closing path from the start;
+        InvalidRequestError: max_tokens below the closing path), else None."""
+        matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
+        r.grammar = ConstraintState(
+            matcher, finder=self.grammar.jump_finder, forced_bound=compiled.forced_bound
+        )
+        if r.params.max_tokens_policy == "close":
+            r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
+            need = r.grammar.closing.start(matcher)
+            if need is None:
+                return ConstraintError(
+                    "max_tokens_policy 'close' is not available for this constraint: the closing-path "
+                    f"planner found no way to complete it from its start: {self.grammar.planner.failure}",
+                    param="max_tokens_policy",
+                )
+            if need > r.max_tokens:
+                return InvalidRequestError(
+                    f"max_tokens {r.max_tokens} is below the {need} tokens the "
+                    "constraint needs to close (max_tokens_policy 'close')",
+                    param="max_tokens",
+                )
+        if r.params.repetition_repair and r.constraint.kind in REPAIRABLE_KINDS:
+            if self._vocab_bytes is None:
+                info = self.grammar.info
+                self._vocab_bytes = vocab_bytes(info.decoded_vocab, info.special_token_ids)
+            r.repetition = RepetitionGuard(RepetitionConfig(), self._vocab_bytes, self.grammar.planner)
+        return None
+
+    def accept(
+        self, r: Request, tok: int, logprob: TokenLogprob | None
+    ) -> tuple[int, TokenLogprob | None, str | None] | None:
+        """The grammar's part of a new output token before it is appended: (the token to append,
+        its logprob (None when the length policy replaced the sampled token), "stop" when the
+        grammar is complete after it, else None). None when r's matcher rejects `tok` (a bug: the
+        bitmask should have prevented it). An unconstrained r keeps the token as it is."""
+        if r.grammar is None:
+            return tok, logprob, None
+        accepted = r.grammar.accept(tok, r.max_tokens - r.num_output_tokens - 1)
+        if accepted is None:
+            return None
+        if accepted.token_id != tok:  # the closing path's token replaced the sampled one
+            logprob = None
+        self.stats.num_length_forced_tokens += accepted.forced
+        return accepted.token_id, logprob, "stop" if r.grammar.is_terminated() else None
+
+    def after_token(self, r: Request, tok: int) -> None:
+        """After r's output token `tok` was appended (the grammar not complete): a runaway value's
+        closing tokens (runtime/repetition.py), then the text the grammar forces (jump-forward), are
+        appended as forced tokens whose KV the next step's chunk computes."""
+        if r.repetition is not None:  # a runaway value: force it closed
+            left = r.max_tokens - r.num_output_tokens
+            drop, ids = r.repetition.check(r.token_ids, r.num_prompt_tokens, r.grammar, left)
+            if ids:  # forced like jump-forward text: their KV is computed with the next step's chunk
+                if drop:  # the last token, not emitted yet, is replaced (its KV is not computed)
+                    del r.token_ids[-1]
+                    if r.logprobs is not None:
+                        del r.logprobs[-1]
+                r.append_output(ids)
+                r.pending_jump_forward += len(ids) - drop
+                tok = ids[-1]
+        if r.grammar is not None and self.config.jump_forward:
+            ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)
+            if ids:  # their KV is computed with the next step's chunk
+                r.append_output(ids)
+                r.num_jump_forward_tokens += len(ids)
+                r.pending_jump_forward += len(ids)
+                self.stats.num_jump_forward_tokens += len(ids)
+
+    @staticmethod
+    def release(r: Request) -> None:
+        """Drop r's constraint state at its end, keeping whether the closing guard closed it
+        (r.closed_by_budget)."""
+        if r.grammar is not None and r.grammar.closing is not None:
+            r.closed_by_budget = r.grammar.closing.closed
+        r.grammar = None

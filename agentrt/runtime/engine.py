@@ -29,24 +29,21 @@ from agentrt.errors import (
     InternalError,
     InvalidRequestError,
 )
-from agentrt.grammars.length_policy import ClosingGuard
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.xgrammar_backend import CompiledConstraint, GrammarBackend
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.batch import BatchPlan, ForwardOutput, SampleOutput, SampleRow
 from agentrt.runtime.config import EngineConfig
-from agentrt.runtime.constraint_state import ConstraintState
+from agentrt.runtime.constraint_state import ConstraintSteps
 from agentrt.runtime.isolation import (
     fill_rows_one_by_one,
     find_forward_culprits,
     internal_error,
     plan_without,
 )
-from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.output_processor import OutputProcessor
-from agentrt.runtime.repetition import REPAIRABLE_KINDS, RepetitionConfig, RepetitionGuard, vocab_bytes
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample
 from agentrt.runtime.scheduler import ScheduledChunk, Scheduler
@@ -77,7 +74,9 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, self.stop_ids, self.max_model_len)
         self._ids = itertools.count()
         self._failed: dict[Request, AgentrtError] = {}  # this step's requests failed by a fault
-        self._vocab_bytes: list[bytes] | None = None  # token bytes for runaway repair, on first use
+        self.constraints = ConstraintSteps(
+            self.grammar, self.stop_ids, self.tokenizer, self.config.grammar, self.stats
+        )
         self.speculator = None
         if self.config.speculative.method is not None:
             from agentrt.runtime.speculation import Speculator
@@ -242,10 +241,7 @@ class Engine:
             slots = r.slots[: c.context_len + c.num_new]
             tree = r.spec.draft
             if c.sample and tree is not None:
-                ids = [r.last_token_id, *tree.token_ids]
-                positions = [c.context_len, *(c.context_len + d for d in tree.depths)]
-                mask = None if tree.is_chain else tree.attention_mask()
-                chunks.append(SeqChunk(ids, c.context_len, slots, True, len(ids), positions, mask, id(r)))
+                chunks.append(self.speculator.verify_chunk(r, c.context_len, slots))
             else:
                 ids = r.token_ids[c.context_len : c.context_len + c.num_new]
                 chunks.append(SeqChunk(ids, c.context_len, slots, c.sample, seq_key=id(r)))
@@ -256,7 +252,7 @@ class Engine:
                     num_prefill += n
             if c.sample:
                 verify = tree is not None
-                rows.append(SampleRow(r, num_rows, len(ids) if verify else 1, verify))
+                rows.append(SampleRow(r, num_rows, len(tree) + 1 if verify else 1, verify))
                 num_rows += rows[-1].num_rows
         self.stats.num_computed_prefill_tokens += num_prefill
         return BatchPlan(chunks, rows, num_rows, num_prefill, len(scheduled))
@@ -304,13 +300,8 @@ class Engine:
             logger.warning("batched bitmask fill failed (%s): filling row by row", mask_error)
             bitmask = self.grammar.allocate_bitmask(plan.num_rows)
             fill_rows_one_by_one(self.grammar, sampled, bitmask, self._failed)
-        for s in plan.rows:
-            draft_bitmask = s.request.spec.draft_bitmask
-            if s.verify and draft_bitmask is not None:
-                if bitmask is None:
-                    bitmask = self.grammar.allocate_bitmask(plan.num_rows)
-                bitmask[s.row : s.row + s.num_rows] = draft_bitmask
-                constrained.extend(range(s.row, s.row + s.num_rows))
+        if self.speculator is not None:
+            bitmask = self.speculator.add_draft_bitmasks(plan, bitmask, constrained)
         return ForwardOutput(logits, hidden, bitmask, constrained)
 
     def _sample(self, plan: BatchPlan, fwd: ForwardOutput) -> SampleOutput:
@@ -364,7 +355,9 @@ class Engine:
                     if r.token_ids[before:] == [tok]:
                         last_row = s.row
                 else:
-                    out, last_row = self._process_verified(r, fwd.logits[s.row : s.row + s.num_rows], s.row)
+                    out, last_row = self.speculator.process_verified(
+                        r, fwd.logits[s.row : s.row + s.num_rows], s.row, self._process_token
+                    )
             except Exception as e:  # one request's failure (e.g. detokenizing) must not end the others
                 logger.exception("request %s failed", r.request_id)
                 r.error = InternalError(f"internal error: {type(e).__name__}: {e}")
@@ -382,60 +375,6 @@ class Engine:
                 for r, _ in medusa:
                     r.spec.medusa_topk = None
         return outputs
-
-    def _process_verified(self, r: Request, logits: torch.Tensor, row: int) -> tuple[list, int | None]:
-        """Verify r's draft on its rows' logits [len(draft) + 1, V] and feed the accepted tokens +
-        the bonus token through `_process_token` one at a time, stopping at the first that ends the
-        request or that the length policy / jump-forward changes (later tokens were verified for
-        a different sequence). Only the KV slots of the path actually taken stay with r. Returns
-        (outputs, the logits row of the last token when every token went in unchanged, else None)."""
-        spec = self.speculator
-        tree = r.spec.draft
-        flags = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()])
-        want = r.params.logprobs
-        if want is None:
-            argmax, masked = flags.tolist()
-        else:  # each node's token at its parent's row, every row's top: in the same host read
-            lt = logprob_tensors(logits, [p + 1 for p in tree.parents], tree.token_ids, want)
-            host, node_lp, top_values, top_ids, best = read_host(
-                flags, lt.chosen, lt.top_values, lt.top_ids, lt.best
-            )
-            argmax, masked = ([int(x) for x in row] for row in rows_of(host, 2))
-        greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
-        accepted, bonus = spec.verify(r, logits, greedy)
-        spec.account(tree, accepted)
-        ctx = len(r.slots) - 1 - len(tree)
-        base, node_slots = r.slots[:ctx], r.slots[ctx:]
-        path = [0, *(1 + a for a in accepted)]
-        seq = [*(tree.token_ids[a] for a in accepted), bonus]
-        lps: list[TokenLogprob | None] = [None] * len(seq)
-        if want is not None:  # the target's logprob of each token at the row it was drawn from
-            top_values, top_ids = rows_of(top_values, len(tree) + 1), rows_of(top_ids, len(tree) + 1)
-            for i, tok in enumerate(seq):
-                row = path[i]
-                if i < len(accepted):
-                    lp = node_lp[accepted[i]]
-                elif r.params.is_greedy or tok < 0:  # the bonus is the row's argmax
-                    lp = best[row]
-                else:  # a sampled bonus (this path already reads the host per draw)
-                    lp = float(torch.log_softmax(logits[row].float(), dim=-1)[tok])
-                lps[i] = token_logprob(tok, lp, top_values[row], top_ids[row], want)
-        r.spec.draft = None
-        outs, used, complete = [], 0, False
-        try:
-            for i, tok in enumerate(seq):
-                r.slots = base + [node_slots[j] for j in path[: i + 1]]
-                used = i + 1
-                before = r.num_tokens
-                outs.append(self._process_token(r, tok, lps[i]))
-                if r.status is RequestStatus.FINISHED or r.token_ids[before:] != [tok]:
-                    break
-            else:
-                complete = True
-        finally:
-            keep = set(path[:used])
-            self.runner.kv.free([s for j, s in enumerate(node_slots) if j not in keep])
-        return outs, (row + path[-1] if complete else None)
 
     def _load(self) -> LoadGauges:
         """Live load for /metrics (read on the HTTP thread at scrape time: plain reads)."""
@@ -473,33 +412,12 @@ class Engine:
         return outputs
 
     def _start_constrained(self, r: Request, compiled: CompiledConstraint) -> RequestOutput | None:
-        """Give r its matcher (and closing guard) and queue it; the final output if it fails."""
-        matcher = self.grammar.new_matcher(compiled, r.params.stop_token_ids)
-        r.grammar = ConstraintState(
-            matcher, finder=self.grammar.jump_finder, forced_bound=compiled.forced_bound
-        )
-        if r.params.max_tokens_policy == "close":
-            r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
-            need = r.grammar.closing.start(matcher)
-            if need is None:
-                r.error = ConstraintError(
-                    "max_tokens_policy 'close' is not available for this constraint: the closing-path "
-                    f"planner found no way to complete it from its start: {self.grammar.planner.failure}",
-                    param="max_tokens_policy",
-                )
-                return self._finish(r, "error")
-            if need > r.max_tokens:
-                r.error = InvalidRequestError(
-                    f"max_tokens {r.max_tokens} is below the {need} tokens the "
-                    "constraint needs to close (max_tokens_policy 'close')",
-                    param="max_tokens",
-                )
-                return self._finish(r, "error")
-        if r.params.repetition_repair and r.constraint.kind in REPAIRABLE_KINDS:
-            if self._vocab_bytes is None:
-                info = self.grammar.info
-                self._vocab_bytes = vocab_bytes(info.decoded_vocab, info.special_token_ids)
-            r.repetition = RepetitionGuard(RepetitionConfig(), self._vocab_bytes, self.grammar.planner)
+        """Give r its constraint state (ConstraintSteps.start) and queue it; the final output if it
+        fails."""
+        error = self.constraints.start(r, compiled)
+        if error is not None:
+            r.error = error
+            return self._finish(r, "error")
         self.scheduler.add(r)
         return None
 
@@ -515,6 +433,23 @@ class Engine:
         if tok < 0:
             r.error = ConstraintError("the constraint admits no continuation here (every token is masked)")
             return self._finish(r, "error")
+        self._observe_latency(r)
+        accepted = self.constraints.accept(r, tok, logprob)
+        if accepted is None:
+            r.error = InternalError(f"token {tok} was rejected by the grammar matcher")
+            return self._finish(r, "error")
+        tok, logprob, reason = accepted
+        r.append_output([tok], None if logprob is None else [logprob])
+        self.stats.num_generated_tokens += 1
+        if reason is None:
+            self.constraints.after_token(r, tok)
+        reason = self.output.update(r, reason)
+        if reason is not None:
+            return self._finish(r, reason)
+        return self.output.emit(r, final=False)
+
+    def _observe_latency(self, r: Request) -> None:
+        """Time to r's first token, or since its last one (inter-token latency), into the metrics."""
         now = time.monotonic()
         if r.first_token_time is None:
             r.first_token_time = now
@@ -522,42 +457,6 @@ class Engine:
         else:
             self.metrics.itl.observe(now - r.last_token_time)
         r.last_token_time = now
-        reason = None
-        if r.grammar is not None:
-            accepted = r.grammar.accept(tok, r.max_tokens - r.num_output_tokens - 1)
-            if accepted is None:
-                r.error = InternalError(f"token {tok} was rejected by the grammar matcher")
-                return self._finish(r, "error")
-            if accepted.token_id != tok:  # the closing path's token replaced the sampled one
-                logprob = None
-            tok = accepted.token_id
-            self.stats.num_length_forced_tokens += accepted.forced
-            if r.grammar.is_terminated():
-                reason = "stop"
-        r.append_output([tok], None if logprob is None else [logprob])
-        self.stats.num_generated_tokens += 1
-        if r.repetition is not None and reason is None:  # a runaway value: force it closed
-            left = r.max_tokens - r.num_output_tokens
-            drop, ids = r.repetition.check(r.token_ids, r.num_prompt_tokens, r.grammar, left)
-            if ids:  # forced like jump-forward text: their KV is computed with the next step's chunk
-                if drop:  # the last token, not emitted yet, is replaced (its KV is not computed)
-                    del r.token_ids[-1]
-                    if r.logprobs is not None:
-                        del r.logprobs[-1]
-                r.append_output(ids)
-                r.pending_jump_forward += len(ids) - drop
-                tok = ids[-1]
-        if r.grammar is not None and reason is None and self.config.grammar.jump_forward:
-            ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)
-            if ids:  # their KV is computed with the next step's chunk
-                r.append_output(ids)
-                r.num_jump_forward_tokens += len(ids)
-                r.pending_jump_forward += len(ids)
-                self.stats.num_jump_forward_tokens += len(ids)
-        reason = self.output.update(r, reason)
-        if reason is not None:
-            return self._finish(r, reason)
-        return self.output.emit(r, final=False)
 
     def _finish(self, r: Request, reason: str) -> RequestOutput:
         """Leave every queue; KV goes to the prefix cache (or is freed); grammar state is dropped."""
@@ -566,9 +465,7 @@ class Engine:
             r.compile_future.cancel()  # no longer waited for: a compile nobody needs is cancelled
         else:  # a failed request's KV may be what failed: not shared through the prefix cache
             self.scheduler.finish(r, insert=reason != "error")
-        if r.grammar is not None and r.grammar.closing is not None:
-            r.closed_by_budget = r.grammar.closing.closed
-        r.grammar = None
+        self.constraints.release(r)
         if self.speculator is not None:
             self.speculator.release(r)
         r.status = RequestStatus.FINISHED

@@ -1,20 +1,12 @@
-"""What this machine is and the policies that follow from it: the run dtype, torch's threads, and
-which instruction set the CPU kernels' integer dot products use.
+"""What this machine is: the CPU's model and feature flags (/proc/cpuinfo), whether it has native
+bf16 arithmetic, its physical cores, whether the torch build has oneDNN's packed linear ops, and
+which instruction set the CPU kernels' integer dot products use. The run-configuration policies that
+follow from these facts (dtype, threads, attention backend, linear kernel) are runtime/platform.py's.
 
-- dtype `auto`: bf16 on CUDA. On the CPU, float32 wherever the C++ kernels' vector path runs (x86
-  with AVX2 and FMA: every CPU this project runs on), because there `--quantization auto` puts the
-  linear layers on the int4/int8 kernels, which need float32 activations and are both faster than
-  torch's bf16 path (measured on AMD Zen 5 with native bf16: 91.1 vs 33.5 tok/s single stream,
-  docs/benchmarks.md) and batch-invariant (the same tokens whatever the batch, the prefix cache or
-  the chunking), which bf16 through oneDNN is not. Without AVX2: bf16 where the CPU has native bf16
-  arithmetic (avx512_bf16 / amx_bf16 flags, or torch's CPU capability AVX512_BF16 / AMX), else
-  float32.
 - kernel ISA: `avx512vnni` (AVX-512 VNNI with VL: vpdpbusd on 256-bit registers), `avxvnni` (the
   VEX-encoded vpdpbusd), `avx2` (maddubs + madd) or `scalar`; the same integers either way and the
   same float accumulation, so the same outputs bit for bit (kernels/cpu_isa.h). $AGENTRT_CPU_ISA
   (`avx2`) forces the AVX2 path on a CPU that has VNNI.
-- threads: an explicit value, else $OMP_NUM_THREADS, else the physical cores (psutil; SMT siblings
-  share a core's FPUs and slow a matmul down).
 """
 
 from __future__ import annotations
@@ -102,30 +94,6 @@ def cpu_native_bf16(cpuinfo: str | None = None, capability: str | None = None) -
     return False, f"no avx512_bf16/amx_bf16 (torch CPU capability {capability})"
 
 
-def choose_dtype(
-    device: torch.device, dtype: str, cpuinfo: str | None = None, capability: str | None = None
-) -> tuple[torch.dtype, str]:
-    """The run dtype and why (the module docstring's rule); cpuinfo / capability simulate another CPU
-    (tests). Raises ValueError for a dtype other than auto / float32 / bfloat16 / float16."""
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype != "auto":
-        if dtype not in names:
-            raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(names)}")
-        return names[dtype], "requested"
-    if device.type == "cuda":
-        return torch.bfloat16, "auto: CUDA"
-    info = cpu_info(cpuinfo)
-    if {"avx2", "fma"} <= info.flags:
-        isa = kernel_isa(info)[0]  # $AGENTRT_CPU_ISA included: the path that will run
-        return torch.float32, (
-            f"auto: the CPU kernels' {isa} path runs at float32 (faster than bf16 and batch-invariant)"
-        )
-    native, evidence = cpu_native_bf16(cpuinfo, capability)
-    if native:
-        return torch.bfloat16, f"auto: no AVX2 for the CPU kernels, native bf16 ({evidence})"
-    return torch.float32, f"auto: {evidence}"
-
-
 def physical_cores() -> int:
     """Physical CPU cores (psutil, SMT siblings not counted); os.cpu_count() when unknown."""
     import psutil
@@ -133,37 +101,11 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-def choose_threads(threads: int | None) -> tuple[int, str]:
-    """torch intra-op threads and why: an explicit value, else $OMP_NUM_THREADS when set (several
-    engines sharing a machine each get their share), else the physical cores. Raises ValueError for
-    a value below 1 or an OMP_NUM_THREADS that is not a positive integer."""
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        return threads, "requested"
-    env = os.environ.get("OMP_NUM_THREADS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {env!r}")
-        return int(env), "OMP_NUM_THREADS"
-    return physical_cores(), "physical cores"
-
-
-def deterministic_problem(
-    device: torch.device, dtype: torch.dtype, attention_backend: str, compiled: bool, quantization: str
-) -> str | None:
-    """Why a configuration's greedy tokens could depend on the batch, the prefix cache or the chunk
-    size (what --deterministic refuses), or None. The invariant paths: the C++ kernels on the CPU
-    (attention backend `cpu`, float32, decode not compiled); the Triton attention with the dense
-    (unquantized) layers on the batch-invariant Triton matmul (cpu_linear.choose_linear_kernel)."""
-    if attention_backend == "triton":
-        if quantization != "none":
-            return f"quantization {quantization} on {device} runs torchao's kernels, which are not batch-invariant"
-        return None
-    if device.type == "cpu" and dtype != torch.float32:
-        return f"on the CPU only float32 is batch-invariant (dtype {str(dtype).removeprefix('torch.')})"
-    if attention_backend != "cpu":
-        return f"attention backend {attention_backend} is not batch-invariant (cpu on the CPU, triton on CUDA are)"
-    if compiled:
-        return "the compiled decode step (--compile) runs aten matmuls, which are not batch-invariant"
-    return None
+def onednn_usable() -> bool:
+    """True when this torch build has oneDNN (mkldnn) and its packed linear ops
+    (models/cpu_linear.py's OneDNNLinear)."""
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )

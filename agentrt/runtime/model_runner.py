@@ -5,17 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
-from agentrt.runtime.hardware import choose_dtype, choose_threads, deterministic_problem
-from agentrt.runtime.kernels import triton_usable
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.models.cpu_linear import choose_linear_kernel
 from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
@@ -25,6 +21,13 @@ from agentrt.runtime.models.loader import (
     resolve_model_dir,
 )
 from agentrt.runtime.models.registry import arch_from_hf_config
+from agentrt.runtime.platform import (
+    choose_attention_backend,
+    choose_dtype,
+    choose_linear_kernel,
+    choose_threads,
+    deterministic_problem,
+)
 
 if TYPE_CHECKING:
     from agentrt.runtime.triton_attention import SlotTable
@@ -52,19 +55,6 @@ class SeqChunk:
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None
     seq_key: object | None = None
-
-
-def load_weights(model_dir: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's .safetensors files, loaded straight onto `device`."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_dir} has no .safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f), device=str(device)))
-    return tensors
 
 
 @dataclass(frozen=True)
@@ -326,36 +316,6 @@ class ModelRunner:
             self.slot_table,
             self.attention_backend == "cpu",
         )
-
-
-def choose_attention_backend(
-    requested: str, device: torch.device, dtype: torch.dtype, cache_dir
-) -> tuple[str, str]:
-    """(backend, reason). auto: `triton` on CUDA (with triton), `cpu` on the CPU at float32 when
-    the C++ kernels build and load (kernels/cpu_kernels.py: decode attention and the fused layer
-    ops), else `torch`. Raises
-    ValueError when a requested backend cannot run here, naming why."""
-    if requested == "triton" and not triton_usable(device):
-        raise ValueError(
-            "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
-        )
-    if requested == "auto" and device.type == "cuda" and triton_usable(device):
-        return "triton", "auto: CUDA"
-    if requested in ("triton", "torch"):
-        return requested, "requested"
-    if device.type != "cpu" or dtype != torch.float32:  # auto or cpu, where the kernel cannot run
-        if requested == "cpu":
-            raise ValueError(f"attention_backend 'cpu' needs the CPU at float32 (here {device}, {dtype})")
-        return "torch", "auto"
-    from agentrt.runtime.kernels import cpu_kernels
-
-    failure = cpu_kernels.load(cache_dir)
-    if failure is None:
-        how = f"C++ attention kernel (decode and prefill), fused layer ops, int kernels {cpu_kernels.active_isa()}"
-        return "cpu", f"{'requested' if requested == 'cpu' else 'auto'}: {how}"
-    if requested == "cpu":
-        raise ValueError(f"attention_backend 'cpu': the C++ kernels are unavailable: {failure}")
-    return "torch", f"auto: the C++ kernels are unavailable: {failure}"
 
 
 @torch.inference_mode()

@@ -11,12 +11,13 @@ One step of a speculating request (Engine.step):
    after the last known token, row i + 1 = after node i). The draft model is masked while it
    drafts, so its proposal probabilities q are those of a grammar-respecting proposer.
 3. The scheduler gives the request 1 + len(draft) KV slots: one forward computes the last token
-   and every draft node (tree attention), with logits at each.
-4. `Speculator.verify` applies the masks and decides the accepted path and the bonus token
-   (speculative/verify.py); the engine then feeds those tokens one at a time through its normal
-   token processing (matcher, stop conditions, length policy, jump-forward) and stops at the first
-   one that ends the request or is changed by the length policy / followed by jump-forward text.
-   Only the accepted path's KV slots stay with the request; the rest go back to the pool.
+   and every draft node (tree attention), with logits at each (`Speculator.verify_chunk`; the
+   draft's masks join the step's bitmask: `Speculator.add_draft_bitmasks`).
+4. `Speculator.process_verified`: `verify` decides the accepted path and the bonus token on the
+   masked logits (speculative/verify.py); those tokens then go one at a time through the engine's
+   normal token processing (matcher, stop conditions, length policy, jump-forward), stopping at the
+   first one that ends the request or is changed by the length policy / followed by jump-forward
+   text. Only the accepted path's KV slots stay with the request; the rest go back to the pool.
 
 Requests with presence / frequency / repetition penalties do not speculate (the penalties depend
 on the very tokens being verified); logit_bias applies to every row.
@@ -25,16 +26,19 @@ on the very tokens being verified); logit_bias applies to every row.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from agentrt.errors import InternalError
+from agentrt.runtime.batch import BatchPlan
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
 from agentrt.runtime.metrics import EngineStats
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk, run_chunks
-from agentrt.runtime.request import Request
+from agentrt.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, sample, target_probs
 from agentrt.speculative.medusa import MedusaHeads
 from agentrt.speculative.ngram import NgramProposer
@@ -385,6 +389,33 @@ class Speculator:
         self.stats.num_draft_tokens_cut_by_grammar += n - sum(keep)
         return tree.prune(keep), bitmask[rows]
 
+    # ---- 3: the verify chunk and its masks ----------------------------------------------------------
+    @staticmethod
+    def verify_chunk(r: Request, context_len: int, slots: list[int]) -> SeqChunk:
+        """r's verify chunk: its last token at `context_len` plus every node of r.spec.draft at
+        context_len + depth, with a tree mask unless the draft is a chain, logits at every position;
+        `slots`: the KV slots of the whole context including them."""
+        tree = r.spec.draft
+        ids = [r.last_token_id, *tree.token_ids]
+        positions = [context_len, *(context_len + d for d in tree.depths)]
+        mask = None if tree.is_chain else tree.attention_mask()
+        return SeqChunk(ids, context_len, slots, True, len(ids), positions, mask, id(r))
+
+    def add_draft_bitmasks(
+        self, plan: BatchPlan, bitmask: torch.Tensor | None, constrained: list[int]
+    ) -> torch.Tensor | None:
+        """Copy the masks filled while drafting (`r.spec.draft_bitmask`) into the step's bitmask
+        [plan.num_rows, words] int32 at each verify row (allocated when None and needed) and append
+        those rows to `constrained`; returns the bitmask."""
+        for s in plan.rows:
+            draft_bitmask = s.request.spec.draft_bitmask
+            if s.verify and draft_bitmask is not None:
+                if bitmask is None:
+                    bitmask = self.grammar.allocate_bitmask(plan.num_rows)
+                bitmask[s.row : s.row + s.num_rows] = draft_bitmask
+                constrained.extend(range(s.row, s.row + s.num_rows))
+        return bitmask
+
     # ---- 4: verification -----------------------------------------------------------------------
     def verify(self, r: Request, logits: torch.Tensor, greedy_ids: list[int]) -> tuple[list[int], int]:
         """logits [len(draft) + 1, V] fp32 for r's verify rows (penalties and masks applied);
@@ -416,6 +447,66 @@ class Speculator:
     def account(self, tree: DraftTree, accepted: list[int]) -> None:
         """Count one verify pass: draft tokens, accepted tokens, acceptance per depth."""
         self.stats.count_verify(len(tree), len(accepted), list(tree.depths))
+
+    def process_verified(
+        self,
+        r: Request,
+        logits: torch.Tensor,
+        row: int,
+        process_token: Callable[[Request, int, TokenLogprob | None], RequestOutput | None],
+    ) -> tuple[list, int | None]:
+        """Verify r's draft on its rows' logits [len(draft) + 1, V] and feed the accepted tokens +
+        the bonus token through `process_token` (the engine's per-token processing) one at a time,
+        stopping at the first that ends the request or that the length policy / jump-forward changes
+        (later tokens were verified for a different sequence). Only the KV slots of the path actually
+        taken stay with r. Returns (outputs, the logits row of the last token when every token went
+        in unchanged, else None)."""
+        tree = r.spec.draft
+        flags = torch.stack([torch.argmax(logits, dim=-1), torch.isneginf(logits).all(dim=-1).long()])
+        want = r.params.logprobs
+        if want is None:
+            argmax, masked = flags.tolist()
+        else:  # each node's token at its parent's row, every row's top: in the same host read
+            lt = logprob_tensors(logits, [p + 1 for p in tree.parents], tree.token_ids, want)
+            host, node_lp, top_values, top_ids, best = read_host(
+                flags, lt.chosen, lt.top_values, lt.top_ids, lt.best
+            )
+            argmax, masked = ([int(x) for x in row] for row in rows_of(host, 2))
+        greedy = [-1 if m else g for g, m in zip(argmax, masked)]  # one host sync for the rows
+        accepted, bonus = self.verify(r, logits, greedy)
+        self.account(tree, accepted)
+        ctx = len(r.slots) - 1 - len(tree)
+        base, node_slots = r.slots[:ctx], r.slots[ctx:]
+        path = [0, *(1 + a for a in accepted)]
+        seq = [*(tree.token_ids[a] for a in accepted), bonus]
+        lps: list[TokenLogprob | None] = [None] * len(seq)
+        if want is not None:  # the target's logprob of each token at the row it was drawn from
+            top_values, top_ids = rows_of(top_values, len(tree) + 1), rows_of(top_ids, len(tree) + 1)
+            for i, tok in enumerate(seq):
+                at = path[i]  # not `row`: that is the chunk's first logits row, returned below
+                if i < len(accepted):
+                    lp = node_lp[accepted[i]]
+                elif r.params.is_greedy or tok < 0:  # the bonus is the row's argmax
+                    lp = best[at]
+                else:  # a sampled bonus (this path already reads the host per draw)
+                    lp = float(torch.log_softmax(logits[at].float(), dim=-1)[tok])
+                lps[i] = token_logprob(tok, lp, top_values[at], top_ids[at], want)
+        r.spec.draft = None
+        outs, used, complete = [], 0, False
+        try:
+            for i, tok in enumerate(seq):
+                r.slots = base + [node_slots[j] for j in path[: i + 1]]
+                used = i + 1
+                before = r.num_tokens
+                outs.append(process_token(r, tok, lps[i]))
+                if r.status is RequestStatus.FINISHED or r.token_ids[before:] != [tok]:
+                    break
+            else:
+                complete = True
+        finally:
+            keep = set(path[:used])
+            self.runner.kv.free([s for j, s in enumerate(node_slots) if j not in keep])
+        return outs, (row + path[-1] if complete else None)
 
     # ---- Medusa: the next step's candidates -------------------------------------------------------
     @torch.inference_mode()

@@ -157,9 +157,9 @@ def serve_replicas(args: argparse.Namespace) -> int:
     """`agentrt serve --replicas N`: start or join Ray, deploy, serve until SIGTERM / Ctrl-C, then
     shut Serve down (requests in flight end with a 503 or their stream's error event). Exit 0 on
     a clean stop, 1 when the deployment failed, 2 on bad arguments or without Ray Serve."""
-    from agentrt.cli import exposure_warning, server_options
     from agentrt.engine_args import engine_config
     from agentrt.runtime.async_engine import AdmissionConfig
+    from agentrt.server_args import exposure_warning, server_options
     from agentrt.sql.service import parse_database_args
 
     try:

@@ -2,14 +2,20 @@
 columns a database has, in its dialect.
 
 Modules:
-- schema.py: the table/column model (Schema, Table, Column, ForeignKey), read from JSON
-  `{table: {column: type}}`; limits; SchemaError.
+- errors.py: SchemaError and DatabaseUnreachableError.
+- schema.py: the table/column model (Schema, Table, Column, ForeignKey) and its limits.
+- sources.py: a schema from any source (`load_schema`) and from JSON `{table: {column: type}}`
+  (`schema_from_json`).
+- kinds.py: a column's type family (num, text, bool, date, other) from its type as each source
+  spells it.
 - ddl.py: the model read from CREATE TABLE text (sqlglot, names as the dialect makes them).
 - introspect.py: the model of a live database through SQLAlchemy's inspector (SQLite, DuckDB via
   duckdb-engine, PostgreSQL via psycopg 3); read-only engines (`open_database`).
 - dialect.py: dialect names, identifier quoting, string literals, the reserved words.
 - grammar.py: the grammar generator (`sql_grammar` -> SQLGrammar with Lark and EBNF texts and
-  a ConstraintSpec); the subset, the scoping and the size bounds are in its docstring.
+  a ConstraintSpec) and its queries; grammar_select.py: a scope's FROM clause and SELECT blocks;
+  grammar_expr.py: values, conditions, aggregates. The language (the subset, the scoping, the
+  size bounds): docs/sql-grammar.md.
 - validate.py: `validate` (parse, read-only, schema, database EXPLAIN; never raises for a bad
   query), `execute` (read-only, row limit, timeout) and `normalize` (a query in the grammar's
   spelling).
@@ -29,18 +35,11 @@ sqlglot, duckdb + duckdb-engine, psycopg[binary].
 
 from agentrt.sql.ddl import schema_from_ddl
 from agentrt.sql.dialect import DIALECTS, dialect_name, quote_ident, quote_string
+from agentrt.sql.errors import DatabaseUnreachableError, SchemaError
 from agentrt.sql.grammar import GrammarOptions, SQLGrammar, sql_grammar
 from agentrt.sql.introspect import introspect, open_database
-from agentrt.sql.schema import (
-    Column,
-    DatabaseUnreachableError,
-    ForeignKey,
-    Schema,
-    SchemaError,
-    Table,
-    load_schema,
-    schema_from_json,
-)
+from agentrt.sql.schema import Column, ForeignKey, Schema, Table
+from agentrt.sql.sources import load_schema, schema_from_json
 from agentrt.sql.validate import (
     DatabaseConnectionError,
     QueryError,

@@ -56,7 +56,8 @@ def sql_command(config, args: argparse.Namespace) -> int:
     its checks (and ran), 1 when it did not (the reason on stderr), 2 on bad arguments or a
     database that cannot be read."""
     from agentrt.sdk import LLM
-    from agentrt.sql.schema import SchemaError, load_schema
+    from agentrt.sql.errors import SchemaError
+    from agentrt.sql.sources import load_schema
 
     tables = [t.strip() for t in args.tables.split(",") if t.strip()] if args.tables is not None else None
     try:  # the database (reachable, its tables) before the model loads: a bad URL fails in seconds

@@ -9,17 +9,10 @@ from __future__ import annotations
 
 import re
 
-from agentrt.sql.schema import (
-    MAX_DDL_BYTES,
-    MAX_TABLES,
-    Column,
-    ForeignKey,
-    Schema,
-    SchemaError,
-    Table,
-    fold_name,
-    kind_of_datatype,
-)
+from agentrt.sql.dialect import dialect_name
+from agentrt.sql.errors import SchemaError
+from agentrt.sql.kinds import kind_of_datatype
+from agentrt.sql.schema import MAX_DDL_BYTES, MAX_TABLES, Column, ForeignKey, Schema, Table, fold_name
 
 
 def schema_from_ddl(text: str, dialect: str = "sqlite", *, max_bytes: int = MAX_DDL_BYTES) -> Schema:
@@ -30,8 +23,8 @@ def schema_from_ddl(text: str, dialect: str = "sqlite", *, max_bytes: int = MAX_
     so `a int, A int` is a duplicate there. SQLite's table options `WITHOUT ROWID` and `STRICT`
     (which sqlglot cannot parse after the column list) are read past: they change neither names
     nor types. Other statements (INSERT, CREATE INDEX/VIEW, PRAGMA, ...) are skipped.
-    Raises SchemaError when the text is over `max_bytes` (default MAX_DDL_BYTES, whose docstring
-    has the parse times at the cap), does not parse, holds a CREATE TABLE that sqlglot cannot read
+    Raises SchemaError when the text is over `max_bytes` (default MAX_DDL_BYTES; parse times at
+    the cap: docs/benchmarks.md), does not parse, holds a CREATE TABLE that sqlglot cannot read
     as one (named, e.g. PostgreSQL's `CREATE TABLE t OF type`) or without a column list (`AS
     SELECT`, `CREATE VIRTUAL TABLE`: the module decides its columns), holds no CREATE TABLE, or
     breaks a limit."""
@@ -39,8 +32,6 @@ def schema_from_ddl(text: str, dialect: str = "sqlite", *, max_bytes: int = MAX_
     from sqlglot import exp
     from sqlglot.errors import SqlglotError
     from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
-
-    from agentrt.sql.dialect import dialect_name
 
     d = dialect_name(dialect)
     if not isinstance(text, str):

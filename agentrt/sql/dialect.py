@@ -19,7 +19,9 @@ bare column and table name in the positions the grammar writes names (select lis
 when any database refused a query, returned something other than the column (`current_date`,
 `user`), or sqlglot did not read it as a column/table. The union over the three dialects is used
 for all of them (quoting a word that needs no quotes is still exact SQL).
-tests/sql/test_quoting.py re-checks the words of a test database on the live databases.
+tests/sql/test_sql_grammar.py (test_awkward_identifiers_are_quoted_and_run: SQLite, DuckDB) and
+tests/sql/test_sql_postgres.py (test_postgres_grammar_queries_plan) re-check the reserved words
+of their test database on the live databases.
 
 String literals are single-quoted with embedded quotes doubled ('it''s'), no backslash escapes
 (PostgreSQL with standard_conforming_strings, the default since 9.1); the grammar excludes control
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import re
 
-from agentrt.sql.schema import SchemaError
+from agentrt.sql.errors import SchemaError
 
 DIALECTS = ("sqlite", "duckdb", "postgres")
 _ALIASES = {"sqlite": "sqlite", "duckdb": "duckdb", "postgres": "postgres", "postgresql": "postgres"}

@@ -32,18 +32,10 @@ from __future__ import annotations
 
 import os
 
-from agentrt.sql.schema import (
-    MAX_COLUMNS,
-    MAX_TABLES,
-    Column,
-    DatabaseUnreachableError,
-    ForeignKey,
-    Schema,
-    SchemaError,
-    Table,
-    fold_name,
-    kind_of_sqlalchemy_type,
-)
+from agentrt.sql.dialect import dialect_name
+from agentrt.sql.errors import DatabaseUnreachableError, SchemaError
+from agentrt.sql.kinds import kind_of_sqlalchemy_type
+from agentrt.sql.schema import MAX_COLUMNS, MAX_TABLES, Column, ForeignKey, Schema, Table, fold_name
 
 CONNECT_TIMEOUT_S = 10
 """Seconds a PostgreSQL connection attempt may take (psycopg `connect_timeout`)."""
@@ -121,8 +113,6 @@ def _sqlite_uri_path(uri: str) -> str:
 
 def dialect_of(engine) -> str:
     """The dialect name ("sqlite" | "duckdb" | "postgres") of a SQLAlchemy Engine/Connection."""
-    from agentrt.sql.dialect import dialect_name
-
     return dialect_name(engine.dialect.name)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentrt.sql.schema import SchemaError
+from agentrt.sql.errors import SchemaError
 
 
 class Lit(str):

@@ -1,6 +1,7 @@
-"""The table/column model of a database, and one of its sources, JSON `{table: {column: type}}`.
-The others: `CREATE TABLE` text (parsed with sqlglot) is `agentrt.sql.ddl`, a live database
-`agentrt.sql.introspect`.
+"""The table/column model of a database and its limits; reading no source. The sources are
+`agentrt.sql.sources` (JSON `{table: {column: type}}`, and `load_schema` for any source),
+`agentrt.sql.ddl` (`CREATE TABLE` text, parsed with sqlglot) and `agentrt.sql.introspect` (a live
+database); a column's kind is read by `agentrt.sql.kinds`; the errors are `agentrt.sql.errors`.
 
 Model: `Schema(tables)`, each `Table(name, columns, primary_key, foreign_keys)`, each
 `Column(name, type, kind)`. Names are the catalog's own spelling (case kept, unquoted); `type` is
@@ -11,11 +12,11 @@ timestamps) or "other" (time of day, interval, blob, JSON, UUID, enum, arrays, u
 
 Limits (work bounded before it is done, refused with SchemaError naming the limit):
 `MAX_TABLES` tables, `MAX_COLUMNS` columns over all tables, `MAX_SCHEMA_BYTES` of JSON text,
-`MAX_DDL_BYTES` of CREATE TABLE text (sqlglot's parse costs ~50 us per token, under the GIL: see
-there), `MAX_NAME_CHARS` characters per name, `MAX_TYPE_CHARS` characters per JSON column type. A schema over these limits, one with no table, a table with
-no column, duplicate names, a foreign key naming a missing table/column, text that is neither
-valid JSON nor parsable DDL: SchemaError (a ValueError via InvalidRequestError; `param` is None,
-the API layer names the request field).
+`MAX_DDL_BYTES` of CREATE TABLE text (sqlglot parses under the GIL: see there), `MAX_NAME_CHARS`
+characters per name, `MAX_TYPE_CHARS` characters per JSON column type. A schema over these limits,
+one with no table, a table with no column, duplicate names, a foreign key naming a missing
+table/column, text that is neither valid JSON nor parsable DDL: SchemaError (a ValueError via
+InvalidRequestError; `param` is None, the API layer names the request field).
 
 Name lookup (`Schema.table`, `Table.column`) is case-insensitive on SQLite and DuckDB (their
 identifiers are) and exact on PostgreSQL. CREATE TABLE text names the way the database would:
@@ -26,13 +27,11 @@ keys are catalog names as they are.
 
 from __future__ import annotations
 
-import functools
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agentrt.errors import InvalidRequestError
+from agentrt.sql.dialect import dialect_name, quote_ident
+from agentrt.sql.errors import SchemaError
 
 TypeKind = Literal["num", "text", "bool", "date", "other"]
 KINDS: tuple[str, ...] = ("num", "text", "bool", "date", "other")
@@ -44,22 +43,17 @@ MAX_COLUMNS = 10_000
 MAX_SCHEMA_BYTES = 1 << 20
 """The longest JSON schema text (bytes of UTF-8)."""
 MAX_DDL_BYTES = 64 << 10
-"""The longest CREATE TABLE text `schema_from_ddl` parses by default (bytes of UTF-8): sqlglot parses
-in Python, holding the GIL, at ~30-50 us per token, so a server's other requests wait while it
-runs (1 MiB of `DEFAULT (1+1+...)` took 40 s and stalled a plain chat request for 109 s). Measured at
-the cap (`schema_from_ddl`, sqlglot 30.30, 2-core box under load 5-7, two runs each): the
-pathological `CREATE TABLE t (a int DEFAULT (1+1+...1))` 2.6-3.1 s, a `CHECK (a>1 AND ...)` chain
-1.6 s, 5,900 columns of one table 1.8-1.9 s, 2,000 small CREATE TABLEs 1.2-1.8 s (then refused:
-over MAX_TABLES), 1,000 two-column tables (35 kB) 1.2-1.7 s, 32k nested parentheses 1.0-1.1 s
-(refused: too deep). Larger schemas: JSON (`MAX_SCHEMA_BYTES`), or a database the server was
-started with. The cap bounds the stall, it does not remove it: that needs the parse in a killable
-child process with a deadline, as grammar compiles run (grammars/compile_child.py)."""
+"""The longest CREATE TABLE text `schema_from_ddl` parses by default (bytes of UTF-8). sqlglot
+parses in Python, holding the GIL, so a server's other requests wait while it runs: the cap bounds
+that stall (seconds at the cap: docs/benchmarks.md, "SQL bad input"), it does not remove it, which
+would need the parse in a killable child process with a deadline, as grammar compiles run
+(grammars/compile_child.py). Larger schemas: JSON (`MAX_SCHEMA_BYTES`), or a database the server
+was started with."""
 MAX_NAME_CHARS = 128
 """The longest table or column name (characters)."""
 MAX_TYPE_CHARS = 128
-"""The longest column type text of a JSON schema (characters). With `kind_of_type`'s shape check
-this bounds a JSON schema's type parsing: 10,000 distinct type names measured 3.9 s (load ~6); a
-1 MiB type of `1+1+...` took 22 s before."""
+"""The longest column type text of a JSON schema (characters). With `kinds.kind_of_type`'s shape
+check this bounds a JSON schema's type parsing (measured: docs/benchmarks.md, "SQL bad input")."""
 
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
@@ -69,16 +63,6 @@ def fold_name(name: str) -> str:
     """`name` as SQLite and DuckDB compare identifiers: ASCII letters case-folded, other
     characters as they are (SQLite folds ASCII only; sqlglot normalizes the same way)."""
     return name.translate(_ASCII_LOWER)
-
-
-class SchemaError(InvalidRequestError):
-    """A schema cannot be read or used: unparsable DDL/JSON, no tables, a limit exceeded, an
-    unsupported dialect, a grammar over its size limit. The message names the problem."""
-
-
-class DatabaseUnreachableError(SchemaError):
-    """The database could not be connected to or its catalog read (the driver's reason is in the
-    message; the URL's password is never shown)."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +154,6 @@ class Schema:
 
     def with_dialect(self, dialect: str) -> Schema:
         """The same tables read as a `dialect` database (name matching follows the dialect)."""
-        from agentrt.sql.dialect import dialect_name
-
         dialect = dialect_name(dialect)
         cs = dialect == "postgres"
         return Schema(
@@ -185,8 +167,6 @@ class Schema:
     def to_ddl(self, dialect: str | None = None) -> str:
         """CREATE TABLE statements (names quoted for `dialect`, default the schema's own or
         SQLite), with primary and foreign keys: the schema text a prompt shows the model."""
-        from agentrt.sql.dialect import dialect_name, quote_ident
-
         d = dialect_name(dialect or self.dialect or "sqlite")
         out = []
         for t in self.tables:
@@ -264,174 +244,3 @@ def _check_name(name: str, what: str) -> None:
         name.encode()
     except UnicodeEncodeError:
         raise SchemaError(f"{what} name {name!r} is not valid Unicode") from None
-
-
-# ---- type kinds -------------------------------------------------------------------------------
-
-
-_TYPE_SHAPE = re.compile(r"[A-Za-z_][A-Za-z0-9_ .]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?[A-Za-z0-9_ ]*(\[\d*\])*")
-_TYPE_ARGS = re.compile(r"\(\s*\d+\s*(,\s*\d+\s*)?\)")
-
-
-def kind_of_type(type_text: str, dialect: str = "sqlite") -> TypeKind:
-    """The kind of an SQL type written as text (parsed with sqlglot in `dialect`); "other" for
-    an empty or unknown type, and for text not shaped like a type name (words, an optional
-    `(n)` / `(p, s)`, array brackets), which is never given to sqlglot: a JSON schema's types are
-    10,000 parses at most, each of a short name. The kind does not depend on the numbers in
-    parentheses, so it is computed once per (name without them, dialect)."""
-    if not type_text or not type_text.strip() or not _TYPE_SHAPE.fullmatch(type_text.strip()):
-        return "other"
-    return _kind_of_type_name(" ".join(_TYPE_ARGS.sub(" ", type_text).lower().split()), dialect)
-
-
-@functools.lru_cache(maxsize=1024)
-def _kind_of_type_name(type_text: str, dialect: str) -> TypeKind:
-    from sqlglot import exp
-    from sqlglot.errors import SqlglotError
-
-    try:
-        dt = exp.DataType.build(type_text, dialect=dialect, udt=True)
-    except (SqlglotError, ValueError, TypeError):
-        return "other"
-    return kind_of_datatype(dt)
-
-
-def kind_of_datatype(dt) -> TypeKind:
-    """The kind of a sqlglot exp.DataType."""
-    from sqlglot import exp
-
-    T = exp.DataType.Type
-    t = dt.this
-    if t == T.BOOLEAN:
-        return "bool"
-    if t in (T.MONEY, T.SMALLMONEY, T.BIT):  # PostgreSQL: money and bit strings are not numbers
-        return "other"
-    if t in exp.DataType.INTEGER_TYPES or t in exp.DataType.REAL_TYPES:
-        return "num"
-    if t in exp.DataType.TEXT_TYPES:
-        return "text"
-    if t in (
-        T.DATE,
-        T.DATE32,
-        T.DATETIME,
-        T.DATETIME64,
-        T.TIMESTAMP,
-        T.TIMESTAMPTZ,
-        T.TIMESTAMPLTZ,
-        T.TIMESTAMPNTZ,
-        T.TIMESTAMP_S,
-        T.TIMESTAMP_MS,
-        T.TIMESTAMP_NS,
-    ):
-        return "date"
-    return "other"
-
-
-def kind_of_sqlalchemy_type(t) -> TypeKind:
-    """The kind of a SQLAlchemy type object (as the inspector reflects it)."""
-    from sqlalchemy import types as st
-
-    if isinstance(t, st.Boolean):
-        return "bool"
-    if isinstance(t, (st.Integer, st.Numeric)):
-        return "num"
-    if isinstance(t, st.Enum):
-        return "other"
-    if isinstance(t, st.String):
-        return "text"
-    if isinstance(t, (st.DateTime, st.Date)):
-        return "date"
-    return "other"
-
-
-# ---- JSON and DDL sources ----------------------------------------------------------------------
-
-
-def schema_from_json(obj, dialect: str | None = None) -> Schema:
-    """A Schema from `{table: {column: type}}` (a dict, or its JSON text). Types are SQL type
-    names ("INTEGER", "VARCHAR(20)", "" for none), their kinds read with sqlglot in `dialect`
-    (default SQLite). Raises SchemaError naming the problem."""
-    from agentrt.sql.dialect import dialect_name
-
-    d = dialect_name(dialect) if dialect is not None else None
-    if isinstance(obj, (str, bytes)):
-        if len(obj) > MAX_SCHEMA_BYTES:
-            raise SchemaError(f"the schema text is {len(obj)} bytes, over the limit of {MAX_SCHEMA_BYTES}")
-        try:
-            obj = json.loads(obj)
-        except json.JSONDecodeError as e:
-            raise SchemaError(f"the schema is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SchemaError(
-            f"a JSON schema must be an object {{table: {{column: type}}}}, got {type(obj).__name__}"
-        )
-    if len(obj) > MAX_TABLES:
-        raise SchemaError(f"the schema has {len(obj)} tables, over the limit of {MAX_TABLES}")
-    tables = []
-    total = 0
-    for name, cols in obj.items():
-        if not isinstance(cols, dict):
-            raise SchemaError(
-                f"table {name!r}: expected an object {{column: type}}, got {type(cols).__name__}"
-            )
-        total += len(cols)
-        if total > MAX_COLUMNS:
-            raise SchemaError(f"the schema has more than {MAX_COLUMNS} columns (the limit)")
-        columns = []
-        for cname, ctype in cols.items():
-            if ctype is None:
-                ctype = ""
-            if not isinstance(ctype, str):
-                raise SchemaError(
-                    f"column {name}.{cname}: the type must be a string, got {type(ctype).__name__}"
-                )
-            if len(ctype) > MAX_TYPE_CHARS:
-                raise SchemaError(
-                    f"column {name}.{cname}: the type is {len(ctype)} characters, over the limit of "
-                    f"{MAX_TYPE_CHARS}"
-                )
-            columns.append(Column(cname, ctype.strip(), kind_of_type(ctype, d or "sqlite")))
-        tables.append(Table(name, tuple(columns), case_sensitive=d == "postgres"))
-    return Schema(tuple(tables), d)
-
-
-def load_schema(source, dialect: str | None = None) -> Schema:
-    """A Schema from any source: a SQLAlchemy Engine/Connection or database URL string
-    (`sqlite:///x.db`, `duckdb:///x.duckdb`, `postgresql+psycopg://...`; introspected), a dict
-    `{table: {column: type}}`, JSON text of one, or CREATE TABLE text. `dialect` is the dialect
-    of DDL/JSON text (default SQLite), and must agree with a database's own when both are given.
-    Raises SchemaError (DatabaseUnreachableError for a database that cannot be read)."""
-    from agentrt.sql.dialect import dialect_name
-
-    if isinstance(source, Schema):
-        return source if dialect is None else source.with_dialect(dialect)
-    if isinstance(source, dict):
-        return schema_from_json(source, dialect)
-    if isinstance(source, str):
-        text = source.strip()
-        if text.startswith("{"):
-            return schema_from_json(text, dialect)
-        if "://" in text.split("\n", 1)[0] and not text.upper().startswith("CREATE"):
-            from agentrt.sql.introspect import introspect
-
-            s = introspect(text)
-            if dialect is not None and dialect_name(dialect) != s.dialect:
-                raise SchemaError(f"the database is {s.dialect}, not {dialect}")
-            return s
-        from agentrt.sql.ddl import schema_from_ddl
-
-        return schema_from_ddl(text, dialect or "sqlite")
-    try:
-        import sqlalchemy
-    except ImportError:  # pragma: no cover - sqlalchemy is a dependency of the sql extra
-        sqlalchemy = None
-    if sqlalchemy is not None and isinstance(
-        source, (sqlalchemy.engine.Engine, sqlalchemy.engine.Connection)
-    ):
-        from agentrt.sql.introspect import introspect
-
-        return introspect(source)
-    raise SchemaError(
-        "a schema must be a database URL or SQLAlchemy engine, CREATE TABLE text, or JSON "
-        f"{{table: {{column: type}}}}; got {type(source).__name__}"
-    )

@@ -1,5 +1,5 @@
 """FROM-clause shapes (*scopes*) of a schema-aware SQL grammar, in priority order (the order and
-the budget are explained in agentrt/sql/grammar.py, "Column-to-table scoping")."""
+the budget are explained in docs/sql-grammar.md, "Column-to-table scoping")."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
-from agentrt.sql.schema import Schema, SchemaError, Table, fold_name
+from agentrt.sql.errors import SchemaError
+from agentrt.sql.schema import Schema, Table, fold_name
 
 ALIASES = ("T1", "T2", "T3")
 

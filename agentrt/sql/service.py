@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.sql.ddl import schema_from_ddl
 from agentrt.sql.dialect import dialect_name
+from agentrt.sql.errors import SchemaError
 from agentrt.sql.grammar import sql_grammar
-from agentrt.sql.schema import Schema, SchemaError, schema_from_json
+from agentrt.sql.schema import Schema
+from agentrt.sql.sources import schema_from_json
 
 SQL_SYSTEM_PROMPT = (
     "You write {dialect} queries. The database has these tables:\n\n{ddl}\n"

@@ -38,7 +38,8 @@ from typing import Any
 
 from agentrt.errors import InvalidRequestError
 from agentrt.sql.dialect import dialect_name, needs_quotes
-from agentrt.sql.schema import Schema, SchemaError, fold_name
+from agentrt.sql.errors import SchemaError
+from agentrt.sql.schema import Schema, fold_name
 
 DEFAULT_TIMEOUT_S = 10.0
 """Seconds a query (or its EXPLAIN) may run."""

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.helpers import load_case
+from tests.support.paths import load_case
 
 MODEL = "smollm2-135m-instruct"
 

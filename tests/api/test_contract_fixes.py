@@ -15,7 +15,7 @@ from agentrt.api.errors import APIError
 from agentrt.api.messages import MessagesRequest, to_chat
 from agentrt.api.tools import plan_tools
 from agentrt.grammars.tool_calls import FORMATS
-from tests.helpers import sse_chunks
+from tests.support.api import sse_chunks
 
 pytestmark = pytest.mark.usefixtures("time_limit")
 

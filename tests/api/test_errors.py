@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from agentrt.api.errors import APIError, error_body, install_error_handlers, to_api_error
-from agentrt.api.serving import Generation
+from agentrt.api.generation import Generation
 from agentrt.api.tools import plan_tools
 from agentrt.errors import (
     AgentrtError,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.fuzz_strategies import (
+from tests.support.fuzz import (
     choices,
     ebnf_grammars,
     json_schemas,

@@ -396,7 +396,7 @@ CALL_TEXT = (
 
 @pytest.mark.parametrize("finish", ["stop", "length"])
 def test_output_items_follow_the_text_whatever_the_chunking(finish):
-    from agentrt.api.responses import _Output
+    from agentrt.api.responses.shape import _Output
 
     whole = _Output(_plan())
     whole.feed(CALL_TEXT)
@@ -434,7 +434,7 @@ def test_output_items_follow_the_text_whatever_the_chunking(finish):
 
 
 def test_whitespace_alone_opens_no_message_but_an_empty_output_is_one_message():
-    from agentrt.api.responses import _Output
+    from agentrt.api.responses.shape import _Output
 
     out = _Output(_plan())
     out.feed('\n \n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Hue"}}\n</tool_call>')

@@ -23,8 +23,8 @@ from fastapi.testclient import TestClient
 
 from agentrt.api.app import create_app
 from agentrt.api.middleware import DEFAULT_MAX_BODY_BYTES, ServerOptions
-from agentrt.cli import add_server_args, exposure_warning, is_loopback, server_options
 from agentrt.runtime.async_engine import AsyncEngine
+from agentrt.server_args import add_server_args, exposure_warning, is_loopback, server_options
 from agentrt.testing import fake_engine, free_port
 
 pytestmark = pytest.mark.usefixtures("time_limit")

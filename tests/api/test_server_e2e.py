@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from agentrt.extract.prompt import extraction_messages
-from tests.helpers import shared_path
+from tests.support.paths import shared_path
 
 MODEL = "smollm2-135m-instruct"
 NUM_DOCS = 12

@@ -13,7 +13,7 @@ from agentrt.grammars.conformance import accepts
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.tool_calls import FORMATS
 from agentrt.grammars.xgrammar_backend import GrammarBackend
-from tests.helpers import load_case
+from tests.support.paths import load_case
 
 
 def _parse(

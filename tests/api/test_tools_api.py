@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.helpers import sse_chunks
+from tests.support.api import sse_chunks
 
 MODEL = "smollm2-135m-instruct"
 

@@ -18,7 +18,7 @@ from agentrt.errors import ConstraintError
 from agentrt.extract import ExtractInput
 from agentrt.extract.cli import run_extract
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import ROOT, shared_path
+from tests.support.paths import ROOT, shared_path
 
 PERSON = {
     "type": "object",

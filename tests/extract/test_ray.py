@@ -14,7 +14,7 @@ from agentrt.extract.cli import run_extract
 from agentrt.extract.ray_job import RAY_INSTALL_HINT, blocks, decode_result, encode_result
 from agentrt.extract.types import ExtractResult, Usage
 from tests.extract.test_extract_jobs import PERSON, people_docs, read_rows, write_jsonl
-from tests.helpers import start_local_ray
+from tests.support.ray_cluster import start_local_ray
 
 
 @pytest.fixture(scope="module")

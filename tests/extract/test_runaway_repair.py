@@ -14,7 +14,7 @@ from agentrt.extract.cli import run_extract
 from agentrt.extract.prompt import prompt_messages
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import shared_path
+from tests.support.paths import shared_path
 
 DOC_ID = "ticket-11-001"
 MAX_TOKENS = 160  # measured: the loop starts near token 60 and repair closes it at token 118

@@ -12,7 +12,8 @@ import torch
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import chat_ids, load_case
+from tests.support.models import chat_ids
+from tests.support.paths import load_case
 
 
 @pytest.fixture(scope="module")

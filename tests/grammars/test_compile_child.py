@@ -210,8 +210,8 @@ def test_a_bug_in_the_child_is_not_answered_as_a_refusal(backend, in_process):
 
 
 def _sql_spec() -> ConstraintSpec:
-    from agentrt.sql.schema import load_schema
     from agentrt.sql.service import sql_constraint
+    from agentrt.sql.sources import load_schema
 
     ddl = 'CREATE TABLE "my singer" (id INTEGER PRIMARY KEY, name TEXT, age INTEGER);'
     return sql_constraint(load_schema(ddl, "sqlite"), "sqlite")

@@ -32,7 +32,7 @@ from agentrt.grammars.xgrammar_backend import CompiledConstraint
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.request import SamplingParams
 from agentrt.testing import fake_engine
-from tests.fuzz_strategies import (
+from tests.support.fuzz import (
     choices,
     deep_schema,
     ebnf_grammars,

@@ -13,7 +13,7 @@ from agentrt.grammars.conformance import Counts, accepts, check_schema
 from agentrt.grammars.json_schema import UnsupportedSchemaError, canonical_json, normalize_schema
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
-from tests.helpers import SHARED, shared_path
+from tests.support.paths import SHARED, shared_path
 
 
 @pytest.fixture(scope="module")

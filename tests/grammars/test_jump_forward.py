@@ -10,7 +10,8 @@ import pytest
 from agentrt.extract.prompt import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import chat_ids, shared_path
+from tests.support.models import chat_ids
+from tests.support.paths import shared_path
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from agentrt.grammars.conformance import accepts
 from agentrt.grammars.lark_grammar import lark_to_ebnf
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
-from tests.helpers import shared_path
+from tests.support.paths import shared_path
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_generated_sql_parses_with_lark(engine, tokenizer):
     import lark
 
     from agentrt.runtime.request import SamplingParams
-    from tests.helpers import chat_ids
+    from tests.support.models import chat_ids
 
     text = shared_path("sql", "syncode_sql_grammar.lark").read_text()
     parser = lark.Lark(text, parser="earley", lexer="dynamic")

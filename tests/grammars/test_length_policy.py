@@ -14,7 +14,9 @@ from jsonschema.validators import validator_for
 from agentrt.extract.prompt import extraction_messages
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import SHARED, make_tiny_model, shared_path, sse_chunks
+from tests.support.api import sse_chunks
+from tests.support.models import make_tiny_model
+from tests.support.paths import SHARED, shared_path
 
 MODEL = "smollm2-135m-instruct"
 MIN_CHECKED_LENGTH_POLICY = 2  # of the 3 documents (one per schema), default policy: measured 2 at 300 tokens

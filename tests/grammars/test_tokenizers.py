@@ -16,7 +16,7 @@ from agentrt.grammars.jump_forward import forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import GrammarBackend
-from tests.helpers import shared_path
+from tests.support.paths import shared_path
 
 RARE = "\U0001fae8"  # not in Gemma's vocabulary: four <0x..> byte-fallback tokens
 SCHEMA = {

@@ -165,7 +165,8 @@ def test_dense_float32_linear_rows_do_not_depend_on_the_batch():
     (models/cpu_linear.py): on this CPU a row's output is the same alone or among 2 to 300 rows (the
     default model's shapes; on AVX-512 CPUs oneDNN's single-row GEMV sums in another order for
     in >= 1536, so OneDNNLinear runs one row as two), which the engine's invariance at float32 relies on."""
-    from agentrt.runtime.models.cpu_linear import OneDNNLinear, onednn_usable
+    from agentrt.runtime.hardware import onednn_usable
+    from agentrt.runtime.models.cpu_linear import OneDNNLinear
 
     if not onednn_usable():
         pytest.skip("this torch build has no oneDNN")
@@ -182,7 +183,8 @@ def test_dense_float32_linear_rows_do_not_depend_on_the_batch():
 
 def test_onednn_single_row_keeps_shape_checks():
     """A single row of the wrong width is refused as F.linear refuses it, not reshaped."""
-    from agentrt.runtime.models.cpu_linear import OneDNNLinear, onednn_usable
+    from agentrt.runtime.hardware import onednn_usable
+    from agentrt.runtime.models.cpu_linear import OneDNNLinear
 
     if not onednn_usable():
         pytest.skip("this torch build has no oneDNN")

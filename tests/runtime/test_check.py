@@ -19,7 +19,8 @@ import pytest
 from agentrt.runtime.models.check import check_model, reasoning_format, safetensors_headers
 from agentrt.runtime.models.gguf_meta import gguf_hf_config, read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
-from tests.helpers import ROOT, make_tiny_model
+from tests.support.models import make_tiny_model
+from tests.support.paths import ROOT
 
 CPU = {"device": "cpu", "dtype": "float32"}
 TOKENIZER_FILES = (

@@ -18,7 +18,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import SeqChunk, run_chunks
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import make_tiny_model
+from tests.support.models import make_tiny_model
 
 FORMATS = {
     "float32": ("float32", "none"),

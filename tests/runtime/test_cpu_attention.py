@@ -11,8 +11,9 @@ from agentrt.runtime.attention import KernelRows, gather_slots
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk, choose_attention_backend
-from tests.helpers import make_tiny_model
+from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.platform import choose_attention_backend
+from tests.support.models import make_tiny_model
 
 FAILURE = cpu_kernels.load(default_cache_dir())
 needs_kernel = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernel is unavailable: {FAILURE}")
@@ -132,7 +133,7 @@ SCRIPT = """
 import sys, torch
 from pathlib import Path
 from agentrt.runtime.kernels import cpu_kernels as c
-from agentrt.runtime.model_runner import choose_attention_backend
+from agentrt.runtime.platform import choose_attention_backend
 cache = Path(sys.argv[1])
 print("nocompiler", c.load(cache / "none"))
 print("auto", choose_attention_backend("auto", torch.device("cpu"), torch.float32, cache / "none"))

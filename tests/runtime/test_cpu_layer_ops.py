@@ -21,7 +21,7 @@ from agentrt.runtime.models.quant import (
     quantize_int8,
     row_major,
 )
-from tests.helpers import make_tiny_model
+from tests.support.models import make_tiny_model
 
 FAILURE = cpu_kernels.load(default_cache_dir())
 pytestmark = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernels are unavailable: {FAILURE}")

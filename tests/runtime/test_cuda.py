@@ -15,7 +15,8 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import SeqChunk
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import ROOT, chat_ids
+from tests.support.models import chat_ids
+from tests.support.paths import ROOT
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GPU machine)")
 QUESTIONS = [

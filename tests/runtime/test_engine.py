@@ -9,7 +9,7 @@ import pytest
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import chat_ids
+from tests.support.models import chat_ids
 
 QUESTIONS = [
     "Name a red fruit.",

@@ -15,7 +15,7 @@ from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import AsyncEngine
 from agentrt.runtime.request import RequestOutput, SamplingParams
 from agentrt.testing import FAULT_KINDS, FaultInjector, fake_engine
-from tests.helpers import finish_all
+from tests.support.models import finish_all
 
 pytestmark = pytest.mark.usefixtures("time_limit")
 

@@ -10,7 +10,7 @@ from agentrt.errors import InternalError
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams
 from agentrt.testing import fake_engine
-from tests.helpers import finish_all
+from tests.support.models import finish_all
 
 pytestmark = pytest.mark.usefixtures("time_limit")
 

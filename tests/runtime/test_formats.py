@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from agentrt.runtime import hardware
+from agentrt.runtime import hardware, platform
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.hardware import onednn_usable
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
-from agentrt.runtime.models.cpu_linear import OneDNNLinear, choose_linear_kernel, onednn_usable
+from agentrt.runtime.models.cpu_linear import OneDNNLinear
 from agentrt.runtime.models.quant import (
     Int4BlockLinear,
     Int4Linear,
@@ -20,19 +21,21 @@ from agentrt.runtime.models.quant import (
     bytes_by_format,
     quantize_int4,
 )
-from tests.helpers import ROOT, chat_ids, make_tiny_model
+from agentrt.runtime.platform import choose_linear_kernel
+from tests.support.models import chat_ids, make_tiny_model
+from tests.support.paths import ROOT
 
 
 def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert hardware.choose_threads(None) == (3, "OMP_NUM_THREADS")
-    assert hardware.choose_threads(5) == (5, "requested")
+    assert platform.choose_threads(None) == (3, "OMP_NUM_THREADS")
+    assert platform.choose_threads(5) == (5, "requested")
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(hardware, "physical_cores", lambda: 7)
-    assert hardware.choose_threads(None) == (7, "physical cores")
+    assert platform.choose_threads(None) == (7, "physical cores")
     monkeypatch.setenv("OMP_NUM_THREADS", "two")
     with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'two'"):
-        hardware.choose_threads(None)
+        platform.choose_threads(None)
     for kw, msg in (
         ({"threads": 0}, "threads must be >= 1"),
         ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),

@@ -1,4 +1,4 @@
-"""The machine's policies (runtime/hardware.py) on a table of simulated CPUs: the run dtype `auto`
+"""The machine (runtime/hardware.py) and its policies (runtime/platform.py) on a table of simulated CPUs: the run dtype `auto`
 picks and the CPU kernels' instruction set, with the forcing switch."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrt.runtime import hardware
+from agentrt.runtime import hardware, platform
 
 
 def cpuinfo(model: str, flags: str) -> str:
@@ -49,7 +49,7 @@ def _no_forced_isa(monkeypatch):
     ],
 )
 def test_auto_dtype_and_kernel_isa_on_simulated_cpus(text, dtype, isa):
-    chosen, reason = hardware.choose_dtype(CPU, "auto", cpuinfo=text, capability="DEFAULT")
+    chosen, reason = platform.choose_dtype(CPU, "auto", cpuinfo=text, capability="DEFAULT")
     assert chosen == dtype, reason
     assert reason.startswith("auto: ")
     assert hardware.kernel_isa(hardware.cpu_info(text), forced="") == (isa, "auto: the CPU's best")
@@ -58,12 +58,12 @@ def test_auto_dtype_and_kernel_isa_on_simulated_cpus(text, dtype, isa):
 
 
 def test_explicit_and_cuda_dtypes_and_bad_names():
-    assert hardware.choose_dtype(CPU, "bfloat16", cpuinfo=ZEN1) == (torch.bfloat16, "requested")
-    assert hardware.choose_dtype(torch.device("cuda"), "auto", cpuinfo=ZEN5) == (torch.bfloat16, "auto: CUDA")
+    assert platform.choose_dtype(CPU, "bfloat16", cpuinfo=ZEN1) == (torch.bfloat16, "requested")
+    assert platform.choose_dtype(torch.device("cuda"), "auto", cpuinfo=ZEN5) == (torch.bfloat16, "auto: CUDA")
     with pytest.raises(ValueError, match="dtype 'fp8' is not one of auto"):
-        hardware.choose_dtype(CPU, "fp8")
+        platform.choose_dtype(CPU, "fp8")
     # torch's capability alone also counts as native bf16 where there is no AVX2
-    assert hardware.choose_dtype(CPU, "auto", cpuinfo=OLD, capability="AVX512_BF16")[0] == torch.bfloat16
+    assert platform.choose_dtype(CPU, "auto", cpuinfo=OLD, capability="AVX512_BF16")[0] == torch.bfloat16
     assert hardware.cpu_native_bf16(SAPPHIRE_RAPIDS, "AVX512") == (True, "CPU flags amx_bf16, avx512_bf16")
     assert hardware.cpu_native_bf16(ZEN1, "AVX2") == (
         False,
@@ -77,7 +77,7 @@ def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
     monkeypatch.setenv("AGENTRT_CPU_ISA", "avxvnni")
     assert hardware.kernel_isa(zen5) == ("avxvnni", "AGENTRT_CPU_ISA")
     assert (
-        "the CPU kernels' avxvnni path" in hardware.choose_dtype(CPU, "auto", cpuinfo=ZEN5)[1]
+        "the CPU kernels' avxvnni path" in platform.choose_dtype(CPU, "auto", cpuinfo=ZEN5)[1]
     )  # the one that runs
     with pytest.raises(ValueError, match="AGENTRT_CPU_ISA=avx512vnni is not available on this CPU"):
         hardware.kernel_isa(hardware.cpu_info(ZEN1), forced="avx512vnni")
@@ -101,14 +101,14 @@ def test_cpu_info_reads_the_first_processor_and_describes_it():
 
 def test_deterministic_problem_names_what_is_not_invariant():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert hardware.deterministic_problem(cpu, torch.float32, "cpu", False, "int4") is None
-    assert hardware.deterministic_problem(cuda, torch.bfloat16, "triton", False, "none") is None
-    assert "only float32" in hardware.deterministic_problem(cpu, torch.bfloat16, "torch", False, "none")
-    assert "attention backend torch" in hardware.deterministic_problem(
+    assert platform.deterministic_problem(cpu, torch.float32, "cpu", False, "int4") is None
+    assert platform.deterministic_problem(cuda, torch.bfloat16, "triton", False, "none") is None
+    assert "only float32" in platform.deterministic_problem(cpu, torch.bfloat16, "torch", False, "none")
+    assert "attention backend torch" in platform.deterministic_problem(
         cpu, torch.float32, "torch", False, "none"
     )
-    assert "--compile" in hardware.deterministic_problem(cpu, torch.float32, "cpu", True, "none")
-    assert "torchao" in hardware.deterministic_problem(cuda, torch.bfloat16, "triton", False, "int8")
-    assert "attention backend torch" in hardware.deterministic_problem(
+    assert "--compile" in platform.deterministic_problem(cpu, torch.float32, "cpu", True, "none")
+    assert "torchao" in platform.deterministic_problem(cuda, torch.bfloat16, "triton", False, "int8")
+    assert "attention backend torch" in platform.deterministic_problem(
         cuda, torch.bfloat16, "torch", False, "none"
     )

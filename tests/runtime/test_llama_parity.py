@@ -9,7 +9,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import SamplingParams
-from tests.helpers import chat_ids, make_tiny_model
+from tests.support.models import chat_ids, make_tiny_model
 
 PROMPTS = [  # three prompt lengths: batched decode over sequences of different lengths
     "What is the capital of France?",

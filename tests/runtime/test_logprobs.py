@@ -19,7 +19,7 @@ from agentrt.runtime.constraint_state import ConstraintState
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import Request, SamplingParams, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, sample
-from tests.helpers import chat_ids
+from tests.support.models import chat_ids
 
 XGR_KERNEL = SimpleNamespace(
     apply_bitmask=lambda logits, bitmask, rows: xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

@@ -14,7 +14,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import SamplingParams
 from agentrt.runtime.speculation import SHIPPED_HEADS
-from tests.helpers import chat_ids, make_tiny_model
+from tests.support.models import chat_ids, make_tiny_model
 
 HEADS = SHIPPED_HEADS / "smollm2-135m-instruct"
 METHODS = {
@@ -454,7 +454,7 @@ def test_train_medusa_writes_loadable_heads(tmp_path, default_model_dir):
 def test_shipped_medusa_heads_accept_over_1_5_tokens_per_pass_on_extraction(default_model_dir):
     """The shipped heads on 4 extraction documents they were not trained on (odd positions of
     docs.jsonl), greedy, JSON Schema constrained: mean accepted length > 1.5."""
-    from tests.helpers import shared_path
+    from tests.support.paths import shared_path
 
     docs_path = shared_path("extraction", "docs.jsonl")
     from agentrt.extract.prompt import extraction_messages

@@ -42,7 +42,8 @@ from agentrt.scaleout.ingress import REPLICA_HEADER
 from agentrt.scaleout.policy import RoutingConfig
 from agentrt.scaleout.replica import ReplicaSpec
 from agentrt.testing import free_port
-from tests.helpers import make_tiny_model, start_local_ray
+from tests.support.models import make_tiny_model
+from tests.support.ray_cluster import start_local_ray
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
 """Fixtures of the SQL tests: the grammar backend on the default model's tokenizer and the Spider
 databases (../shared/testdata/sql/databases, schema only) with their compiled grammars. Plain
-helpers are in tests/sql/awkward.py (the awkward-identifier database) and tests/sql/walks.py."""
+helpers are in tests/support/sql/ (the awkward-identifier database, grammar samples, token walks)."""
 
 from __future__ import annotations
 
 import pytest
 
 from agentrt.grammars.spec import GrammarConfig
-from tests.helpers import shared_path
+from tests.support.paths import shared_path
 
 
 @pytest.fixture(scope="session")

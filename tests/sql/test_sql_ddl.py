@@ -10,7 +10,8 @@ import sqlite3
 import pytest
 
 from agentrt.sql import SchemaError, introspect, schema_from_ddl, schema_from_json, sql_grammar
-from agentrt.sql.schema import MAX_DDL_BYTES, MAX_TYPE_CHARS, kind_of_type
+from agentrt.sql.kinds import kind_of_type
+from agentrt.sql.schema import MAX_DDL_BYTES, MAX_TYPE_CHARS
 
 
 def _tables(schema) -> list[tuple[str, list[str]]]:

@@ -24,10 +24,10 @@ from agentrt.sql import (
 )
 from agentrt.sql.grammar import Lit
 from agentrt.sql.validate import read_only_problem
-from tests.helpers import shared_path
-from tests.sql.awkward import make_awkward
-from tests.sql.sampling import sample
-from tests.sql.walks import SPIDER_WALK_DBS, token_walks
+from tests.support.paths import shared_path
+from tests.support.sql.awkward import make_awkward
+from tests.support.sql.sampling import sample
+from tests.support.sql.walks import SPIDER_WALK_DBS, token_walks
 
 WRITES = ["INSERT", "UPDATE", "DELETE", "DROP", "ATTACH", "PRAGMA", "CREATE", "ALTER", "REPLACE", "VACUUM"]
 
@@ -187,7 +187,7 @@ def test_no_query_can_write(dialect, sql_backend):
     names and string literals, no `;`, and the matcher refuses every write from the start, after
     a complete query, and inside a WITH."""
     from agentrt.sql import schema_from_ddl
-    from tests.sql.awkward import ddl
+    from tests.support.sql.awkward import ddl
 
     schema = schema_from_ddl(ddl(dialect), dialect)
     grammar = sql_grammar(schema)
@@ -234,7 +234,7 @@ def test_lark_text_compiles_through_the_lark_path_and_agrees(spider_compiled, sq
 def test_awkward_names_through_the_lark_path(sql_backend):
     """Quotes, backslashes and non-ASCII in names survive the Lark text (escaped as \\uXXXX)."""
     from agentrt.sql import schema_from_ddl
-    from tests.sql.awkward import ddl
+    from tests.support.sql.awkward import ddl
 
     schema = schema_from_ddl(ddl("sqlite"), "sqlite").subset(["Clients", "日本"])
     via_lark = sql_backend.compile(sql_grammar(schema).spec(lark=True))

@@ -25,9 +25,9 @@ from agentrt.sql import (
     validate,
 )
 from agentrt.testing import free_port
-from tests.sql.awkward import ENDLESS, expected_model, make_awkward, model, statements
-from tests.sql.sampling import sample
-from tests.sql.walks import token_walks
+from tests.support.sql.awkward import ENDLESS, expected_model, make_awkward, model, statements
+from tests.support.sql.sampling import sample
+from tests.support.sql.walks import token_walks
 
 pytestmark = pytest.mark.slow
 

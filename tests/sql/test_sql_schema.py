@@ -18,7 +18,7 @@ from agentrt.sql import (
     schema_from_json,
 )
 from agentrt.sql.schema import MAX_COLUMNS, MAX_TABLES
-from tests.sql.awkward import ddl, expected_model, make_awkward, model
+from tests.support.sql.awkward import ddl, expected_model, make_awkward, model
 
 PORTABLE_DDL = """
 CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name VARCHAR(30), born DATE, net_worth REAL,

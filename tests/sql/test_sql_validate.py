@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from agentrt.sql import QueryError, QueryTimeoutError, execute, introspect, normalize, open_database, validate
 from agentrt.sql.validate import DatabaseConnectionError, _is_disconnect, _run
-from tests.sql.awkward import ENDLESS, make_awkward
+from tests.support.sql.awkward import ENDLESS, make_awkward
 
 
 @pytest.fixture(params=["sqlite", "duckdb"])

@@ -9,14 +9,11 @@ distinct values number at most MAX_UNIQUE_SETS; otherwise it is refused. `contai
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from agentrt.grammars.json_schema.errors import ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
-from agentrt.grammars.json_schema.values import json_equal
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
+from agentrt.grammars.json_schema.values import json_equal, unique_values
+from agentrt.grammars.json_schema.walk import Walk
 
 UNIQUE_STRINGS = "x-agentrt-unique-strings"
 """Output marker of an array of distinct free strings (value: the `uniqueItems` pointer). Not a
@@ -25,7 +22,7 @@ MAX_UNIQUE_SETS = 1024  # rules of the unique-items grammar: one per set of valu
 MAX_CONTAINS_RULES = 256  # rules of the contains grammar: (items so far, matches so far)
 
 
-def norm_array(n: Normalizer, s: dict, pointer: str):
+def norm_array(n: Walk, s: dict, pointer: str):
     """The array branch of subschema `s`."""
     out: dict = {"type": "array"}
     lo, hi = int(s.get("minItems", 0)), s.get("maxItems")
@@ -73,7 +70,7 @@ def norm_array(n: Normalizer, s: dict, pointer: str):
     return out
 
 
-def _contains(n: Normalizer, s: dict, out: dict, pointer: str):
+def _contains(n: Walk, s: dict, out: dict, pointer: str):
     """`contains` (with `minContains` k, default 1): at least k items match the items schema and
     `contains` together (their merge, normalized, kept as the output's `contains`); nodes.py counts
     them (rules: item count x matches, at most MAX_CONTAINS_RULES). `maxContains` below the
@@ -113,7 +110,7 @@ def _contains(n: Normalizer, s: dict, out: dict, pointer: str):
     return kept
 
 
-def _unique(n: Normalizer, out: dict, pointer: str):
+def _unique(n: Walk, out: dict, pointer: str):
     """`uniqueItems` over more than one item: kept when every item is one of a few scalars (nodes.py
     enumerates the sets of values used); over free strings (items exactly `{"type": "string"}`,
     no prefixItems) marked with UNIQUE_STRINGS (its value: the keyword's pointer) for the matcher's
@@ -150,21 +147,6 @@ def _unique(n: Normalizer, out: dict, pointer: str):
     return kept
 
 
-def unique_values(s: dict) -> list | None:
-    """The values a normalized array schema's items may take when they are finitely many scalars
-    (`enum` of scalars, `boolean`, `null`) and there is no `prefixItems`; else None."""
-    items = s.get("items", {})
-    if "prefixItems" in s or not isinstance(items, dict):
-        return None
-    if set(items) == {"enum"} and not any(isinstance(v, (dict, list)) for v in items["enum"]):
-        return list(items["enum"])
-    if items == {"type": "boolean"}:
-        return [True, False]
-    if items == {"type": "null"}:
-        return [None]
-    return None
-
-
-def _refuse_unsupported(n: Normalizer, s: dict, pointer: str) -> None:
+def _refuse_unsupported(n: Walk, s: dict, pointer: str) -> None:
     if "unevaluatedItems" in s:
         n.unsupported("unevaluatedItems", ptr(pointer, "unevaluatedItems"), "not supported")

@@ -14,21 +14,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import KNOWN, UNSAT
 from agentrt.grammars.json_schema.refs import inline, resolve
 from agentrt.grammars.json_schema.values import json_equal, json_key, type_name, value_to_schema
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
+from agentrt.grammars.json_schema.walk import Walk
 
 MAX_ONE_OF_TERMS = 64
 _MAX_RELAX_DEPTH = 4  # alternatives of one "branch and not the others" term
 
 
-def norm_enum(n: Normalizer, s: dict, pointer: str):
+def norm_enum(n: Walk, s: dict, pointer: str):
     """`enum`/`const` with whatever else the subschema says: the values that satisfy all of it."""
     values = [s["const"]] if "const" in s else list(s["enum"])
     others = [k for k in s if k in KNOWN and k not in ("enum", "const")]
@@ -57,7 +55,7 @@ def norm_enum(n: Normalizer, s: dict, pointer: str):
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
-def norm_alternatives(n: Normalizer, s: dict, pointer: str):
+def norm_alternatives(n: Walk, s: dict, pointer: str):
     """`anyOf` or `oneOf` (both present: the `oneOf` stays beside each `anyOf` branch)."""
     kw = "anyOf" if "anyOf" in s else "oneOf"
     base = {k: v for k, v in s.items() if k != kw}
@@ -91,7 +89,7 @@ def norm_alternatives(n: Normalizer, s: dict, pointer: str):
     return live[0] if len(live) == 1 else {"anyOf": live}
 
 
-def _exactly_one_by_negation(n: Normalizer, raw: list, base: dict, branches: list, pointer: str):
+def _exactly_one_by_negation(n: Walk, raw: list, base: dict, branches: list, pointer: str):
     """oneOf as the anyOf of "branch i and not branch j" for every j that may overlap branch i
     (negation.py), when each such branch has a complement and each term stays within
     MAX_ONE_OF_TERMS alternatives; the normalized terms, or None (refused by the caller)."""
@@ -129,7 +127,7 @@ def _exactly_one_by_negation(n: Normalizer, raw: list, base: dict, branches: lis
     return out or [UNSAT]
 
 
-def negation_within(n: Normalizer, a, b):
+def negation_within(n: Walk, a, b):
     """The instances of normalized schema `a` that fail normalized schema `b`, as a raw schema to
     merge with `a` (False: none), when `a` is a closed object (additionalProperties false, no
     patterns): within its names, `b` fails by a missing required name, a present name `b` closes
@@ -171,7 +169,7 @@ def negation_within(n: Normalizer, a, b):
 _ALL_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 
 
-def _pure_types(n: Normalizer, s) -> set | None:
+def _pure_types(n: Walk, s) -> set | None:
     """The types a normalized schema admits when it admits every value of them (`{}`, `{"type": t}`
     or an anyOf of such), else None."""
     if s == {}:
@@ -189,7 +187,7 @@ def _pure_types(n: Normalizer, s) -> set | None:
     return None
 
 
-def _deref(n: Normalizer, s):
+def _deref(n: Walk, s):
     """A normalized schema with bare `$ref`s followed to their `$defs` entry; None for an entry
     still being normalized (its content is not known yet)."""
     busy = {n.def_names.get(f) for f in n.in_progress}
@@ -201,7 +199,7 @@ def _deref(n: Normalizer, s):
     return s
 
 
-def _busy_def(n: Normalizer, s):
+def _busy_def(n: Walk, s):
     """For a `$ref` to a `$defs` entry still being normalized (a recursive schema): a relaxation of
     its raw target (`_relaxed`), enough to prove disjointness; anything else unchanged."""
     if not (isinstance(s, dict) and set(s) == {"$ref"}):
@@ -216,7 +214,7 @@ def _busy_def(n: Normalizer, s):
         return {}
 
 
-def _relaxed(n: Normalizer, s, depth: int):
+def _relaxed(n: Walk, s, depth: int):
     """A schema in the normalized vocabulary that admits every instance raw `s` admits (keywords
     left out only widen it): one `type`, `enum`/`const`, and for objects `required`, `properties`
     (relaxed) and a closed `additionalProperties`. `disjoint` of two relaxations implies disjoint
@@ -248,7 +246,7 @@ def _relaxed(n: Normalizer, s, depth: int):
     return out
 
 
-def _exactly_one_by_type(n: Normalizer, live: list):
+def _exactly_one_by_type(n: Walk, live: list):
     """oneOf whose branches are whole types plus pairwise-disjoint others: the types exactly one
     branch covers, and each other branch on types no whole-type branch covers. Two equal other
     branches always match together, so both drop. None when this does not decide it (a type
@@ -284,13 +282,13 @@ def _exactly_one_by_type(n: Normalizer, live: list):
     return out or [UNSAT]
 
 
-def _pairwise_disjoint(n: Normalizer, schemas: list) -> bool:
+def _pairwise_disjoint(n: Walk, schemas: list) -> bool:
     return all(
         disjoint(n, schemas[i], schemas[j]) for i in range(len(schemas)) for j in range(i + 1, len(schemas))
     )
 
 
-def types_of(n: Normalizer, s) -> set | None:
+def types_of(n: Walk, s) -> set | None:
     """Instance types a normalized schema can match (None: unknown / any)."""
     if not isinstance(s, dict):
         return None
@@ -311,7 +309,7 @@ def types_of(n: Normalizer, s) -> set | None:
     return None
 
 
-def disjoint(n: Normalizer, a, b) -> bool:
+def disjoint(n: Walk, a, b) -> bool:
     """Provably no instance matches both normalized schemas (False: maybe some does)."""
     a, b = _deref(n, a) or _busy_def(n, a), _deref(n, b) or _busy_def(n, b)
     if not isinstance(a, dict) or not isinstance(b, dict):

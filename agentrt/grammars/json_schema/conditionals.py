@@ -20,14 +20,11 @@ Anything else is refused naming `if` and its pointer.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import KNOWN
 from agentrt.grammars.json_schema.values import json_equal, json_key
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
+from agentrt.grammars.json_schema.walk import Walk
 
 MAX_CONDITIONALS = 3
 _NON_OBJECT = ["null", "boolean", "number", "string", "array"]
@@ -44,7 +41,7 @@ def take_conditional(s: dict, pointer: str) -> tuple | None:
     return cond
 
 
-def conditionals_schema(n: Normalizer, conds: list[tuple]) -> dict | bool:
+def conditionals_schema(n: Walk, conds: list[tuple]) -> dict | bool:
     """A raw schema (an anyOf; False when nothing is left) equal to the conjunction of the
     conditionals `conds` (`take_conditional`'s tuples). Raises UnsupportedSchemaError naming `if`
     and its pointer when no rewrite applies."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from agentrt.errors import ConstraintError
 from agentrt.grammars.json_schema.automata import DFA, alphabet, build, dfa_ebnf, minimize
 from agentrt.grammars.json_schema.decimals import number_dfa
+from agentrt.grammars.json_schema.values import number_dfa_bounds, unique_values
 from agentrt.grammars.regex import _merge, ebnf_chars, esc_char
 
 _MARKER = "AGENTRTNODE{}X"
@@ -328,11 +329,9 @@ def _contains_ebnf(s: dict, values: list[str], name: str, ws: dict) -> tuple[str
 
 
 def _unique_ebnf(s: dict, name: str, ws: dict) -> tuple[str, list[str]]:
-    """An array of distinct items drawn from a few scalars (arrays.unique_values): rule
+    """An array of distinct items drawn from a few scalars (values.unique_values): rule
     `{name}_{mask}` continues an array whose values so far are the bits of `mask`, so no value
     repeats; `minItems`/`maxItems` are the set sizes that may close or grow."""
-    from agentrt.grammars.json_schema.arrays import unique_values
-
     values = [_lit(json.dumps(v, ensure_ascii=False)) for v in unique_values(s)]
     lo, hi = s.get("minItems", 0), min(s.get("maxItems", len(values)), len(values))
     open_, close, sep = _array_layout(ws)
@@ -356,9 +355,7 @@ def _unique_ebnf(s: dict, name: str, ws: dict) -> tuple[str, list[str]]:
 
 def _number_ebnf(s: dict, name: str) -> tuple[str, list[str]]:
     """A number with `multipleOf` and bounds: decimals.py's residue automaton, minimized."""
-    from agentrt.grammars.json_schema.numbers import _bounds
-
-    dfa = number_dfa(s["multipleOf"], **_bounds(s), integer=s["type"] == "integer")
+    dfa = number_dfa(s["multipleOf"], **number_dfa_bounds(s), integer=s["type"] == "integer")
     dfa, outs = minimize(dfa, lambda lab: '""' if lab else None)
     lines, live = dfa_ebnf(dfa, outs, name)
     if not live:

@@ -62,7 +62,8 @@ def normalize_schema(
 
 class Normalizer:
     """State of one `normalize_schema` walk. `norm(s, pointer)` returns the normalized subschema
-    or UNSAT; `unsupported` raises (or, best-effort, records); `rewrite` records a rewrite."""
+    or UNSAT; `unsupported` raises (or, best-effort, records); `rewrite` records a rewrite. The
+    keyword families see it as a `walk.Walk`."""
 
     def __init__(self, root, best_effort: bool, close_objects: bool):
         import jsonschema

@@ -11,22 +11,19 @@ spec says), refused past that automaton's bound.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from agentrt.grammars.json_schema.errors import ptr
 from agentrt.grammars.json_schema.keywords import INT64_MAX, INT64_MIN, UNSAT
-from agentrt.grammars.json_schema.values import is_int
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
+from agentrt.grammars.json_schema.values import is_int, number_dfa_bounds
+from agentrt.grammars.json_schema.walk import Walk
 
 
-def norm_integer(n: Normalizer, s: dict, pointer: str):
+def norm_integer(n: Walk, s: dict, pointer: str):
     """The integer branch of subschema `s`."""
     return norm_number(n, s, pointer, integer=True)
 
 
-def norm_number(n: Normalizer, s: dict, pointer: str, integer: bool = False):
+def norm_number(n: Walk, s: dict, pointer: str, integer: bool = False):
     """The number (or, with integer=True, integer) branch of subschema `s`."""
     out = _integer_bounds(n, s, pointer) if integer else _number_bounds(n, s, pointer)
     if out is UNSAT or "multipleOf" not in s:
@@ -40,7 +37,7 @@ def norm_number(n: Normalizer, s: dict, pointer: str, integer: bool = False):
     return _multiple_of(n, out, m, pointer, integer)
 
 
-def _multiple_of(n: Normalizer, out: dict, m, pointer: str, integer: bool):
+def _multiple_of(n: Walk, out: dict, m, pointer: str, integer: bool):
     """`multipleOf` m (not 1) beside the bounds in `out`: kept for nodes.py, which prints the
     residue automaton of decimals.py; refused past its bound, UNSAT when no number is left."""
     from agentrt.grammars.json_schema.automata import AutomatonError, live_states
@@ -48,7 +45,7 @@ def _multiple_of(n: Normalizer, out: dict, m, pointer: str, integer: bool):
 
     kept = {**out, "multipleOf": int(m) if is_int(m) else m}
     try:
-        dfa = number_dfa(m, **_bounds(kept), integer=integer)
+        dfa = number_dfa(m, **number_dfa_bounds(kept), integer=integer)
     except AutomatonError as e:
         n.unsupported("multipleOf", ptr(pointer, "multipleOf"), str(e))
         return out
@@ -57,18 +54,7 @@ def _multiple_of(n: Normalizer, out: dict, m, pointer: str, integer: bool):
     return kept
 
 
-def _bounds(s: dict) -> dict:
-    """number_dfa's bound arguments from a normalized number schema."""
-    names = {
-        "minimum": "minimum",
-        "maximum": "maximum",
-        "exclusiveMinimum": "exclusive_minimum",
-        "exclusiveMaximum": "exclusive_maximum",
-    }
-    return {arg: s[k] for k, arg in names.items() if k in s}
-
-
-def _integer_bounds(n: Normalizer, s: dict, pointer: str):
+def _integer_bounds(n: Walk, s: dict, pointer: str):
     out = {"type": "integer"}
     lo, lo_x = s.get("minimum"), s.get("exclusiveMinimum")
     hi, hi_x = s.get("maximum"), s.get("exclusiveMaximum")
@@ -102,7 +88,7 @@ def _integer_bounds(n: Normalizer, s: dict, pointer: str):
     return out
 
 
-def _number_bounds(n: Normalizer, s: dict, pointer: str):
+def _number_bounds(n: Walk, s: dict, pointer: str):
     out = {"type": "number"}
     for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         if k in s:

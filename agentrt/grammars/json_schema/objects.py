@@ -29,23 +29,21 @@ Anything else is refused naming the keyword (UnsupportedSchemaError or, best-eff
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrt.grammars.json_schema.automata import AutomatonError, alphabet, build
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
 from agentrt.grammars.json_schema.nodes import key_components
 from agentrt.grammars.json_schema.refs import inline
+from agentrt.grammars.json_schema.walk import Walk
 from agentrt.grammars.regex import matches_every_key
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
 
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
 MAX_DEPENDENCIES = 4  # 2^4 anyOf branches
 
 
-def norm_object(n: Normalizer, s: dict, pointer: str):
+def norm_object(n: Walk, s: dict, pointer: str):
     """The object branch of subschema `s`."""
     if s.get("dependentRequired") or s.get("dependentSchemas"):
         return _dependencies(n, s, pointer)
@@ -108,7 +106,7 @@ def _check_names(s: dict, required: list[str], pointer: str) -> None:
             )
 
 
-def _checked_patterns(n: Normalizer, s: dict, pointer: str) -> dict:
+def _checked_patterns(n: Walk, s: dict, pointer: str) -> dict:
     """`patternProperties` whose patterns have automata (the others refused, or dropped under
     best-effort)."""
     out = {}
@@ -122,7 +120,7 @@ def _checked_patterns(n: Normalizer, s: dict, pointer: str) -> dict:
     return out
 
 
-def _all_of(n: Normalizer, parts: list, pointer: str):
+def _all_of(n: Walk, parts: list, pointer: str):
     """The normalized intersection of raw schemas `parts`."""
     if len(parts) == 1:
         return n.norm(parts[0], pointer)
@@ -130,7 +128,7 @@ def _all_of(n: Normalizer, parts: list, pointer: str):
     return UNSAT if merged is False else n.norm(merged, pointer)
 
 
-def _names_check(n: Normalizer, s: dict):
+def _names_check(n: Walk, s: dict):
     """name -> may a property have this name (`propertyNames`)?"""
     if "propertyNames" not in s:
         return lambda k: True
@@ -138,7 +136,7 @@ def _names_check(n: Normalizer, s: dict):
     return v.is_valid
 
 
-def _named(n: Normalizer, s: dict, k: str, patterns: dict, ap, pointer: str):
+def _named(n: Walk, s: dict, k: str, patterns: dict, ap, pointer: str):
     """The normalized schema of property `k`: its own (or additionalProperties') with the schemas of
     the patterns its name matches."""
     parts = [re_sub for p, re_sub in patterns.items() if re.search(p, k)]
@@ -155,7 +153,7 @@ def _named(n: Normalizer, s: dict, k: str, patterns: dict, ap, pointer: str):
     return _all_of(n, parts, p_ptr)
 
 
-def _property_names(n: Normalizer, s: dict, out: dict, pointer: str) -> None:
+def _property_names(n: Walk, s: dict, out: dict, pointer: str) -> None:
     """Keep `propertyNames` (normalized to its string part) for the keys outside `properties`."""
     where = ptr(pointer, "propertyNames")
     pn = n.norm(s["propertyNames"], where)
@@ -206,7 +204,7 @@ def _string_part(pn):
     return keep[0] if len(keep) == 1 else {"anyOf": keep}
 
 
-def _check_overlaps(n: Normalizer, out: dict, pointer: str) -> None:
+def _check_overlaps(n: Walk, out: dict, pointer: str) -> None:
     """Refuse patterns whose key languages overlap (outside the named properties) with different
     schemas: the overlap would need both at once."""
     pats = list(out["patternProperties"].items())
@@ -231,7 +229,7 @@ def _check_overlaps(n: Normalizer, out: dict, pointer: str) -> None:
                 out["patternProperties"].pop(pj, None)
 
 
-def _property_counts(n: Normalizer, s: dict, required: list, others: bool, out: dict, pointer: str) -> bool:
+def _property_counts(n: Walk, s: dict, required: list, others: bool, out: dict, pointer: str) -> bool:
     """minProperties/maxProperties into `out` unless the shape implies them; False when none fits."""
     n_req = len(required)
     named = [k for k, v in out["properties"].items() if v is not False]
@@ -255,7 +253,7 @@ def _property_counts(n: Normalizer, s: dict, required: list, others: bool, out: 
     return True
 
 
-def _dependencies(n: Normalizer, s: dict, pointer: str):
+def _dependencies(n: Walk, s: dict, pointer: str):
     """dependentRequired / dependentSchemas: one branch per choice of which trigger names appear."""
     dr = dict(s.get("dependentRequired") or {})
     ds = dict(s.get("dependentSchemas") or {})

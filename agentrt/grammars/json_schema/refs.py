@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import re
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrt.grammars.json_schema.conditionals import conditionals_schema, take_conditional
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError, ptr
 from agentrt.grammars.json_schema.keywords import KNOWN, UNSAT
 from agentrt.grammars.json_schema.values import json_equal
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
+from agentrt.grammars.json_schema.walk import Walk
 
 _MAX_MERGE_DEPTH = 32
 _MAX_RECURSIVE_INLINES = 8
@@ -33,7 +31,7 @@ _TIGHTER = {
 }
 
 
-def resolve(n: Normalizer, ref: str, pointer: str) -> tuple[str, Any]:
+def resolve(n: Walk, ref: str, pointer: str) -> tuple[str, Any]:
     """Local `$ref` ('#', '#/json/pointer') -> (fragment, target). Anything else is unsupported."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         raise UnsupportedSchemaError(
@@ -56,7 +54,7 @@ def resolve(n: Normalizer, ref: str, pointer: str) -> tuple[str, Any]:
     return frag, target
 
 
-def norm_ref(n: Normalizer, ref: str, pointer: str):
+def norm_ref(n: Walk, ref: str, pointer: str):
     """A bare `$ref`: its target normalized once into the output's `$defs` (a recursive reference
     meets the entry in progress), returned as a reference to it; UNSAT when the target is."""
     frag, target = resolve(n, ref, pointer)
@@ -77,7 +75,7 @@ def norm_ref(n: Normalizer, ref: str, pointer: str):
     return {"$ref": f"#/$defs/{name}"}
 
 
-def merge_all_of(n: Normalizer, s: dict, pointer: str):
+def merge_all_of(n: Walk, s: dict, pointer: str):
     """`s` with its `allOf` (and any `$ref`) merged in, as one raw schema; UNSAT when the parts
     contradict each other."""
     n.rewrite("allOf", ptr(pointer, "allOf"))
@@ -85,7 +83,7 @@ def merge_all_of(n: Normalizer, s: dict, pointer: str):
     return UNSAT if out is False else out
 
 
-def inline(n: Normalizer, s, pointer: str, depth: int = 0):
+def inline(n: Walk, s, pointer: str, depth: int = 0):
     """A raw subschema with `$ref` and nested `allOf` expanded (refused on recursion); False when
     it admits nothing."""
     if s is True:

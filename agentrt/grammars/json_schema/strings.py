@@ -19,13 +19,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from agentrt.grammars.json_schema.automata import AutomatonError, alphabet, build
 from agentrt.grammars.json_schema.errors import ptr
 from agentrt.grammars.json_schema.keywords import UNSAT
 from agentrt.grammars.json_schema.negation import not_patterns
 from agentrt.grammars.json_schema.nodes import string_automaton
+from agentrt.grammars.json_schema.walk import Walk
 from agentrt.grammars.regex import (
     as_fullmatch,
     bound_repetition,
@@ -33,9 +32,6 @@ from agentrt.grammars.regex import (
     unconvertible,
     width_within,
 )
-
-if TYPE_CHECKING:
-    from agentrt.grammars.json_schema.normalizer import Normalizer
 
 # formats xgrammar's JSON-schema converter enforces (probed one by one against jsonschema's checkers)
 GRAMMAR_FORMATS = frozenset(
@@ -98,7 +94,7 @@ FORMAT_LENGTHS = {
 }
 
 
-def norm_string(n: Normalizer, s: dict, pointer: str):
+def norm_string(n: Walk, s: dict, pointer: str):
     """The string branch of subschema `s`."""
     nots = not_patterns(s.get("not"))
     if not nots:
@@ -107,7 +103,7 @@ def norm_string(n: Normalizer, s: dict, pointer: str):
     return out if out is UNSAT else _with_not(n, out, nots, pointer)
 
 
-def _with_not(n: Normalizer, out: dict, nots: list[str], pointer: str):
+def _with_not(n: Walk, out: dict, nots: list[str], pointer: str):
     """String schema `out` with the patterns of a `not` none may match (nodes.py's product DFA);
     refused beside a format, for a pattern without an automaton, or past the automaton bounds."""
     where = ptr(pointer, "not")
@@ -129,7 +125,7 @@ def _with_not(n: Normalizer, out: dict, nots: list[str], pointer: str):
     return kept
 
 
-def _norm_string(n: Normalizer, s: dict, pointer: str):
+def _norm_string(n: Walk, s: dict, pointer: str):
     lo, hi = n.count_bounds("minLength", s.get("minLength"), s.get("maxLength"), pointer)
     lo = int(lo) if lo is not None else None
     hi = int(hi) if hi is not None else None
@@ -159,7 +155,7 @@ def _norm_string(n: Normalizer, s: dict, pointer: str):
     return out
 
 
-def _pattern_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str):
+def _pattern_format(n: Walk, fmt: str, pattern, lo, hi, pointer: str):
     """A format we enforce as an exact pattern (FORMAT_PATTERNS)."""
     n.rewrite("format", ptr(pointer, "format"))
     if pattern is not None:
@@ -173,7 +169,7 @@ def _pattern_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str):
     return {"type": "string", "pattern": FORMAT_PATTERNS[fmt][1:-1]}
 
 
-def _format_with_pattern(n: Normalizer, fmt: str, pattern: str, lo, hi, pointer: str):
+def _format_with_pattern(n: Walk, fmt: str, pattern: str, lo, hi, pointer: str):
     """`format` and `pattern` (and a length range) side by side: nodes.py's product automaton of
     the format (as a pattern: FORMAT_SEARCHES), the pattern (`allOf` of searches) and the lengths.
     None (the caller refuses as before) when the pattern has no automaton or it is too large."""
@@ -198,7 +194,7 @@ def _format_with_pattern(n: Normalizer, fmt: str, pattern: str, lo, hi, pointer:
     return out
 
 
-def _grammar_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str) -> dict:
+def _grammar_format(n: Walk, fmt: str, pattern, lo, hi, pointer: str) -> dict:
     """A format the backend enforces itself (GRAMMAR_FORMATS); nothing may sit beside it."""
     if pattern is not None or lo or hi is not None:
         kw = "pattern" if pattern is not None else ("minLength" if lo else "maxLength")
@@ -206,7 +202,7 @@ def _grammar_format(n: Normalizer, fmt: str, pattern, lo, hi, pointer: str) -> d
     return {"type": "string", "format": fmt}
 
 
-def _expressible(n: Normalizer, pattern: str, pointer: str) -> bool:
+def _expressible(n: Walk, pattern: str, pointer: str) -> bool:
     """False (after reporting it) when the pattern uses what no grammar here can express."""
     if "\\\\" in pattern:
         # the backend matches patterns against the raw JSON text, where a backslash starts an
@@ -223,7 +219,7 @@ def _expressible(n: Normalizer, pattern: str, pointer: str) -> bool:
     return True
 
 
-def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
+def _norm_pattern(n: Walk, pattern: str, lo, hi, pointer: str):
     """`pattern` as a whole-string pattern, intersected with the length range lo..hi."""
     out = {"type": "string"}
     full = as_fullmatch(pattern)
@@ -252,7 +248,7 @@ def _norm_pattern(n: Normalizer, pattern: str, lo, hi, pointer: str):
     return out
 
 
-def _pattern_with_length(n: Normalizer, full: str, lo: int, hi, pointer: str):
+def _pattern_with_length(n: Walk, full: str, lo: int, hi, pointer: str):
     """`pattern` and a length range kept side by side: nodes.py enforces both with the product
     automaton of the pattern and a length counter (automata.py); refused when it is too large."""
     kw = "maxLength" if hi is not None else "minLength"

@@ -1,5 +1,7 @@
 """JSON values as JSON Schema compares them (RFC 8259 numbers: 1 == 1.0, true != 1; object key
-order ignored), and the schema that admits exactly one value."""
+order ignored), the schema that admits exactly one value, and the values a normalized schema
+allows as both the normalizer's keyword families and the emitter (nodes.py) read them: the
+finitely many values of an array's items, a number's bounds as decimals.number_dfa's arguments."""
 
 from __future__ import annotations
 
@@ -68,3 +70,30 @@ def value_to_schema(value: Any) -> dict:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return {"enum": [value]}
+
+
+def unique_values(s: dict) -> list | None:
+    """The values a normalized array schema's items may take when they are finitely many scalars
+    (`enum` of scalars, `boolean`, `null`) and there is no `prefixItems`; else None."""
+    items = s.get("items", {})
+    if "prefixItems" in s or not isinstance(items, dict):
+        return None
+    if set(items) == {"enum"} and not any(isinstance(v, (dict, list)) for v in items["enum"]):
+        return list(items["enum"])
+    if items == {"type": "boolean"}:
+        return [True, False]
+    if items == {"type": "null"}:
+        return [None]
+    return None
+
+
+def number_dfa_bounds(s: dict) -> dict:
+    """decimals.number_dfa's bound arguments (minimum, maximum, exclusive_minimum, exclusive_maximum:
+    those present) from a normalized number schema's bound keywords."""
+    names = {
+        "minimum": "minimum",
+        "maximum": "maximum",
+        "exclusiveMinimum": "exclusive_minimum",
+        "exclusiveMaximum": "exclusive_maximum",
+    }
+    return {arg: s[k] for k, arg in names.items() if k in s}

@@ -1,12 +1,22 @@
-"""Triton kernels for the CUDA path, each with a torch reference (`*_ref`) that tests compare it
-to (on CPU under TRITON_INTERPRET=1, on small shapes).
+"""The runtime's kernels: Triton kernels for the CUDA path, each with a torch reference (`*_ref`)
+that tests compare it to (on CPU under TRITON_INTERPRET=1, on small shapes), and the C++ kernels of
+the CPU path. This module holds the Triton kernels' shared helpers (whether Triton can run here,
+`tl.dot` precision, the head-layout check).
 
+Triton (CUDA):
 - paged decode attention (split-K, GQA): decode_attention.py
 - extend attention (prefill of new tokens over a cached prefix, causal): extend_attention.py
+- their shared blocks (page-table loads, the online-softmax step): paged.py
 - fused RoPE + KV store into the pool: rope_store.py
 - token-bitmask apply on the logits: bitmask.py
+- the experts of a sparse MoE block as grouped GEMMs: fused_moe.py
+- batch-invariant matmul and RMSNorm: batch_invariant.py
 
-KV addressing is a page table [B, max_pages] int32 of page ids with `page_size` tokens per page:
+C++ (CPU): one library built on first use and loaded as torch ops by cpu_kernels.py (its docstring
+lists the sources): attention over the KV pool, the fused layer ops, the int8 / int4 matmuls and a
+whole decode step's decoder stack.
+
+The Triton kernels' KV addressing is a page table [B, max_pages] int32 of page ids with `page_size` tokens per page:
 token j of sequence b sits at slot page_table[b, j // page_size] * page_size + j % page_size of
 the pool [num_slots, num_kv_heads, head_dim]. agentrt's pool is token-granular (page_size 1: the
 table holds slots); the kernels take any page size.

@@ -423,7 +423,7 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
     import torch
 
     from agentrt.runtime.config import CacheConfig
-    from agentrt.runtime.hardware import choose_dtype
+    from agentrt.runtime.platform import choose_dtype
 
     device = options["device"]
     try:

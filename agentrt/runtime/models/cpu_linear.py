@@ -9,26 +9,14 @@ once into its blocked layout (26 vs 40 ms at 1 row, 530 vs 620 ms at 256 rows); 
 `torch.ops.mkldnn._reorder_linear_weight` (pack) and `torch.ops.mkldnn._linear_pointwise` (matmul).
 
 The results differ from `F.linear` by summation order only (max abs difference ~1e-4 on logits of
-std ~8 at fp32). CPU and float32 only; other dtypes, quantized layers and CUDA keep their kernels.
+std ~8 at fp32). CPU and float32 only; other dtypes, quantized layers and CUDA keep their kernels. Whether a run packs
+its layers is runtime/platform.py's `choose_linear_kernel`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from agentrt.runtime.kernels import triton_usable
-
-LINEAR_KERNELS = ("auto", "onednn", "aten", "triton")
-
-
-def onednn_usable() -> bool:
-    """True when this torch build has oneDNN (mkldnn) and its packed linear ops."""
-    return bool(
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
 
 
 class OneDNNLinear(nn.Module):
@@ -64,54 +52,6 @@ class OneDNNLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, float32 oneDNN packed"
-
-
-def choose_linear_kernel(
-    kernel: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    compile_decode: bool,
-    deterministic: bool = False,
-    attention_backend: str = "auto",
-) -> tuple[str, str]:
-    """(kernel, reason) for the dense linear layers. `auto` picks oneDNN on the CPU at float32 when
-    the build has it and the decode step is not compiled (the compiled graphs take the weights as
-    plain tensors); with `deterministic` and the Triton attention the batch-invariant Triton matmul
-    (models/triton_linear.py). `onednn` or `triton` where impossible, or `aten` with
-    `deterministic` (cuBLAS and MKL choose their kernel by the batch's shape), raise ValueError
-    naming why."""
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
-    if kernel == "aten":
-        if deterministic:
-            raise ValueError(
-                "linear_kernel aten is not batch-invariant (cuBLAS and MKL choose their kernel by the batch's "
-                "shape): leave it auto with --deterministic"
-            )
-        return "aten", "requested"
-    if kernel == "triton" or (kernel == "auto" and deterministic and attention_backend == "triton"):
-        if not triton_usable(device):
-            raise ValueError(
-                "linear_kernel triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the triton package"
-            )
-        return (
-            "triton",
-            "requested" if kernel == "triton" else "auto: --deterministic with Triton attention",
-        )
-    why_not = None
-    if device.type != "cpu":
-        why_not = f"oneDNN packed linear layers are a CPU path (device {device})"
-    elif dtype != torch.float32:
-        why_not = f"oneDNN packed linear layers are float32 only (dtype {str(dtype).removeprefix('torch.')})"
-    elif compile_decode:
-        why_not = "the compiled decode step takes the weights as plain tensors"
-    elif not onednn_usable():
-        why_not = "this torch build has no oneDNN (mkldnn)"
-    if why_not is None:
-        return "onednn", "requested" if kernel == "onednn" else "auto: CPU float32"
-    if kernel == "onednn":
-        raise ValueError(f"linear_kernel onednn is not available: {why_not}")
-    return "aten", f"auto: {why_not}"
 
 
 def pack_linears(model: nn.Module) -> list[str]:

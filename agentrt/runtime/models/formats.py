@@ -1,6 +1,6 @@
 """Weight formats: build the model in its format, cache quantized weights.
 
-- the run dtype and threads are chosen by runtime/hardware.py (`choose_dtype`, `choose_threads`); the
+- the run dtype and threads are chosen by runtime/platform.py (`choose_dtype`, `choose_threads`); the
   dtype's reason is kept in `WeightFormat.reason` and printed at start.
 - quantization `int8` / `int4`: the decoder's linear layers (and the LM head when asked);
   embeddings and norms stay in the run dtype. CPU at float32: llama.cpp's block formats on our C++
@@ -13,14 +13,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +38,7 @@ from agentrt.runtime.models.quant import (
     quantize_cuda,
 )
 from agentrt.runtime.models.registry import build_model
+from agentrt.runtime.models.weights import atomic_cache_dir, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +222,10 @@ def load_model(
 ) -> tuple[DecoderModel, WeightFormat]:
     """Build the model with its weights in the chosen format (see the module docstring) and RoPE
     tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
-    reason) from cpu_linear.choose_linear_kernel; with `onednn` the float32 linear layers left dense
+    reason) from platform.choose_linear_kernel; with `onednn` the float32 linear layers left dense
     are packed for oneDNN after loading (the quantized cache keeps plain tensors), and with
     cpu_kernels too (kernels/cpu_kernels.py loaded) int8 layers run the C++ int8 x int8 kernel. Raises ValueError
     for an unknown quantization or int4 group size, or (CUDA) torchao missing."""
-    from agentrt.runtime.model_runner import load_weights
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -289,21 +284,3 @@ def load_model(
     return model, WeightFormat(
         **{**fmt.__dict__, "bytes": sizes, "linear_kernel": kernel, "linear_reason": kernel_reason}
     )
-
-
-@contextlib.contextmanager
-def atomic_cache_dir(target: Path):
-    """A temporary directory beside `target` to write a cache entry into, renamed to `target` when
-    the block ends without an exception (a concurrent writer that renamed first wins; its
-    `model.safetensors` must then be there, else OSError), removed in every case."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        yield tmp
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process wrote it first
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

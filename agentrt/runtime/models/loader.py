@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from agentrt.runtime.hardware import choose_dtype
-from agentrt.runtime.models.formats import atomic_cache_dir
 from agentrt.runtime.models.gguf_meta import require_supported_gguf
+from agentrt.runtime.models.weights import atomic_cache_dir
+from agentrt.runtime.platform import choose_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def load_tokenizer(model_dir: Path, hf_config, vocab_size: int) -> LoadedTokeniz
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` device = CUDA if available else CPU; the dtype as `hardware.choose_dtype` picks it (auto:
+    """`auto` device = CUDA if available else CPU; the dtype as `platform.choose_dtype` picks it (auto:
     bf16 on CUDA; on the CPU float32 where the C++ kernels' AVX2 path runs, else bf16 with native
     bf16 arithmetic, else float32). Raises ValueError for a device
     other than cpu / cuda / cuda:N (or CUDA absent), or a dtype other than auto / float32 / bfloat16 /

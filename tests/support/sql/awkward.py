@@ -115,7 +115,7 @@ def expected_model() -> list:
 
 
 def make_awkward(dialect: str, path):
-    """A SQLAlchemy engine on a new awkward-identifier database (tests/sql/awkward.py) of
+    """A SQLAlchemy engine on a new awkward-identifier database (tests/support/sql/awkward.py) of
     `dialect` ("sqlite" | "duckdb") in directory `path`."""
     import sqlalchemy as sa
 

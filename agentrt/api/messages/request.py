@@ -1,9 +1,9 @@
-"""Anthropic's Messages API (`POST /v1/messages`) over the chat completions path.
+"""Anthropic's Messages API (`POST /v1/messages`): the request, its translation and `create_message`.
 
 A Messages request is translated into a ChatCompletionRequest (`to_chat`) and run by
-`OpenAIServing.chat(..., shape=MessagesShape(...))`: the same validation, chat template, tool plan
-(tool inputs are constrained exactly as chat tool calls are), engine and disconnect handling. The
-shape renders the result as Anthropic's `Message` (non-streamed) or its SSE events (streamed), and
+`OpenAIServing.chat(..., shape=MessagesShape(...))` (shape.py): the same validation, chat
+template, tool plan (tool inputs are constrained exactly as chat tool calls are), engine and
+disconnect handling. The shape renders the result as Anthropic's `Message` (non-streamed) or its SSE events (streamed), and
 names request fields in errors as the Messages API does (`tools[0].input_schema`,
 `stop_sequences`, ...). Errors take Anthropic's shape `{"type": "error", "error": {"type",
 "message"}}` (errors.py, by path), with the status agentrt gives any request.
@@ -22,24 +22,18 @@ tools, a final assistant turn to continue, unknown fields) is a 400 naming the f
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Literal
 
-import regex
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.disconnect import ClientGone
+from agentrt.api.errors import APIError
+from agentrt.api.generation import ServingResult
+from agentrt.api.messages.shape import MessagesShape
 from agentrt.api.protocol import ChatCompletionRequest
-from agentrt.api.serving import ClientGone, Generation, OpenAIServing, ServingResult, renamed
-from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools.turns import ToolUseIds
-from agentrt.errors import InternalError
-from agentrt.runtime.async_engine import RequestStream
-from agentrt.runtime.request import RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 class MessageParam(BaseModel):
@@ -396,243 +390,6 @@ def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err.get("loc", ()))
         raise _bad(f"the request cannot be run as a chat completion: {loc}: {err.get('msg')}", None) from None
-
-
-_RENAMES = {
-    "prompt": "messages",
-    "stop": "stop_sequences",
-    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
-    "max_completion_tokens": "max_tokens",
-    "response_format": "output_config.format",
-    "response_format.json_schema": "output_config.format",
-    "response_format.json_schema.schema": "output_config.format.schema",
-}
-_TOOL_FIELD = regex.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description|strict)(.*)")
-_MESSAGE_FIELD = regex.compile(r"messages\[(\d+)\]")
-
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
-
-@dataclass
-class MessagesShape:
-    """Renders a chat generation as Anthropic's Messages API (serving.ResponseShape).
-
-    model: the `model` to report; tokenizer: the engine's, to tell which stop sequence ended the
-    text; where: per chat message, the Messages field it came from (to name it in errors)."""
-
-    model: str
-    tokenizer: Any
-    where: list[str] = field(default_factory=list)
-
-    def param(self, name: str | None) -> str | None:
-        """The Messages API name of a chat completions field: tools[i].function.parameters ->
-        tools[i].input_schema, stop -> stop_sequences, messages[k] -> the turn or block it came
-        from, response_format -> output_config.format; others are the same in both APIs."""
-        if name is None:
-            return None
-        if name in _RENAMES:
-            return _RENAMES[name]
-        m = _TOOL_FIELD.fullmatch(name)
-        if m:
-            key = "input_schema" if m.group(2) == "parameters" else m.group(2)
-            return f"tools[{m.group(1)}].{key}{m.group(3)}"
-        m = _MESSAGE_FIELD.match(name)
-        if m and int(m.group(1)) < len(self.where):
-            return self.where[int(m.group(1))]
-        return name
-
-    def body(self, gen: Generation, last: RequestOutput, created: int, not_enforced: list[str]) -> dict:
-        """The Message of a finished generation: text and tool_use blocks in output order,
-        stop_reason, stop_sequence and usage."""
-        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
-        if last.text:
-            content.feed(last.text)
-        _, finish = content.close(last.finish_reason)
-        stop_reason, stop_sequence = self._stop(gen, last, finish)
-        body = self._message(
-            gen, last, content.final_blocks(), stop_reason, stop_sequence, len(last.token_ids)
-        )
-        if not_enforced:
-            body["not_enforced"] = not_enforced
-        return body
-
-    async def events(
-        self, gen: Generation, stream: RequestStream, first: RequestOutput, created: int
-    ) -> AsyncIterator[str]:
-        """Anthropic's stream: message_start, then per content block content_block_start, its
-        deltas (text_delta, or input_json_delta fragments of a tool input) and content_block_stop,
-        then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop. An
-        error after the first output is one `error` event (Anthropic's error shape) that ends the
-        stream. Closing the iterator aborts the request."""
-        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
-        try:
-            start = self._message(gen, first, [], None, None, 0)
-            yield _event("message_start", {"type": "message_start", "message": start})
-            out = first
-            while True:
-                if out.finish_reason == "error":
-                    yield self._error_event(gen.api_error(out.error))
-                    return
-                try:
-                    events = content.feed(out.delta_text) if out.delta_text else []
-                    if out.finished:
-                        closing, finish = content.close(out.finish_reason)
-                        events += closing
-                        stop_reason, stop_sequence = self._stop(gen, out, finish)
-                except Exception as e:  # a parser fault fails this stream alone, with an error event
-                    logger.exception("output parsing failed for %s", stream.request_id)
-                    error = InternalError(f"internal error while parsing the output: {type(e).__name__}: {e}")
-                    yield self._error_event(to_api_error(error))
-                    return
-                for event in events:
-                    yield event
-                if out.finished:
-                    break
-                try:
-                    out = await anext(stream)
-                except StopAsyncIteration:  # cancelled: the client has gone
-                    return
-            delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-            usage = {"output_tokens": len(out.token_ids)}
-            yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-            yield _event("message_stop", {"type": "message_stop"})
-        finally:
-            await stream.aclose()
-
-    def _message(
-        self,
-        gen: Generation,
-        out: RequestOutput,
-        content: list[dict],
-        stop_reason: str | None,
-        stop_sequence: str | None,
-        output_tokens: int,
-    ) -> dict:
-        """A Message object; usage.input_tokens counts the prompt tokens not read from the prefix
-        cache, cache_read_input_tokens those read from it (Anthropic's split)."""
-        cached = out.num_cached_tokens
-        return {
-            "id": "msg_" + gen.request_id.removeprefix("chatcmpl-"),
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence,
-            "usage": {
-                "input_tokens": out.num_prompt_tokens - cached,
-                "output_tokens": output_tokens,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": cached,
-            },
-        }
-
-    def _stop(self, gen: Generation, last: RequestOutput, finish: str) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence). The engine reports "stop" for the end of turn and for a stop
-        string alike; a stop string cut the text where it began, so the tokens, decoded as the
-        engine decodes them, continue the text with it (after an end-of-turn token they do not:
-        it is not part of the decoded text). The shortest such string is reported (the one
-        completed first when several begin there)."""
-        stops = gen.params.stop
-        if finish != "stop" or not stops:
-            return _STOP_REASONS.get(finish, "end_turn"), None
-        decoded = self.tokenizer.decode(last.token_ids, skip_special_tokens=gen.params.skip_special_tokens)
-        at = len(last.text)
-        if decoded.startswith(last.text):
-            matched = [s for s in stops if decoded.startswith(s, at)]
-            if matched:
-                return "stop_sequence", min(matched, key=len)
-        return "end_turn", None
-
-    def _error_event(self, e: APIError) -> str:
-        return _event("error", renamed(e, self).anthropic_body())
-
-
-def _event(kind: str, data: dict) -> str:
-    """One server-sent event of Anthropic's stream: its type as the event name, then the JSON data."""
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-class _Content:
-    """A message's content blocks built from model text, in output order: text blocks and tool_use
-    blocks (a tool call the parser found; ids "toolu_" + the call id's hex). `feed` / `close`
-    return the stream events for what they add (block start, deltas, block stop)."""
-
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
-        self.blocks: list[dict] = []
-        self._inputs: list[str] = []  # per block: the tool input JSON so far ("" for text blocks)
-        self._open: int | None = None
-        self._call_block: dict[int, int] = {}  # parser call index -> block index
-
-    def feed(self, text: str) -> list[str]:
-        return self._apply(self.parser.feed(text) if self.parser else [ParseEvent("content", text)])
-
-    def close(self, finish_reason: str) -> tuple[list[str], str]:
-        """The events for the rest of the text and the open block's stop, and the finish reason
-        ("tool_calls" when calls were made and the output stopped)."""
-        events, finish = self.parser.close(finish_reason) if self.parser else ([], finish_reason)
-        out = self._apply(events)
-        out += self._stop_open()
-        return out, finish
-
-    def final_blocks(self) -> list[dict]:
-        """The content of the finished message: a tool_use block's input is its JSON object (an
-        input cut off by max_tokens is not valid JSON: {} then)."""
-        out = []
-        for block, raw in zip(self.blocks, self._inputs):
-            if block["type"] == "tool_use":
-                try:
-                    value = json.loads(raw)
-                except json.JSONDecodeError:
-                    value = {}
-                block = {**block, "input": value if isinstance(value, dict) else {}}
-            out.append(block)
-        return out
-
-    def _apply(self, events: list[ParseEvent]) -> list[str]:
-        out: list[str] = []
-        for e in events:
-            if e.kind == "content":
-                if not e.text:
-                    continue
-                if self._open is None or self.blocks[self._open]["type"] != "text":
-                    out += self._stop_open()
-                    out.append(self._start({"type": "text", "text": ""}))
-                self.blocks[self._open]["text"] += e.text
-                delta = {"type": "text_delta", "text": e.text}
-                out.append(self._delta(self._open, delta))
-            elif e.kind == "call":
-                out += self._stop_open()
-                block = {
-                    "type": "tool_use",
-                    "id": "toolu_" + e.id.removeprefix("call_"),
-                    "name": e.name,
-                    "input": {},
-                }
-                out.append(self._start(block))
-                self._call_block[e.index] = self._open
-            else:  # "args": a fragment of the call's input JSON
-                i = self._call_block[e.index]
-                self._inputs[i] += e.text
-                out.append(self._delta(i, {"type": "input_json_delta", "partial_json": e.text}))
-        return out
-
-    def _start(self, block: dict) -> str:
-        self.blocks.append(block)
-        self._inputs.append("")
-        self._open = len(self.blocks) - 1
-        start = {"type": "content_block_start", "index": self._open, "content_block": dict(block)}
-        return _event("content_block_start", start)
-
-    def _delta(self, index: int, delta: dict) -> str:
-        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-
-    def _stop_open(self) -> list[str]:
-        if self._open is None:
-            return []
-        index, self._open = self._open, None
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
 
 async def create_message(serving: OpenAIServing, req: MessagesRequest, gone: ClientGone) -> ServingResult:

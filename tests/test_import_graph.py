@@ -1,0 +1,93 @@
+"""The package's layering: no import cycle among agentrt's modules (every import counts, lazy ones
+inside functions included; only those under `if TYPE_CHECKING:` do not), and no module over 600
+lines (split at the seam first)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "agentrt"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """agentrt modules `name` imports (the named module, else its package), type-only ones left out."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("agentrt"):
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.startswith("agentrt"):
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    resolved = set()
+    for mod in found:
+        while mod and mod not in modules:
+            mod = mod.rpartition(".")[0]
+        if mod and mod != name:
+            resolved.add(mod)
+    return resolved
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> modules it imports), or None (stdlib graphlib)."""
+    import graphlib
+
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return None
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_over_600_lines():
+    long = {
+        str(p.relative_to(ROOT.parent)): n
+        for p in ROOT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split at the seam): {long}"
