@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from agentrt.sql.dialect import quote_ident, strict_types
+from agentrt.sql.grammar_options import GrammarOptions
 from agentrt.sql.rules import (
     CMP,
     DATE,
@@ -30,9 +30,6 @@ from agentrt.sql.rules import (
 )
 from agentrt.sql.schema import Schema, Table, fold_name
 from agentrt.sql.scopes import Scope
-
-if TYPE_CHECKING:
-    from agentrt.sql.grammar import GrammarOptions
 
 
 class ExprGen:
