@@ -302,6 +302,8 @@ def _call(call_id: str, arguments: str = "{}") -> dict:
     [
         ([_call("c1", "{not json")], "input[1].arguments"),
         ([_call("c1", "[1, 2]")], "input[1].arguments"),  # arguments are an object
+        ([_call("c1", '{"a": NaN}')], "input[1].arguments"),  # NaN / Infinity are not JSON
+        ([_call("c1", '{"a": -Infinity}')], "input[1].arguments"),
         ([_call("c1"), _call("c1")], "input[2].call_id"),
         (
             [_call("c1"), {"type": "function_call_output", "call_id": "c1", "output": "1"}, _call("c1")],

@@ -11,13 +11,17 @@ import json
 from agentrt.api.errors import APIError
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def add_function_call(call_ids: set[str], call_id: str, arguments: str, where: str) -> None:
     """A Responses `function_call` item (`where`: "input[i]"): its `arguments` are the JSON text of
     an object ("" for none), its `call_id` names no earlier call; the id joins `call_ids`."""
     if arguments:
-        try:
-            value = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+        try:  # NaN / Infinity are Python's extension, not JSON (RFC 8259)
+            value = json.loads(arguments, parse_constant=_not_json)
+        except (ValueError, RecursionError):
             value = None
         if not isinstance(value, dict):
             raise APIError(
