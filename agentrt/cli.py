@@ -163,6 +163,11 @@ def add_check_parser(sub) -> None:
         default=None,
         help="KV budget in bytes (default: 1 GiB on CPU, free memory on CUDA)",
     )
+    c.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or text) to check instead of the tokenizer's own, as serve takes it",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         from agentrt.runtime.models.check import check_model
 
         report = check_model(
-            args.model, args.max_model_len, args.max_num_seqs, args.device, args.dtype, args.kv_cache_bytes
+            args.model,
+            args.max_model_len,
+            args.max_num_seqs,
+            args.device,
+            args.dtype,
+            args.kv_cache_bytes,
+            args.chat_template,
         )
         print(report.describe(), flush=True)
         return report.exit_status

@@ -310,6 +310,19 @@ def test_gemma3_gguf_is_checked_from_its_metadata(gemma_gguf):
     assert report.capacity.pool_sequences == (1 << 30) // (18 * 2048 * 4096) == 7
 
 
+def test_chat_template_given_to_check_is_the_one_checked(gemma_gguf, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+        "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    report = check_model(str(gemma_gguf), max_model_len=4096, chat_template=str(template), **CPU)
+    assert report.of("chat template")[0].level == "ok", report.describe()
+    assert 106 in report.stop_ids  # <end_of_turn>, named by the template
+    missing = check_model(str(gemma_gguf), max_model_len=4096, chat_template=str(tmp_path / "none"), **CPU)
+    assert missing.exit_status == 1 and "neither a file nor" in missing.describe()
+
+
 def test_cli_check_on_the_gemma3_gguf_converts_nothing(gemma_gguf, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "AGENTRT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}

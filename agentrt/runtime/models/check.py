@@ -509,10 +509,12 @@ def check_model(
     device: str = "auto",
     dtype: str = "auto",
     kv_cache_bytes: int | None = None,
+    chat_template: str | None = None,
 ) -> CheckReport:
     """Diagnose `model` (registered name, HF directory, .gguf file or cached hub id) without
     reading any weight: the findings of the module docstring. Never raises for a broken model: every
-    problem is an error finding (exit_status 1). max_model_len None = the model's limit."""
+    problem is an error finding (exit_status 1). max_model_len None = the model's limit;
+    chat_template: a template file or text used instead of the tokenizer's (serve's --chat-template)."""
     from agentrt.runtime.models.registry import ARCHITECTURES, arch_from_hf_config
 
     report = CheckReport(model)
@@ -550,6 +552,13 @@ def check_model(
             0, Finding(OK, "architecture", f"{arch.architecture} (family {report.family}): {shape}")
         )
         _check_shapes(report, m, arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings)
+    if m.tokenizer is not None and chat_template is not None:
+        from agentrt.runtime.models.loader import read_chat_template
+
+        try:
+            m.tokenizer.chat_template = read_chat_template(chat_template)
+        except (ValueError, OSError) as e:
+            report.add(ERROR, "chat template", str(e))
     if m.tokenizer is not None:
         _check_tokenizer(report, m, vocab)
     if arch is not None:
