@@ -9,7 +9,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import SamplingParams
-from tests.support.models import chat_ids, make_tiny_model
+from tests.support.models import chat_ids, chunked_logits_error, make_tiny_model
 
 PROMPTS = [  # three prompt lengths: batched decode over sequences of different lengths
     "What is the capital of France?",
@@ -95,17 +95,8 @@ def test_tiny_architectures_match_transformers(tmp_path, default_model_dir, arch
     torch.manual_seed(1)
     ids = torch.randint(0, 49152, (150,)).tolist()
     # prefill 100 tokens, then a 40-token chunk on top of the cache, then single-token decodes
-    slots = runner.kv.allocate(150)
-    got = [runner.execute([SeqChunk(ids[:100], 0, slots[:100])])]
-    got.append(runner.execute([SeqChunk(ids[100:140], 100, slots[:140])]))
-    for i in range(140, 150):
-        got.append(runner.execute([SeqChunk([ids[i]], i, slots[: i + 1])]))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    expected = ref[[99, 139, *range(140, 150)]]
-    assert torch.allclose(torch.cat(got), expected, atol=1e-4, rtol=0), (
-        (torch.cat(got) - expected).abs().max()
-    )
+    err = chunked_logits_error(runner, hf, ids, 100, 140)
+    assert err <= 1e-4, err
 
 
 def test_unsupported_architecture_is_named(tmp_path, default_model_dir):

@@ -18,6 +18,7 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import SamplingParams
+from tests.support.models import chunked_logits_error
 
 WINDOW = 24
 COMMON = {
@@ -145,15 +146,7 @@ def test_logits_match_transformers(family_dirs, family, backend):
     assert runner.attention_backend == backend
     torch.manual_seed(1)
     ids = torch.randint(0, 49152, (150,)).tolist()
-    slots = runner.kv.allocate(150)
-    got = [runner.execute([SeqChunk(ids[:100], 0, slots[:100])])]
-    got.append(runner.execute([SeqChunk(ids[100:140], 100, slots[:140])]))
-    for i in range(140, 150):
-        got.append(runner.execute([SeqChunk([ids[i]], i, slots[: i + 1])]))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    expected = ref[[99, 139, *range(140, 150)]]
-    err = (torch.cat(got) - expected).abs().max().item()
+    err = chunked_logits_error(runner, hf, ids, 100, 140)
     assert err < 1e-4, f"{family} ({backend}): max logit error {err}"
 
 
@@ -213,15 +206,7 @@ def test_triton_path_logits_match_transformers(family_dirs, family):
     )
     torch.manual_seed(3)
     ids = torch.randint(0, 49152, (64,)).tolist()
-    slots = runner.kv.allocate(64)
-    got = [runner.execute([SeqChunk(ids[:40], 0, slots[:40], seq_key="a")])]
-    got.append(runner.execute([SeqChunk(ids[40:60], 40, slots[:60], seq_key="a")]))
-    for i in range(60, 64):
-        got.append(runner.execute([SeqChunk([ids[i]], i, slots[: i + 1], seq_key="a")]))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    expected = ref[[39, 59, *range(60, 64)]]
-    err = (torch.cat(got) - expected).abs().max().item()
+    err = chunked_logits_error(runner, hf, ids, 40, 60, seq_key="a")
     assert err < 1e-4, f"{family} (triton): max logit error {err}"
 
 

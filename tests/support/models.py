@@ -42,3 +42,25 @@ def finish_all(engine, requests) -> list:
     while len(final) < len(requests):
         final.update({out.request_id: out for out in engine.step() if out.finished})
     return [final[req.request_id] for req in requests]
+
+
+def chunked_logits_error(runner, hf, ids: list[int], prefill: int, chunk_end: int, seq_key=None) -> float:
+    """Max |logit| difference between `runner` and the transformers model `hf` on `ids`: a prefill of
+    `prefill` tokens, a chunk on top of the cache up to `chunk_end`, then single-token decodes to the
+    end (the logits of each step's last token against transformers' full forward)."""
+    import torch
+
+    from agentrt.runtime.model_runner import SeqChunk
+
+    n = len(ids)
+    slots = runner.kv.allocate(n)
+    got = [runner.execute([SeqChunk(ids[:prefill], 0, slots[:prefill], seq_key=seq_key)])]
+    got.append(
+        runner.execute([SeqChunk(ids[prefill:chunk_end], prefill, slots[:chunk_end], seq_key=seq_key)])
+    )
+    for i in range(chunk_end, n):
+        got.append(runner.execute([SeqChunk([ids[i]], i, slots[: i + 1], seq_key=seq_key)]))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    expected = ref[[prefill - 1, chunk_end - 1, *range(chunk_end, n)]]
+    return (torch.cat(got) - expected).abs().max().item()
