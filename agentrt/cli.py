@@ -110,6 +110,8 @@ def serve(args: argparse.Namespace) -> int:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         options=options,
         databases=databases,
+        reasoning_format=args.reasoning_format,
+        reasoning_budget_message=args.reasoning_budget_message,
     )
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
     server = uvicorn.Server(

@@ -162,6 +162,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave tool definitions out of the prompt when tool_choice is 'none'",
     )
+    p.add_argument(
+        "--reasoning-format",
+        default="auto",
+        choices=["auto", "none", "think", "magistral", "deepseek_r1", "qwen3", "glm45", "minimax"],
+        help="how the model writes its reasoning (default: read from its chat template: <think> "
+        "blocks for Qwen3, QwQ, DeepSeek-R1/V3.1+, GLM, MiniMax, SmolLM3; [THINK] for Magistral); "
+        "the reasoning goes to reasoning_content and constraints apply to the answer after it",
+    )
+    p.add_argument(
+        "--reasoning-budget-message",
+        default="",
+        metavar="TEXT",
+        help="text forced before the reasoning's end marker when a request's thinking budget is "
+        "spent (default: none; e.g. ' Considering the limited time, I have to answer now.')",
+    )
     add_server_args(p)
     add_admission_args(p)
     add_replica_args(p)

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from agentrt.api.errors import install_error_handlers
 from agentrt.api.middleware import ServerOptions, install_middleware
+from agentrt.api.reasoning import ReasoningSetup
 from agentrt.api.routes import build_router
 from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools import ToolPrompt
@@ -42,14 +43,18 @@ def create_app(
     exclude_tools_when_tool_choice_none: bool = False,
     options: ServerOptions | None = None,
     databases: SQLDatabases | None = None,
+    reasoning_format: str = "auto",
+    reasoning_budget_message: str = "",
 ) -> FastAPI:
     """The HTTP app around one AsyncEngine. `served_model_name` is the only accepted `model`;
     `on_ready` runs once the app has started. tool_call_format: "auto" (read from the chat
     template) or a name in grammars/tool_calls.FORMATS; exclude_tools_when_tool_choice_none: leave
     the tools out of the prompt when tool_choice is "none"; options: API keys, body limit, CORS,
     request logging (default ServerOptions(): no keys, 16 MiB bodies, no CORS, nothing logged);
-    databases: the named databases `sql` constraints may name (loaded by the caller).
-    Raises ValueError on an unknown format."""
+    databases: the named databases `sql` constraints may name (loaded by the caller);
+    reasoning_format: "auto" (read from the chat template), "none" or a format name
+    (api/reasoning.py); reasoning_budget_message: text forced before the reasoning's end marker
+    when a thinking budget is spent. Raises ValueError on an unknown format."""
     options = options or ServerOptions()
     tool_prompt = ToolPrompt.for_template(
         getattr(engine.tokenizer, "chat_template", None),
@@ -61,8 +66,20 @@ def create_app(
         tool_prompt.fmt.name,
         "template" if tool_prompt.native else "generic",
     )
+    reasoning = ReasoningSetup.for_template(
+        getattr(engine.tokenizer, "chat_template", None),
+        reasoning_format,
+        reasoning_budget_message,
+        engine.tokenizer,
+    )
+    if reasoning.fmt is not None:
+        logger.info(
+            "reasoning: %s ... %s (reasoning_content; constraints apply to the answer after it)",
+            reasoning.fmt.start,
+            reasoning.fmt.end,
+        )
     app = FastAPI(title="agentrt", version="0.1.0", lifespan=_lifespan)
-    app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt, databases)
+    app.state.serving = OpenAIServing(engine, served_model_name, tool_prompt, databases, reasoning)
     app.state.on_ready = on_ready
     app.state.options = options
     install_error_handlers(app)

@@ -12,7 +12,6 @@ from agentrt.api.generation import Generation
 from agentrt.api.logprobs import LogprobStream, TokenPieces, chat_logprobs, completion_logprobs
 from agentrt.api.protocol import usage
 from agentrt.api.streaming import ChunkWriter, stream_events
-from agentrt.api.tools import ToolPlan
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
 from agentrt.runtime.request import RequestOutput
 
@@ -51,8 +50,9 @@ class ChatShape:
             gen.include_usage,
             repair=gen.params.repetition_repair,
             close=gen.params.max_tokens_policy == "close",
+            reasoning=gen.reasoning is not None,
         )
-        parsers = [gen.tools.new_parser() if gen.tools is not None else None for _ in streams]
+        parsers = [gen.new_parser() for _ in streams]
         logprobs = (
             [LogprobStream(self.pieces, gen.chat) for _ in streams]
             if gen.params.logprobs is not None
@@ -73,7 +73,7 @@ class ChatShape:
                 make = chat_logprobs if gen.chat else completion_logprobs
                 choice["logprobs"] = make(self.pieces, last.logprobs)
             if gen.chat:
-                choice["message"], choice["finish_reason"] = _message(last, gen.tools)
+                choice["message"], choice["finish_reason"] = _message(last, gen)
             else:
                 choice["text"] = last.text
             if gen.params.repetition_repair:  # agentrt's extension: the values closed as runaways
@@ -89,22 +89,25 @@ class ChatShape:
             "created": created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(*lasts),
+            "usage": usage(*lasts, reasoning=gen.reasoning is not None),
         }
         if not_enforced:
             body["not_enforced"] = not_enforced
         return body
 
 
-def _message(last: RequestOutput, plan: ToolPlan | None) -> tuple[dict, str]:
-    """(the assistant message, the finish_reason to report) of a finished chat output; with a tool
-    plan the text is parsed into content and tool_calls."""
-    if plan is None:
+def _message(last: RequestOutput, gen: Generation) -> tuple[dict, str]:
+    """(the assistant message, the finish_reason to report) of a finished chat output: a reasoning
+    model's reasoning as `reasoning_content` (and `reasoning`), tool calls parsed out of the answer
+    when the request has a tool plan."""
+    parser = gen.new_parser()
+    if parser is None:
         return {"role": "assistant", "content": last.text}, last.finish_reason
-    parser = plan.new_parser()
     parser.feed(last.text)
     _, finish = parser.close(last.finish_reason, last.closed_by_budget)
     message = {"role": "assistant", "content": parser.content or None}
+    if gen.reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = parser.reasoning or None
     if parser.calls:
         message["tool_calls"] = [c.as_openai() for c in parser.calls]
     return message, finish

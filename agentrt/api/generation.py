@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.output_text import OutputParser
 from agentrt.api.tools import ToolPlan
 from agentrt.errors import AgentrtError, ConstraintError, InternalError, InvalidRequestError
+from agentrt.grammars.reasoning import ReasoningFormat, ReasoningMode
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput, SamplingParams
@@ -25,7 +27,8 @@ class Generation:
     constraint_param: the request field named when the constraint fails to compile ("" when none);
     tools: the tool plan when the output may hold tool calls (None: plain text); param_names: the
     engine's field names -> this request's (the chat API's prompt is its "messages", its max_tokens
-    may be "max_completion_tokens")."""
+    may be "max_completion_tokens"); reasoning: a reasoning model's format and where its reasoning
+    stands after the prompt (None: no reasoning to parse)."""
 
     request_id: str
     chat: bool
@@ -39,6 +42,14 @@ class Generation:
     stream: bool
     include_usage: bool
     n: int = 1
+    reasoning: tuple[ReasoningFormat, ReasoningMode] | None = None
+
+    def new_parser(self) -> OutputParser | None:
+        """A parser of one choice's text into reasoning, content and tool calls (None: the text is
+        all content)."""
+        if self.reasoning is None and self.tools is None:
+            return None
+        return OutputParser(self.reasoning, self.tools)
 
     def api_error(self, e: AgentrtError | None, default_param: str | None = None) -> APIError:
         """The HTTP error of a failed request (None: a failure without a reason), naming the field

@@ -400,6 +400,23 @@ class RequestConstraint(NamedTuple):
     param: str
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "chat_template",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -412,7 +429,24 @@ class ChatCompletionRequest(_CommonRequest):
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     logprobs: bool | None = None
+    # reasoning models (api/reasoning.py): vLLM's chat_template_kwargs (e.g. enable_thinking) and
+    # thinking_token_budget, OpenAI's reasoning_effort
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    reasoning_effort: str | None = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ("functions", "function_call")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked: the names the server sets itself (messages, tools, ...)
+        are a 400 naming the field."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(taken)} (the server sets them)",
+                param="chat_template_kwargs",
+            )
+        return kwargs
 
     def num_logprobs(self) -> int | None:
         """`logprobs: true` asks for each token's logprob, `top_logprobs` (0..20, OpenAI's limit) for
@@ -458,18 +492,22 @@ class CompletionRequest(_CommonRequest):
         return self.logprobs
 
 
-def usage(*outs: RequestOutput) -> dict:
+def usage(*outs: RequestOutput, reasoning: bool = False) -> dict:
     """OpenAI's `usage` object of finished outputs (tokens): the choices of one request share its
     prompt, counted once (with its cached tokens, as the first choice found them); completion
-    tokens are summed over the choices."""
+    tokens are summed over the choices. reasoning: a reasoning model's request, whose
+    `completion_tokens_details.reasoning_tokens` counts the reasoning (markers included)."""
     n = sum(len(out.token_ids) for out in outs)
     prompt = outs[0].num_prompt_tokens
-    return {
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": n,
         "total_tokens": prompt + n,
         "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
     }
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": sum(o.num_reasoning_tokens for o in outs)}
+    return body
 
 
 class TokenizeRequest(BaseModel):

@@ -30,6 +30,7 @@ from agentrt.api.protocol import (
     TokenizeRequest,
     _CommonRequest,
 )
+from agentrt.api.reasoning import ReasoningSetup, RequestReasoning, thinking_budget
 from agentrt.api.sql_constraint import SQLTarget, add_sql_checks, sql_target
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
 from agentrt.errors import ConstraintError, InvalidRequestError
@@ -41,7 +42,8 @@ from agentrt.sql.service import SQLDatabases
 class OpenAIServing:
     """OpenAI's completions API over one AsyncEngine. `model_name` is the only accepted `model`;
     `tool_prompt` says how tools are written into prompts and which call format is parsed;
-    `databases`: the named databases `sql` constraints may name (agentrt/sql/service.py)."""
+    `databases`: the named databases `sql` constraints may name (agentrt/sql/service.py);
+    `reasoning`: the model's reasoning format (api/reasoning.py; default: none)."""
 
     def __init__(
         self,
@@ -49,9 +51,11 @@ class OpenAIServing:
         model_name: str,
         tool_prompt: ToolPrompt,
         databases: SQLDatabases | None = None,
+        reasoning: ReasoningSetup | None = None,
     ):
         self.engine, self.model_name, self.tool_prompt = engine, model_name, tool_prompt
         self.databases = databases
+        self.reasoning = reasoning or ReasoningSetup()
         limit = min(engine.max_model_len, engine.runner.kv.num_slots)  # as the engine's context check
         self.prompt_bound = PromptBound(token_bound(engine.tokenizer), limit)
         # a JSON Schema over the compile limit is refused before its (costly) meta-schema check
@@ -160,14 +164,14 @@ class OpenAIServing:
     async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape) -> ServingResult:
         self.check_model(req.model)
         # tools, tool turns and the template: client-sized work, off the event loop
-        plan, prompt_ids = await asyncio.to_thread(self._chat_prompt, req)
+        plan, prompt_ids, reasoning = await asyncio.to_thread(self._chat_prompt, req)
         names = {"prompt": "messages"}
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         target = await sql_target(self.databases, req.sql) if req.sql is not None else None
         gen = await asyncio.to_thread(
-            self._generation, req, True, prompt_ids, max_tokens, plan, names, target
+            self._generation, req, True, prompt_ids, max_tokens, plan, names, target, reasoning
         )
         return await add_sql_checks(await self._run(gen, shape), target)
 
@@ -192,11 +196,17 @@ class OpenAIServing:
         )
         return await add_sql_checks(await self._run(gen, self.chat_shape), target)
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, list[int]]:
-        """The tool plan (tools and tool_choice checked, parameter schemas meta-validated) and the
-        prompt's token ids (tool turns checked, rendered by the chat template). Raises APIError
-        naming the field, ContextLengthError. Runs in a worker thread: its work grows with the
-        request."""
+    def _chat_prompt(
+        self, req: ChatCompletionRequest
+    ) -> tuple[ToolPlan | None, list[int], RequestReasoning | None]:
+        """The tool plan (tools and tool_choice checked, parameter schemas meta-validated), the
+        prompt's token ids (tool turns checked, rendered by the chat template with the request's
+        chat_template_kwargs) and, for a reasoning model, the request's reasoning (its thinking
+        budget; 0 closes the reasoning in the prompt). Raises APIError naming the field,
+        ContextLengthError. Runs in a worker thread: its work grows with the request."""
+        budget = thinking_budget(
+            req.thinking_token_budget, req.reasoning_effort, "thinking_token_budget", "reasoning_effort"
+        )
         plan = plan_tools(
             req.tools,
             req.tool_choice,
@@ -209,7 +219,11 @@ class OpenAIServing:
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
-        return plan, _render_chat(self.engine.tokenizer, rendered, template_tools, self.prompt_bound)
+        prompt = _render_chat_text(
+            self.engine.tokenizer, rendered, template_tools, template_kwargs=req.template_kwargs()
+        )
+        prompt, reasoning = self.reasoning.for_request(prompt, budget)
+        return plan, _encode(self.engine.tokenizer, prompt, "messages", self.prompt_bound), reasoning
 
     def _generation(
         self,
@@ -220,10 +234,16 @@ class OpenAIServing:
         plan: ToolPlan | None,
         param_names: dict[str, str],
         sql: SQLTarget | None = None,
+        reasoning: RequestReasoning | None = None,
     ) -> Generation:
         """The request's sampling params and its one constraint (response_format / regex / sql /
-        ... or the tool-call grammar). Raises APIError naming the field."""
+        ... or the tool-call grammar), applied after the reasoning of a reasoning model. Raises
+        APIError naming the field."""
         params = req.sampling_params(max_tokens)
+        if reasoning is not None:
+            params.reasoning = reasoning.params()
+            if params.reasoning is not None and self.reasoning.keep_special:
+                params.skip_special_tokens = False
         chosen = req.constraint(
             req.response_format, sql.spec if sql is not None else None, self._max_constraint_bytes
         )
@@ -245,6 +265,8 @@ class OpenAIServing:
             params.stop_until = calls.fmt.trigger
         elif constraint is not None:
             params.stop = []
+        if constraint is not None and reasoning is not None and reasoning.spec_value:
+            constraint = replace(constraint, reasoning=reasoning.spec_value)
         return Generation(
             request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             chat=chat,
@@ -258,6 +280,7 @@ class OpenAIServing:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             n=req.n,
+            reasoning=(reasoning.fmt, reasoning.mode) if reasoning is not None else None,
         )
 
     async def _submit(self, gen: Generation) -> RequestStream:
@@ -349,14 +372,31 @@ def _render_chat(
     tools: list[dict] | None = None,
     bound: PromptBound | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
-    """Token ids of `messages` through the chat template (generation prompt added unless told
-    not to). Raises APIError naming "messages" when the template refuses them, ContextLengthError
-    as `_encode`."""
+    """Token ids of `messages` through the chat template (`_render_chat_text`). Raises as it, and
+    ContextLengthError as `_encode`."""
+    text = _render_chat_text(tokenizer, messages, tools, add_generation_prompt, template_kwargs)
+    return _encode(tokenizer, text, "messages", bound)
+
+
+def _render_chat_text(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
+) -> str:
+    """`messages` through the chat template (generation prompt added unless told not to;
+    `template_kwargs`: the request's chat_template_kwargs, e.g. enable_thinking). Raises APIError
+    naming "messages" when the template refuses them."""
     try:
-        prompt = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
         raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
-    return _encode(tokenizer, prompt, "messages", bound)

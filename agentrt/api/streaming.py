@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 
 from agentrt.api.errors import APIError
 from agentrt.api.logprobs import LogprobStream
+from agentrt.api.output_text import OutputParser
 from agentrt.api.protocol import usage
-from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.api.tools import ParseEvent
 from agentrt.errors import AgentrtError, InternalError
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput
@@ -43,7 +44,8 @@ class ChunkWriter:
     `repair`: the request asked for runaway repair, so the closing chunk carries the JSON pointers of
     the values closed as `agentrt_repaired` (agentrt's extension, as on the non-streamed choice);
     `close`: the request has max_tokens_policy "close", so the closing chunk carries
-    `agentrt_closed_by_budget` (RequestOutput.closed_by_budget)."""
+    `agentrt_closed_by_budget` (RequestOutput.closed_by_budget); `reasoning`: a reasoning model's
+    request (its usage counts reasoning tokens)."""
 
     stream_id: str
     created: int
@@ -53,6 +55,7 @@ class ChunkWriter:
     index: int = 0
     repair: bool = False
     close: bool = False
+    reasoning: bool = False
 
     @property
     def object(self) -> str:
@@ -109,13 +112,19 @@ class ChunkWriter:
         return self.choice(choice)
 
     def events(self, events: Iterable[ParseEvent], logprobs: dict | None = None) -> list[str]:
-        """Chunks for tool-call parser events: content deltas, a call's start (id, name), argument
-        fragments; `logprobs` goes with the first chunk."""
+        """Chunks for output parser events (api/output_text.py): reasoning and content deltas, a
+        call's start (id, name), argument fragments; `logprobs` goes with the first chunk."""
         out = []
         for e in events:
             lp, logprobs = logprobs, None
             if e.kind == "content":
                 out.append(self.text(e.text, logprobs=lp))
+                continue
+            if e.kind == "reasoning":  # vLLM's reasoning_content, and `reasoning`, its newer name
+                delta = {"reasoning_content": e.text, "reasoning": e.text}
+                out.append(
+                    self.choice({"index": self.index, "delta": delta, "finish_reason": None, "logprobs": lp})
+                )
                 continue
             if e.kind == "call":
                 tc = {
@@ -146,7 +155,7 @@ class ChunkWriter:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(*lasts),
+                "usage": usage(*lasts, reasoning=self.reasoning),
             }
         )
 
@@ -155,13 +164,13 @@ async def stream_events(
     streams: Sequence[RequestStream],
     firsts: Sequence[RequestOutput],
     writer: ChunkWriter,
-    parsers: Sequence[ToolCallParser | None],
+    parsers: Sequence[OutputParser | None],
     to_error: Callable[[AgentrtError | None], APIError],
     logprobs: Sequence[LogprobStream] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of one request's choices (one engine stream per choice), `firsts` (their
     first outputs, already received) included; the choices' chunks interleave as they come.
-    parsers: per choice, turns the text into tool-call deltas (None: plain content); to_error: the
+    parsers: per choice, turns the text into reasoning and tool-call deltas (None: plain content); to_error: the
     HTTP error of a failed output (its body is the error event, which ends the whole stream);
     logprobs: per choice, when the request asked for them (each chunk carries those of the tokens
     new since the last chunk that carried any).
@@ -234,7 +243,7 @@ async def merged_outputs(
 
 
 def _deltas(
-    writer: ChunkWriter, parser: ToolCallParser | None, out: RequestOutput, logprobs: LogprobStream | None
+    writer: ChunkWriter, parser: OutputParser | None, out: RequestOutput, logprobs: LogprobStream | None
 ) -> list[str]:
     """The chunks of one output: its new text (as content or tool-call deltas), and when it is the
     last one, the rest of the parser's events and the closing chunk with finish_reason. The

@@ -115,7 +115,13 @@ class Zygote:
         Raises CompileTimeout past the deadline; the ConstraintError the pipeline raised (message,
         param, keyword, pointer, tool_index as they were); RuntimeError when the child or the
         zygote died (or the result could not be loaded); CompileChildError on a bug in the child."""
-        job = {"kind": spec.kind, "value": spec.value, "strict": spec.strict, "ws": ws}
+        job = {
+            "kind": spec.kind,
+            "value": spec.value,
+            "strict": spec.strict,
+            "reasoning": spec.reasoning,
+            "ws": ws,
+        }
         head = {"nice": nice, "memory": self.memory_bytes}
         request = json.dumps(head).encode() + b"\n" + json.dumps(job, ensure_ascii=False).encode()
         waited = time.monotonic()
@@ -325,7 +331,7 @@ def _run_job(info: xgr.TokenizerInfo, job_json: bytes, memory: int | None = None
     budget (MemoryError: Python's, or xgrammar's std::bad_alloc) is the constraint's error."""
     try:
         job = json.loads(job_json)
-        spec = ConstraintSpec(job["kind"], job["value"], job["strict"])
+        spec = ConstraintSpec(job["kind"], job["value"], job["strict"], job.get("reasoning", ""))
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         built = build_constraint(spec, job["ws"], compiler)
         head = json.dumps(

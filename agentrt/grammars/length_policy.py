@@ -97,11 +97,32 @@ class ClosingPlanner:
                 self.candidates.append((c, self.text_to_id[c]))
         self.probes = [ct for ct in self.candidates if ct[0] in '"}],0aA@. -:/']
 
-    def closing_path(self, matcher, until=None) -> ClosingPath | None:
+    def closing_path(self, matcher, until=None, bridge: ClosingPath | None = None) -> ClosingPath | None:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
         window of at least `max_chars`). None when no path is found. `until`: a callable given each
         piece of text as it is chosen; True ends the path there, before the grammar can end (e.g.
-        once the current JSON string is closed: runtime/repetition.py)."""
+        once the current JSON string is closed: runtime/repetition.py). `bridge`: text to take
+        first when the grammar accepts it whole (a reasoning model's end marker while it reasons:
+        free text the greedy search would not leave), its tokens as given."""
+        head: list[int] = []
+        if bridge is not None:
+            for t in bridge.token_ids:
+                if not matcher.accept_token(t):
+                    if head:
+                        matcher.rollback(len(head))
+                    head = []
+                    break
+                head.append(t)
+        try:
+            path = self._search(matcher, until)
+        finally:
+            if head:
+                matcher.rollback(len(head))
+        if path is None or not head:
+            return path
+        return ClosingPath(bridge.text + path.text, head + path.token_ids)
+
+    def _search(self, matcher, until) -> ClosingPath | None:
         text, ids = [], []
         run_char, run, escapes, last_escape = "", 0, 0, 0
         fragments = False  # a token of partial UTF-8 was taken: the ids are kept as taken
@@ -254,6 +275,7 @@ class ClosingGuard:
     path: list[int] | None = None  # a verified path from the current state (tokens, without stop)
     num_forced: int = 0  # sampled tokens replaced
     closed: bool = False  # a closing path was entered because the budget ran short
+    bridge: ClosingPath | None = None  # taken first by every search (set while a model reasons)
 
     @property
     def bound(self) -> int:
@@ -263,7 +285,7 @@ class ClosingGuard:
     def start(self, matcher) -> int | None:
         """Tokens needed to close from the matcher's state (None: no path found). The path found
         becomes the verified one (the caller checks it fits)."""
-        path = self.planner.closing_path(matcher)
+        path = self.planner.closing_path(matcher, bridge=self.bridge)
         self.path = None if path is None else list(path.token_ids)
         return None if path is None else path.num_tokens
 
@@ -283,14 +305,14 @@ class ClosingGuard:
         if left > self.bound:  # any path found later fits: no search needed yet
             self.path = None
             return tok
-        path = self.planner.closing_path(matcher)
+        path = self.planner.closing_path(matcher, bridge=self.bridge)
         if path is not None and path.num_tokens <= left:
             self.path = list(path.token_ids)
             return tok
         # over budget, or a state with no known way to close: never enter it
         matcher.rollback(1)
         if before is None:  # the last state was over `bound` from the end, unchecked: search it
-            found = self.planner.closing_path(matcher)
+            found = self.planner.closing_path(matcher, bridge=self.bridge)
             before = None if found is None else list(found.token_ids)
         if before is None:  # the search gave up there too: keep the token, the next one checks again
             matcher.accept_token(tok)

@@ -177,6 +177,21 @@ def whitespace_options(config: GrammarConfig) -> dict:
 def spec_grammar(
     spec: ConstraintSpec, not_enforced: list[str], ws: dict, plans: list | None = None
 ) -> xgr.Grammar | None:
+    """`answer_grammar`, after the model's free reasoning when the spec has a reasoning format
+    (grammars/reasoning.py: `reasoning` then the answer, one grammar)."""
+    answer = answer_grammar(spec, not_enforced, ws, plans)
+    if answer is None or not spec.reasoning:
+        return answer
+    from agentrt.grammars.reasoning import ReasoningFormat
+
+    fmt, mode = ReasoningFormat.from_json(spec.reasoning)
+    tag = fmt.structural_tag(mode, str(answer))
+    return xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
+
+
+def answer_grammar(
+    spec: ConstraintSpec, not_enforced: list[str], ws: dict, plans: list | None = None
+) -> xgr.Grammar | None:
     """The spec as an xgrammar Grammar whose root rule is `root` (None for an unknown kind).
     Dropped keywords (best effort) are appended to `not_enforced`; a json_schema spec's
     unique-strings plan to `plans` when given (see `schema_ebnf`; tool arguments never get one).

@@ -77,6 +77,9 @@ class ConstraintSpec:
     kind: ConstraintKind
     value: str
     strict: bool | None = None
+    reasoning: str = ""
+    """"" or a reasoning model's format and mode (grammars/reasoning.py `ReasoningFormat.as_json`):
+    the constraint then applies to the answer after the model's free reasoning."""
 
     def __post_init__(self):
         _check_unicode(self.kind, self.value)
@@ -84,7 +87,8 @@ class ConstraintSpec:
     @property
     def key(self) -> str:
         """Cache key: a hash of kind, value and options."""
-        return hashlib.sha256(f"{self.kind}\0{self.strict}\0{self.value}".encode()).hexdigest()
+        text = f"{self.kind}\0{self.strict}\0{self.value}" + (f"\0{self.reasoning}" if self.reasoning else "")
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @classmethod
     def json_schema(

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from agentrt.errors import AgentrtError, ConstraintError, InvalidRequestError
 from agentrt.grammars.finite import ForcedBound
 from agentrt.grammars.jump_forward import FAST_MAX_CHARS, ForcedTextFinder, forced_token_ids
-from agentrt.grammars.length_policy import ClosingGuard
+from agentrt.grammars.length_policy import ClosingGuard, ClosingPath
+from agentrt.runtime.reasoning_budget import ReasoningTracker
 from agentrt.runtime.repetition import REPAIRABLE_KINDS, RepetitionConfig, RepetitionGuard, vocab_bytes
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class ConstraintSteps:
         self.grammar, self.stop_ids, self.tokenizer = grammar, stop_ids, tokenizer
         self.config, self.stats = config, stats
         self._vocab_bytes: list[bytes] | None = None  # token bytes for runaway repair, on first use
+        self._token_bytes: list[bytes] | None = None  # every token's bytes, for reasoning trackers
 
     def start(self, r: Request, compiled: CompiledConstraint) -> AgentrtError | None:
         """Give r its ConstraintState (r.grammar: a new matcher; with max_tokens_policy "close" the
@@ -199,6 +201,7 @@ class ConstraintSteps:
         )
         if r.params.max_tokens_policy == "close":
             r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
+            self._set_bridge(r)
             need = r.grammar.closing.start(matcher)
             if need is None:
                 return ConstraintError(
@@ -228,6 +231,7 @@ class ConstraintSteps:
         bitmask should have prevented it). An unconstrained r keeps the token as it is."""
         if r.grammar is None:
             return tok, logprob, None
+        self._set_bridge(r)
         accepted = r.grammar.accept(tok, r.max_tokens - r.num_output_tokens - 1)
         if accepted is None:
             return None
@@ -236,10 +240,64 @@ class ConstraintSteps:
         self.stats.num_length_forced_tokens += accepted.forced
         return accepted.token_id, logprob, "stop" if r.grammar.is_terminated() else None
 
+    def start_reasoning(self, r: Request) -> None:
+        """Give r its ReasoningTracker when it is a reasoning model's request (params.reasoning)."""
+        p = r.params.reasoning
+        if p is not None:
+            r.reasoning = ReasoningTracker(
+                p, self.tokenizer.encode(p.close_text + p.end, add_special_tokens=False)
+            )
+
+    def _set_bridge(self, r: Request) -> None:
+        """While r reasons, closing paths start with the reasoning's end marker."""
+        closing = r.grammar.closing
+        if closing is not None and r.reasoning is not None:
+            if r.reasoning.in_reasoning and closing.bridge is None:
+                text = r.reasoning.params.end + "\n\n"  # as Qwen3 and R1 write it before the answer
+                closing.bridge = ClosingPath(text, self.tokenizer.encode(text, add_special_tokens=False))
+            elif not r.reasoning.in_reasoning:
+                closing.bridge = None
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's text as bytes (special tokens' too), for the reasoning tracker."""
+        if self._token_bytes is None:
+            self._token_bytes = [bytes(b) for b in self.grammar.info.decoded_vocab]
+        return self._token_bytes
+
+    def _reasoning_step(self, r: Request, tok: int) -> int:
+        """Follow r's reasoning past `tok`; when its thinking budget is spent, append the close
+        text and end marker (through the grammar when r is constrained). Returns the last token."""
+        tracker = r.reasoning
+        vocab = self.token_bytes
+        tracker.observe(vocab[tok] if 0 <= tok < len(vocab) else b"")
+        if not tracker.due() or tracker.forced:
+            return tok
+        tracker.forced = True  # tried once: under the length policy its closing guard ends it
+        ids, left = tracker.close_ids, r.max_tokens - r.num_output_tokens
+        if r.grammar is not None:
+            if not r.grammar.force(ids, left):
+                return tok
+        else:
+            ids = ids[: max(0, left)]
+        if not ids:
+            return tok
+        r.append_output(ids)
+        r.pending_jump_forward += len(ids)  # their KV is computed with the next step's chunk
+        self.stats.num_reasoning_forced_tokens += len(ids)
+        for t in ids:
+            tracker.observe(vocab[t])
+        return ids[-1]
+
     def after_token(self, r: Request, tok: int) -> None:
-        """After r's output token `tok` was appended (the grammar not complete): a runaway value's
-        closing tokens (runtime/repetition.py), then the text the grammar forces (jump-forward), are
-        appended as forced tokens whose KV the next step's chunk computes."""
+        """After r's output token `tok` was appended (the grammar not complete): the reasoning's
+        end when its thinking budget is spent, a runaway value's closing tokens
+        (runtime/repetition.py), then the text the grammar forces (jump-forward), are appended as
+        forced tokens whose KV the next step's chunk computes."""
+        if r.reasoning is not None:
+            tok = self._reasoning_step(r, tok)
+            if r.reasoning.in_reasoning:  # free text: no runaway repair, nothing forced
+                return
         if r.repetition is not None:  # a runaway value: force it closed
             left = r.max_tokens - r.num_output_tokens
             drop, ids = r.repetition.check(r.token_ids, r.num_prompt_tokens, r.grammar, left)

@@ -159,6 +159,7 @@ class Engine:
         request waits for it. Returns the final output when the request fails at once (a
         max_tokens_policy the constraint cannot meet), else None."""
         out = None
+        self.constraints.start_reasoning(req)
         if req.constraint is not None and compiled is None:
             req.compile_future = self.grammar.submit(req.constraint)
             req.status = RequestStatus.WAITING_FOR_GRAMMAR

@@ -35,6 +35,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_jump_forward_tokens: int = 0
     num_length_forced_tokens: int = 0  # sampled tokens replaced by the length-safe policy
+    num_reasoning_forced_tokens: int = 0  # reasoning end tokens appended at a spent thinking budget
     num_preemptions: int = 0
     num_finished: CountsByKey = field(default_factory=CountsByKey)  # finish reason -> requests
     num_rejected: CountsByKey = field(default_factory=CountsByKey)  # refused at admission: reason -> requests
@@ -90,6 +91,10 @@ _COUNTERS = {
     "agentrt_length_policy_forced_tokens": (
         "Tokens replaced by the length-safe policy to close a constraint",
         "num_length_forced_tokens",
+    ),
+    "agentrt_reasoning_budget_forced_tokens": (
+        "Tokens appended to end a reasoning whose thinking budget was spent",
+        "num_reasoning_forced_tokens",
     ),
     "agentrt_jump_forward_tokens": (
         "Output tokens appended by jump-forward over forced grammar text",

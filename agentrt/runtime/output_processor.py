@@ -98,6 +98,7 @@ class OutputProcessor:
             list(r.logprobs) if r.logprobs is not None else None,
             list(r.repetition.repaired) if r.repetition is not None else [],
             r.closed_by_budget,
+            r.reasoning.num_tokens if r.reasoning is not None else 0,
         )
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from agentrt.prefix_cache.radix_tree import TreeNode
     from agentrt.runtime.constraint_state import ConstraintState
     from agentrt.runtime.detokenizer import IncrementalDetokenizer
+    from agentrt.runtime.reasoning_budget import ReasoningTracker
     from agentrt.runtime.repetition import RepetitionGuard
     from agentrt.speculative.tree import DraftTree
 
@@ -51,6 +52,21 @@ class TokenLogprob(NamedTuple):
         """A token the runtime forced (not sampled): logprob 0.0, top = that token alone (none when
         num_top is 0)."""
         return cls(token_id, 0.0, ((token_id, 0.0),) if num_top > 0 else ())
+
+
+@dataclass(frozen=True)
+class ReasoningParams:
+    """A reasoning model's request (grammars/reasoning.py): `start` / `end` the format's markers;
+    `mode` where the reasoning stands when the prompt ends ("open": the prompt opened it,
+    "optional": the model may open it); `budget` the most reasoning tokens (None: no limit): when
+    spent, `close_text` + `end` are appended without sampling (runtime/reasoning_budget.py); with
+    budget 0 and mode "open" they end the prompt instead."""
+
+    start: str
+    end: str
+    mode: str = "optional"
+    budget: int | None = None
+    close_text: str = ""
 
 
 @dataclass
@@ -100,6 +116,7 @@ class SamplingParams:
     speculative: bool = True
     logprobs: int | None = None
     repetition_repair: bool = False
+    reasoning: ReasoningParams | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -156,6 +173,16 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if vocab_size is not None and not 0 <= tid < vocab_size:
                 raise bad("stop_token_ids", f"has token id {tid} outside the vocabulary [0, {vocab_size})")
+        if self.reasoning is not None:
+            budget = self.reasoning.budget
+            if budget is not None and not (
+                isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0
+            ):
+                raise bad("thinking_token_budget", f"must be an integer >= 0, got {budget!r}")
+            if self.reasoning.mode not in ("open", "optional"):
+                raise bad("reasoning", f"mode must be 'open' or 'optional', got {self.reasoning.mode!r}")
+            if not self.reasoning.start or not self.reasoning.end:
+                raise bad("reasoning", "needs non-empty start and end markers")
 
 
 class RequestStatus(enum.Enum):
@@ -178,6 +205,8 @@ class RequestOutput:
     output so far, aligned 1:1, the final stop token included as in token_ids); else None.
     repaired: with SamplingParams.repetition_repair, the JSON pointers (RFC 6901) of the string
     values that were closed because they repeated themselves, in order (empty: none).
+    num_reasoning_tokens: output tokens of the model's reasoning (SamplingParams.reasoning), its
+    markers included.
     closed_by_budget: with max_tokens_policy "close", True when the budget ran short and the output
     was steered onto the planner's closing path (its end is the shortest valid completion, not the
     model's own; finish_reason stays "stop" here: the API reports "length" when what the budget
@@ -195,6 +224,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     repaired: list[str] = field(default_factory=list)
     closed_by_budget: bool = False
+    num_reasoning_tokens: int = 0
 
 
 @dataclass
@@ -256,6 +286,7 @@ class Request:
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
     spec: SpecState = field(default_factory=SpecState)
     repetition: RepetitionGuard | None = None  # runaway-value repair (SamplingParams.repetition_repair)
+    reasoning: ReasoningTracker | None = None  # a reasoning model's state and budget (params.reasoning)
     logprobs: list[TokenLogprob] | None = field(init=False)  # one per output token, when asked for
 
     def __post_init__(self) -> None:

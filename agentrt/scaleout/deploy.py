@@ -179,6 +179,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
             model_name=args.model,
             tool_call_format=args.tool_call_format,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            reasoning_format=args.reasoning_format,
+            reasoning_budget_message=args.reasoning_budget_message,
             options=replica_options(options),
             admission=admission,
             databases=tuple(args.database or ()),

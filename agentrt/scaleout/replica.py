@@ -50,6 +50,8 @@ class ReplicaSpec:
     model_name: str
     tool_call_format: str = "auto"
     exclude_tools_when_tool_choice_none: bool = False
+    reasoning_format: str = "auto"
+    reasoning_budget_message: str = ""
     options: ServerOptions = field(default_factory=ServerOptions)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     databases: tuple[str, ...] = ()
@@ -187,6 +189,8 @@ class EngineReplica:
             spec.model_name,
             tool_call_format=spec.tool_call_format,
             exclude_tools_when_tool_choice_none=spec.exclude_tools_when_tool_choice_none,
+            reasoning_format=spec.reasoning_format,
+            reasoning_budget_message=spec.reasoning_budget_message,
             options=spec.options,
             databases=databases,
         )

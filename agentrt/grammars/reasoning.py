@@ -1,0 +1,195 @@
+"""Reasoning ("thinking") in model output: the formats families write it in, which one a chat
+template implies, where a request's reasoning stands when its prompt ends (open, optional or off),
+the grammar that lets the reasoning run free and constrains only the answer after it, and the
+incremental parser that splits model text into reasoning and answer.
+
+A reasoning model writes `<think> ... </think>` (Qwen3, QwQ, DeepSeek-R1 / V3.1+, GLM-4.5+, MiniMax-M2,
+SmolLM3, Nemotron, Kimi-K2-Thinking) or `[THINK] ... [/THINK]` (Magistral) before its answer. Its
+chat template may open the block itself (the generation prompt ends with `<think>\\n`: QwQ, R1,
+Qwen3-Thinking), close it empty to turn reasoning off (`<think>\\n\\n</think>\\n\\n` with Qwen3's
+`enable_thinking: false`), or leave it to the model. A constraint on such a request is the
+sequence `reasoning answer` (xgrammar's structural tag, as its builtin reasoning tags): the
+reasoning is any text without the end marker, then the end marker, at most a few whitespace
+characters, then the constrained answer. The end marker is the only way out of the reasoning, so the
+answer can neither be skipped nor written inside it, and the end-of-sequence token is masked until
+the answer is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+ReasoningMode = Literal["open", "optional", "off"]
+"""Where a request's reasoning stands when its prompt ends: "open" (the prompt opened the block:
+the output starts inside the reasoning), "optional" (the model may open it), "off" (the prompt
+closed it, or the model has no reasoning format)."""
+
+ANSWER_SEPARATOR = "[ \\t\\r\\n]{0,4}"
+"""What the grammar allows between the end marker and the answer (EBNF): Qwen3 writes "\\n\\n"."""
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a family marks its reasoning: `start` opens it, `end` closes it (plain text in the
+    model's vocabulary, a single added token in most)."""
+
+    name: str
+    start: str
+    end: str
+
+    def mode(self, prompt: str) -> ReasoningMode:
+        """The request's mode from its rendered prompt (the chat template's output, generation
+        prompt included): "off" when the prompt ends with the end marker (an empty block, reasoning
+        turned off), "open" when it ends with the start marker, else "optional"."""
+        tail = prompt.rstrip()
+        if tail.endswith(self.end):
+            return "off"
+        if tail.endswith(self.start):
+            return "open"
+        return "optional"
+
+    def structural_tag(self, mode: ReasoningMode, answer_ebnf: str) -> dict:
+        """xgrammar's structural tag for "reasoning, then the answer" (`answer_ebnf`: the answer's
+        grammar, root rule `root`). Raises ValueError for mode "off" (no reasoning to wrap)."""
+        if mode == "off":
+            raise ValueError("reasoning mode 'off' has no reasoning to constrain around")
+        text = {"type": "any_text", "excludes": [self.end]}
+        if mode == "open":
+            reasoning: dict = {"type": "tag", "begin": "", "content": text, "end": self.end}
+        else:
+            block = {"type": "tag", "begin": self.start, "content": text, "end": self.end}
+            reasoning = {"type": "or", "elements": [block, {"type": "const_string", "value": ""}]}
+        separator = {"type": "grammar", "grammar": f"root ::= {ANSWER_SEPARATOR}"}
+        answer = {"type": "grammar", "grammar": answer_ebnf}
+        return {
+            "type": "structural_tag",
+            "format": {"type": "sequence", "elements": [reasoning, separator, answer]},
+        }
+
+    def as_json(self, mode: ReasoningMode) -> str:
+        """The `reasoning` value of a ConstraintSpec (grammars/spec.py): this format and the mode."""
+        return json.dumps({"format": self.name, "start": self.start, "end": self.end, "mode": mode})
+
+    @classmethod
+    def from_json(cls, value: str) -> tuple[ReasoningFormat, ReasoningMode]:
+        d = json.loads(value)
+        return cls(d["format"], d["start"], d["end"]), d["mode"]
+
+
+FORMATS = {
+    "think": ReasoningFormat("think", "<think>", "</think>"),
+    "magistral": ReasoningFormat("magistral", "[THINK]", "[/THINK]"),
+}
+ALIASES = {"deepseek_r1": "think", "qwen3": "think", "glm45": "think", "minimax": "think"}
+"""vLLM's reasoning-parser names accepted by --reasoning-format for the same format."""
+
+
+def reasoning_format(name: str) -> ReasoningFormat | None:
+    """The format named `name` (or a vLLM alias); None for "none". Raises ValueError naming the
+    choices for an unknown name."""
+    if name == "none":
+        return None
+    found = FORMATS.get(ALIASES.get(name, name))
+    if found is None:
+        names = ", ".join(["auto", "none", *FORMATS, *ALIASES])
+        raise ValueError(f"unknown reasoning format '{name}' ({names})")
+    return found
+
+
+def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
+    """The reasoning format a chat template implies (None: a model that does not reason, or one
+    whose format agentrt does not parse: gpt-oss's Harmony channels, see `unsupported_reasoning`)."""
+    t = chat_template or ""
+    if "[THINK]" in t and "[/THINK]" in t:
+        return FORMATS["magistral"]
+    if "<think>" in t and "</think>" in t:
+        return FORMATS["think"]
+    return None
+
+
+def unsupported_reasoning(chat_template: str | None) -> str | None:
+    """The name of a reasoning format the template uses that agentrt does not parse (its reasoning
+    is then returned as content), else None."""
+    if "<|channel|>" in (chat_template or ""):
+        return "harmony"
+    return None
+
+
+class ReasoningParser:
+    """Splits model text into reasoning and answer, incrementally: `feed(text)` -> (reasoning,
+    content) decided so far, `finish()` -> the rest. Text that may still become a marker is held
+    back until it is decided, so the pieces concatenate to the same result whatever the chunking.
+    The markers themselves are in neither part; whitespace around the reasoning and at the start
+    of the answer is dropped (Qwen3 writes "<think>\\n" and "</think>\\n\\n"). In mode "optional" the
+    reasoning is recognised only at the start of the output (after whitespace); in "off" all text
+    is content. Output cut inside the reasoning leaves content empty."""
+
+    def __init__(self, fmt: ReasoningFormat, mode: ReasoningMode):
+        self.fmt = fmt
+        self._state = {"open": "reasoning", "optional": "before", "off": "content"}[mode]
+        self._buf = ""
+        self._lead = True  # dropping whitespace at the start of the current part
+        self.reasoning = ""
+        self.content = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state in ("reasoning", "before")
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._run(final=True)
+
+    def _emit(self, part: str, text: str, out: list[str]) -> None:
+        if self._lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lead = False
+        out[0 if part == "reasoning" else 1] += text
+
+    def _run(self, final: bool) -> tuple[str, str]:
+        out = ["", ""]
+        while self._buf:
+            buf = self._buf
+            if self._state == "before":
+                stripped = buf.lstrip()
+                if stripped.startswith(self.fmt.start):
+                    self._buf = stripped[len(self.fmt.start) :]
+                    self._state, self._lead = "reasoning", True
+                    continue
+                if not final and self.fmt.start.startswith(stripped):
+                    break  # whitespace, or a prefix of the start marker: undecided
+                self._state = "content"
+                continue
+            if self._state == "content":
+                self._emit("content", buf, out)
+                self._buf = ""
+                break
+            at = buf.find(self.fmt.end)
+            if at >= 0:
+                self._emit("reasoning", buf[:at].rstrip(), out)
+                self._buf = buf[at + len(self.fmt.end) :]
+                self._state, self._lead = "content", True
+                continue
+            # held back: a partial end marker and the whitespace before it (dropped at the marker)
+            body = buf if final else buf[: len(buf) - _partial_suffix(buf, self.fmt.end)]
+            self._emit("reasoning", body.rstrip(), out)
+            self._buf = "" if final else buf[len(body.rstrip()) :]
+            break
+        self.reasoning += out[0]
+        self.content += out[1]
+        return out[0], out[1]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
