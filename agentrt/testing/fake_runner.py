@@ -20,6 +20,9 @@ EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|pad|>")
 """Special tokens of `byte_tokenizer`, ids 256.. in this order (EOS is 256)."""
 
+SCRIPT_MARGIN = 12.0
+"""How far (logits) a scripted token stands above the rest of its row (FakeModelRunner.script)."""
+
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -188,6 +191,7 @@ class FakeModelRunner:
         self._bias = bias
         self._rows: dict[int, np.ndarray] = {}
         self._max_rows = max(64, MAX_CACHED_ROW_BYTES // (4 * vocab_size))
+        self._script: dict[int, int] = {}  # context key -> the token a script makes the model write
 
     # ---- the forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -302,7 +306,24 @@ class FakeModelRunner:
             if len(self._rows) >= self._max_rows:
                 del self._rows[next(iter(self._rows))]
             row = self._rows[key] = noise + self._bias
+            scripted = self._script.get(key)
+            if scripted is not None:
+                row[scripted] = row.max() + SCRIPT_MARGIN
         return row
+
+    def script(self, prompt_ids: Sequence[int], text: str) -> list[int]:
+        """Make the model write `text` after `prompt_ids`: along that exact context its most likely
+        next token is the script's (by SCRIPT_MARGIN logits, so greedy decoding follows it), where a
+        constraint allows it; once the output leaves the script (a token the grammar forced, or one
+        sampled otherwise) the logits are the usual noise. Returns the script's token ids."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        seq = list(prompt_ids)
+        for t in ids:
+            key = self._key(seq)
+            self._script[key] = t
+            self._rows.pop(key, None)
+            seq.append(t)
+        return ids
 
     # ---- what tests read ---------------------------------------------------------------------------
     def greedy_next(self, token_ids: Sequence[int]) -> int:
