@@ -64,14 +64,21 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's reasoning (vLLM's name)
+    reasoning: str | None = None  # the same, by its newer name
 
     def as_dict(self) -> dict:
-        """role, content text, and tool_calls / tool_call_id when present (OpenAI shapes)."""
+        """role, content text, and tool_calls / tool_call_id / reasoning_content when present
+        (OpenAI shapes; an assistant turn's reasoning goes to the chat template, which keeps or
+        drops it as its family expects)."""
         d: dict = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None and self.role == "assistant":
+            d["reasoning_content"] = thought
         return d
 
     def text(self) -> str:
