@@ -153,7 +153,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-format",
         default="auto",
-        choices=["auto", "hermes", "llama3_json", "mistral"],
+        choices=[
+            "auto",
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "mistral_v11",
+            "phi4_mini",
+            "qwen3_coder",
+            "glm45",
+            "deepseek_v3_1",
+            "kimi_k2",
+            "pythonic",
+        ],
         help="how the model writes tool calls (default: read from its chat template; templates "
         "without tool support get the generic hermes-style format)",
     )

@@ -201,14 +201,14 @@ def answer_grammar(
         ebnf = schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws, plans)
         return xgr.Grammar.from_ebnf(ebnf)
     if spec.kind == "tool_calls":
-        from agentrt.grammars.tool_calls import structural_tag
+        from agentrt.grammars.tool_calls import arguments_ebnf, structural_tag
 
         plan = json.loads(spec.value)
         args = []
         for i, t in enumerate(plan["tools"]):
             dropped: list[str] = []
-            try:
-                ebnf = schema_ebnf(t["parameters"], t["strict"], dropped, ws)
+            try:  # the format's arguments grammar: the JSON one (schema_ebnf) or built from it
+                ebnf = arguments_ebnf(plan["format"], t, dropped, ws, schema_ebnf)
                 check_finite(ebnf, "root")
             except (RuntimeError, ValueError) as e:
                 raise _refusal(clean_error(e), e).in_tool(i, t["name"]) from None

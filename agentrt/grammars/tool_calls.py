@@ -1,11 +1,36 @@
 """Tool-call formats (how a model family writes calls) and their constraint: an xgrammar
 structural tag whose tags carry each tool's name in their begin text and the tool's arguments
-grammar as content. See agentrt/api/tools/ for the request and response side."""
+grammar as content. See agentrt/api/tools/ for the request and response side.
+
+Styles of format (``ToolCallFormat.style``):
+
+- ``json``: a JSON call object ``{"name": ..., "arguments": {...}}`` after a marker (hermes
+  ``<tool_call>``, phi4_mini ``<|tool_call|>``, mistral ``[TOOL_CALLS][...]``) or alone (llama3_json);
+  mistral's newer ``[TOOL_CALLS]name[ARGS]{...}`` is parsed by the same machine (mistral_v11 is its
+  grammar);
+- ``tagged``: the name between special tokens, then the arguments as JSON, inside a section
+  (deepseek_v3_1 ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
+  <｜tool▁calls▁end｜>``, kimi_k2 ``<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0
+  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>``);
+- ``xml``: the arguments as parameters, strings raw (qwen3_coder ``<tool_call>\\n<function=name>\\n
+  <parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``, glm45 ``<tool_call>name\\n
+  <arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``);
+- ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from agentrt.grammars.tool_args import (
+    GLM_XML,
+    QWEN_XML,
+    XmlLayout,
+    calls_list_ebnf,
+    pythonic_arguments_ebnf,
+    xml_arguments_ebnf,
+)
 
 
 @dataclass(frozen=True)
@@ -15,32 +40,113 @@ class ToolCallFormat:
     a block (hermes); args_key: the key holding the arguments; list_style: a block is a JSON list of
     calls (mistral); separator: between calls of one block (list / llama3) or between blocks;
     skip_special_tokens: whether decoded text may drop special tokens (a marker that is a special
-    token must stay in the text)."""
+    token must stay in the text); style: json / tagged / xml / pythonic (module docstring);
+    section: (begin, end) around the calls (tagged); call_begin / name_end / call_end: the text
+    before a call's name, between the name and its arguments, after the arguments (tagged, xml);
+    name_prefix: before the name inside call_begin..name_end (kimi_k2 "functions."); call_index: a
+    ":N" index follows the name (kimi_k2); xml: how a parameter is written (xml)."""
 
     name: str
     marker: str
     close: str
-    args_key: str
+    args_key: str = "arguments"
     list_style: bool = False
     separator: str = "\n"
     marker_in_body: bool = False
     skip_special_tokens: bool = True
+    style: str = "json"
+    section: tuple[str, str] | None = None
+    call_begin: str = ""
+    name_end: str = ""
+    call_end: str = ""
+    name_prefix: str = ""
+    call_index: bool = False
+    xml: XmlLayout | None = None
 
     def tag_begin(self, tool: str) -> str:
+        """The text of a call up to its arguments (kimi_k2: up to its ":" index)."""
+        if self.style != "json":
+            return f"{self.call_begin}{self.name_prefix}{tool}" + (":" if self.call_index else self.name_end)
+        if self.name == "mistral_v11":
+            return f"[TOOL_CALLS]{tool}[ARGS]"
         head = f'{{"name": {json.dumps(tool, ensure_ascii=False)}, "{self.args_key}": '
-        if self.name == "hermes":
-            return "<tool_call>\n" + head
-        if self.name == "mistral":
-            return "[TOOL_CALLS][" + head
-        return head
+        return {"hermes": "<tool_call>\n", "mistral": "[TOOL_CALLS][", "phi4_mini": "<|tool_call|>"}.get(
+            self.name, ""
+        ) + head
 
     def tag_end(self) -> str:
-        return {"hermes": "}\n</tool_call>", "mistral": "}]"}.get(self.name, "}")
+        if self.style != "json":
+            return self.call_end
+        ends = {
+            "hermes": "}\n</tool_call>",
+            "mistral": "}]",
+            "mistral_v11": "",
+            "phi4_mini": "}<|/tool_call|>",
+        }
+        return ends.get(self.name, "}")
 
     @property
     def trigger(self) -> str:
-        return '{"name": ' if self.marker_in_body else self.marker
+        """The text that starts calls in free text (tool_choice "auto"; stop strings end there)."""
+        if self.marker_in_body:
+            return '{"name": '
+        if self.section is not None:
+            return self.section[0]
+        return self.marker
 
+    def render_calls(self, calls: list[tuple[str, dict]], first_index: int = 0) -> str:
+        """The text of `calls` ([(name, arguments object)]) as the model writes them in this format
+        (one block; kimi_k2 numbers them from `first_index`)."""
+        if not calls:
+            return ""
+        if self.style in ("xml", "pythonic"):
+            calls = [(n, a if isinstance(a, dict) else {}) for n, a in calls]
+        if self.style == "pythonic":
+            items = ", ".join(f"{n}({', '.join(f'{k}={_js(v)}' for k, v in a.items())})" for n, a in calls)
+            return f"[{items}]"
+        if self.name == "mistral":
+            items = ", ".join(f'{{"name": {_js(n)}, "arguments": {_js(a)}}}' for n, a in calls)
+            return f"[TOOL_CALLS][{items}]"
+        parts = []
+        for i, (n, a) in enumerate(calls):
+            begin = self.tag_begin(n)
+            if self.call_index:
+                begin += f"{first_index + i}{self.name_end}"
+            if self.style == "xml":
+                body = "".join(
+                    self.xml.open + k + self.xml.mid + _xml_value(v) + self.xml.close + self.xml.after
+                    for k, v in a.items()
+                )
+            else:
+                body = _js(a)
+            parts.append(begin + body + self.tag_end())
+        sep = "" if self.section is not None else self.separator
+        text = sep.join(parts)
+        return f"{self.section[0]}{text}{self.section[1]}" if self.section is not None else text
+
+
+def _js(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _xml_value(value) -> str:
+    return value if isinstance(value, str) else _js(value)
+
+
+DEEPSEEK = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+)
+KIMI = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
 
 FORMATS = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "arguments", separator="\n"),
@@ -56,25 +162,116 @@ FORMATS = {
     "mistral": ToolCallFormat(
         "mistral", "[TOOL_CALLS]", "", "arguments", list_style=True, separator="", skip_special_tokens=False
     ),
+    "mistral_v11": ToolCallFormat(
+        "mistral_v11",
+        "[TOOL_CALLS]",
+        "",
+        "arguments",
+        list_style=True,
+        separator="",
+        skip_special_tokens=False,
+    ),
+    "phi4_mini": ToolCallFormat(
+        "phi4_mini", "<|tool_call|>", "<|/tool_call|>", "arguments", separator="", skip_special_tokens=False
+    ),
+    "qwen3_coder": ToolCallFormat(
+        "qwen3_coder",
+        "<tool_call>",
+        "</tool_call>",
+        style="xml",
+        call_begin="<tool_call>\n<function=",
+        name_end=">\n",
+        call_end="</function>\n</tool_call>",
+        xml=QWEN_XML,
+        skip_special_tokens=False,
+    ),
+    "glm45": ToolCallFormat(
+        "glm45",
+        "<tool_call>",
+        "</tool_call>",
+        style="xml",
+        call_begin="<tool_call>",
+        name_end="\n",
+        call_end="</tool_call>",
+        xml=GLM_XML,
+        skip_special_tokens=False,
+    ),
+    "deepseek_v3_1": ToolCallFormat(
+        "deepseek_v3_1",
+        DEEPSEEK[0],
+        DEEPSEEK[1],
+        style="tagged",
+        section=DEEPSEEK[:2],
+        call_begin=DEEPSEEK[2],
+        name_end=DEEPSEEK[3],
+        call_end=DEEPSEEK[4],
+        separator="",
+        skip_special_tokens=False,
+    ),
+    "kimi_k2": ToolCallFormat(
+        "kimi_k2",
+        KIMI[0],
+        KIMI[1],
+        style="tagged",
+        section=KIMI[:2],
+        call_begin=KIMI[2],
+        name_end=KIMI[3],
+        call_end=KIMI[4],
+        name_prefix="functions.",
+        call_index=True,
+        separator="",
+        skip_special_tokens=False,
+    ),
+    "pythonic": ToolCallFormat("pythonic", "[", "]", style="pythonic", separator=", "),
 }
+
+
+def arguments_ebnf(fmt_name: str, tool: dict, dropped: list[str], ws: dict, schema_ebnf) -> str:
+    """EBNF (root `root`) of `tool`'s arguments ({"name", "parameters", "strict"}) in format
+    `fmt_name`: the JSON grammar of its parameters (`schema_ebnf`, the pipeline's faithful JSON
+    Schema grammar, passed in to keep this module below the pipeline), or XML parameters / Python
+    keyword arguments built from it (grammars/tool_args.py)."""
+    fmt = FORMATS[fmt_name]
+    if fmt.style == "xml":
+        return xml_arguments_ebnf(
+            tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, fmt.xml, fmt.name
+        )
+    if fmt.style == "pythonic":
+        return pythonic_arguments_ebnf(tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, fmt.name)
+    return schema_ebnf(tool["parameters"], tool["strict"], dropped, ws)
 
 
 def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
     """The xgrammar structural tag for a "tool_calls" constraint: `plan_value` is the decoded
     ToolPlan.constraint_value(), `args_grammars[i]` the EBNF (root rule `root`) of tool i's
-    arguments."""
+    arguments (`arguments_ebnf`)."""
     fmt = FORMATS[plan_value["format"]]
-    tags = [
-        {
-            "type": "tag",
-            "begin": fmt.tag_begin(t["name"]),
-            "content": {"type": "grammar", "grammar": g},
-            "end": fmt.tag_end(),
-        }
-        for t, g in zip(plan_value["tools"], args_grammars)
-    ]
+    tools = plan_value["tools"]
     parallel = plan_value["parallel"]
-    if plan_value["mode"] == "required":
+    required = plan_value["mode"] == "required"
+    if fmt.style == "pythonic":
+        return _pythonic_tag(tools, args_grammars, parallel, required)
+    tags = [_tag(fmt, t["name"], g) for t, g in zip(tools, args_grammars)]
+    if fmt.section is not None:
+        inner = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+        section = {"type": "tag", "begin": fmt.section[0], "content": inner, "end": fmt.section[1]}
+        if required:
+            return {"type": "structural_tag", "format": section}
+        body = {
+            "type": "triggered_tags",
+            "triggers": [fmt.section[0]],
+            "tags": [section],
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        }
+        return {"type": "structural_tag", "format": body}
+    if required:
         sep = "" if fmt.list_style else fmt.separator
         body = {
             "type": "tags_with_separator",
@@ -90,5 +287,55 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
             "tags": tags,
             "at_least_one": False,
             "stop_after_first": not parallel,
+        }
+    return {"type": "structural_tag", "format": body}
+
+
+def _tag(fmt: ToolCallFormat, name: str, args: str) -> dict:
+    content: dict = {"type": "grammar", "grammar": args}
+    if fmt.call_index:  # kimi_k2: functions.NAME:INDEX<|tool_call_argument_begin|>{...}
+        content = {
+            "type": "sequence",
+            "elements": [
+                {"type": "regex", "pattern": "[0-9]{1,6}"},
+                {"type": "const_string", "value": fmt.name_end},
+                content,
+            ],
+        }
+    return {"type": "tag", "begin": fmt.tag_begin(name), "content": content, "end": fmt.tag_end()}
+
+
+def _pythonic_tag(tools: list[dict], args: list[str], parallel: bool, required: bool) -> dict:
+    """One list `[f(...), g(...)]`: a tag per tool for the first call (its begin `[f(` is the
+    trigger: free text may hold other brackets), the further calls (parallel) in its content."""
+    more = calls_list_ebnf([(t["name"], g) for t, g in zip(tools, args)]) if parallel else None
+    tags = []
+    for t, g in zip(tools, args):
+        elements = [{"type": "grammar", "grammar": g}, {"type": "const_string", "value": ")"}]
+        if more is not None:
+            elements.append({"type": "grammar", "grammar": more})
+        tags.append(
+            {
+                "type": "tag",
+                "begin": f"[{t['name']}(",
+                "content": {"type": "sequence", "elements": elements},
+                "end": "]",
+            }
+        )
+    if required:
+        body = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": True,
+        }
+    else:
+        body = {
+            "type": "triggered_tags",
+            "triggers": [f"[{t['name']}(" for t in tools],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": True,
         }
     return {"type": "structural_tag", "format": body}

@@ -27,12 +27,14 @@ The package, in request order:
   streamed and non-streamed responses, so deltas concatenate to the whole whatever the chunking).
 """
 
+from agentrt.api.tools.detection import Detected, detect
 from agentrt.api.tools.parsing import ParseEvent, ToolCall, ToolCallParser, new_call_id
 from agentrt.api.tools.rendering import TOOLS_PROMPT, ToolPrompt, detect_format, render_messages
 from agentrt.api.tools.validation import ToolPlan, check_tool_messages, check_tool_schemas, plan_tools
 
 __all__ = [
     "TOOLS_PROMPT",
+    "Detected",
     "ParseEvent",
     "ToolCall",
     "ToolCallParser",
@@ -40,6 +42,7 @@ __all__ = [
     "ToolPrompt",
     "check_tool_messages",
     "check_tool_schemas",
+    "detect",
     "detect_format",
     "new_call_id",
     "plan_tools",

@@ -75,8 +75,13 @@ class ToolPlan:
         return next(i for i, t in enumerate(self.all_tools) if t["name"] == name)
 
     def new_parser(self) -> ToolCallParser:
-        """A parser of the output that accepts calls to the offered tools only."""
-        return ToolCallParser(self.fmt, names={t["name"] for t in self.tools})
+        """A parser of the output that accepts calls to the offered tools only (their parameter
+        schemas type the values of formats that write arguments as text)."""
+        return ToolCallParser(
+            self.fmt,
+            names={t["name"] for t in self.tools},
+            schemas={t["name"]: t["parameters"] for t in self.tools},
+        )
 
 
 def plan_tools(
