@@ -172,6 +172,8 @@ def _native_messages(messages: list[dict], fmt: ToolCallFormat, d: Detected) -> 
     out: list[dict] = []
     for m in messages:
         msg = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("reasoning_content") is not None:  # an earlier turn's: the template keeps or drops it
+            msg["reasoning_content"] = m["reasoning_content"]
         calls = m.get("tool_calls") or []
         if calls and not d.calls_in_template:  # written as text in the format's syntax
             text = fmt.render_calls(
@@ -245,10 +247,14 @@ def _generic_message(m: dict, fmt: ToolCallFormat) -> dict:
             blocks = [_call_block(n, a) for n, a in calls]
         else:
             blocks = [fmt.render_calls(calls)]
-        return {"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)}
+        out = {"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)}
+    else:
+        out = {"role": role, "content": content}
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        out["reasoning_content"] = m["reasoning_content"]  # the template keeps or drops it
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-    return {"role": role, "content": content}
+    return out
 
 
 def _call_block(name: str, arguments) -> str:
