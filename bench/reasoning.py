@@ -1,8 +1,9 @@
 """Reasoning models: what reasoning costs around a constraint, and how often a thinking model ends
 with a valid answer under a tight budget (issue 36).
 
-Part 1 (model-free): parser cost per streamed token (p50/p99 us): the reasoning parser, and the
-output parser (reasoning then hermes tool calls), fed one token's text at a time.
+Part 1 (model-free): parser cost per streamed token (p50/p99 us): the reasoning parser, the
+output parser (reasoning then hermes tool calls), and each tool-call format's parser (two calls
+after some prose), fed one token's text (the default model's tokenizer) at a time.
 Part 2 (the default model's tokenizer, 49k tokens): mask cost per token (fill_next_token_bitmask,
 p50/p99 us) of each extraction schema plain, and wrapped as `reasoning answer`: inside the
 reasoning (free text) and after the end marker (the schema), walking a valid instance.
@@ -33,6 +34,20 @@ THOUGHT = (
 ) * 20
 
 
+def _pieces(tok, text: str) -> list[str]:
+    """`text` as a stream delivers it: each token's new text, decoded with the tokens before it
+    (a character split over tokens arrives whole with its last token)."""
+    ids, out, seen = tok.encode(text, add_special_tokens=False), [], ""
+    for i in range(len(ids)):
+        now = tok.decode(ids[: i + 1])
+        if now.endswith("\ufffd"):
+            out.append("")
+            continue
+        out.append(now[len(seen) :])
+        seen = now
+    return out
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -61,7 +76,7 @@ def part1() -> None:
     print("| parser | format | tokens | p50 | p99 |\n|---|---|---|---|---|")
     for name, fmt in FORMATS.items():
         text = THOUGHT[:1500] + fmt.end + "\n\nThe answer is Paris." + call
-        pieces = [tok.decode([t]) for t in tok.encode(text, add_special_tokens=False)]
+        pieces = _pieces(tok, text)
         for label, make in [
             ("reasoning", lambda fmt=fmt: ReasoningParser(fmt, "open")),
             (
@@ -77,6 +92,27 @@ def part1() -> None:
                     parser.feed(p)
                     times.append((time.perf_counter_ns() - t0) / 1000)
             print(f"| {label} | {name} | {len(pieces)} | {pct(times, 0.5):.1f} | {pct(times, 0.99):.1f} |")
+    print("\n| tool-call format | tokens | p50 | p99 | calls parsed |\n|---|---|---|---|---|")
+    prose = "I will look this up for you. " * 4
+    args = {"city": "Paris", "unit": "celsius", "days": 3}
+    for name, fmt in TOOLS.items():
+        text = prose + fmt.render_calls([("get_weather", args), ("get_time", {"city": "Paris"})])
+        pieces = _pieces(tok, text)
+        names = [
+            {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+            for n in ("get_weather", "get_time")
+        ]
+        plan = plan_tools(names, "auto", None, fmt)
+        times, calls = [], 0
+        for _ in range(5):
+            parser = plan.new_parser()
+            for p in pieces:
+                t0 = time.perf_counter_ns()
+                parser.feed(p)
+                times.append((time.perf_counter_ns() - t0) / 1000)
+            parser.close("stop")
+            calls = len(parser.calls)
+        print(f"| {name} | {len(pieces)} | {pct(times, 0.5):.1f} | {pct(times, 0.99):.1f} | {calls} |")
 
 
 def part2() -> None:
