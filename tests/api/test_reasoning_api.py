@@ -1,7 +1,8 @@
 """A reasoning model through the chat API: the default model served with Qwen3's real chat
 templates. The reasoning goes to `reasoning_content` (and `reasoning`), a json_schema / tool
 constraint applies to the answer after it, the thinking budget and `reasoning_effort` bound it,
-streamed deltas equal the non-streamed message, and `usage` counts reasoning tokens."""
+streamed deltas equal the non-streamed message, and `usage` counts reasoning tokens. The
+`thinking_client` fixture is in tests/api/conftest.py."""
 
 from __future__ import annotations
 
@@ -25,32 +26,6 @@ SCHEMA = {
 }
 ASK = [{"role": "user", "content": "What is the largest city of France? Answer in JSON."}]
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
-
-
-@pytest.fixture(scope="module")
-def thinking_client(default_model_dir):
-    """The default model with Qwen3-4B-Thinking-2507's template (its generation prompt opens
-    <think>), in-process."""
-    from fastapi.testclient import TestClient
-
-    from agentrt.api.app import create_app
-    from agentrt.runtime.async_engine import AsyncEngine
-    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
-    from agentrt.runtime.engine import Engine
-
-    template = shared_path("chat_templates", "Qwen3-4B-Thinking-2507.jinja")
-    engine = Engine(
-        EngineConfig(
-            model=ModelConfig(
-                model=str(default_model_dir), device="cpu", dtype="float32", chat_template=str(template)
-            ),
-            cache=CacheConfig(kv_cache_bytes=128 << 20),
-        )
-    )
-    front = AsyncEngine(engine=engine)
-    with TestClient(create_app(front, MODEL, reasoning_budget_message="\nTime to answer.")) as c:
-        yield c
-    front.shutdown()
 
 
 def _chat(client, **body):
@@ -247,3 +222,31 @@ def test_budget_zero_closes_the_block_in_the_prompt(name):
     prompt, reasoning = setup.for_request(_render(name), 0)
     assert reasoning.mode == "off" and reasoning.params() is None and FORMATS["think"].mode(prompt) == "off"
     assert prompt.endswith("</think>\n\n")
+
+
+def test_earlier_reasoning_goes_to_the_template(tokenizer):
+    """Interleaved thinking: an assistant turn's reasoning_content (or `reasoning`) reaches the chat
+    template, which keeps it inside the current tool loop and drops it before the last user turn
+    (Qwen3's real template)."""
+    from agentrt.api.protocol import ChatMessage
+    from agentrt.api.tools import ToolPrompt, plan_tools
+
+    template = shared_path("chat_templates", "Qwen-Qwen3-0.6B.jinja").read_text()
+    prompt = ToolPrompt.for_template(template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plan = plan_tools(tools, "auto", None, prompt.fmt)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    raw = [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "first answer", "reasoning": "OLD-THOUGHT"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "CALL-THOUGHT"},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    messages = [ChatMessage.model_validate(m).as_dict() for m in raw]
+    rendered, template_tools = prompt.render(messages, plan)
+    text = tokenizer.apply_chat_template(
+        rendered, tools=template_tools, chat_template=template, add_generation_prompt=True, tokenize=False
+    )
+    assert "<think>\nCALL-THOUGHT\n</think>" in text
+    assert "OLD-THOUGHT" not in text

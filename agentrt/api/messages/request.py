@@ -14,9 +14,19 @@ The spec followed: Anthropic's API reference for Messages and streaming, and the
 Anthropic does), tools (client tools), tool_choice (auto / any / tool / none,
 disable_parallel_tool_use), stop_sequences, temperature (0-1), top_p, top_k, stream, metadata,
 output_config.format (a JSON Schema for the text answer, enforced like response_format), and as
-no-ops cache_control (prompt prefixes are cached automatically), service_tier (one tier),
-thinking {"type": "disabled"}. Everything else (images, documents, extended thinking, server
-tools, a final assistant turn to continue, unknown fields) is a 400 naming the field and why.
+no-ops cache_control (prompt prefixes are cached automatically), service_tier (one tier).
+Everything else (images, documents, server tools, a final assistant turn to continue, unknown
+fields) is a 400 naming the field and why.
+
+Thinking, for a model that reasons (its chat template has a reasoning format, api/reasoning.py):
+`thinking` {"type": "enabled", "budget_tokens": N} (N >= 1024 and < max_tokens, as Anthropic
+requires) is a thinking budget of N tokens, {"type": "disabled"} a budget of 0 (the prompt closes
+the reasoning: no thinking block), {"type": "adaptive"} or no `thinking` the model's own default
+(its template's), bounded by max_tokens alone; display "omitted" leaves the thinking text out of
+the blocks. The reasoning comes back as `thinking` blocks (signature ""). Thinking and
+redacted_thinking blocks of earlier assistant turns are accepted and left out of the prompt (as
+chat completions leaves out an earlier turn's reasoning_content). A model that does not reason
+refuses enabled / adaptive thinking (disabled is a no-op).
 """
 
 from __future__ import annotations
@@ -77,12 +87,16 @@ _REFUSED = {
 }
 """Messages API fields agentrt refuses, and why (any other unknown field is refused too)."""
 
+MIN_THINKING_BUDGET = 1024
+"""Anthropic's least thinking.budget_tokens."""
+
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
+"""Blocks of an earlier assistant turn's thinking: accepted there, left out of the prompt."""
+
 _BLOCK_REASONS = {
     "image": "this server's model reads text only",
     "document": "this server's model reads text only",
     "search_result": "search result blocks are not supported",
-    "thinking": "this server's model writes no thinking blocks",
-    "redacted_thinking": "this server's model writes no thinking blocks",
     "server_tool_use": "server tools are not supported",
     "container_upload": "code execution containers are not available on this server",
 }
@@ -131,10 +145,22 @@ def _blocks(content: str | list, where: str) -> list[tuple[str, dict]]:
         kind = block["type"]
         if kind in _BLOCK_REASONS:
             raise _bad(f"{w}: {kind} blocks are not supported: {_BLOCK_REASONS[kind]}", f"{w}.type")
-        if kind not in ("text", "tool_use", "tool_result"):
+        if kind not in ("text", "tool_use", "tool_result", *_THINKING_BLOCKS):
             raise _bad(f"{w}: content blocks of type '{kind}' are not supported by this server", f"{w}.type")
         out.append((w, block))
     return out
+
+
+def _check_thinking_block(block: dict, where: str) -> None:
+    """A thinking block {type, thinking, signature} or redacted_thinking block {type, data} of an
+    earlier assistant turn (left out of the prompt). Raises APIError naming the key at fault."""
+    keys = ("thinking", "signature") if block["type"] == "thinking" else ("data",)
+    _check_keys(block, ("type", *keys), where)
+    for key in keys:
+        if key != "signature" and key not in block:
+            raise _bad(f"{where}.{key} is required", f"{where}.{key}")
+        if key in block and not isinstance(block[key], str):
+            raise _bad(f"{where}.{key} must be a string", f"{where}.{key}")
 
 
 def _parts(texts: list[str]) -> list[dict]:
@@ -168,11 +194,15 @@ def _tool_result_text(block: dict, where: str) -> str:
 
 
 def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds) -> dict:
-    """A chat assistant message from an assistant turn's text and tool_use blocks."""
+    """A chat assistant message from an assistant turn's text and tool_use blocks (its thinking
+    blocks are checked and left out)."""
     texts, calls = [], []
     for w, block in blocks:
         if block["type"] == "text":
             texts.append(_text_block(block, w))
+            continue
+        if block["type"] in _THINKING_BLOCKS:
+            _check_thinking_block(block, w)
             continue
         if block["type"] == "tool_result":
             raise _bad(f"{w}: tool_result blocks belong in user turns", f"{w}.type")
@@ -208,8 +238,8 @@ def _user_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds, turn: str) 
     for w, block in blocks:
         if block["type"] == "text":
             texts.append(_text_block(block, w))
-        elif block["type"] == "tool_use":
-            raise _bad(f"{w}: tool_use blocks belong in assistant turns", f"{w}.type")
+        elif block["type"] in ("tool_use", *_THINKING_BLOCKS):
+            raise _bad(f"{w}: {block['type']} blocks belong in assistant turns", f"{w}.type")
         else:
             if texts:
                 out.append((turn, {"role": "user", "content": _parts(texts)}))
@@ -311,19 +341,59 @@ def _response_format(config: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
-    """The chat completions request that runs `req`, and for each of its messages the Messages
-    field it came from ("system", "messages[2]", "messages[3].content[0]"). Raises APIError (400)
-    naming the field for anything the Messages API allows that agentrt cannot honour (see the
-    module docstring), or that the Messages API itself refuses."""
-    for name in req.model_extra or {}:
-        why = _REFUSED.get(name, "it is not a Messages API field agentrt implements")
-        raise _bad(f"{name} is not supported: {why}", name)
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
+def _thinking(req: MessagesRequest, reasons: bool) -> tuple[int | None, bool]:
+    """(the thinking budget in tokens, None: no budget; whether display "omitted" leaves the
+    thinking text out) of `thinking` (see the module docstring); `reasons`: the served model
+    reasons. Raises APIError naming the field, as Anthropic validates it."""
+    thinking = req.thinking
+    if thinking is None:
+        return None, False
+    kinds = {"enabled": ("budget_tokens", "display"), "adaptive": ("display",), "disabled": ()}
+    kind = thinking.get("type")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise _bad('thinking.type must be "enabled", "adaptive" or "disabled"', "thinking.type")
+    _check_keys(thinking, ("type", *kinds[kind]), "thinking")
+    if kind == "disabled":
+        return 0, False
+    if not reasons:
         raise _bad(
             "thinking: extended thinking is not supported: this server's model writes no thinking blocks",
             "thinking",
         )
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise _bad('thinking.display must be "summarized" or "omitted"', "thinking.display")
+    if kind == "adaptive":
+        return None, display == "omitted"
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        raise _bad('thinking.budget_tokens is required with "type": "enabled"', "thinking.budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise _bad(
+            f"thinking.budget_tokens must be an integer, got {json.dumps(budget)}", "thinking.budget_tokens"
+        )
+    if budget < MIN_THINKING_BUDGET:
+        raise _bad(
+            f"thinking.budget_tokens must be >= {MIN_THINKING_BUDGET}, got {budget}", "thinking.budget_tokens"
+        )
+    if budget >= req.max_tokens:
+        raise _bad(
+            f"thinking.budget_tokens must be less than max_tokens ({req.max_tokens}), got {budget}",
+            "thinking.budget_tokens",
+        )
+    return budget, display == "omitted"
+
+
+def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat completions request that runs `req`, and for each of its messages the Messages
+    field it came from ("system", "messages[2]", "messages[3].content[0]"). `reasons`: the served
+    model reasons (else enabled / adaptive thinking is refused). Raises APIError (400) naming the
+    field for anything the Messages API allows that agentrt cannot honour (see the module
+    docstring), or that the Messages API itself refuses."""
+    for name in req.model_extra or {}:
+        why = _REFUSED.get(name, "it is not a Messages API field agentrt implements")
+        raise _bad(f"{name} is not supported: {why}", name)
+    budget, _ = _thinking(req, reasons)
     if req.temperature is not None and not 0 <= req.temperature <= 1:
         raise _bad(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
     if req.metadata is not None:
@@ -384,6 +454,8 @@ def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
     if req.stop_sequences is not None:
         chat["stop"] = req.stop_sequences
     chat["response_format"] = _response_format(req.output_config)
+    if budget is not None:
+        chat["thinking_token_budget"] = budget
     try:
         return ChatCompletionRequest.model_validate(chat), where
     except ValidationError as e:  # every field is checked above: this names what slipped through
@@ -396,6 +468,8 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, gone: Cli
     """POST /v1/messages: `req` run as a chat completion, rendered as a Message or its stream.
     Raises APIError (400 naming the Messages field, 404 for another model, ...) or the engine's
     AgentrtError, as `OpenAIServing.chat`; errors.py gives them Anthropic's shape by path."""
-    chat, where = to_chat(req)
-    shape = MessagesShape(req.model, serving.engine.tokenizer, where)
+    reasons = serving.reasoning.fmt is not None
+    chat, where = to_chat(req, reasons)
+    _, omit_thinking = _thinking(req, reasons)
+    shape = MessagesShape(req.model, serving.engine.tokenizer, where, omit_thinking)
     return await serving.chat(chat, gone, shape=shape)

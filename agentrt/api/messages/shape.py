@@ -2,7 +2,7 @@
 generation.ResponseShape) renders a `Message` or its SSE events (message_start, content blocks and
 their deltas, message_delta, message_stop), reports stop_reason and stop_sequence, and names chat
 completions fields as the Messages API does (`tools[0].input_schema`, `stop_sequences`, ...);
-`_Content` builds the text and tool_use blocks from the model text as it arrives.
+`_Content` builds the thinking, text and tool_use blocks from the model text as it arrives.
 
 Spec: Anthropic's API reference for Messages and streaming, and the `anthropic` Python SDK's types.
 """
@@ -19,7 +19,8 @@ import regex
 
 from agentrt.api.errors import APIError, to_api_error
 from agentrt.api.generation import Generation, renamed
-from agentrt.api.tools import ParseEvent, ToolCallParser
+from agentrt.api.output_text import OutputParser
+from agentrt.api.tools import ParseEvent
 from agentrt.errors import InternalError
 from agentrt.runtime.async_engine import RequestStream
 from agentrt.runtime.request import RequestOutput
@@ -35,6 +36,7 @@ _RENAMES = {
     "response_format": "output_config.format",
     "response_format.json_schema": "output_config.format",
     "response_format.json_schema.schema": "output_config.format.schema",
+    "thinking_token_budget": "thinking.budget_tokens",
 }
 _TOOL_FIELD = regex.compile(r"tools\[(\d+)\]\.function\.(parameters|name|description|strict)(.*)")
 _MESSAGE_FIELD = regex.compile(r"messages\[(\d+)\]")
@@ -47,11 +49,13 @@ class MessagesShape:
     """Renders a chat generation as Anthropic's Messages API (generation.ResponseShape).
 
     model: the `model` to report; tokenizer: the engine's, to tell which stop sequence ended the
-    text; where: per chat message, the Messages field it came from (to name it in errors)."""
+    text; where: per chat message, the Messages field it came from (to name it in errors);
+    omit_thinking: thinking blocks carry no text (the request's thinking.display "omitted")."""
 
     model: str
     tokenizer: Any
     where: list[str] = field(default_factory=list)
+    omit_thinking: bool = False
 
     def param(self, name: str | None) -> str | None:
         """The Messages API name of a chat completions field: tools[i].function.parameters ->
@@ -73,10 +77,10 @@ class MessagesShape:
     def body(
         self, gen: Generation, lasts: Sequence[RequestOutput], created: int, not_enforced: list[str]
     ) -> dict:
-        """The Message of a finished generation (its one choice, `lasts[0]`): text and tool_use
-        blocks in output order, stop_reason, stop_sequence and usage."""
+        """The Message of a finished generation (its one choice, `lasts[0]`): thinking, text and
+        tool_use blocks in output order, stop_reason, stop_sequence and usage."""
         last = lasts[0]
-        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
+        content = _Content(gen.new_parser(), self.omit_thinking)
         if last.text:
             content.feed(last.text)
         _, finish = content.close(last.finish_reason)
@@ -92,13 +96,14 @@ class MessagesShape:
         self, gen: Generation, streams: Sequence[RequestStream], firsts: Sequence[RequestOutput], created: int
     ) -> AsyncIterator[str]:
         """Anthropic's stream of the one choice (`streams[0]`, `firsts[0]`): message_start, then per
-        content block content_block_start, its deltas (text_delta, or input_json_delta fragments
-        of a tool input) and content_block_stop, then message_delta (stop_reason, stop_sequence,
+        content block content_block_start, its deltas (thinking_delta then an empty
+        signature_delta, text_delta, or input_json_delta fragments of a tool input) and
+        content_block_stop, then message_delta (stop_reason, stop_sequence,
         usage.output_tokens) and message_stop. An error after the first output is one `error`
         event (Anthropic's error shape) that ends the stream. Closing the iterator aborts the
         request."""
         stream, first = streams[0], firsts[0]
-        content = _Content(gen.tools.new_parser() if gen.tools is not None else None)
+        content = _Content(gen.new_parser(), self.omit_thinking)
         try:
             start = self._message(gen, first, [], None, None, 0)
             yield _event("message_start", {"type": "message_start", "message": start})
@@ -188,12 +193,14 @@ def _event(kind: str, data: dict) -> str:
 
 
 class _Content:
-    """A message's content blocks built from model text, in output order: text blocks and tool_use
-    blocks (a tool call the parser found; ids "toolu_" + the call id's hex). `feed` / `close`
-    return the stream events for what they add (block start, deltas, block stop)."""
+    """A message's content blocks built from model text, in output order: a reasoning model's
+    thinking block (signature "": nothing to verify here; its text left out when `omit_thinking`),
+    text blocks and tool_use blocks (a tool call the parser found; ids "toolu_" + the call id's
+    hex). `parser`: Generation.new_parser() (None: text only). `feed` / `close` return the stream
+    events for what they add (block start, deltas, block stop)."""
 
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
+    def __init__(self, parser: OutputParser | None, omit_thinking: bool = False):
+        self.parser, self.omit_thinking = parser, omit_thinking
         self.blocks: list[dict] = []
         self._inputs: list[str] = []  # per block: the tool input JSON so far ("" for text blocks)
         self._open: int | None = None
@@ -227,7 +234,14 @@ class _Content:
     def _apply(self, events: list[ParseEvent]) -> list[str]:
         out: list[str] = []
         for e in events:
-            if e.kind == "content":
+            if e.kind == "reasoning":
+                if self._open is None or self.blocks[self._open]["type"] != "thinking":
+                    out += self._stop_open()
+                    out.append(self._start({"type": "thinking", "thinking": "", "signature": ""}))
+                if not self.omit_thinking:
+                    self.blocks[self._open]["thinking"] += e.text
+                    out.append(self._delta(self._open, {"type": "thinking_delta", "thinking": e.text}))
+            elif e.kind == "content":
                 if not e.text:
                     continue
                 if self._open is None or self.blocks[self._open]["type"] != "text":
@@ -266,4 +280,8 @@ class _Content:
         if self._open is None:
             return []
         index, self._open = self._open, None
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
+        out = []
+        if self.blocks[index]["type"] == "thinking":  # Anthropic sends the signature last
+            out.append(self._delta(index, {"type": "signature_delta", "signature": ""}))
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return out

@@ -7,17 +7,21 @@ A request is translated into a ChatCompletionRequest: `instructions` becomes a s
 first, `input` (a string, or message / function_call / function_call_output items) becomes chat
 messages (consecutive calls join one assistant message with tool_calls, an output becomes a tool
 message), flat function tools become chat tools, `text.format` becomes response_format,
-`max_output_tokens` becomes max_tokens. `OpenAIServing.chat` runs it with a `ResponsesShape`
+`max_output_tokens` becomes max_tokens, `reasoning.effort` becomes reasoning_effort (a thinking
+budget, api/reasoning.py; `reasoning.summary` is accepted and ignored: no summaries are written, a
+reasoning item carries the whole reasoning as `reasoning_text` content). `reasoning` items in
+`input` (earlier turns' reasoning) are accepted and left out of the prompt, as chat completions
+leaves out an earlier turn's reasoning_content. `OpenAIServing.chat` runs it with a `ResponsesShape`
 (shape.py), which renders the result as a `response` object (or its SSE events) and names fields
 in errors as this API does ("messages" -> "input", "response_format.json_schema.schema" ->
 "text.format.schema", "tools[0].function.parameters" -> "tools[0].parameters", "max_tokens" ->
-"max_output_tokens").
+"max_output_tokens", "reasoning_effort" -> "reasoning.effort").
 
 The server keeps no state: nothing is stored (`store` is accepted and changes nothing), so
 `previous_response_id`, `conversation`, `prompt` and `background: true` are refused with a 400
-naming the field, as is every other field this server cannot honour (`reasoning`, `include`,
-`truncation: "auto"`, built-in tools, ...). Fields this API does not define are ignored, as in
-chat completions.
+naming the field, as is every other field this server cannot honour (`include`, `truncation:
+"auto"`, built-in tools, `reasoning` asking a model that does not reason for reasoning, ...).
+Fields this API does not define are ignored, as in chat completions.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from agentrt.api.disconnect import ClientGone
 from agentrt.api.errors import APIError
 from agentrt.api.generation import ServingResult
 from agentrt.api.protocol import ChatCompletionRequest, SamplingFields
+from agentrt.api.reasoning import EFFORT_BUDGETS
 from agentrt.api.responses.shape import ResponsesShape
 from agentrt.api.serving import OpenAIServing
 from agentrt.api.tools.turns import add_function_call, check_function_call_output
@@ -40,8 +45,15 @@ STATELESS = "needs server-side state; this server keeps none: send the whole con
 METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
 """OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512."""
 
-_EXTENSIONS = tuple(SamplingFields.model_fields)
+_EXTENSIONS = (*SamplingFields.model_fields, "thinking_token_budget", "chat_template_kwargs")
 """agentrt's chat completions extensions also accepted here (same meaning, passed through)."""
+
+EFFORTS = (*EFFORT_BUDGETS, "xhigh", "max")
+"""OpenAI's reasoning.effort values; "xhigh" and "max" are "high" here (no budget: up to
+max_output_tokens)."""
+
+SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's reasoning.summary values (accepted; no summary is written)."""
 
 
 class TextFormat(BaseModel):
@@ -86,12 +98,12 @@ class ResponsesRequest(SamplingFields):
     store: bool | None = None  # nothing is stored either way
     prompt_cache_key: str | None = None  # the prefix cache is shared by every request anyway
     max_tool_calls: int | None = None  # limits built-in tool calls; this server runs none
+    reasoning: Any = None  # {"effort", "summary"}: checked by _reasoning
     # refused unless they ask for nothing (see _refuse_unsupported)
     previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
-    reasoning: Any = None
     include: list[str] | None = None
     truncation: str | None = None
     top_logprobs: int | None = None
@@ -115,6 +127,9 @@ class ResponsesRequest(SamplingFields):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # agentrt's reasoning extensions, passed through as on chat completions (api/reasoning.py)
+    thinking_token_budget: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 _CHAT_CONSTRAINTS = (
@@ -128,15 +143,20 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, gone: C
     the client leaves (its work is then cancelled). Raises APIError (400 naming the field in this
     API's names; 404 for another model; 499 when the client left) or the engine's AgentrtError
     (QueueFullError, RequestTimeoutError, ServiceUnavailableError, ...)."""
-    chat_req, shape = to_chat_request(req, serving.model_name)
+    chat_req, shape = to_chat_request(req, serving.model_name, reasons=serving.reasoning.fmt is not None)
     return await serving.chat(chat_req, gone, shape=shape)
 
 
-def to_chat_request(req: ResponsesRequest, model_name: str) -> tuple[ChatCompletionRequest, ResponsesShape]:
+def to_chat_request(
+    req: ResponsesRequest, model_name: str, reasons: bool = False
+) -> tuple[ChatCompletionRequest, ResponsesShape]:
     """The chat completions request that runs `req`, and the shape that renders its result.
-    `model_name`: the served model (echoed in responses). Raises APIError (400) naming the field
-    (OpenAI's Responses names) for what this server cannot honour or a malformed item or tool."""
+    `model_name`: the served model (echoed in responses); `reasons`: the served model reasons (its
+    chat template has a reasoning format), else `reasoning` asking for reasoning is refused.
+    Raises APIError (400) naming the field (OpenAI's Responses names) for what this server cannot
+    honour or a malformed item or tool."""
     _refuse_unsupported(req)
+    effort, summary = _reasoning(req.reasoning, reasons)
     messages, origins = _messages(req)
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     for name in ("temperature", "top_p", "user", "parallel_tool_calls"):
@@ -144,6 +164,8 @@ def to_chat_request(req: ResponsesRequest, model_name: str) -> tuple[ChatComplet
             chat[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
+    if effort is not None:
+        chat["reasoning_effort"] = "high" if effort in ("xhigh", "max") else effort
     tools = _tools(req.tools)
     if tools is not None:
         chat["tools"] = [
@@ -158,7 +180,7 @@ def to_chat_request(req: ResponsesRequest, model_name: str) -> tuple[ChatComplet
     for name in _EXTENSIONS:
         if name in req.model_fields_set:
             chat[name] = getattr(req, name)
-    echo = _echo(req, tools, fmt)
+    echo = _echo(req, tools, fmt, {"effort": effort, "summary": summary})
     return ChatCompletionRequest.model_validate(chat), ResponsesShape(model_name, echo, origins)
 
 
@@ -187,19 +209,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "send the request without it (stream to see progress)",
             param="background",
         )
-    r = req.reasoning
-    if r is not None and not (
-        isinstance(r, dict)
-        and r.get("effort") in (None, "none")
-        and all(v is None for k, v in r.items() if k != "effort")
-    ):
-        raise APIError(
-            "reasoning is not supported: the served model has no reasoning mode (send null or "
-            '{"effort": "none"})',
-            param="reasoning",
-        )
     for i, value in enumerate(req.include or ()):
-        if value != "reasoning.encrypted_content":  # that one holds nothing here: no reasoning items
+        if value != "reasoning.encrypted_content":  # nothing is encrypted: reasoning items are plain text
             raise APIError(
                 f"include[{i}] '{value}' is not supported: this server returns no logprobs and runs no "
                 "built-in tools",
@@ -247,6 +258,42 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                 f"{METADATA_MAX_VALUE_CHARS}; '{k[:METADATA_MAX_KEY_CHARS]}' is over",
                 param="metadata",
             )
+
+
+def _reasoning(value: Any, reasons: bool) -> tuple[str | None, str | None]:
+    """(effort, summary) of `reasoning` ({"effort", "summary", "generate_summary" (summary's old
+    name)} or null). Raises APIError naming the key at fault, or `reasoning` when it asks a model
+    that does not reason (`reasons` false) for reasoning (an effort other than "none" / "minimal",
+    as OpenAI refuses it for a model without reasoning)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise APIError(
+            'reasoning must be an object {"effort": ..., "summary": ...} or null', param="reasoning"
+        )
+    extra = sorted(set(value) - {"effort", "summary", "generate_summary"})
+    if extra:
+        raise APIError(f"reasoning.{extra[0]} is not supported by this server", param=f"reasoning.{extra[0]}")
+    effort = value.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise APIError(
+            f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}",
+            param="reasoning.effort",
+        )
+    for key in ("summary", "generate_summary"):
+        if value.get(key) is not None and value[key] not in SUMMARIES:
+            raise APIError(
+                f"reasoning.{key} must be one of {', '.join(SUMMARIES)} or null, "
+                f"got {json.dumps(value[key])}",
+                param=f"reasoning.{key}",
+            )
+    if not reasons and effort not in (None, "none", "minimal"):
+        raise APIError(
+            f"reasoning: effort {json.dumps(effort)} is not supported: the served model has no reasoning "
+            'mode (send null or {"effort": "none"})',
+            param="reasoning",
+        )
+    return effort, value.get("summary") or value.get("generate_summary")
 
 
 def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
@@ -302,15 +349,38 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 }
             )
             origins.append(where)
+        elif kind == "reasoning":  # an earlier turn's reasoning: left out of the prompt
+            _reasoning_item(item, where)
         elif kind == "item_reference":
             raise APIError(f"{where}: item_reference {STATELESS}", param=f"{where}.type")
         else:
             raise APIError(
-                f"{where}.type '{kind}' is not supported: this server takes message, function_call and "
-                "function_call_output items",
+                f"{where}.type '{kind}' is not supported: this server takes message, reasoning, "
+                "function_call and function_call_output items",
                 param=f"{where}.type",
             )
     return messages, origins
+
+
+def _reasoning_item(item: dict, where: str) -> None:
+    """Check a `reasoning` input item ({"id", "summary", "content", "encrypted_content", "status"}):
+    its summary and content are lists of text parts. Raises APIError naming the part at fault."""
+    for key, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise APIError(f"{where}.{key} must be a list of {part_type} parts", param=f"{where}.{key}")
+        for j, part in enumerate(parts):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != part_type
+                or not isinstance(part.get("text"), str)
+            ):
+                raise APIError(
+                    f'{where}.{key}[{j}] must be {{"type": "{part_type}", "text": "..."}}',
+                    param=f"{where}.{key}[{j}]",
+                )
 
 
 def _string(item: dict, key: str, where: str, empty: bool = False) -> str:
@@ -413,9 +483,10 @@ def _response_format(fmt: TextFormat | None) -> dict | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def _echo(req: ResponsesRequest, tools: list[dict] | None, fmt: TextFormat | None) -> dict:
-    """The request settings every response object carries (OpenAI's defaults where not given).
-    Raises APIError naming a field whose text is not valid Unicode (it could not be sent back)."""
+def _echo(req: ResponsesRequest, tools: list[dict] | None, fmt: TextFormat | None, reasoning: dict) -> dict:
+    """The request settings every response object carries (OpenAI's defaults where not given;
+    `reasoning`: the request's {"effort", "summary"}). Raises APIError naming a field whose text
+    is not valid Unicode (it could not be sent back)."""
     echo = {
         "background": False,
         "instructions": req.instructions,
@@ -425,7 +496,7 @@ def _echo(req: ResponsesRequest, tools: list[dict] | None, fmt: TextFormat | Non
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         "previous_response_id": None,
         "prompt_cache_key": req.prompt_cache_key,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": reasoning,
         "safety_identifier": req.safety_identifier,
         "service_tier": "default",
         "temperature": 1.0 if req.temperature is None else req.temperature,

@@ -1,6 +1,6 @@
 """How a chat generation is shown as OpenAI's Responses API: `ResponsesShape` (a
 generation.ResponseShape) renders the `response` object or its SSE events and names chat
-completions fields as this API does; `_Output` builds the output items (message and
+completions fields as this API does; `_Output` builds the output items (reasoning, message and
 function_call) from the model text as it arrives, the same for streamed and complete responses.
 
 Spec: OpenAI's API reference for Responses and the openai-python types under
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from agentrt.api.errors import APIError
 from agentrt.api.generation import Generation, renamed
+from agentrt.api.output_text import OutputParser
 from agentrt.api.protocol import usage
 from agentrt.api.tools import ParseEvent, ToolPlan
 from agentrt.errors import InternalError
@@ -38,8 +39,10 @@ class ResponsesShape:
 
     model: the served model name; echo: the request settings every response object carries;
     origins: per chat message, the Responses field it came from ("instructions", "input[3]"), to
-    name fields in errors. Output items follow the model text in order: a `message` item for text
-    (whitespace alone between calls is dropped), a `function_call` item per tool call."""
+    name fields in errors. Output items follow the model text in order: a reasoning model's
+    `reasoning` item first (its reasoning as one `reasoning_text` part; `summary` empty), then a
+    `message` item for text (whitespace alone between calls is dropped), a `function_call` item
+    per tool call."""
 
     def __init__(self, model: str, echo: dict, origins: list[str]):
         self.model, self.echo, self.origins = model, echo, origins
@@ -50,6 +53,8 @@ class ResponsesShape:
             return None
         if name in ("max_tokens", "max_completion_tokens"):
             return "max_output_tokens"
+        if name == "reasoning_effort":
+            return "reasoning.effort"
         if name in ("messages", "prompt"):
             return "input"
         if name.startswith("response_format"):
@@ -70,7 +75,7 @@ class ResponsesShape:
     ) -> dict:
         """The `response` object of a finished generation (its one choice, `lasts[0]`)."""
         last = lasts[0]
-        output = _Output(gen.tools)
+        output = _Output(gen.new_parser())
         output.feed(last.text)
         output.finish(last.finish_reason, last.closed_by_budget)
         return self._response(gen, created, output.items, last, not_enforced)
@@ -80,11 +85,11 @@ class ResponsesShape:
     ) -> AsyncIterator[str]:
         """The events of the one choice (`streams[0]`, `firsts[0]`): response.created,
         response.in_progress, the output items' events (output_item.added, content_part.added,
-        output_text.delta / .done, content_part.done, function_call_arguments.delta / .done,
-        output_item.done), then response.completed (response.incomplete when the output hit
-        max_output_tokens) with the whole response. A failure after the first output is
-        one `error` event (type, code, message, param) ending the stream. Closing the iterator
-        aborts the request."""
+        reasoning_text.delta / .done or output_text.delta / .done, content_part.done,
+        function_call_arguments.delta / .done, output_item.done), then response.completed
+        (response.incomplete when the output hit max_output_tokens) with the whole response. A
+        failure after the first output is one `error` event (type, code, message, param) ending
+        the stream. Closing the iterator aborts the request."""
         stream, first = streams[0], firsts[0]
         seq = itertools.count()
 
@@ -96,7 +101,7 @@ class ResponsesShape:
             started = self._response(gen, created, [], None, [])
             yield event({"type": "response.created", "response": started})
             yield event({"type": "response.in_progress", "response": started})
-            output = _Output(gen.tools)
+            output = _Output(gen.new_parser())
             out = first
             while True:
                 if out.finish_reason == "error":
@@ -159,13 +164,13 @@ class ResponsesShape:
 
 def _usage(last: RequestOutput) -> dict:
     """The Responses `usage` of a finished output (tokens; cached_tokens: prompt tokens served from
-    the prefix cache)."""
+    the prefix cache; reasoning_tokens: those of a reasoning model's reasoning, markers included)."""
     u = usage(last)
     return {
         "input_tokens": u["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": last.num_reasoning_tokens},
         "total_tokens": u["total_tokens"],
     }
 
@@ -176,13 +181,15 @@ def _new_id(prefix: str) -> str:
 
 class _Output:
     """The output items of one generation, built from its text as it arrives (the same machine for
-    streamed and non-streamed responses, so both give the same items): text becomes a `message`
-    item, tool calls (parsed by the plan's ToolCallParser; `plan` None: text only) `function_call`
-    items, in the text's order. feed / finish return the stream events (dicts without
-    sequence_number) of what they opened, grew and closed; `items` holds the items so far."""
+    streamed and non-streamed responses, so both give the same items): reasoning becomes a
+    `reasoning` item, text a `message` item, tool calls `function_call` items, in the text's order.
+    `parser`: the generation's (Generation.new_parser: reasoning, then the answer's tool calls;
+    a ToolPlan: its tool calls alone; None: text only). feed / finish return the stream events
+    (dicts without sequence_number) of what they opened, grew and closed; `items` holds the items
+    so far."""
 
-    def __init__(self, plan: ToolPlan | None):
-        self.parser = plan.new_parser() if plan is not None else None
+    def __init__(self, parser: OutputParser | ToolPlan | None):
+        self.parser = OutputParser(None, parser) if isinstance(parser, ToolPlan) else parser
         self.items: list[dict] = []
         self._open: dict | None = None
         self._blank = ""  # whitespace not yet shown: it opens a message only when text follows it
@@ -196,13 +203,15 @@ class _Output:
     def finish(self, finish_reason: str, closed_by_budget: bool = False) -> list[dict]:
         """The events that end the output: the parser's last ones, the open item closed (status
         "incomplete" when finish_reason is "length", or text `closed_by_budget` cut: ToolCallParser
-        .close), and one message item when there was no output at all (its text possibly empty)."""
+        .close), and one message item when there was no answer (its text possibly empty), unless
+        the output was cut inside its reasoning (the reasoning item is then the incomplete one)."""
         events: list[dict] = []
         if self.parser is not None:
             parsed, finish_reason = self.parser.close(finish_reason, closed_by_budget)
             events += self._apply(parsed)
-        if not self.items:
-            events += self._open_message()
+        answered = any(item["type"] != "reasoning" for item in self.items)
+        if not answered and (finish_reason != "length" or not self.items):
+            events += self._close("completed") + self._open_message()
             if self._blank:
                 events += self._text(self._blank)
         events += self._close("incomplete" if finish_reason == "length" else "completed")
@@ -211,7 +220,11 @@ class _Output:
     def _apply(self, parsed: list[ParseEvent]) -> list[dict]:
         events: list[dict] = []
         for p in parsed:
-            if p.kind == "content":
+            if p.kind == "reasoning":
+                if self._open is None or self._open["type"] != "reasoning":
+                    events += self._close("completed") + self._open_reasoning()
+                events += self._text(p.text)
+            elif p.kind == "content":
                 if self._open is not None and self._open["type"] == "message":
                     events += self._text(p.text)
                 elif (self._blank + p.text).strip():
@@ -247,8 +260,23 @@ class _Output:
     def _open_message(self) -> list[dict]:
         item = {"id": _new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress"}
         item["content"] = []
+        return self._open_with_part(
+            item, {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        )
+
+    def _open_reasoning(self) -> list[dict]:
+        item = {
+            "id": _new_id("rs_"),
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
+        return self._open_with_part(item, {"type": "reasoning_text", "text": ""})
+
+    def _open_with_part(self, item: dict, part: dict) -> list[dict]:
+        """Open `item` (its content empty) and add its one content `part`."""
         added = self._open_item(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"].append(part)
         return [
             added,
@@ -273,18 +301,21 @@ class _Output:
         return [self._open_item(item)]
 
     def _text(self, text: str) -> list[dict]:
+        """Grow the open message's (or reasoning item's) text part by `text`."""
         item = self._open
         item["content"][0]["text"] += text
-        return [
-            {
-                "type": "response.output_text.delta",
-                "item_id": item["id"],
-                "output_index": len(self.items) - 1,
-                "content_index": 0,
-                "delta": text,
-                "logprobs": [],
-            }
-        ]
+        delta = {
+            "type": "response.output_text.delta",
+            "item_id": item["id"],
+            "output_index": len(self.items) - 1,
+            "content_index": 0,
+            "delta": text,
+            "logprobs": [],
+        }
+        if item["type"] == "reasoning":
+            delta["type"] = "response.reasoning_text.delta"
+            del delta["logprobs"]
+        return [delta]
 
     def _close(self, status: str) -> list[dict]:
         item, self._open = self._open, None
@@ -292,17 +323,21 @@ class _Output:
             return []
         index = len(self.items) - 1
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
+            done = {
+                "type": "response.output_text.done",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "text": part["text"],
+                "logprobs": [],
+            }
+            if item["type"] == "reasoning":
+                done["type"] = "response.reasoning_text.done"
+                del done["logprobs"]
             events = [
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": part["text"],
-                    "logprobs": [],
-                },
+                done,
                 {
                     "type": "response.content_part.done",
                     "item_id": item["id"],
