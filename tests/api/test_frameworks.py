@@ -164,3 +164,60 @@ def test_openai_agents_sdk_tool_round_trip(server):
     kinds = [type(i) for i in result.new_items]
     assert ToolCallItem in kinds and ToolCallOutputItem in kinds and seen
     assert isinstance(result.final_output, str)
+
+
+def test_openai_agents_sdk_with_a_thinking_model(tmp_path):
+    """`agentrt serve --chat-template` with Qwen3-Thinking's real template and a budget message:
+    the Agents SDK sees the model's reasoning as a ReasoningItem, then its tool call (constrained
+    after the reasoning) and the tool's result."""
+    pytest.importorskip("agents", reason="openai-agents is not installed (it is in the test extra)")
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        ReasoningItem,
+        Runner,
+        ToolCallItem,
+        ToolCallOutputItem,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    from agentrt.testing import agentrt_server
+    from tests.support.paths import shared_path
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_time(city: str) -> str:
+        """Current local time in a city."""
+        seen.append(city)
+        return "14:05"
+
+    template = shared_path("chat_templates", "Qwen3-4B-Thinking-2507.jinja")
+    args = ["--chat-template", str(template), "--reasoning-budget-message", " Time to answer."]
+    with agentrt_server(MODEL, *args, log_path=tmp_path / "server.log") as srv:
+        model = OpenAIChatCompletionsModel(
+            model=MODEL, openai_client=AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        )
+        settings = ModelSettings(
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=120,
+            extra_body={"thinking_token_budget": 16},
+        )
+        agent = Agent(
+            name="clock",
+            instructions="Answer with the time.",
+            tools=[get_time],
+            model=model,
+            model_settings=settings,
+        )
+        result = Runner.run_sync(agent, "What time is it in Hanoi?", max_turns=2)
+    kinds = [type(i) for i in result.new_items]
+    assert ReasoningItem in kinds and ToolCallItem in kinds and ToolCallOutputItem in kinds, kinds
+    assert kinds.index(ReasoningItem) < kinds.index(ToolCallItem)
+    assert seen
