@@ -201,3 +201,32 @@ def test_calls_after_the_reasoning_are_parsed_at_any_chunking():
         args = "".join(e.text for e in events if e.kind == "args")
         assert (reasoning, content) == (whole.reasoning, whole.content)
         assert json.loads(args) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("fmt_name", sorted(TOOL_FORMATS))
+def test_reasoning_then_calls_in_every_format_at_any_chunking(fmt_name):
+    """Every tool-call format after a reasoning block: the same reasoning, content and calls
+    whole, one character at a time and at random splits."""
+    fmt = TOOL_FORMATS[fmt_name]
+    props = {"city": {"type": "string"}, "days": {"type": "integer"}}  # XML formats read values by type
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": props}}}
+        for n in ("get_weather", "get_time")
+    ]
+    plan = plan_tools(tools, "auto", None, fmt)
+    calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"city": "Hanoi"})]
+    text = "\nWhich tool? The weather one.\n</think>\n\nLet me check." + fmt.render_calls(calls)
+    whole = OutputParser((THINK, "open"), plan)
+    whole.feed(text)
+    _, finish = whole.close("stop")
+    assert finish == "tool_calls"
+    assert whole.reasoning == "Which tool? The weather one."
+    expected = [(c.name, json.loads(c.arguments)) for c in whole.calls]
+    assert expected == [(n, a) for n, a in calls]
+    for pieces in _chunkings(text, seed=len(fmt_name)):
+        parser = OutputParser((THINK, "open"), plan)
+        events = [e for p in pieces for e in parser.feed(p)]
+        events += parser.close("stop")[0]
+        assert "".join(e.text for e in events if e.kind == "reasoning") == whole.reasoning
+        assert "".join(e.text for e in events if e.kind == "content") == whole.content
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == expected
