@@ -252,7 +252,7 @@ class OpenAIServing:
         if calls is not None:
             params.skip_special_tokens = calls.fmt.skip_special_tokens
         tool_constraint = plan.constraint() if plan is not None else None
-        if tool_constraint is not None:
+        if tool_constraint is not None and calls is not None:
             if constraint is not None:
                 raise APIError(
                     f"{chosen.field} cannot be combined with tools unless tool_choice is 'none'",
@@ -265,6 +265,9 @@ class OpenAIServing:
             params.stop_until = calls.fmt.trigger
         elif constraint is not None:
             params.stop = []
+        if tool_constraint is not None and calls is None and constraint is None:
+            # tool_choice "none": free text (stop strings apply) that never opens a call
+            constraint, constraint_param = tool_constraint, "tools"
         if constraint is not None and reasoning is not None and reasoning.spec_value:
             constraint = replace(constraint, reasoning=reasoning.spec_value)
         return Generation(

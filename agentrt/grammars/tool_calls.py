@@ -247,6 +247,11 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
     arguments (`arguments_ebnf`)."""
     fmt = FORMATS[plan_value["format"]]
     tools = plan_value["tools"]
+    if plan_value["mode"] == "none":  # free text that never opens a call
+        return {
+            "type": "structural_tag",
+            "format": {"type": "any_text", "excludes": call_markers(fmt, tools)},
+        }
     parallel = plan_value["parallel"]
     required = plan_value["mode"] == "required"
     if fmt.style == "pythonic":
@@ -289,6 +294,16 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
             "stop_after_first": not parallel,
         }
     return {"type": "structural_tag", "format": body}
+
+
+def call_markers(fmt: ToolCallFormat, tools: list[dict]) -> list[str]:
+    """The texts that open a call in `fmt` (what tool_choice "none" excludes from the output):
+    the section or call marker, or for pythonic `[name(` of each tool."""
+    if fmt.style == "pythonic":
+        return [f"[{t['name']}(" for t in tools]
+    if fmt.section is not None:
+        return [fmt.section[0]]
+    return [fmt.trigger]
 
 
 def _tag(fmt: ToolCallFormat, name: str, args: str) -> dict:

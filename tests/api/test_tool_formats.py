@@ -491,3 +491,18 @@ def test_named_templates_are_read_from_their_tool_use_template():
     assert ToolPrompt.for_template([{"name": "default", "template": _template("Qwen3-Coder")}]).fmt.name == (
         "qwen3_coder"
     )
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_tool_choice_none_forbids_the_call_syntax(compiler, fmt):
+    """tool_choice "none": free text, never a call: the format's call markers are excluded."""
+    f = FORMATS[fmt]
+    plan = plan_tools(TOOLS, "none", None, f)
+    built = build_constraint(plan.constraint(), whitespace_options(GrammarConfig()), compiler)
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(built.grammar)
+        return m.accept_string(text) and m.is_completed()
+
+    assert accepts("No tools needed: it is sunny in Rome.") and accepts("")
+    assert not accepts("Let me check. " + f.render_calls([("get_weather", {"city": "Rome"})]))

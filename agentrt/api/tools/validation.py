@@ -64,9 +64,16 @@ class ToolPlan:
         )
 
     def constraint(self) -> ConstraintSpec | None:
-        """The "tool_calls" constraint of the output, or None (tool_choice "none", or unconstrained
-        calls)."""
-        return ConstraintSpec.tool_calls(self.constraint_value()) if self.calls and self.constrained else None
+        """The "tool_calls" constraint of the output, or None (unconstrained calls). Under
+        tool_choice "none" it is free text that never opens a call (the format's call markers are
+        excluded: grammars/tool_calls.py)."""
+        if not self.constrained:
+            return None
+        if self.mode == "none":
+            names = [{"name": t["name"]} for t in self.all_tools]
+            value = {"format": self.fmt.name, "mode": "none", "parallel": False, "tools": names}
+            return ConstraintSpec.tool_calls(json.dumps(value, ensure_ascii=False))
+        return ConstraintSpec.tool_calls(self.constraint_value())
 
     def request_index(self, offered_index: int) -> int:
         """The index in the request's `tools` of offered tool `offered_index` (a ConstraintError's
