@@ -9,6 +9,13 @@ measured); `read_gguf` + `gguf_hf_config` take 0.05-0.1 s and give the same conf
 SmolLM2 and Gemma 3: equal but for `_name_or_path`). `gguf_hf_config` applies transformers' own GGUF
 key renames (`integrations.ggml.GGUF_CONFIG_MAPPING`) as its loader does, and leaves the
 architectures whose loader does more than renames (SPECIAL_GGUF_ARCHS) to transformers itself.
+
+transformers' map drops keys llama.cpp writes (a head_dim, an expert width, Phi-3's partial rotary
+and window, rope scaling) and reads no rope scaling stored as tensors (Llama 3's `rope_freqs`,
+Phi-3's LongRoPE factors): `gguf_hf_config` restores the keys and `rope_from_tensors` the tensors,
+and serve's conversion (loader.convert_gguf) builds the model from that config, not from
+transformers' own. Tested file by file against the models the GGUFs were written from
+(tests/runtime/test_gguf_families.py).
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ class StringArray(int):
 @dataclass(frozen=True)
 class GgufTensor:
     """One tensor info: `shape` in torch order (rows first), `type_name` the ggml type (Q4_K, F32,
-    ...), `nbytes` its bytes in the file (None for a type the gguf package does not know)."""
+    ...), `nbytes` its bytes in the file (None for a type the gguf package does not know), `offset`
+    where its data starts in the file."""
 
     name: str
     shape: tuple[int, ...]
     type_name: str
     nbytes: int | None
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,16 +119,23 @@ def read_gguf(path: Path) -> GgufInfo:
             for _ in range(n_kv):
                 key, pos = _gguf_string(buf, pos)
                 metadata[key], pos = _gguf_value(buf, pos + 4, struct.unpack_from("<I", buf, pos)[0])
-            tensors = []
+            infos = []
             for _ in range(n_tensors):
                 name, pos = _gguf_string(buf, pos)
                 (ndim,) = struct.unpack_from("<I", buf, pos)
                 dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
-                type_id = struct.unpack_from("<I", buf, pos + 4 + 8 * ndim)[0]
+                type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
                 pos += 4 + 8 * ndim + 12
+                infos.append((name, dims, type_id, offset))
+            align = int(metadata.get("general.alignment", 32))
+            data_start = -(-pos // align) * align
+            tensors = []
+            for name, dims, type_id, offset in infos:
                 type_name, block = _ggml_type(type_id)
                 nbytes = prod(dims) // block[0] * block[1] if block else None
-                tensors.append(GgufTensor(name, tuple(reversed(dims)), type_name, nbytes))
+                tensors.append(
+                    GgufTensor(name, tuple(reversed(dims)), type_name, nbytes, data_start + offset)
+                )
         except (struct.error, ValueError, OverflowError) as e:
             raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
     return GgufInfo(path, metadata, tuple(tensors))
@@ -127,11 +143,15 @@ def read_gguf(path: Path) -> GgufInfo:
 
 def gguf_model_type(metadata: dict) -> str:
     """The transformers model_type of a GGUF's `general.architecture` (transformers' GGUF loader's
-    renames: a Llama file named "mistral" is Mistral, qwen2moe / qwen3moe / gpt-oss get their
-    underscores, gemma3 files hold the text model)."""
+    renames: qwen2moe / qwen3moe / gpt-oss get their underscores, gemma3 files hold the text model).
+
+    llama.cpp writes Mistral models as `llama` and runs them as Llama, with no sliding window (it has
+    no key for one). transformers' loader makes a Llama file whose general.name is exactly
+    "mistral" a Mistral config, then cannot map its tensors (gguf-py has no "mistral"
+    architecture: NotImplementedError after the config is built, transformers 5.x), and its
+    MistralConfig would add a default 4096-token window. Such a file is converted as the Llama it
+    is."""
     arch = str(metadata.get("general.architecture", ""))
-    if "llama" in arch and metadata.get("general.name") == "mistral":
-        return "mistral"
     renames = {
         "qwen2moe": "qwen2_moe",
         "qwen3moe": "qwen3_moe",
@@ -160,6 +180,13 @@ def gguf_hf_config(info: GgufInfo):
             f"{', '.join(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer'))}), so "
             "agentrt cannot convert it"
         )
+    experts = md.get(f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        raise ValueError(
+            f"GGUF architecture 'llama' with {experts} experts (Mixtral): transformers' GGUF loader maps "
+            "no expert tensors for it (it would build a dense Llama with random MLPs), so agentrt cannot "
+            "convert it; serve the Hugging Face safetensors checkpoint instead"
+        )
     names = {t.name for t in info.tensors}
     config = {"tie_word_embeddings": "output.weight" not in names or arch in ("falcon", "bloom")}
     config.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}))
@@ -174,20 +201,141 @@ def gguf_hf_config(info: GgufInfo):
     config["model_type"] = model_type
     if "vocab_size" not in config and isinstance(md.get("tokenizer.ggml.tokens"), StringArray):
         config["vocab_size"] = int(md["tokenizer.ggml.tokens"])
+    _restore_dropped_keys(md, arch, model_type, config)
     return AutoConfig.for_model(**config)
 
 
-def require_supported_gguf(path: Path) -> None:
-    """Raises the ValueError `registry.arch_from_hf_config` raises for the config serve would convert
-    this GGUF into, from its metadata alone (0.1 s for Gemma 3 270M; 81 s through its conversion);
-    ValueError too for a file that is not GGUF or an architecture transformers cannot read. An
-    architecture in SPECIAL_GGUF_ARCHS is checked by its family only (its config needs transformers'
-    slow reader; the full check runs after the conversion)."""
+def _restore_dropped_keys(md: dict, arch: str, model_type: str, config: dict) -> None:
+    """Hyperparameters llama.cpp's converter writes but transformers' GGUF key map (5.x) drops, so
+    that the config class's default stands in for them: a Qwen3 head_dim other than the default 128
+    or a Qwen3-MoE expert width other than 768 fails to load (shape mismatch); a Phi-3 partial
+    rotary dimension or sliding window, or a linear / YaRN rope scaling, would be silently lost.
+    Only what the file states is set, and nothing transformers already read is changed."""
+
+    def key(name: str):
+        return md.get(f"{arch}.{name}")
+
+    if "head_dim" not in config and key("attention.key_length"):
+        config["head_dim"] = int(key("attention.key_length"))
+    if model_type == "qwen3_moe" and key("expert_feed_forward_length"):
+        config["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    if model_type == "phi3":
+        if key("rope.dimension_count"):  # Phi-4-mini rotates 3/4 of each head
+            head_dim = config["hidden_size"] // config["num_attention_heads"]
+            config["partial_rotary_factor"] = int(key("rope.dimension_count")) / head_dim
+        if key("attention.sliding_window"):  # 0: none (Phi-4)
+            config["sliding_window"] = int(key("attention.sliding_window"))
+    scaling = key("rope.scaling.type")
+    if scaling in ("linear", "yarn") and key("rope.scaling.factor"):
+        rope = {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
+        if key("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        for name in ("beta_fast", "beta_slow"):
+            if key(f"rope.scaling.yarn_{name}"):
+                rope[name] = float(key(f"rope.scaling.yarn_{name}"))
+        config["rope_scaling"] = rope
+
+
+def _f32_tensor(info: GgufInfo, name: str):
+    """The F32 tensor `name` of the file as a float64 numpy vector, or None when absent. Raises
+    ValueError when it is stored in another type."""
+    import numpy as np
+
+    t = next((t for t in info.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if t.type_name != "F32":
+        raise ValueError(f"{info.path.name}: {name} is {t.type_name}, not F32")
+    count = prod(t.shape)
+    return np.fromfile(info.path, dtype="<f4", count=count, offset=t.offset).astype(np.float64)
+
+
+def rope_from_tensors(info: GgufInfo, config) -> None:
+    """Set on `config` (the file's transformers config) the rope scaling llama.cpp stores as tensors,
+    which transformers' GGUF loader skips (it maps no tensor to them): a Llama 3.x `rope_freqs`
+    (llama3 scaling: the per-frequency divisors) and Phi-3's `rope_factors_short` / `_long`
+    (LongRoPE). Reads those vectors' data only (a few hundred bytes). Raises ValueError when the
+    `rope_freqs` of a Llama file is not one llama3 scaling reproduces."""
+    if config.model_type == "phi3":
+        short = _f32_tensor(info, "rope_factors_short.weight")
+        long = _f32_tensor(info, "rope_factors_long.weight")
+        if short is not None and long is not None:
+            original = info.metadata.get("phi3.rope.scaling.original_context_length")
+            config.rope_parameters = {
+                **config.rope_parameters,
+                "rope_type": "longrope",
+                "short_factor": short.tolist(),
+                "long_factor": long.tolist(),
+                **({"original_max_position_embeddings": int(original)} if original else {}),
+            }
+            if original:
+                config.original_max_position_embeddings = int(original)
+        return
+    freqs = _f32_tensor(info, "rope_freqs.weight") if config.model_type == "llama" else None
+    if freqs is not None and freqs.max() > 1 + 1e-6:
+        original = info.metadata.get("llama.rope.scaling.original_context_length")
+        if not original:  # Llama 3's, or half the context of a smaller model
+            original = min(8192, config.max_position_embeddings // 2)
+        try:
+            rope = _llama3_rope(config, freqs, int(original))
+        except ValueError as e:
+            raise ValueError(f"{info.path.name}: {e}") from None
+        config.rope_parameters = {**config.rope_parameters, **rope}
+
+
+def _llama3_rope(config, divisors, original: int) -> dict:
+    """The llama3 rope parameters whose frequency divisors are `divisors` (llama.cpp's
+    `rope_freqs`: 1 for high frequencies, `factor` for low ones, a smooth ramp between). The ramp
+    `s = (L / wavelength - low) / (high - low)` fixes only L / (high - low) and low / (high - low),
+    so L is `original` and low / high are solved from the ramp (any L gives the same frequencies).
+    Checked against transformers' own llama3 frequencies."""
+    import numpy as np
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta = float(config.rope_parameters.get("rope_theta", getattr(config, "default_theta", 10000.0)))
+    dim = 2 * len(divisors)
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    factor = float(divisors.max())
+    ramp = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if ramp.sum() < 2:
+        raise ValueError(
+            f"rope_freqs has {int(ramp.sum())} frequencies between 1 and its factor {factor:g}: "
+            "agentrt recovers llama3 rope scaling from at least 2"
+        )
+    smooth = (1 / divisors[ramp] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / wavelength[ramp], smooth, 1)  # slope = L/(high-low)
+    low = -intercept * original / slope
+    rope = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": round(low, 6),
+        "high_freq_factor": round(low + original / slope, 6),
+        "original_max_position_embeddings": original,
+    }
+    check = type(config).from_dict({**config.to_dict(), "rope_parameters": {"rope_theta": theta, **rope}})
+    ours = ROPE_INIT_FUNCTIONS["llama3"](check, torch.device("cpu"))[0].double().numpy()
+    expected = (1 / theta ** (np.arange(0, dim, 2) / dim)) / divisors
+    if not np.allclose(ours, expected, rtol=1e-4):
+        raise ValueError("rope_freqs is not a llama3 rope scaling agentrt can reproduce")
+    return rope
+
+
+def require_supported_gguf(path: Path):
+    """The config serve's conversion builds the model from (gguf_hf_config; None for an architecture
+    in SPECIAL_GGUF_ARCHS, whose config transformers builds). Raises the ValueError
+    `registry.arch_from_hf_config` raises for that config, from the metadata alone (0.1 s for Gemma 3
+    270M; 81 s through its conversion); ValueError too for a file that is not GGUF or an
+    architecture transformers cannot read. An architecture in SPECIAL_GGUF_ARCHS is checked by its
+    family only (its config needs transformers' slow reader; the full check runs after the
+    conversion)."""
     from agentrt.runtime.models.registry import MODEL_TYPES, arch_from_hf_config, model_class
 
     info = read_gguf(path)
     if any(s in str(info.metadata.get("general.architecture", "")) for s in SPECIAL_GGUF_ARCHS):
         model_type = gguf_model_type(info.metadata)
         model_class(MODEL_TYPES.get(model_type, model_type))
-        return
-    arch_from_hf_config(gguf_hf_config(info))
+        return None
+    config = gguf_hf_config(info)
+    arch_from_hf_config(config)
+    return config

@@ -2,7 +2,7 @@
 
 GGUF files are converted once (transformers' GGUF loader de-quantizes them) and cached as a
 Hugging Face directory (safetensors + config + tokenizer) under
-`<cache_dir>/gguf-<sha256 prefix>`, so later starts read safetensors directly.
+`<cache_dir>/gguf-<sha256 prefix>-<GGUF_CONVERSION>`, so later starts read safetensors directly.
 Nothing here touches the network: a hub id must already be in the local Hugging Face cache.
 Weights are read from safetensors or GGUF only: a pickle checkpoint (pytorch_model.bin, *.pt,
 *.pth, *.ckpt) is refused, since unpickling can run code hidden in the file; no remote code runs
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.runtime.models.gguf_meta import require_supported_gguf
+from agentrt.runtime.models.gguf_meta import read_gguf, require_supported_gguf, rope_from_tensors
 from agentrt.runtime.models.weights import atomic_cache_dir
 from agentrt.runtime.platform import choose_dtype
 
@@ -112,6 +112,12 @@ def _assembled_gguf(name: str, dist_name: str, file_name: str, cache_dir: Path |
     return out / file_name
 
 
+GGUF_CONVERSION = "v2"
+"""Part of a converted GGUF's cache key: bumped when a conversion of the same file changes (v2:
+the rope scaling, head size, expert width and partial rotary transformers' loader drops), so an
+entry converted by an older agentrt is converted again instead of served with a wrong config."""
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -127,9 +133,17 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     crash mid-conversion never leaves a half-written cache entry. Raises ValueError, before hashing
     or converting, when the metadata names an architecture agentrt does not run (gguf_meta.py
     `require_supported_gguf`: seconds instead of the whole conversion).
+
+    The model is built from agentrt's config of the file (gguf_meta.gguf_hf_config: transformers'
+    own key map plus the keys it drops, and the rope scaling llama.cpp stores as tensors), and
+    transformers' GGUF loader de-quantizes and renames the tensors into it. Raises ValueError,
+    before anything is cached, when that leaves a weight of the model unloaded (transformers would
+    initialise it at random and carry on).
     """
-    require_supported_gguf(gguf_path)
-    target = Path(cache_dir) / f"gguf-{_file_sha256(gguf_path)[:20]}"
+    config = require_supported_gguf(gguf_path)
+    if config is not None:
+        rope_from_tensors(read_gguf(gguf_path), config)
+    target = Path(cache_dir) / f"gguf-{_file_sha256(gguf_path)[:20]}-{GGUF_CONVERSION}"
     if (target / "model.safetensors").is_file():
         return target
     from safetensors.torch import save_file
@@ -138,7 +152,21 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     logger.info("converting %s (first start only) -> %s", gguf_path, target)
     d, f = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        d,
+        gguf_file=f,
+        config=config,
+        dtype=torch.float32,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported below, naming them, instead of a RuntimeError
+    )
+    unloaded = sorted(loading["missing_keys"] | {k[0] for k in loading["mismatched_keys"]})
+    if unloaded:  # transformers initialises them at random and carries on
+        raise ValueError(
+            f"{gguf_path.name}: transformers' GGUF loader found no tensor of the right shape for "
+            f"{len(unloaded)} weights ({', '.join(unloaded[:4])}{', ...' if len(unloaded) > 4 else ''}), "
+            "so agentrt cannot convert it"
+        )
     with atomic_cache_dir(target) as tmp:
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
