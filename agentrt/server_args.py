@@ -165,6 +165,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             "deepseek_v3_1",
             "kimi_k2",
             "pythonic",
+            "harmony",
         ],
         help="how the model writes tool calls (default: read from its chat template; templates "
         "without tool support get the generic hermes-style format)",
@@ -177,9 +178,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reasoning-format",
         default="auto",
-        choices=["auto", "none", "think", "magistral", "deepseek_r1", "qwen3", "glm45", "minimax"],
+        choices=["auto", "none", "think", "magistral", "harmony", "deepseek_r1", "qwen3", "glm45", "minimax"],
         help="how the model writes its reasoning (default: read from its chat template: <think> "
-        "blocks for Qwen3, QwQ, DeepSeek-R1/V3.1+, GLM, MiniMax, SmolLM3; [THINK] for Magistral); "
+        "blocks for Qwen3, QwQ, DeepSeek-R1/V3.1+, GLM, MiniMax, SmolLM3; [THINK] for Magistral; "
+        "the analysis channel for gpt-oss's Harmony); "
         "the reasoning goes to reasoning_content and constraints apply to the answer after it",
     )
     p.add_argument(

@@ -43,7 +43,15 @@ class RequestReasoning:
         """The engine's side (SamplingParams.reasoning; None when the mode is "off")."""
         if self.mode == "off":
             return None
-        return ReasoningParams(self.fmt.start, self.fmt.end, self.mode, self.budget, self.close_text)
+        return ReasoningParams(
+            self.fmt.start,
+            self.fmt.end,
+            self.mode,
+            self.budget,
+            self.close_text,
+            self.fmt.after_end,
+            self.fmt.header,
+        )
 
     @property
     def spec_value(self) -> str:
@@ -84,7 +92,8 @@ class ReasoningSetup:
         else:
             fmt = reasoning_format(name)
         special = set(getattr(tokenizer, "all_special_tokens", None) or [])
-        keep = fmt is not None and (fmt.start in special or fmt.end in special)
+        markers = f"{fmt.start}{fmt.end}{fmt.separator}{fmt.header}" if fmt is not None else ""
+        keep = any(t and t in markers for t in special)
         return cls(fmt, close_text, keep)
 
     def for_request(self, prompt: str, budget: int | None) -> tuple[str, RequestReasoning | None]:
@@ -95,9 +104,8 @@ class ReasoningSetup:
             return prompt, None
         mode = self.fmt.mode(prompt)
         if budget == 0 and mode != "off":
-            opened = "" if mode == "open" else self.fmt.start + "\n"
-            close = self.close_text if mode == "open" else ""
-            prompt, mode = f"{prompt}{opened}{close}\n{self.fmt.end}\n\n", "off"
+            block = self.fmt.empty_block(self.close_text if mode == "open" else "")
+            prompt, mode = prompt + (block[len(self.fmt.start) :] if mode == "open" else block), "off"
         return prompt, RequestReasoning(self.fmt, mode, budget, self.close_text)
 
 

@@ -97,78 +97,96 @@ class ClosingPlanner:
                 self.candidates.append((c, self.text_to_id[c]))
         self.probes = [ct for ct in self.candidates if ct[0] in '"}],0aA@. -:/']
 
-    def closing_path(self, matcher, until=None, bridge: ClosingPath | None = None) -> ClosingPath | None:
+    def closing_path(
+        self, matcher, until=None, bridge: ClosingPath | None = None, head: ClosingPath | None = None
+    ) -> ClosingPath | None:
         """Probe from the matcher's state (restored before returning; the matcher needs a rollback
         window of at least `max_chars`). None when no path is found. `until`: a callable given each
         piece of text as it is chosen; True ends the path there, before the grammar can end (e.g.
-        once the current JSON string is closed: runtime/repetition.py). `bridge`: text to take
-        first when the grammar accepts it whole (a reasoning model's end marker while it reasons:
-        free text the greedy search would not leave), its tokens as given."""
-        head: list[int] = []
-        if bridge is not None:
-            for t in bridge.token_ids:
-                if not matcher.accept_token(t):
-                    if head:
-                        matcher.rollback(len(head))
-                    head = []
-                    break
-                head.append(t)
-        try:
-            path = self._search(matcher, until)
-        finally:
-            if head:
-                matcher.rollback(len(head))
-        if path is None or not head:
-            return path
-        return ClosingPath(bridge.text + path.text, head + path.token_ids)
-
-    def _search(self, matcher, until) -> ClosingPath | None:
-        text, ids = [], []
-        run_char, run, escapes, last_escape = "", 0, 0, 0
-        fragments = False  # a token of partial UTF-8 was taken: the ids are kept as taken
+        once the current JSON string is closed: runtime/repetition.py). A reasoning model's text
+        the greedy search would not find: `head`, taken first when the grammar accepts it whole
+        (Harmony's final channel, to answer without reasoning); else `bridge`, taken once, at the
+        first point where the grammar accepts it whole (the reasoning's end marker: free text the
+        search would not leave). Their tokens are kept as given."""
+        text: list[str] = []
+        ids: list[int] = []
         self._fills = 0
         self.failure = ""
         try:
-            while not matcher.is_completed():
-                if len(ids) >= self.max_chars:
-                    self.failure = f"the path it built passed {self.max_chars} characters"
-                    return None
-                # free text: one character repeated, or a short cycle (`abab`, `xyzxyz`)
-                stuck = run >= 6 or (len(text) - last_escape >= 12 and _periodic(text[-12:]))
-                if stuck:
-                    escapes += 1
-                    if escapes > self.max_escapes:
-                        self.failure = f"it gave up after {len(text)} characters in a repeating part"
-                        return None
-                pick = self._least_free(matcher) if stuck else None
-                if pick is None:  # (in free text of fragments only, no candidate is allowed)
-                    pick = self._first(matcher, run_char if run >= 8 else "")
-                if stuck:
-                    last_escape = len(text) + 1
-                if pick is None:
-                    self.failure = self.failure or (
-                        f"no text it can build is allowed after {''.join(text)[-40:]!r}"
-                        if text
-                        else "no text it can build is allowed at the start"
-                    )
-                    return None
-                c, tid = pick
-                ids.append(tid)
-                if c is None:  # a fragment of a character: no text, and no run or cycle
-                    fragments = True
-                    text.append("\ufffd")
-                    run_char, run, last_escape = "", 0, len(text)
-                    continue
-                text.append(c)
-                run = run + 1 if c == run_char else 1
-                run_char = c
-                if until is not None and until(c):
-                    break
+            if head is not None and self._take(matcher, head):
+                ids += head.token_ids
+                text += list(head.text)
+                bridge = None
+            return self._search(matcher, until, bridge, text, ids)
         finally:
             if ids:
                 matcher.rollback(len(ids))
+
+    @staticmethod
+    def _take(matcher, piece: ClosingPath) -> bool:
+        """Accept all of `piece`'s tokens, or none (the matcher as it was)."""
+        for i, t in enumerate(piece.token_ids):
+            if not matcher.accept_token(t):
+                if i:
+                    matcher.rollback(i)
+                return False
+        return True
+
+    def _search(
+        self, matcher, until, bridge: ClosingPath | None, text: list[str], ids: list[int]
+    ) -> ClosingPath | None:
+        """The greedy search of `closing_path` from after `text` / `ids` (a head already taken),
+        appending to both (the caller rolls the matcher back by len(ids)). Tokens up to the last
+        head or bridge are kept as taken; the text after them is tokenized canonically."""
+        run_char, run, escapes, last_escape = "", 0, 0, 0
+        fragments = False  # a token of partial UTF-8 was taken: the ids are kept as taken
+        fixed, fixed_text = len(ids), len(text)  # ids / text entries kept as taken
+        while not matcher.is_completed():
+            if bridge is not None and self._take(matcher, bridge):
+                ids += bridge.token_ids
+                text += list(bridge.text)
+                fixed, fixed_text, bridge = len(ids), len(text), None
+                run_char, run, last_escape = "", 0, len(text)
+                continue
+            if len(ids) >= self.max_chars:
+                self.failure = f"the path it built passed {self.max_chars} characters"
+                return None
+            # free text: one character repeated, or a short cycle (`abab`, `xyzxyz`)
+            stuck = run >= 6 or (len(text) - last_escape >= 12 and _periodic(text[-12:]))
+            if stuck:
+                escapes += 1
+                if escapes > self.max_escapes:
+                    self.failure = f"it gave up after {len(text)} characters in a repeating part"
+                    return None
+            pick = self._least_free(matcher) if stuck else None
+            if pick is None:  # (in free text of fragments only, no candidate is allowed)
+                pick = self._first(matcher, run_char if run >= 8 else "")
+            if stuck:
+                last_escape = len(text) + 1
+            if pick is None:
+                self.failure = self.failure or (
+                    f"no text it can build is allowed after {''.join(text)[-40:]!r}"
+                    if text
+                    else "no text it can build is allowed at the start"
+                )
+                return None
+            c, tid = pick
+            ids.append(tid)
+            if c is None:  # a fragment of a character: no text, and no run or cycle
+                fragments = True
+                text.append("\ufffd")
+                run_char, run, last_escape = "", 0, len(text)
+                continue
+            text.append(c)
+            run = run + 1 if c == run_char else 1
+            run_char = c
+            if until is not None and until(c):
+                break
         joined = "".join(text)
-        return ClosingPath(joined, ids if fragments else self._tokenize(joined, ids))
+        if fragments:
+            return ClosingPath(joined, list(ids))
+        rest = "".join(text[fixed_text:])
+        return ClosingPath(joined, ids[:fixed] + self._tokenize(rest, ids[fixed:]))
 
     def _first(self, matcher, last_resort: str):
         """Accept the first candidate the grammar allows (`last_resort` tried last): accept
@@ -275,7 +293,8 @@ class ClosingGuard:
     path: list[int] | None = None  # a verified path from the current state (tokens, without stop)
     num_forced: int = 0  # sampled tokens replaced
     closed: bool = False  # a closing path was entered because the budget ran short
-    bridge: ClosingPath | None = None  # taken first by every search (set while a model reasons)
+    bridge: ClosingPath | None = None  # a reasoning's end marker (closing_path's bridge), while it reasons
+    head: ClosingPath | None = None  # an answer's header (closing_path's head), before any reasoning
 
     @property
     def bound(self) -> int:
@@ -285,7 +304,7 @@ class ClosingGuard:
     def start(self, matcher) -> int | None:
         """Tokens needed to close from the matcher's state (None: no path found). The path found
         becomes the verified one (the caller checks it fits)."""
-        path = self.planner.closing_path(matcher, bridge=self.bridge)
+        path = self.planner.closing_path(matcher, bridge=self.bridge, head=self.head)
         self.path = None if path is None else list(path.token_ids)
         return None if path is None else path.num_tokens
 
@@ -305,14 +324,14 @@ class ClosingGuard:
         if left > self.bound:  # any path found later fits: no search needed yet
             self.path = None
             return tok
-        path = self.planner.closing_path(matcher, bridge=self.bridge)
+        path = self.planner.closing_path(matcher, bridge=self.bridge, head=self.head)
         if path is not None and path.num_tokens <= left:
             self.path = list(path.token_ids)
             return tok
         # over budget, or a state with no known way to close: never enter it
         matcher.rollback(1)
         if before is None:  # the last state was over `bound` from the end, unchecked: search it
-            found = self.planner.closing_path(matcher, bridge=self.bridge)
+            found = self.planner.closing_path(matcher, bridge=self.bridge, head=self.head)
             before = None if found is None else list(found.token_ids)
         if before is None:  # the search gave up there too: keep the token, the next one checks again
             matcher.accept_token(tok)

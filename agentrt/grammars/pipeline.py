@@ -185,7 +185,7 @@ def spec_grammar(
     from agentrt.grammars.reasoning import ReasoningFormat
 
     fmt, mode = ReasoningFormat.from_json(spec.reasoning)
-    tag = fmt.structural_tag(mode, str(answer))
+    tag = fmt.structural_tag(mode, str(answer), tool_calls=spec.kind == "tool_calls")
     return xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
 
 

@@ -38,6 +38,25 @@ class ReasoningFormat:
     name: str
     start: str
     end: str
+    separator: str = ""
+    """Text between the end marker and the answer, exact (Harmony's "<|start|>assistant": a new
+    message); "" for a few whitespace characters (ANSWER_SEPARATOR)."""
+    header: str = ""
+    """Text that opens a plain answer (Harmony's final channel, "<|channel|>final<|message|>"), not
+    a tool call's answer (whose format opens its own channel); dropped from the content."""
+
+    def empty_block(self, close_text: str = "") -> str:
+        """A closed, empty reasoning block, then the separator: what ends a prompt to turn the
+        reasoning off (Qwen3 writes "<think>\n\n</think>\n\n")."""
+        if self.separator:
+            return f"{self.start}{close_text}{self.end}{self.separator}"
+        return f"{self.start}\n{close_text}\n{self.end}\n\n"
+
+    @property
+    def after_end(self) -> str:
+        """What follows the end marker before the answer, as a model writes it (a closing path's
+        bridge, runtime/constraint_state.py)."""
+        return self.separator or "\n\n"
 
     def mode(self, prompt: str) -> ReasoningMode:
         """The request's mode from its rendered prompt (the chat template's output, generation
@@ -50,37 +69,58 @@ class ReasoningFormat:
             return "open"
         return "optional"
 
-    def structural_tag(self, mode: ReasoningMode, answer_ebnf: str) -> dict:
+    def structural_tag(self, mode: ReasoningMode, answer_ebnf: str, tool_calls: bool = False) -> dict:
         """xgrammar's structural tag for "reasoning, then the answer" (`answer_ebnf`: the answer's
-        grammar, root rule `root`). Raises ValueError for mode "off" (no reasoning to wrap)."""
+        grammar, root rule `root`; `tool_calls`: it is a tool-call grammar, which opens its own
+        channel, so no `header`). Raises ValueError for mode "off" (no reasoning to wrap)."""
         if mode == "off":
             raise ValueError("reasoning mode 'off' has no reasoning to constrain around")
         text = {"type": "any_text", "excludes": [self.end]}
-        if mode == "open":
-            reasoning: dict = {"type": "tag", "begin": "", "content": text, "end": self.end}
-        else:
-            block = {"type": "tag", "begin": self.start, "content": text, "end": self.end}
-            reasoning = {"type": "or", "elements": [block, {"type": "const_string", "value": ""}]}
-        separator = {"type": "grammar", "grammar": f"root ::= {ANSWER_SEPARATOR}"}
-        answer = {"type": "grammar", "grammar": answer_ebnf}
-        return {
-            "type": "structural_tag",
-            "format": {"type": "sequence", "elements": [reasoning, separator, answer]},
+        block: dict = {
+            "type": "tag",
+            "begin": "" if mode == "open" else self.start,
+            "content": text,
+            "end": self.end,
         }
+        if self.separator:
+            block = {
+                "type": "sequence",
+                "elements": [block, {"type": "const_string", "value": self.separator}],
+            }
+        else:
+            separator = {"type": "grammar", "grammar": f"root ::= {ANSWER_SEPARATOR}"}
+            block = {"type": "sequence", "elements": [block, separator]}
+        if mode == "optional":
+            block = {"type": "or", "elements": [block, {"type": "const_string", "value": ""}]}
+        elements = [block]
+        if self.header and not tool_calls:
+            elements.append({"type": "const_string", "value": self.header})
+        elements.append({"type": "grammar", "grammar": answer_ebnf})
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
 
     def as_json(self, mode: ReasoningMode) -> str:
         """The `reasoning` value of a ConstraintSpec (grammars/spec.py): this format and the mode."""
-        return json.dumps({"format": self.name, "start": self.start, "end": self.end, "mode": mode})
+        return json.dumps({"format": self.name, "mode": mode})
 
     @classmethod
     def from_json(cls, value: str) -> tuple[ReasoningFormat, ReasoningMode]:
+        """(format, mode) of a ConstraintSpec's `reasoning` value. Raises KeyError for an unknown
+        format."""
         d = json.loads(value)
-        return cls(d["format"], d["start"], d["end"]), d["mode"]
+        return FORMATS[d["format"]], d["mode"]
 
 
 FORMATS = {
     "think": ReasoningFormat("think", "<think>", "</think>"),
     "magistral": ReasoningFormat("magistral", "[THINK]", "[/THINK]"),
+    # gpt-oss: the analysis channel is the reasoning, the final channel the answer
+    "harmony": ReasoningFormat(
+        "harmony",
+        "<|channel|>analysis<|message|>",
+        "<|end|>",
+        separator="<|start|>assistant",
+        header="<|channel|>final<|message|>",
+    ),
 }
 ALIASES = {"deepseek_r1": "think", "qwen3": "think", "glm45": "think", "minimax": "think"}
 """vLLM's reasoning-parser names accepted by --reasoning-format for the same format."""
@@ -100,8 +140,10 @@ def reasoning_format(name: str) -> ReasoningFormat | None:
 
 def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
     """The reasoning format a chat template implies (None: a model that does not reason, or one
-    whose format agentrt does not parse: gpt-oss's Harmony channels, see `unsupported_reasoning`)."""
+    whose format agentrt does not parse, see `unsupported_reasoning`)."""
     t = chat_template or ""
+    if "<|channel|>" in t and "<|start|>" in t:
+        return FORMATS["harmony"]
     if "[THINK]" in t and "[/THINK]" in t:
         return FORMATS["magistral"]
     if "<think>" in t and "</think>" in t:
@@ -111,9 +153,9 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
 
 def unsupported_reasoning(chat_template: str | None) -> str | None:
     """The name of a reasoning format the template uses that agentrt does not parse (its reasoning
-    is then returned as content), else None."""
-    if "<|channel|>" in (chat_template or ""):
-        return "harmony"
+    is then returned as content), else None: Gemma 4's thought channel."""
+    if "<|channel>" in (chat_template or "") and "<|start|>" not in (chat_template or ""):
+        return "gemma4"
     return None
 
 
@@ -124,11 +166,13 @@ class ReasoningParser:
     The markers themselves are in neither part; whitespace around the reasoning and at the start
     of the answer is dropped (Qwen3 writes "<think>\\n" and "</think>\\n\\n"). In mode "optional" the
     reasoning is recognised only at the start of the output (after whitespace); in "off" all text
-    is content. Output cut inside the reasoning leaves content empty."""
+    is content. The format's separator and answer header (Harmony's "<|start|>assistant" and final
+    channel) are dropped where they open the answer. Output cut inside the reasoning leaves content
+    empty."""
 
     def __init__(self, fmt: ReasoningFormat, mode: ReasoningMode):
         self.fmt = fmt
-        self._state = {"open": "reasoning", "optional": "before", "off": "content"}[mode]
+        self._state = {"open": "reasoning", "optional": "before", "off": "head"}[mode]
         self._buf = ""
         self._lead = True  # dropping whitespace at the start of the current part
         self.reasoning = ""
@@ -165,7 +209,15 @@ class ReasoningParser:
                     continue
                 if not final and self.fmt.start.startswith(stripped):
                     break  # whitespace, or a prefix of the start marker: undecided
-                self._state = "content"
+                self._state = "head"
+                continue
+            if self._state in ("sep", "head"):  # the separator / the answer's header, when written
+                prefix = self.fmt.separator if self._state == "sep" else self.fmt.header
+                if prefix and buf.startswith(prefix):
+                    self._buf = buf[len(prefix) :]
+                elif prefix and not final and prefix.startswith(buf):
+                    break  # undecided
+                self._state = "head" if self._state == "sep" else "content"
                 continue
             if self._state == "content":
                 self._emit("content", buf, out)
@@ -175,7 +227,7 @@ class ReasoningParser:
             if at >= 0:
                 self._emit("reasoning", buf[:at].rstrip(), out)
                 self._buf = buf[at + len(self.fmt.end) :]
-                self._state, self._lead = "content", True
+                self._state, self._lead = "sep", True
                 continue
             # held back: a partial end marker and the whitespace before it (dropped at the marker)
             body = buf if final else buf[: len(buf) - _partial_suffix(buf, self.fmt.end)]

@@ -16,6 +16,9 @@ Styles of format (``ToolCallFormat.style``):
   <parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``, glm45 ``<tool_call>name\\n
   <arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``);
 - ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3).
+
+harmony (gpt-oss) is tagged without a section: ``<|channel|>commentary to=functions.NAME
+<|constrain|>json<|message|>{...}`` then the stop token ``<|call|>``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from agentrt.grammars.tool_args import (
     pythonic_arguments_ebnf,
     xml_arguments_ebnf,
 )
+
+HARMONY_CALL = "<|channel|>commentary to=functions."
+"""How gpt-oss opens a call (Harmony): the commentary channel, addressed to the function."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,19 @@ FORMATS = {
         skip_special_tokens=False,
     ),
     "pythonic": ToolCallFormat("pythonic", "[", "]", style="pythonic", separator=", "),
+    # gpt-oss: a call is a message on the commentary channel to its recipient; <|call|> (a stop
+    # token) ends it and the turn, so one call per output
+    "harmony": ToolCallFormat(
+        "harmony",
+        HARMONY_CALL,
+        "",
+        style="tagged",
+        call_begin=HARMONY_CALL,
+        name_end=" <|constrain|>json<|message|>",
+        call_end="",
+        separator="",
+        skip_special_tokens=False,
+    ),
 }
 
 
@@ -252,7 +271,7 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
             "type": "structural_tag",
             "format": {"type": "any_text", "excludes": call_markers(fmt, tools)},
         }
-    parallel = plan_value["parallel"]
+    parallel = plan_value["parallel"] and fmt.name != "harmony"  # a Harmony call ends the turn
     required = plan_value["mode"] == "required"
     if fmt.style == "pythonic":
         return _pythonic_tag(tools, args_grammars, parallel, required)

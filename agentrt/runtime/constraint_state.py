@@ -201,8 +201,9 @@ class ConstraintSteps:
         )
         if r.params.max_tokens_policy == "close":
             r.grammar.closing = ClosingGuard(self.grammar.planner, self.stop_ids[0])
-            self._set_bridge(r)
+            self._set_bridge(r, at_start=True)
             need = r.grammar.closing.start(matcher)
+            r.grammar.closing.head = None
             if need is None:
                 return ConstraintError(
                     "max_tokens_policy 'close' is not available for this constraint: the closing-path "
@@ -231,8 +232,10 @@ class ConstraintSteps:
         bitmask should have prevented it). An unconstrained r keeps the token as it is."""
         if r.grammar is None:
             return tok, logprob, None
-        self._set_bridge(r)
+        self._set_bridge(r, at_start=r.num_output_tokens == 0)
         accepted = r.grammar.accept(tok, r.max_tokens - r.num_output_tokens - 1)
+        if r.grammar.closing is not None:
+            r.grammar.closing.head = None
         if accepted is None:
             return None
         if accepted.token_id != tok:  # the closing path's token replaced the sampled one
@@ -248,15 +251,25 @@ class ConstraintSteps:
                 p, self.tokenizer.encode(p.close_text + p.end, add_special_tokens=False)
             )
 
-    def _set_bridge(self, r: Request) -> None:
-        """While r reasons, closing paths start with the reasoning's end marker."""
-        closing = r.grammar.closing
-        if closing is not None and r.reasoning is not None:
-            if r.reasoning.in_reasoning and closing.bridge is None:
-                text = r.reasoning.params.end + "\n\n"  # as Qwen3 and R1 write it before the answer
-                closing.bridge = ClosingPath(text, self.tokenizer.encode(text, add_special_tokens=False))
-            elif not r.reasoning.in_reasoning:
-                closing.bridge = None
+    def _set_bridge(self, r: Request, at_start: bool = False) -> None:
+        """Closing paths go through the reasoning's end marker while r may still reason, and
+        (`at_start`: the first output token's search) may open with the answer's header
+        (Harmony's final channel, the way to answer without reasoning)."""
+        closing, tracker = r.grammar.closing, r.reasoning
+        if closing is None or tracker is None:
+            return
+        closing.head = None
+        if tracker.state == "answer":  # past the reasoning: the marker could only go inside the answer
+            closing.bridge = None
+            return
+        p = tracker.params
+        if closing.bridge is None:
+            closing.bridge = self._path(p.end + p.after_end)
+        if at_start and p.header:
+            closing.head = self._path(p.header)
+
+    def _path(self, text: str) -> ClosingPath:
+        return ClosingPath(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     @property
     def token_bytes(self) -> list[bytes]:
@@ -285,8 +298,7 @@ class ConstraintSteps:
         r.append_output(ids)
         r.pending_jump_forward += len(ids)  # their KV is computed with the next step's chunk
         self.stats.num_reasoning_forced_tokens += len(ids)
-        for t in ids:
-            tracker.observe(vocab[t])
+        self._observe(r, ids)
         return ids[-1]
 
     def after_token(self, r: Request, tok: int) -> None:
@@ -309,13 +321,24 @@ class ConstraintSteps:
                 r.append_output(ids)
                 r.pending_jump_forward += len(ids) - drop
                 tok = ids[-1]
+                self._observe(r, ids)
         if r.grammar is not None and self.config.jump_forward:
+            self._set_bridge(r)  # the reasoning may have ended with this token
             ids = r.grammar.jump_forward(self.tokenizer, tok, r.max_tokens - r.num_output_tokens)
             if ids:  # their KV is computed with the next step's chunk
                 r.append_output(ids)
                 r.num_jump_forward_tokens += len(ids)
                 r.pending_jump_forward += len(ids)
                 self.stats.num_jump_forward_tokens += len(ids)
+                self._observe(r, ids)
+
+    def _observe(self, r: Request, ids: list[int]) -> None:
+        """Forced tokens (jump-forward, a repair) count for r's reasoning as sampled ones do: they
+        can open it (Harmony's "analysis<|message|>" after a sampled "<|channel|>a")."""
+        if r.reasoning is not None:
+            vocab = self.token_bytes
+            for t in ids:
+                r.reasoning.observe(vocab[t] if 0 <= t < len(vocab) else b"")
 
     @staticmethod
     def release(r: Request) -> None:

@@ -67,6 +67,8 @@ class ReasoningParams:
     mode: str = "optional"
     budget: int | None = None
     close_text: str = ""
+    after_end: str = "\n\n"  # what the model writes after `end`, before the answer
+    header: str = ""  # what opens an answer without reasoning (Harmony's final channel)
 
 
 @dataclass

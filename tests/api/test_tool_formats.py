@@ -43,7 +43,7 @@ TEMPLATES = {
     "mistralai-Mistral-Small-3.1-24B-Instruct-2503": ("mistral", None),
     "moonshotai-Kimi-K2-Thinking": ("kimi_k2", None),
     "moonshotai-Kimi-K2": ("kimi_k2", None),
-    "openai-gpt-oss-120b": ("hermes", "harmony"),
+    "openai-gpt-oss-120b": ("harmony", None),
     "vllm-tool_chat_template_gemma3_pythonic": ("pythonic", None),
     "vllm-tool_chat_template_llama4_json": ("llama3_json", None),
 }
@@ -150,6 +150,9 @@ RENDERED_CALL = {
     "phi4_mini": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}<|/tool_call|>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
     "pythonic": '[get_weather(city="Paris", days=2), get_time()]',
+    # gpt-oss's template writes the recipient in the role header; the model's own calls put it on
+    # the channel (the grammar's form): both are Harmony
+    "harmony": 'assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}<|call|>',
 }
 
 
@@ -332,8 +335,9 @@ def _cases():
             yield pytest.param(fmt, *s, id=f"{fmt}-{i}")
     for fmt in FORMATS:  # each format's own writing of text + several calls reads back
         f = FORMATS[fmt]
+        calls = [W] if fmt == "harmony" else [W, T, W]  # a Harmony call ends the turn (<|call|>)
         yield pytest.param(
-            fmt, "Let me see. " + f.render_calls([W, T, W]), "Let me see. ", [W, T, W], id=f"{fmt}-own"
+            fmt, "Let me see. " + f.render_calls(calls), "Let me see. ", calls, id=f"{fmt}-own"
         )
 
 
@@ -395,7 +399,9 @@ def test_grammar_of_each_format(compiler, fmt):
     two = f.render_calls([("get_weather", {"city": "Rome\n<b>", "unit": "C"}), T])
     required = _grammar(compiler, fmt)
     assert required(one) and required(f.render_calls([T]))
-    if fmt != "mistral":  # mistral's grammar writes parallel calls as blocks, its template as one list
+    if fmt == "harmony":  # a call ends the turn: one per output
+        assert not required(two)
+    elif fmt != "mistral":  # mistral's grammar writes parallel calls as blocks, its template as one list
         assert required(two)
     assert not required("Sure!")  # required: a call, not text
     assert not required(f.render_calls([("rm_rf", {})]))  # no invented tools

@@ -2,7 +2,7 @@
 
 ``detect(template)`` -> ``Detected``: the format (a name in grammars/tool_calls.FORMATS), whether the
 template renders the tool definitions and the assistant's earlier calls itself, and, for a template
-written for a call syntax no parser here reads (gpt-oss Harmony, Gemma 4, MiniMax, DeepSeek V3.2's
+written for a call syntax no parser here reads (Gemma 4, MiniMax, DeepSeek V3.2's
 DSML, ...), that syntax's name: such a model gets the generic prompt (hermes), with a start-up
 warning naming both (rendering.ToolPrompt.for_template), never silently garbled calls.
 
@@ -12,6 +12,7 @@ The table (first match wins; README "Tool-call formats"):
 |---------------------------------------------------|-----------------|
 | ``<function=`` + ``<parameter=``                  | qwen3_coder     |
 | ``<arg_key>``                                     | glm45           |
+| ``<|channel|>`` + ``<|call|>``                    | harmony         |
 | ``<｜tool▁sep｜>`` (without R1's ```` ```json ````)  | deepseek_v3_1   |
 | ``<|tool_calls_section_begin|>`` / ``tool_declare`` | kimi_k2       |
 | ``[TOOL_CALLS]`` + ``[ARGS]``                     | mistral_v11     |
@@ -53,7 +54,6 @@ UNSUPPORTED = (
         ("<｜tool▁sep｜>", "```json"),
         "deepseek_r1 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME ```json ...)",
     ),
-    (("<|channel|>", "<|call|>"), "harmony (gpt-oss <|channel|>commentary to=functions.NAME ... <|call|>)"),
     (("<|tool_call>",), "gemma4 (<|tool_call>call:NAME{...}<tool_call|>)"),
     (("<TOOLCALL>",), "nemotron (<TOOLCALL>[...]</TOOLCALL>)"),
     (("<|START_ACTION|>",), "command_r (<|START_ACTION|>[...]<|END_ACTION|>)"),
@@ -70,6 +70,8 @@ def detect(template: str | None) -> Detected:
         return Detected("qwen3_coder", True)
     if "<arg_key>" in t:
         return Detected("glm45", True)
+    if "<|channel|>" in t and "<|call|>" in t:
+        return Detected("harmony", True)
     for markers, name in UNSUPPORTED:
         if all(m in t for m in markers):
             return Detected("hermes", False, unsupported=name)
