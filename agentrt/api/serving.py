@@ -207,6 +207,17 @@ class OpenAIServing:
         budget = thinking_budget(
             req.thinking_token_budget, req.reasoning_effort, "thinking_token_budget", "reasoning_effort"
         )
+        fmt = self.reasoning.fmt
+        if fmt is None and budget != 0 and (req.thinking_token_budget, req.reasoning_effort) != (None, None):
+            field = "thinking_token_budget" if req.thinking_token_budget is not None else "reasoning_effort"
+            raise APIError(
+                f"{field} is not supported: the served model does not reason (its chat template has no "
+                "reasoning format; --reasoning-format names one)",
+                param=field,
+            )
+        kwargs = req.template_kwargs()
+        if fmt is not None and fmt.name == "harmony" and req.reasoning_effort in ("low", "medium", "high"):
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)  # gpt-oss's "Reasoning: ..." line
         plan = plan_tools(
             req.tools,
             req.tool_choice,
@@ -219,9 +230,7 @@ class OpenAIServing:
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
-        prompt = _render_chat_text(
-            self.engine.tokenizer, rendered, template_tools, template_kwargs=req.template_kwargs()
-        )
+        prompt = _render_chat_text(self.engine.tokenizer, rendered, template_tools, template_kwargs=kwargs)
         prompt, reasoning = self.reasoning.for_request(prompt, budget)
         return plan, _encode(self.engine.tokenizer, prompt, "messages", self.prompt_bound), reasoning
 
@@ -266,8 +275,10 @@ class OpenAIServing:
         elif constraint is not None:
             params.stop = []
         if tool_constraint is not None and calls is None and constraint is None:
-            # tool_choice "none": free text (stop strings apply) that never opens a call
+            # tool_choice "none": free text (stop strings apply) that never opens a call; free text
+            # cut by max_tokens is cut ("length"), there is nothing to close
             constraint, constraint_param = tool_constraint, "tools"
+            params.max_tokens_policy = "length"
         if constraint is not None and reasoning is not None and reasoning.spec_value:
             constraint = replace(constraint, reasoning=reasoning.spec_value)
         return Generation(

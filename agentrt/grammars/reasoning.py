@@ -91,6 +91,9 @@ class ReasoningFormat:
             separator = {"type": "grammar", "grammar": f"root ::= {ANSWER_SEPARATOR}"}
             block = {"type": "sequence", "elements": [block, separator]}
         if mode == "optional":
+            if not self.separator:  # whitespace may come before the start marker (the parser skips it)
+                lead = {"type": "grammar", "grammar": f"root ::= {ANSWER_SEPARATOR}"}
+                block = {"type": "sequence", "elements": [lead, block]}
             block = {"type": "or", "elements": [block, {"type": "const_string", "value": ""}]}
         elements = [block]
         if self.header and not tool_calls:

@@ -322,6 +322,8 @@ def call_markers(fmt: ToolCallFormat, tools: list[dict]) -> list[str]:
         return [f"[{t['name']}(" for t in tools]
     if fmt.section is not None:
         return [fmt.section[0]]
+    if fmt.marker_in_body:  # a bare JSON call (llama3_json): an object naming a tool, not any {"name"
+        return [fmt.tag_begin(t["name"]) for t in tools] + ["<|python_tag|>"]
     return [fmt.trigger]
 
 

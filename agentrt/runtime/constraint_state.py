@@ -288,12 +288,9 @@ class ConstraintSteps:
             return tok
         tracker.forced = True  # tried once: under the length policy its closing guard ends it
         ids, left = tracker.close_ids, r.max_tokens - r.num_output_tokens
-        if r.grammar is not None:
-            if not r.grammar.force(ids, left):
-                return tok
-        else:
-            ids = ids[: max(0, left)]
-        if not ids:
+        if not ids or len(ids) > left:  # no room for them: the output ends by length
+            return tok
+        if r.grammar is not None and not r.grammar.force(ids, left):
             return tok
         r.append_output(ids)
         r.pending_jump_forward += len(ids)  # their KV is computed with the next step's chunk

@@ -38,7 +38,9 @@ class OutputProcessor:
             if r.detokenizer is None:
                 r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
             text = r.detokenizer.update(self.tokenizer, text_ids)
-            if p.stop and r.stop_end is None:
+            if p.stop and r.reasoning is not None and r.reasoning.state != "answer":
+                r.stop_scanned = len(text)  # stop strings apply to the answer, not the reasoning
+            elif p.stop and r.stop_end is None:
                 cut = self._find_stop(r, text)
                 if cut >= 0:
                     text, reason = text[:cut], "stop"

@@ -24,8 +24,9 @@ requires) is a thinking budget of N tokens, {"type": "disabled"} a budget of 0 (
 the reasoning: no thinking block), {"type": "adaptive"} or no `thinking` the model's own default
 (its template's), bounded by max_tokens alone; display "omitted" leaves the thinking text out of
 the blocks. The reasoning comes back as `thinking` blocks (signature ""). Thinking and
-redacted_thinking blocks of earlier assistant turns are accepted and left out of the prompt (as
-chat completions leaves out an earlier turn's reasoning_content). A model that does not reason
+redacted_thinking blocks of earlier assistant turns are accepted; a thinking block's text goes to the
+chat template as that turn's reasoning_content, which the template keeps or drops (as on chat
+completions). A model that does not reason
 refuses enabled / adaptive thinking (disabled is a no-op).
 """
 
@@ -91,7 +92,8 @@ MIN_THINKING_BUDGET = 1024
 """Anthropic's least thinking.budget_tokens."""
 
 _THINKING_BLOCKS = ("thinking", "redacted_thinking")
-"""Blocks of an earlier assistant turn's thinking: accepted there, left out of the prompt."""
+"""Blocks of an earlier assistant turn's thinking: accepted there (thinking text as its
+reasoning_content)."""
 
 _BLOCK_REASONS = {
     "image": "this server's model reads text only",
@@ -194,15 +196,18 @@ def _tool_result_text(block: dict, where: str) -> str:
 
 
 def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds) -> dict:
-    """A chat assistant message from an assistant turn's text and tool_use blocks (its thinking
-    blocks are checked and left out)."""
-    texts, calls = [], []
+    """A chat assistant message from an assistant turn's text and tool_use blocks; its thinking
+    blocks' text is the message's reasoning_content (the chat template keeps or drops it, as chat
+    completions does; redacted_thinking blocks are checked and left out)."""
+    texts, calls, thoughts = [], [], []
     for w, block in blocks:
         if block["type"] == "text":
             texts.append(_text_block(block, w))
             continue
         if block["type"] in _THINKING_BLOCKS:
             _check_thinking_block(block, w)
+            if block["type"] == "thinking" and block.get("thinking"):
+                thoughts.append(block["thinking"])
             continue
         if block["type"] == "tool_result":
             raise _bad(f"{w}: tool_result blocks belong in user turns", f"{w}.type")
@@ -227,6 +232,8 @@ def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds) -> dic
     message: dict = {"role": "assistant", "content": _parts(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
     return message
 
 

@@ -10,8 +10,8 @@ message), flat function tools become chat tools, `text.format` becomes response_
 `max_output_tokens` becomes max_tokens, `reasoning.effort` becomes reasoning_effort (a thinking
 budget, api/reasoning.py; `reasoning.summary` is accepted and ignored: no summaries are written, a
 reasoning item carries the whole reasoning as `reasoning_text` content). `reasoning` items in
-`input` (earlier turns' reasoning) are accepted and left out of the prompt, as chat completions
-leaves out an earlier turn's reasoning_content. `OpenAIServing.chat` runs it with a `ResponsesShape`
+`input` (earlier turns' reasoning) go to the chat template as the next assistant turn's
+reasoning_content, which the template keeps or drops, as chat completions does. `OpenAIServing.chat` runs it with a `ResponsesShape`
 (shape.py), which renders the result as a `response` object (or its SSE events) and names fields
 in errors as this API does ("messages" -> "input", "response_format.json_schema.schema" ->
 "text.format.schema", "tools[0].function.parameters" -> "tools[0].parameters", "max_tokens" ->
@@ -311,6 +311,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
     if not req.input:
         raise APIError("input is empty: give a string or at least one item", param="input")
     call_ids: set[str] = set()
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -328,6 +329,8 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 )
             messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
             origins.append(where)
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             call_id, name = _string(item, "call_id", where), _string(item, "name", where)
             arguments = _string(item, "arguments", where, empty=True)
@@ -337,6 +340,8 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origins.append(where)
+                if thought is not None:
+                    messages[-1]["reasoning_content"], thought = thought, None
             add_function_call(call_ids, call_id, arguments, where)
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
@@ -349,8 +354,8 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 }
             )
             origins.append(where)
-        elif kind == "reasoning":  # an earlier turn's reasoning: left out of the prompt
-            _reasoning_item(item, where)
+        elif kind == "reasoning":  # an earlier turn's reasoning: to the template with its turn
+            thought = _reasoning_item(item, where)
         elif kind == "item_reference":
             raise APIError(f"{where}: item_reference {STATELESS}", param=f"{where}.type")
         else:
@@ -359,12 +364,16 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 "function_call and function_call_output items",
                 param=f"{where}.type",
             )
+    if not any(m["role"] != "system" for m in messages):
+        raise APIError("input holds no message or function call (reasoning items alone)", param="input")
     return messages, origins
 
 
-def _reasoning_item(item: dict, where: str) -> None:
-    """Check a `reasoning` input item ({"id", "summary", "content", "encrypted_content", "status"}):
-    its summary and content are lists of text parts. Raises APIError naming the part at fault."""
+def _reasoning_item(item: dict, where: str) -> str:
+    """The text of a `reasoning` input item ({"id", "summary", "content", "encrypted_content",
+    "status"}): its content's reasoning_text parts, else its summary's; its summary and content
+    are lists of text parts. It goes to the chat template as the next assistant turn's
+    reasoning_content (the template keeps or drops it). Raises APIError naming the part at fault."""
     for key, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
         parts = item.get(key)
         if parts is None:
@@ -381,6 +390,8 @@ def _reasoning_item(item: dict, where: str) -> None:
                     f'{where}.{key}[{j}] must be {{"type": "{part_type}", "text": "..."}}',
                     param=f"{where}.{key}[{j}]",
                 )
+    texts = {key: "".join(part["text"] for part in item.get(key) or []) for key in ("content", "summary")}
+    return texts["content"] or texts["summary"]
 
 
 def _string(item: dict, key: str, where: str, empty: bool = False) -> str:
