@@ -303,7 +303,10 @@ class DaemonPool:
     def _work(self) -> None:
         if self._nice:
             with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+                tid = threading.get_native_id()  # lower than the process's own, never higher
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
+                )
         while (item := self._queue.get()) is not None:
             if self._run_one(*item):
                 return

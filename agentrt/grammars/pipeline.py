@@ -205,7 +205,7 @@ def answer_grammar(
 
         plan = json.loads(spec.value)
         args = []
-        for i, t in enumerate(plan["tools"] if plan["mode"] != "none" else []):
+        for i, t in enumerate(plan["tools"] if plan.get("mode") != "none" else []):
             dropped: list[str] = []
             try:  # the format's arguments grammar: the JSON one (schema_ebnf) or built from it
                 ebnf = arguments_ebnf(plan["format"], t, dropped, ws, schema_ebnf)
