@@ -6,6 +6,8 @@
                                                          # greedy, runaway repair): valid, field accuracy,
                                                          # share of outputs token-identical to fp32
     python bench/decode_formats.py --start               # start time cold (empty cache) vs warm per format
+    python bench/decode_formats.py --ab REV              # step times with the working tree's CPU kernels
+                                                         # and REV's, alternating step by step (one process)
     python bench/decode_formats.py --compiled            # each format eager and compiled (compile_decode,
                                                          # runtime/compiled_decode.py), side by side; with
                                                          # --start: cold = the build, warm = loading it
@@ -206,6 +208,43 @@ def speed(args) -> None:
         )
 
 
+def ab(args) -> None:
+    """Each format's decode step at batch 1 and 16 with the working tree's CPU kernels and with those of
+    git revision args.ab (bench/gemv.py's load_baseline: its own op namespace, swapped in for
+    torch.ops.agentrt_cpu), the two alternating step by step, --rounds x --steps steps each; the
+    median step and the copy bandwidth (measured before each format) printed as a table."""
+    from gemv import load_baseline
+
+    from agentrt.runtime.config import default_cache_dir
+
+    engines = {f: make_engine(f, args.threads) for f in args.formats}  # loads the working tree's kernels
+    variants = {
+        "current": torch.ops.agentrt_cpu,
+        f"base {args.ab}": load_baseline(args.ab, default_cache_dir()),
+    }
+    print(
+        f"threads {engines[args.formats[0]].runner.num_threads}; context {args.context}; load {load1():.2f}"
+    )
+    print("| format | copy GB/s (r+w) | " + " | ".join(f"{v} b1 ms | {v} b16 ms" for v in variants) + " |")
+    print("| --- | --- | " + " | ".join("--- | ---" for _ in variants) + " |")
+    for f, e in engines.items():
+        bw = copy_bandwidth()
+        times: dict[str, dict[int, list[float]]] = {v: {1: [], 16: []} for v in variants}
+        for r in range(args.rounds * args.steps):
+            for v in variants if r % 2 == 0 else reversed(list(variants)):
+                torch.ops.agentrt_cpu = variants[v]
+                try:
+                    for batch in (1, 16):
+                        times[v][batch].append(step_time(e, batch, 1, args.context))
+                finally:
+                    torch.ops.agentrt_cpu = variants["current"]
+        cells = [
+            f"{statistics.median(times[v][1]) * 1e3:.2f} | {statistics.median(times[v][16]) * 1e3:.2f}"
+            for v in variants
+        ]
+        print(f"| {f} | {bw / 1e9:.1f} | {' | '.join(cells)} |", flush=True)
+
+
 def profile(args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -351,7 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each format eager and compiled (compile_decode); --profile: compiled",
     )
+    p.add_argument(
+        "--ab",
+        metavar="REV",
+        help="decode steps with the working tree's CPU kernels and git revision REV's, alternating step by step",
+    )
     args = p.parse_args(argv)
+    if args.ab:
+        ab(args)
+        return 0
     if args.profile:
         profile(args)
     elif args.quality:

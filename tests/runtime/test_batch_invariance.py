@@ -150,6 +150,35 @@ def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_refere
     torch.testing.assert_close(got4, xq_dq @ dense4.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", _available_isas())
+def test_integer_kernel_rows_do_not_depend_on_the_batch(isa):
+    """A row's int8 / int4 matmul output is the same bit for bit alone or among 1 to 9 rows, first or
+    last (the VNNI paths take batch rows 4 at a time, then the rest, and blocks 2 at a time, then the
+    rest: 10 blocks here), which the engine's batch invariance with the kernels relies on."""
+    ops = torch.ops.agentrt_cpu
+    gen = torch.Generator().manual_seed(11)
+    from agentrt.runtime.models.quant import group_major
+
+    x = torch.randn(9, 320, generator=gen)
+    w8 = ops.pack_int8(torch.randint(-127, 128, (22, 320), dtype=torch.int8, generator=gen))
+    scales = group_major(torch.rand(22, 10, generator=gen) / 100)
+    w4 = torch.randint(0, 256, (24, 160), dtype=torch.uint8, generator=gen)
+    mins = group_major(torch.randn(22, 10, generator=gen) / 10)
+    try:
+        assert cpu_kernels.select_isa(isa) == isa
+        full8 = ops.int8_linear(x, w8, scales, None, 22)
+        full4 = ops.int4_linear(x, w4, scales, mins, None, 22)
+        for rows in range(1, 10):
+            for start in (0, 9 - rows):
+                part = x[start : start + rows].contiguous()
+                assert torch.equal(ops.int8_linear(part, w8, scales, None, 22), full8[start : start + rows])
+                assert torch.equal(
+                    ops.int4_linear(part, w4, scales, mins, None, 22), full4[start : start + rows]
+                )
+    finally:
+        cpu_kernels.select_isa(hardware.kernel_isa(hardware.cpu_info())[0])
+
+
 def test_the_cpu_reports_its_isa_and_a_vnni_cpu_is_tested_on_both_paths():
     info = hardware.cpu_info()
     best = hardware.kernel_isa(info, forced="")[0]

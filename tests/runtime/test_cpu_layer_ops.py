@@ -129,6 +129,29 @@ def test_int8_linear_is_the_q8_0_matmul(rows, out, inp):
     )
 
 
+def test_activation_quantization_is_its_definition_bit_for_bit():
+    """The kernels' Q8_0 quantization of the activations (cpu_kernels.h: quantize_row, 8 floats at a
+    time), read back through int8_linear with one-hot weight rows and unit scales (y[k] = q[k] * d in
+    one rounding): d = amax / 127 and q = round-half-even(x * (1 / d)) in float32, as torch computes
+    them, on ties, zero and subnormal blocks, and a block whose largest magnitude is negative."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen) * 3
+    x[0, :32] = torch.arange(-16, 16) + 0.5  # amax 16.5: an inverse that is not a power of 2
+    x[0, 32:64] = torch.arange(32) - 15.5
+    x[0, 63] = -127.0  # amax 127 (negative), d = 1: exact ties -15.5 .. 14.5 round to even
+    x[1, 64:96] = 0.0
+    x[1, 96:128] = 1e-39  # subnormal: its scale's inverse would overflow, so zeros
+    x[2, 128:160] *= -1e4
+    packed = ops.pack_int8(torch.eye(256, dtype=torch.int8))
+    got = ops.int8_linear(x, packed, torch.ones(256, 8), None, 256)
+    blocks = x.view(3, 8, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d >= torch.finfo(torch.float32).tiny, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    assert q.abs().max() <= 127
+    assert torch.equal(got, (q * d).view(3, 256))
+
+
 def test_int8_linear_keeps_nan_visible_and_refuses_minus_128():
     q, s = quantize_int8(torch.randn(8, 64), 32)
     x = torch.randn(2, 64)

@@ -18,8 +18,12 @@
 // float32, and integer dot products (AVX2 maddubs/madd: 32 multiply-adds in ~6 instructions, as
 // llama.cpp's ggml_vec_dot_q8_0_q8_0) keep the arithmetic below the read. Converting int8 weights to
 // float32 for an FMA (torch._weight_int8pack_mm at float32) costs ~4x the instructions and was
-// compute-bound here (2 cores, AVX2). K must be a multiple of 32 (the caller checks); errors are
-// RuntimeErrors naming the problem. Built with the other CPU kernels (runtime/kernels/cpu_kernels.py).
+// compute-bound here (2 cores, AVX2). The VNNI paths take up to 4 batch rows per pass over a work
+// item's weights (batch 4: 1.4-1.6x the per-row passes on Zen 4, bench/gemv.py); every path
+// prefetches the weights ahead (cpu_kernels.h: PREFETCH_AHEAD). A row's output is the same bit for bit
+// on every path and whatever the batch (tests/runtime/test_batch_invariance.py). K must be a multiple
+// of 32 (the caller checks); errors are RuntimeErrors naming the problem. Built with the other CPU
+// kernels (runtime/kernels/cpu_kernels.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -44,47 +48,133 @@ constexpr int64_t NR = 4;  // output rows per work item: each activation block l
 
 // One work item's inputs: the quantized activations (M rows), its 4 rows' packed weights and scales.
 struct Item {
-  const int8_t* xq;  // [M, K]
-  const float* xd;   // [M, K / 32]
-  const int8_t* w0;  // [K / 32, 4, 32]
-  const float* s0;   // [K / 32, 4]
+  const int8_t* xq;   // [M, K]
+  const float* xd;    // [M, K / 32]
+  const float* xd4;   // [M, K / 32, 4]: xd, each value 4 times (one per row of the group)
+  const int32_t* xc4;  // [M, K / 32, 4]: 128 x the block's sum of xq, 4 times (VNNI: see there)
+  const int8_t* w0;   // [K / 32, 4, 32]
+  const float* s0;    // [K / 32, 4]
   int64_t M, K, nb;
   float* out;  // [M, 4]
 };
 
 #ifdef __AVX2__
+using agentrt_cpu::detail::PREFETCH_AHEAD;
 using agentrt_cpu::detail::sum4;
+using agentrt_cpu::detail::sum8;
 
-// The item's M x 4 outputs; DOT(ax, sx) -> 8 int32 sums of 4 products |x| * sign(w, x) (int8 pairs).
-#define AGENTRT_INT8_ITEM(DOT)                                                                       \
-  for (int64_t m = 0; m < a.M; ++m) {                                                                \
-    const int8_t* xm = a.xq + m * a.K;                                                              \
-    const float* dm = a.xd + m * a.nb;                                                              \
-    __m128 acc = _mm_setzero_ps();                                                                  \
-    for (int64_t b = 0; b < a.nb; ++b) {                                                            \
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));        \
-      const __m256i ax = _mm256_sign_epi8(xv, xv);                                                  \
-      const int8_t* wb = a.w0 + b * NR * QK;                                                        \
-      __m256i p[NR];                                                                                \
-      for (int64_t r = 0; r < NR; ++r) {                                                            \
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + r * QK));       \
-        p[r] = DOT(ax, _mm256_sign_epi8(wv, xv));                                                   \
-      }                                                                                             \
-      const __m128i s = sum4(p[0], p[1], p[2], p[3]);                                               \
-      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_set1_ps(dm[b]));             \
-      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);                                           \
+// Batch row m of the item, block by block: DOT(ax, sx) -> 8 int32 sums of 4 products |x| * sign(w, x)
+// per row (the int8 pairs' signs moved onto w), the 4 rows reduced together (sum4), then
+// acc[r] = fma(float(the block's int32 sum of row r), s[r] * d, acc[r]); PF: prefetch the weights.
+#define AGENTRT_INT8_ROW(DOT, PF)                                                                    \
+  const int8_t* xm = a.xq + m * a.K;                                                                \
+  const float* dm = a.xd + m * a.nb;                                                                \
+  __m128 acc = _mm_setzero_ps();                                                                    \
+  for (int64_t b = 0; b < a.nb; ++b) {                                                              \
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));          \
+    const __m256i ax = _mm256_sign_epi8(xv, xv);                                                    \
+    const int8_t* wb = a.w0 + b * NR * QK;                                                          \
+    if (PF) {                                                                                       \
+      _mm_prefetch(reinterpret_cast<const char*>(wb) + PREFETCH_AHEAD, _MM_HINT_T0);               \
+      _mm_prefetch(reinterpret_cast<const char*>(wb) + PREFETCH_AHEAD + 64, _MM_HINT_T0);          \
     }                                                                                               \
-    _mm_storeu_ps(a.out + m * NR, acc);                                                             \
-  }
+    __m256i p[NR];                                                                                  \
+    for (int64_t r = 0; r < NR; ++r) {                                                              \
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + r * QK));         \
+      p[r] = DOT(ax, _mm256_sign_epi8(wv, xv));                                                     \
+    }                                                                                               \
+    const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_set1_ps(dm[b]));               \
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sum4(p[0], p[1], p[2], p[3])), scale, acc);                  \
+  }                                                                                                 \
+  _mm_storeu_ps(a.out + m * NR, acc);
 
 #define AGENTRT_DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 #define AGENTRT_DOT_AVXVNNI(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 #define AGENTRT_DOT_AVX512VNNI(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
 
-void item_avx2(const Item& a) { AGENTRT_INT8_ITEM(AGENTRT_DOT_AVX2) }
-__attribute__((target("avxvnni"))) void item_avxvnni(const Item& a) { AGENTRT_INT8_ITEM(AGENTRT_DOT_AVXVNNI) }
-__attribute__((target("avx512vnni,avx512vl"))) void item_avx512vnni(const Item& a) {
-  AGENTRT_INT8_ITEM(AGENTRT_DOT_AVX512VNNI)
+// AVX2: the item's M x 4 outputs a batch row at a time (the weights prefetched on the first)
+void item_avx2(const Item& a) {
+  for (int64_t m = 0; m < a.M; ++m) {
+    AGENTRT_INT8_ROW(AGENTRT_DOT_AVX2, m == 0)
+  }
+}
+
+// VNNI (vpdpbusd: unsigned x signed bytes, 4 products summed into each int32): the weights are made
+// unsigned by flipping their sign bit (w + 128), once for up to 4 batch rows (MB), so a row's sum
+// over a block is the wanted one plus 128 x the sum of the block's activations, taken off again
+// (xc4): the same int32 as the AVX2 path's, without its sign instructions per batch row. 2 blocks
+// per step: the 8 rows' partial sums reduced together (sum8), then each block's 4 rows take the same
+// fma as AVX2, in block order (bit for bit its output); a last odd block goes alone (sum4). 256-bit
+// registers: the same steps on 512-bit ones streamed their weights from memory 20-30% slower here
+// (Zen 4), though faster from the cache.
+#define AGENTRT_INT8_VNNI_ROWS(DPBUSD)                                                                         \
+  const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80808080u));                                        \
+  __m128 acc[MB];                                                                                               \
+  for (int m = 0; m < MB; ++m) acc[m] = _mm_setzero_ps();                                                       \
+  int64_t b = 0;                                                                                                \
+  for (; b + 2 <= a.nb; b += 2) {                                                                               \
+    const int8_t* wb = a.w0 + b * NR * QK;                                                                      \
+    for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb) + PREFETCH_AHEAD + 64 * i, _MM_HINT_T0); \
+    __m256i w[8]; /* w[4j + r]: row r of block b + j */                                                         \
+    for (int i = 0; i < 8; ++i) {                                                                               \
+      w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + QK * i)), flip);         \
+    }                                                                                                           \
+    const __m256 sc = _mm256_loadu_ps(a.s0 + b * NR); /* [2 blocks, 4 rows] */                                  \
+    for (int m = 0; m < MB; ++m) {                                                                              \
+      const int64_t mb = (m0 + m) * a.nb + b;                                                                   \
+      const int8_t* xb = a.xq + (m0 + m) * a.K + b * QK;                                                        \
+      __m256i p[8];                                                                                             \
+      for (int j = 0; j < 2; ++j) {                                                                             \
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + j * QK));                   \
+        for (int r = 0; r < 4; ++r) p[4 * j + r] = DPBUSD(_mm256_setzero_si256(), w[4 * j + r], xv);           \
+      }                                                                                                         \
+      const __m256i s =                                                                                         \
+          _mm256_sub_epi32(sum8(p), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xc4 + mb * NR)));     \
+      const __m256 f = _mm256_cvtepi32_ps(s);                                                                   \
+      const __m256 scale = _mm256_mul_ps(sc, _mm256_loadu_ps(a.xd4 + mb * NR));                                 \
+      acc[m] = _mm_fmadd_ps(_mm256_castps256_ps128(f), _mm256_castps256_ps128(scale), acc[m]);                  \
+      acc[m] = _mm_fmadd_ps(_mm256_extractf128_ps(f, 1), _mm256_extractf128_ps(scale, 1), acc[m]);              \
+    }                                                                                                           \
+  }                                                                                                             \
+  if (b < a.nb) {                                                                                               \
+    const int8_t* wb = a.w0 + b * NR * QK;                                                                      \
+    __m256i w[4];                                                                                               \
+    for (int i = 0; i < 4; ++i) {                                                                               \
+      w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + QK * i)), flip);         \
+    }                                                                                                           \
+    for (int m = 0; m < MB; ++m) {                                                                              \
+      const int64_t mb = (m0 + m) * a.nb + b;                                                                   \
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + (m0 + m) * a.K + b * QK));  \
+      const __m128i s = sum4(DPBUSD(_mm256_setzero_si256(), w[0], xv), DPBUSD(_mm256_setzero_si256(), w[1], xv), \
+                             DPBUSD(_mm256_setzero_si256(), w[2], xv), DPBUSD(_mm256_setzero_si256(), w[3], xv)); \
+      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_loadu_ps(a.xd4 + mb * NR));              \
+      acc[m] = _mm_fmadd_ps(                                                                                    \
+          _mm_cvtepi32_ps(_mm_sub_epi32(s, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.xc4 + mb * NR)))), \
+          scale, acc[m]);                                                                                       \
+    }                                                                                                           \
+  }                                                                                                             \
+  for (int m = 0; m < MB; ++m) _mm_storeu_ps(a.out + (m0 + m) * NR, acc[m]);
+
+template <int MB>
+__attribute__((target("avxvnni"), always_inline)) inline void rows_avxvnni(const Item& a, int64_t m0) {
+  AGENTRT_INT8_VNNI_ROWS(_mm256_dpbusd_avx_epi32)
+}
+template <int MB>
+__attribute__((target("avx512vl,avx512vnni"), always_inline)) inline void rows_avx512vnni(const Item& a,
+                                                                                      int64_t m0) {
+  AGENTRT_INT8_VNNI_ROWS(_mm256_dpbusd_epi32)
+}
+// one batch row alone: the AVX2 path's per-block steps with vpdpbusd (these streamed the weights of
+// a batch-1 call from memory 5-10% faster here than the 2-block steps above, though slower from cache)
+__attribute__((target("avxvnni"), always_inline)) inline void row_avxvnni(const Item& a, int64_t m) {
+  AGENTRT_INT8_ROW(AGENTRT_DOT_AVXVNNI, true)
+}
+__attribute__((target("avx512vl,avx512vnni"), always_inline)) inline void row_avx512vnni(const Item& a, int64_t m) {
+  AGENTRT_INT8_ROW(AGENTRT_DOT_AVX512VNNI, true)
+}
+__attribute__((target("avxvnni"))) void item_avxvnni(const Item& a) { AGENTRT_ROWS_BY_4(rows_avxvnni, row_avxvnni) }
+__attribute__((target("avx512vl,avx512vnni"))) void item_avx512vnni(const Item& a) {
+  AGENTRT_ROWS_BY_4(rows_avx512vnni, row_avx512vnni)
 }
 #else
 void item_scalar(const Item& a) {
@@ -195,10 +285,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (M == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb);
+  std::vector<float> xd(M * nb), xd4(M * nb * NR);
+  std::vector<int32_t> sums(M * nb), xc4(M * nb * NR);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, xq.data() + m * K, xd.data() + m * nb, K);
+    for (int64_t m = b; m < e; ++m) {
+      quantize_row(xp + m * K, xq.data() + m * K, xd.data() + m * nb, sums.data() + m * nb, K);
+      for (int64_t k = m * nb; k < (m + 1) * nb; ++k) {
+        for (int64_t r = 0; r < NR; ++r) xd4[k * NR + r] = xd[k], xc4[k * NR + r] = 128 * sums[k];
+      }
+    }
   });
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -209,7 +305,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     std::vector<float> out(M * NR);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t n0 = it * NR, nr = std::min(NR, N - n0);
-      fn(Item{xq.data(), xd.data(), wp + n0 * K, sp + n0 * nb, M, K, nb, out.data()});
+      fn(Item{xq.data(), xd.data(), xd4.data(), xc4.data(), wp + n0 * K, sp + n0 * nb, M, K, nb, out.data()});
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NR + r] + (bp ? bp[n0 + r] : 0.f);
       }

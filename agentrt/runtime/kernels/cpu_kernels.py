@@ -154,11 +154,12 @@ def select_isa(isa: str) -> str:
     if active in ("avx2", "scalar"):
         return active
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 256, generator=gen)
-    w8 = ops.pack_int8(torch.randint(-127, 128, (12, 256), dtype=torch.int8, generator=gen))
-    s8 = torch.rand(12, 8, generator=gen)
-    w4 = torch.randint(0, 256, (12, 128), dtype=torch.uint8, generator=gen)
-    m4 = torch.randn(12, 8, generator=gen)
+    # 9 blocks: the VNNI paths' steps of 2 blocks and a block after them; 5 rows: 4 together, then 1
+    x = torch.randn(5, 288, generator=gen)
+    w8 = ops.pack_int8(torch.randint(-127, 128, (12, 288), dtype=torch.int8, generator=gen))
+    s8 = torch.rand(12, 9, generator=gen)
+    w4 = torch.randint(0, 256, (12, 144), dtype=torch.uint8, generator=gen)
+    m4 = torch.randn(12, 9, generator=gen)
 
     def outputs() -> tuple[torch.Tensor, torch.Tensor]:
         return ops.int8_linear(x, w8, s8, None, 10), ops.int4_linear(x, w4, s8, m4, None, 10)
