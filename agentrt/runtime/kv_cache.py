@@ -51,6 +51,12 @@ class KVPool:
         """K + V bytes of one token over all layers."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor of the pool (each layer's K, then each layer's V), each with the
+        slot as its first dimension: what a lower cache tier copies out of and back into the pool
+        for a run of slots (`tensor[slots]`), whatever the KV dtype."""
+        return [*self.k, *self.v]
+
     @property
     def num_free(self) -> int:
         return len(self._free)
