@@ -16,6 +16,22 @@ from agentrt.runtime.config import (
     SpecConfig,
 )
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: an integer with an optional binary unit (K, M, G, T; KiB / KB read the same),
+    e.g. 4G. Raises argparse.ArgumentTypeError naming the value."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 4G)") from None
+    if not 0 <= n < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}")
+    return int(n)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -75,6 +91,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "1 GiB on CPU)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "int8", "fp8_e4m3"],
+        default="auto",
+        help="how the KV pool stores K and V: auto = the model's dtype; int8 = one float32 scale per "
+        "token and KV head (about 4x the tokens of float32 per byte); fp8_e4m3 needs CUDA and is not "
+        "implemented yet (default %(default)s)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=CacheConfig.gpu_memory_utilization,
@@ -120,6 +144,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-prefix-cache", action="store_true", help="disable the radix-tree prefix cache (A/B runs)"
+    )
+    p.add_argument(
+        "--kv-host-bytes",
+        type=byte_size,
+        default=0,
+        help="host tier under the prefix cache: KV the pool evicts goes here (on CPU compressed "
+        "losslessly) and comes back on a hit instead of being recomputed; bytes, e.g. 4G (default 0: none)",
+    )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="disk tier under the prefix cache: a directory for KV blocks (every finished request's "
+        "prefix is written through), found again after a restart with the same model, weights and KV "
+        "dtype (default: none)",
+    )
+    p.add_argument(
+        "--kv-disk-bytes",
+        type=byte_size,
+        default=CacheConfig.kv_disk_bytes,
+        help="byte limit of --kv-disk-dir, least recently used blocks deleted first (default 4G)",
+    )
+    p.add_argument(
+        "--kv-tier-compress",
+        choices=["zstd", "none"],
+        default=CacheConfig.kv_tier_compress,
+        help="encoding of blocks in the host and disk tiers: zstd (byte shuffle + zstd, lossless) or none",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -252,6 +302,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_cache=not args.no_prefix_cache,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_host_bytes=args.kv_host_bytes,
+            kv_disk_dir=args.kv_disk_dir,
+            kv_disk_bytes=args.kv_disk_bytes,
+            kv_tier_compress=args.kv_tier_compress,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+# on_evict(path_tokens, path_slots, start, salt): a leaf holding path_tokens[start:] is about to go;
+# path_tokens / path_slots spell its whole prefix from the root (its slots are still valid).
+EvictHook = Callable[[list[int], list[int], int, str], None]
 
 
 @dataclass(eq=False)
@@ -119,15 +124,19 @@ class RadixCache:
                 self.locked_tokens -= len(node.key)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> list[int]:
+    def evict(self, num_tokens: int, on_evict: EvictHook | None = None) -> list[int]:
         """Remove unlocked leaves, least recently used first, until at least num_tokens slots are
         freed or nothing evictable is left. Returns the freed slots (the caller returns them to
-        the KV pool). Locked nodes and their ancestors are never touched."""
+        the KV pool). Locked nodes and their ancestors are never touched. `on_evict` sees each leaf
+        (with its whole prefix) before it goes, while its KV is still in its slots."""
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_tokens:
             _, _, leaf = heapq.heappop(heap)
+            if on_evict is not None:
+                tokens, slots, salt = self.path(leaf)
+                on_evict(tokens, slots, len(tokens) - len(leaf.key), salt)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             freed.extend(leaf.value)
@@ -135,6 +144,16 @@ class RadixCache:
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def path(self, node: TreeNode) -> tuple[list[int], list[int], str]:
+        """(token ids, slots, salt) of the prefix that ends at node's edge, from the root."""
+        keys, values = [], []
+        while node.parent is not None:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        salt = next(s for s, r in self._roots.items() if r is node)
+        return [t for k in reversed(keys) for t in k], [v for vs in reversed(values) for v in vs], salt
 
     def _leaves(self):
         stack = [c for r in self._roots.values() for c in r.children.values()]

@@ -331,6 +331,7 @@ class AsyncEngine:
             self._thread.join(timeout=10)
         if self._owns_engine:
             self.engine.grammar.shutdown()
+            self.engine.close()
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self, should_stop=lambda: False) -> None:

@@ -106,17 +106,47 @@ class CacheConfig:
     """KV cache sizing. `kv_cache_bytes` is the byte budget of the KV pool (K and V, all layers);
     None = automatic: on CUDA, `gpu_memory_utilization` of the device's total memory minus what is
     in use after loading the weights and an activation reserve (see ModelRunner's memory plan); on
-    CPU, 1 GiB. `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse."""
+    CPU, 1 GiB. `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse.
+    `kv_cache_dtype`: how the pool stores K and V: `auto` (the model's dtype), `float32`, `bfloat16`,
+    `int8` (one float32 scale per token and KV head: kv_cache.KVPool; every attention backend reads it
+    in place) or `fp8_e4m3` (refused at load: it needs CUDA, and no fp8 KV kernel exists yet).
+    ValueError on any other value."""
 
     kv_cache_bytes: int | None = None
     enable_prefix_cache: bool = True
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    # Lower KV tiers (runtime/kv_tiers.py; need the prefix cache): a host tier of kv_host_bytes
+    # (0 = none), a disk tier in kv_disk_dir (None = none) of at most kv_disk_bytes; blocks of
+    # kv_tier_block_tokens tokens, encoded by kv_tier_compress ("zstd": lossless, or "none").
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 4 << 30
+    kv_tier_block_tokens: int = 32
+    kv_tier_compress: str = "zstd"
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8_e4m3"):
+            raise ValueError(
+                "kv_cache_dtype must be auto, float32, bfloat16, int8 or fp8_e4m3, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+        if self.kv_host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.kv_disk_bytes < 1:
+            raise ValueError(f"kv_disk_bytes must be positive, got {self.kv_disk_bytes}")
+        if not 1 <= self.kv_tier_block_tokens <= 4096:
+            raise ValueError(f"kv_tier_block_tokens must be in [1, 4096], got {self.kv_tier_block_tokens}")
+        if self.kv_tier_compress not in ("zstd", "none"):
+            raise ValueError(f"kv_tier_compress must be zstd or none, got {self.kv_tier_compress!r}")
+        if (self.kv_host_bytes or self.kv_disk_dir) and not self.enable_prefix_cache:
+            raise ValueError(
+                "the KV host and disk tiers hold the prefix cache's blocks: they need the prefix cache"
+            )
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from agentrt.runtime.isolation import (
     internal_error,
     plan_without,
 )
+from agentrt.runtime.kv_tiers import KVTiers, kv_fingerprint
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.output_processor import OutputProcessor
@@ -67,7 +68,8 @@ class Engine:
         self.vocab_size = self.runner.arch.vocab_size
         self.grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_ids, self.config.grammar)
         cache = RadixCache() if self.config.cache.enable_prefix_cache else None
-        self.scheduler = Scheduler(self.config.scheduler, self.runner.kv, cache)
+        self.tiers = self._make_tiers() if cache is not None else None
+        self.scheduler = Scheduler(self.config.scheduler, self.runner.kv, cache, self.tiers)
         self.grammar_wait: list[Request] = []
         self.stats = EngineStats()
         self.metrics = EngineMetrics(self.stats, self._load)
@@ -84,6 +86,40 @@ class Engine:
             self.speculator = Speculator(
                 self.config.speculative, self.runner, self.config.model.model, self.grammar, self.stats
             )
+
+    def _make_tiers(self) -> KVTiers | None:
+        """The host and disk KV tiers under the prefix cache, when configured."""
+        c = self.config.cache
+        if not c.kv_host_bytes and not c.kv_disk_dir:
+            return None
+        fingerprint, describe = kv_fingerprint(self.runner, c.kv_tier_block_tokens, c.kv_tier_compress)
+        tiers = KVTiers(
+            self.runner.kv,
+            block_tokens=c.kv_tier_block_tokens,
+            host_bytes=c.kv_host_bytes,
+            disk_dir=c.kv_disk_dir,
+            disk_bytes=c.kv_disk_bytes,
+            fingerprint=fingerprint,
+            describe=describe,
+            compress=c.kv_tier_compress,
+        )
+        logger.info(
+            "KV tiers: host %s, disk %s (%d blocks found), blocks of %d tokens (%d bytes each before %s)",
+            f"{c.kv_host_bytes:,} bytes" if c.kv_host_bytes else "off",
+            f"{c.kv_disk_dir} up to {c.kv_disk_bytes:,} bytes"
+            if tiers.disk and tiers.disk.enabled
+            else "off",
+            len(tiers.disk) if tiers.disk else 0,
+            c.kv_tier_block_tokens,
+            tiers.block_bytes,
+            c.kv_tier_compress,
+        )
+        return tiers
+
+    def close(self) -> None:
+        """Finish the KV tiers' pending stores and stop their threads (the engine is not used after)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
@@ -214,6 +250,8 @@ class Engine:
                 outputs += self._process(plan, fwd, self._sample(plan, fwd))
             elif self.grammar_wait:
                 time.sleep(0.001)
+            else:
+                self.scheduler.wait_for_loads(0.005)  # only lower-tier loads pending: do not spin
             outputs += [self._fail(r) for r in self._failed if r.status is not RequestStatus.FINISHED]
         finally:
             for r in proposed:
@@ -387,6 +425,7 @@ class Engine:
             len(self.scheduler.waiting) + len(self.grammar_wait),
             cached / kv.num_slots,
             self.runner.expert_load(),
+            self.tiers,
         )
 
     def _collect_grammars(self) -> list[RequestOutput]:

@@ -74,6 +74,7 @@ class LoadGauges(NamedTuple):
     num_waiting: int
     kv_cache_usage: float = 0.0
     expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()  # MoE: (layer, tokens per expert)
+    kv_tiers: object = None  # runtime/kv_tiers.KVTiers (its gauges() and stats), when configured
 
 
 # Prometheus counter name -> (help, EngineStats field)
@@ -168,6 +169,7 @@ class _StatsCollector:
             for e, n in enumerate(counts):
                 experts.add_metric([str(layer), str(e)], n)
         yield experts
+        yield from _tier_metrics(s, load.kv_tiers)
         pos = GaugeMetricFamily(
             "agentrt_spec_position_acceptance_rate",
             "Verify passes accepting a token at draft depth / passes drafting it",
@@ -176,6 +178,52 @@ class _StatsCollector:
         for d, (acc, drafted) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
             pos.add_metric([str(d + 1)], acc / max(1, drafted))
         yield pos
+
+
+def _tier_metrics(s: EngineStats, tiers) -> Iterator[Metric]:
+    """Prefix hits per KV tier (device = the pool), and the lower tiers' bytes, loads and drops."""
+    hits = CounterMetricFamily(
+        "agentrt_kv_tier_hit_tokens",
+        "Prompt tokens served from the prefix cache, by KV tier",
+        labels=["tier"],
+    )
+    lower = tiers.stats.hit_tokens if tiers is not None else {}
+    hits.add_metric(["device"], max(0, s.num_cached_prompt_tokens - sum(lower.values())))
+    for tier in ("host", "disk"):
+        hits.add_metric([tier], lower.get(tier, 0))
+    yield hits
+    if tiers is None:
+        return
+    held = GaugeMetricFamily("agentrt_kv_tier_bytes", "Bytes held by a lower KV tier", labels=["tier"])
+    blocks = GaugeMetricFamily("agentrt_kv_tier_blocks", "KV blocks held by a lower KV tier", labels=["tier"])
+    limit = GaugeMetricFamily("agentrt_kv_tier_limit_bytes", "Byte limit of a lower KV tier", labels=["tier"])
+    stored = CounterMetricFamily(
+        "agentrt_kv_tier_stored_blocks", "KV blocks stored in a lower tier", labels=["tier"]
+    )
+    for tier, nbytes, nblocks, budget in tiers.gauges():
+        held.add_metric([tier], nbytes)
+        blocks.add_metric([tier], nblocks)
+        limit.add_metric([tier], budget)
+        stored.add_metric([tier], tiers.stats.stored_blocks.get(tier, 0))
+    yield from (held, blocks, limit, stored)
+    yield CounterMetricFamily(
+        "agentrt_kv_tier_loads", "Loads from the lower KV tiers", value=tiers.stats.num_loads
+    )
+    yield CounterMetricFamily(
+        "agentrt_kv_tier_load_seconds",
+        "Seconds from lookup to load done, summed",
+        value=tiers.stats.load_seconds,
+    )
+    yield CounterMetricFamily(
+        "agentrt_kv_tier_dropped_blocks",
+        "KV blocks not stored because the store backlog was full",
+        value=tiers.stats.dropped_blocks,
+    )
+    yield GaugeMetricFamily(
+        "agentrt_kv_tier_disk_enabled",
+        "1 while the disk tier works (0: off after a failure, or none)",
+        value=int(tiers.disk is not None and tiers.disk.enabled),
+    )
 
 
 class EngineMetrics:

@@ -101,6 +101,7 @@ class OutputProcessor:
             list(r.repetition.repaired) if r.repetition is not None else [],
             r.closed_by_budget,
             r.reasoning.num_tokens if r.reasoning is not None else 0,
+            dict(r.tier_hits),
         )
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from agentrt.prefix_cache.radix_tree import TreeNode
     from agentrt.runtime.constraint_state import ConstraintState
     from agentrt.runtime.detokenizer import IncrementalDetokenizer
+    from agentrt.runtime.kv_tiers import TierLoad
     from agentrt.runtime.reasoning_budget import ReasoningTracker
     from agentrt.runtime.repetition import RepetitionGuard
     from agentrt.speculative.tree import DraftTree
@@ -227,6 +228,7 @@ class RequestOutput:
     repaired: list[str] = field(default_factory=list)
     closed_by_budget: bool = False
     num_reasoning_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of num_cached_tokens: host / disk
 
 
 @dataclass
@@ -285,6 +287,10 @@ class Request:
     num_shared: int = 0  # leading slots that belong to the radix tree
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_counted: bool = False
+    tier_load: TierLoad | None = None  # runtime/kv_tiers.TierLoad: lower-tier blocks loading before admission
+    tier_checked: bool = False  # lower tiers were looked up for this admission
+    tier_node: TreeNode | None = None  # radix-tree node locked for blocks loaded from a lower tier
+    tier_hits: dict[str, int] = field(default_factory=dict)  # cached prompt tokens per lower tier
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
     spec: SpecState = field(default_factory=SpecState)
     repetition: RepetitionGuard | None = None  # runaway-value repair (SamplingParams.repetition_repair)

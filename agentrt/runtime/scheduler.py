@@ -8,7 +8,10 @@ cached prefix from the radix tree and prefilling the rest in chunks. When the KV
 unlocked cache leaves are evicted first (LRU); then the newest running request is preempted: its
 computed KV goes into the radix tree (or is freed without cache) and it is requeued first in line,
 to be recomputed, mostly from the cache, when room returns. A request is never dropped for lack
-of KV.
+of KV. With lower KV tiers (runtime/kv_tiers.py) evicted leaves go down to them, finished requests
+are written through to disk, and a waiting request whose prompt continues in a lower tier waits for
+its blocks to load (other requests keep stepping), which are then put back into the pool and the
+tree before it is admitted.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.config import SchedulerConfig
 from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_tiers import KVTiers
 from agentrt.runtime.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -41,10 +47,13 @@ class Scheduler:
     """Owns the waiting/running queues, the KV pool's allocation and the radix cache (None when
     the prefix cache is disabled)."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVPool, cache: RadixCache | None):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVPool, cache: RadixCache | None, tiers: KVTiers | None = None
+    ):
         self.config = config
         self.kv = kv
         self.cache = cache
+        self.tiers = tiers if cache is not None and tiers is not None and tiers.enabled else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,6 +73,8 @@ class Scheduler:
             for r in self.running:
                 if r.prefilled_since_insert:
                     self._cache_computed_prefix(r)
+        if self.tiers is not None:
+            self._promote_loaded()
         for r in list(self.running):
             if r not in self.running:  # preempted while making room for an earlier one
                 continue
@@ -83,6 +94,8 @@ class Scheduler:
         for r in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.tiers is not None and self._loading(r):
+                continue
             if not self._admit(r):
                 break
             remaining = r.num_tokens - len(r.slots)
@@ -143,6 +156,9 @@ class Scheduler:
             match = self.cache.match_prefix(r.cached_key(), r.cache_salt)
             self.cache.lock(match.node)
             self.cache.touch(match.node)
+            if r.tier_node is not None:  # blocks loaded from a lower tier: now held by r's own lock
+                self.cache.unlock(r.tier_node)
+                r.tier_node = None
             r.cache_node = match.node
             r.slots = list(match.slots)
             r.num_shared = len(match.slots)
@@ -163,11 +179,8 @@ class Scheduler:
                 r.slots.extend(slots)
                 return True
             short = n - self.kv.num_free
-            if self.cache is not None:
-                freed = self.cache.evict(short)
-                if freed:
-                    self.kv.free(freed)
-                    continue
+            if self.cache is not None and self._evict(short):
+                continue
             if not preempt:
                 return False
             victim = self.running[-1]
@@ -175,8 +188,89 @@ class Scheduler:
             if victim is r:
                 return False
 
+    def _evict(self, num_tokens: int) -> bool:
+        """Evict unlocked cache leaves (down to the lower tiers when present) until num_tokens
+        slots are free; False when nothing was evictable."""
+        freed = self.cache.evict(num_tokens, self.tiers.on_evict if self.tiers is not None else None)
+        if freed:
+            self.kv.free(freed)
+        return bool(freed)
+
+    # ---- lower KV tiers -------------------------------------------------------------------------
+    def _loading(self, r: Request) -> bool:
+        """True while r waits for blocks from a lower tier (a lookup starts at its first try)."""
+        if r.tier_load is not None:
+            return True
+        if r.tier_checked:
+            return False
+        r.tier_checked = True
+        key = r.cached_key()
+        device_len = len(self.cache.match_prefix(key, r.cache_salt).slots)
+        r.tier_load = self.tiers.lookup(key, r.cache_salt, device_len)
+        return r.tier_load is not None
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until a waiting request's lower-tier load is done (when
+        the engine has nothing else to run); returns at once when none is loading."""
+        loads = [r.tier_load.future for r in self.waiting if r.tier_load is not None]
+        if loads:
+            futures_wait(loads, timeout, return_when=FIRST_COMPLETED)
+
+    def _promote_loaded(self) -> None:
+        for r in self.waiting:
+            if r.tier_load is not None and r.tier_load.future.done():
+                load, r.tier_load = r.tier_load, None
+                try:
+                    loaded = load.future.result()
+                except Exception:
+                    logger.exception("KV tier load for %s failed; computing its prompt instead", r.request_id)
+                    continue
+                self._promote(r, load, loaded)
+
+    def _promote(self, r: Request, load, loaded) -> None:
+        """Put loaded blocks back into the pool and the radix tree under r's cached prefix, locked
+        for r until it is admitted. Blocks that no longer continue the pool's match (it shrank
+        meanwhile) or whose tokens differ from the prompt are dropped."""
+        tiers, B = self.tiers, self.tiers.block_tokens
+        key = r.cached_key()
+        start = load.first_block * B
+        good = 0
+        for j, tokens in enumerate(loaded.tokens):
+            if list(tokens) != key[start + j * B : start + (j + 1) * B]:
+                break
+            good += 1
+        end = start + good * B
+        match = self.cache.match_prefix(key[:end], r.cache_salt)
+        have = len(match.slots)
+        tiers.stats.num_loads += 1
+        tiers.stats.load_seconds += time.monotonic() - load.started
+        if have < start or have >= end:
+            return
+        self.cache.lock(match.node)  # keep the prefix we extend while making room
+        slots = self.kv.allocate(end - have)
+        while slots is None and self._evict(end - have - self.kv.num_free):
+            slots = self.kv.allocate(end - have)
+        self.cache.unlock(match.node)
+        if slots is None:
+            return
+        tiers.write_rows(slots, loaded, have - start)
+        present = self.cache.insert(key[:end], match.slots + slots, r.cache_salt)
+        if present > have:  # (cannot happen on the engine thread; kept safe)
+            self.kv.free(slots[: present - have])
+        node = self.cache.match_prefix(key[:end], r.cache_salt).node
+        self.cache.lock(node)
+        r.tier_node = node
+        for j in range(good):
+            lo, hi = max(have, start + j * B), start + (j + 1) * B
+            if hi > lo:
+                tier = loaded.tiers[j]
+                tiers.stats.hit_tokens[tier] += hi - lo
+                if r.num_cached_tokens is None:  # first admission: the request's usage counts it
+                    r.tier_hits[tier] = r.tier_hits.get(tier, 0) + hi - lo
+
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
+        r.tier_checked = False
         r.pending_jump_forward = 0  # recomputed with the rest, as prefill
         self._release(r, insert=True)
         r.status = RequestStatus.WAITING
@@ -191,6 +285,10 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
+        r.tier_load = None
+        if r.tier_node is not None:
+            self.cache.unlock(r.tier_node)
+            r.tier_node = None
         self._release(r, insert=insert)
 
     def _release(self, r: Request, insert: bool) -> None:
@@ -205,6 +303,10 @@ class Scheduler:
                 tokens = r.token_ids[: len(r.slots)]
                 present = self.cache.insert(tokens, r.slots, r.cache_salt)
                 self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
+                if self.tiers is not None:
+                    self.tiers.write_through(
+                        tokens, self.cache.match_prefix(tokens, r.cache_salt).slots, r.cache_salt
+                    )
             else:
                 self.kv.free(r.slots[r.num_shared :])
             if r.cache_node is not None:

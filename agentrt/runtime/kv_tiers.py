@@ -1,0 +1,315 @@
+"""KV tiers below the radix tree: what the KV pool evicts goes down to a host tier and a disk tier
+instead of away, and a prompt whose prefix is there is loaded back instead of recomputed.
+
+- Blocks: `block_tokens` tokens of KV (every per-slot tensor of the pool, `KVPool.state_tensors`,
+  in the pool's dtype: float32, bfloat16 or int8 + scales), keyed by chained hashes of the tokens
+  and the cache namespace (prefix_cache/block_keys.py), so `cache_salt` isolation holds in every
+  tier and keys survive a restart. A trailing partial block is not kept below the pool.
+- Going down: when the radix tree evicts a leaf, its full blocks are gathered from the pool (on the
+  engine thread: the slots are reused right after) and encoded and stored by a store thread into
+  the host tier (an LRU in memory; on CPU, compressed losslessly: prefix_cache/tier_store.py); host
+  evictions go on to the disk tier. With a disk tier every finished request's blocks are also
+  written through to disk (as SGLang HiCache's storage write-through), so a restarted server finds
+  its agents' prefixes again.
+- Coming back: a waiting request whose prompt continues past the pool's match in a lower tier waits
+  while a load thread reads and decodes those blocks (other requests keep stepping); the scheduler
+  then copies them into fresh pool slots and inserts them into the radix tree, and admits the
+  request with them as cached tokens (`Request.tier_hits` counts them per tier).
+- Bounded: each tier has a byte limit; blocks waiting to be stored are bounded by
+  `max_pending_bytes` (beyond it a store is dropped and counted); a disk that fails turns its tier
+  off with a warning. No request fails because of a tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from agentrt.prefix_cache.block_keys import chain_keys
+from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
+from agentrt.runtime.kv_cache import KVPool
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # of the block payload layout; part of the fingerprint
+
+
+@dataclass
+class TierLoad:
+    """A running load of blocks `first_block`.. of a prompt (`keys` in order). Its future gives the
+    LoadedBlocks (possibly fewer blocks than asked, when one was gone or failed its check)."""
+
+    first_block: int
+    keys: list[bytes]
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class LoadedBlocks:
+    """Decoded blocks: `rows[i]` holds tensor i of the pool's state tensors for every loaded token
+    ([num_blocks * block_tokens, *row shape], the pool's dtype, on the CPU); `tiers[j]` is where
+    block j came from ("host" or "disk"); `tokens[j]` its token ids (checked against the prompt)."""
+
+    rows: list[torch.Tensor]
+    tiers: list[str]
+    tokens: list[tuple[int, ...]]
+
+
+@dataclass
+class TierStats:
+    """Counters since start (read by /metrics): hit tokens per tier, loads and their seconds, blocks
+    stored per tier, blocks dropped (store backlog full), blocks failing their check at load."""
+
+    hit_tokens: Counter = field(default_factory=Counter)
+    num_loads: int = 0
+    load_seconds: float = 0.0
+    stored_blocks: Counter = field(default_factory=Counter)
+    dropped_blocks: int = 0
+
+
+class KVTiers:
+    """The host and disk tiers of one KV pool. `host_bytes` 0 = no host tier; `disk_dir` None = no
+    disk tier. `fingerprint` / `describe`: kv_fingerprint(). Engine-thread methods: on_evict,
+    write_through, lookup; the rest runs on the store and load threads."""
+
+    def __init__(
+        self,
+        kv: KVPool,
+        *,
+        block_tokens: int = 32,
+        host_bytes: int = 0,
+        disk_dir: str | None = None,
+        disk_bytes: int = 4 << 30,
+        fingerprint: bytes = b"\0" * 16,
+        describe: str = "",
+        compress: str = "zstd",
+        max_pending_bytes: int = 256 << 20,
+    ):
+        if block_tokens < 1:
+            raise ValueError(f"kv tier block_tokens must be >= 1, got {block_tokens}")
+        if host_bytes < 0 or disk_bytes < 1:
+            raise ValueError(f"kv tier byte limits must be positive (host {host_bytes}, disk {disk_bytes})")
+        self.kv, self.block_tokens = kv, block_tokens
+        tensors = kv.state_tensors()
+        self._shapes = [tuple(t.shape[1:]) for t in tensors]
+        self._dtypes = [t.dtype for t in tensors]
+        self._row_bytes = [t[0].numel() * t.element_size() for t in tensors]
+        self.block_bytes = block_tokens * sum(self._row_bytes)
+        self.codec = BlockCodec(compress, typesize=tensors[0].element_size())
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.disk = DiskTier(disk_dir, disk_bytes, fingerprint, describe) if disk_dir else None
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = TierStats()
+        self._pending: dict[bytes, Future] = {}  # keys being stored
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-store")
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or (self.disk is not None and self.disk.enabled)
+
+    # ---- going down (engine thread) ---------------------------------------------------------
+    def on_evict(self, path_tokens: list[int], path_slots: list[int], start: int, salt: str) -> None:
+        """RadixCache eviction hook: store the full blocks of path_tokens that reach into the
+        evicted leaf (tokens start..) in the host tier (the disk tier when there is no host tier),
+        unless a lower tier holds them already."""
+        if not self.enabled:
+            return
+        b0, b1 = start // self.block_tokens, len(path_tokens) // self.block_tokens
+        if b1 <= b0:
+            return
+        keys = chain_keys(path_tokens[: b1 * self.block_tokens], salt, self.block_tokens)
+        todo = [b for b in range(b0, b1) if not self._held(keys[b])]
+        if todo:
+            self._submit(keys, todo, path_tokens, path_slots, host=self.host is not None)
+
+    def write_through(self, tokens: list[int], slots: list[int], salt: str) -> None:
+        """Write the full blocks of a cached prefix (tokens, their pool slots) that the disk tier
+        lacks (after a request finishes, so its prefix survives a restart)."""
+        if self.disk is None or not self.disk.enabled:
+            return
+        n = len(tokens) // self.block_tokens
+        keys = chain_keys(tokens[: n * self.block_tokens], salt, self.block_tokens)
+        todo = [b for b in range(n) if keys[b] not in self.disk and keys[b] not in self._pending]
+        if todo:
+            self._submit(keys, todo, tokens, slots, host=False)
+
+    def _held(self, key: bytes) -> bool:
+        if key in self._pending:
+            return True
+        if self.host is not None and self.host.touch(key):
+            return True
+        return self.disk is not None and key in self.disk
+
+    def _submit(
+        self, keys: list[bytes], blocks: list[int], tokens: list[int], slots: list[int], host: bool
+    ) -> None:
+        B = self.block_tokens
+        nbytes = len(blocks) * self.block_bytes
+        with self._lock:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.stats.dropped_blocks += len(blocks)
+                return
+            self._pending_bytes += nbytes
+        index = torch.tensor([s for b in blocks for s in slots[b * B : (b + 1) * B]], dtype=torch.int64)
+        rows = [t.index_select(0, index.to(t.device)).cpu() for t in self.kv.state_tensors()]
+        items = [(keys[b], tuple(tokens[b * B : (b + 1) * B])) for b in blocks]
+        future: Future = Future()
+        with self._lock:
+            for key, _ in items:
+                self._pending[key] = future
+        self._store_pool.submit(self._store, items, rows, host, nbytes, future)
+
+    # ---- store thread -----------------------------------------------------------------------
+    def _store(self, items, rows: list[torch.Tensor], host: bool, nbytes: int, future: Future) -> None:
+        B = self.block_tokens
+        try:
+            for j, (key, tokens) in enumerate(items):
+                raw = b"".join(
+                    r[j * B : (j + 1) * B].contiguous().view(torch.uint8).numpy().tobytes() for r in rows
+                )
+                block = Block(key, tokens, self.codec.encode(raw))
+                if host and self.host is not None:
+                    self.stats.stored_blocks["host"] += 1
+                    for gone in self.host.put(block):
+                        self._to_disk(gone)
+                else:
+                    self._to_disk(block)
+        except Exception:  # a tier is a cache: never let its failure reach a request
+            logger.exception("KV tier store failed; blocks dropped")
+        finally:
+            with self._lock:
+                for key, _ in items:
+                    if self._pending.get(key) is future:
+                        del self._pending[key]
+                self._pending_bytes -= nbytes
+            future.set_result(None)
+
+    def _to_disk(self, block: Block) -> None:
+        if self.disk is not None and block.key not in self.disk and self.disk.put(block):
+            self.stats.stored_blocks["disk"] += 1
+
+    # ---- coming back ------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], salt: str, device_len: int) -> TierLoad | None:
+        """Start loading the blocks that continue a prompt past its `device_len` cached tokens in
+        the pool (engine thread; the load runs on the load thread). None when no lower tier holds
+        the next block."""
+        if not self.enabled:
+            return None
+        B = self.block_tokens
+        first = device_len // B
+        keys = chain_keys(tokens, salt, B)
+        run: list[bytes] = []
+        for key in keys[first:]:
+            if not (
+                key in self._pending
+                or (self.host is not None and key in self.host)
+                or (self.disk is not None and key in self.disk)
+            ):
+                break
+            run.append(key)
+        if (first + len(run)) * B <= device_len:
+            return None
+        return TierLoad(first, run, self._load_pool.submit(self._load, run))
+
+    def _load(self, keys: list[bytes]) -> LoadedBlocks:
+        blocks, tiers = [], []
+        for key in keys:
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.result()
+            block, tier = (self.host.get(key), "host") if self.host is not None else (None, "")
+            if block is None and self.disk is not None:
+                block, tier = self.disk.get(key), "disk"
+            if block is None:
+                break
+            blocks.append(block)
+            tiers.append(tier)
+        B, n = self.block_tokens, len(blocks)
+        flat = [torch.empty(n * B * rb, dtype=torch.uint8) for rb in self._row_bytes]
+        for j, block in enumerate(blocks):
+            raw = bytearray(self.codec.decode(block.blob))
+            if len(raw) != self.block_bytes:
+                raise ValueError(f"a KV block decoded to {len(raw)} bytes, expected {self.block_bytes}")
+            data = torch.frombuffer(raw, dtype=torch.uint8)
+            offset = 0
+            for i, rb in enumerate(self._row_bytes):
+                flat[i][j * B * rb : (j + 1) * B * rb] = data[offset : offset + B * rb]
+                offset += B * rb
+        rows = [f.view(dt).view(n * B, *shape) for f, dt, shape in zip(flat, self._dtypes, self._shapes)]
+        return LoadedBlocks(rows, tiers, [b.tokens for b in blocks])
+
+    def write_rows(self, slots: list[int], loaded: LoadedBlocks, offset: int) -> None:
+        """Copy loaded rows offset.. into pool `slots` (engine thread)."""
+        index = torch.tensor(slots, dtype=torch.int64)
+        for t, rows in zip(self.kv.state_tensors(), loaded.rows):
+            t.index_copy_(0, index.to(t.device), rows[offset : offset + len(slots)].to(t.device))
+
+    # ---- upkeep -----------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every block handed to the store thread is stored."""
+        done = self._store_pool.submit(lambda: None)
+        done.result(timeout)
+
+    def gauges(self) -> list[tuple[str, int, int, int]]:
+        """(tier, bytes held, blocks held, byte limit) per tier present."""
+        out = []
+        if self.host is not None:
+            out.append(("host", self.host.nbytes, len(self.host), self.host.budget_bytes))
+        if self.disk is not None:
+            out.append(("disk", self.disk.nbytes, len(self.disk), self.disk.budget_bytes))
+        return out
+
+    def close(self) -> None:
+        """Finish the stores under way (a disk tier keeps them) and stop the threads."""
+        self._store_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True, cancel_futures=True)
+
+
+def kv_fingerprint(runner, block_tokens: int, compress: str) -> tuple[bytes, str]:
+    """(16-byte fingerprint, description) of the KV a runner writes: the model directory and its
+    weight files (names, sizes, modification times), the architecture, the run dtype and weight
+    format, the pool's per-slot tensor shapes and dtypes, the block size and the codec. Files a
+    disk tier holds are reused only under the same fingerprint."""
+    files = []
+    model_dir = getattr(runner, "model_dir", None)
+    if model_dir is not None and Path(model_dir).is_dir():
+        for p in sorted(Path(model_dir).iterdir()):
+            if p.suffix in (".safetensors", ".gguf", ".bin", ".json", ".pt") and p.is_file():
+                st = p.stat()
+                files.append([p.name, st.st_size, st.st_mtime_ns])
+    fmt = getattr(runner, "weight_format", None)
+    desc = {
+        "version": FORMAT_VERSION,
+        "model_dir": str(Path(model_dir).resolve()) if model_dir is not None else type(runner).__name__,
+        "files": files,
+        "arch": repr(getattr(runner, "arch", None)),
+        "weights": None
+        if fmt is None
+        else [
+            str(fmt.dtype),
+            fmt.quantization,
+            fmt.group_size,
+            str(fmt.act_dtype),
+            fmt.lm_head,
+            fmt.act_int8,
+        ],
+        "kv": [[list(t.shape[1:]), str(t.dtype)] for t in runner.kv.state_tensors()],
+        "block_tokens": block_tokens,
+        "codec": compress,
+    }
+    text = json.dumps(desc, sort_keys=True)
+    short = f"{desc['model_dir']} kv {desc['kv'][0]} x{len(desc['kv'])} block {block_tokens} {compress}"
+    return hashlib.blake2b(text.encode(), digest_size=16).digest(), short

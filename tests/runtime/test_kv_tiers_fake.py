@@ -1,0 +1,220 @@
+"""KV tiers under the radix tree (runtime/kv_tiers.py, prefix_cache/tier_store.py) on the fake model
+runner: its KV pool holds each token's (id, position, prefix hash) and checks them on every read, so
+a block loaded back into the wrong slots, from the wrong prefix or another namespace fails the run,
+and every output is compared with the fake's own greedy reference."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+
+from agentrt.prefix_cache.block_keys import chain_keys
+from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
+from agentrt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from agentrt.runtime.request import SamplingParams
+from agentrt.testing import fake_engine
+
+pytestmark = pytest.mark.usefixtures("time_limit")
+
+BLOCK = 8
+
+
+def _params(n: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _config(**cache) -> EngineConfig:
+    return EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        cache=CacheConfig(kv_tier_block_tokens=BLOCK, **cache),
+    )
+
+
+def _agents(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(n)]
+
+
+def _run_trace(engine, agents: list[list[int]], turns: int, salt: str = ""):
+    """Each agent in turn sends its history (prompt + earlier outputs + a new message); returns
+    the outputs and each request's prompt."""
+    history = [list(a) for a in agents]
+    outs, prompts = [], []
+    rng = random.Random(1)
+    for _ in range(turns):
+        for i in range(len(agents)):
+            prompt = history[i] + [rng.randrange(32, 127) for _ in range(5)]
+            req = engine.add_request(prompt, _params(), cache_salt=salt)
+            while engine.has_work():
+                for out in engine.step():
+                    if out.finished and out.request_id == req.request_id:
+                        outs.append(out)
+            prompts.append(prompt)
+            history[i] = prompt + outs[-1].token_ids
+    return outs, prompts
+
+
+def _check(engine, outs, prompts):
+    ref = engine.runner
+    assert [o.token_ids for o in outs] == [ref.greedy_continuation(p, 6) for p in prompts]
+
+
+# ---- the stores -------------------------------------------------------------------------------
+def test_chain_keys_name_the_whole_prefix_and_its_namespace():
+    a = list(range(40))
+    assert chain_keys(a, "", 8) == chain_keys(a + [99, 98], "", 8)  # a partial block has no key
+    assert len(chain_keys(a, "", 8)) == 5
+    b = [7] + a[1:]
+    assert all(x != y for x, y in zip(chain_keys(a, "", 8), chain_keys(b, "", 8)))  # every key depends on token 0
+    assert set(chain_keys(a, "t1", 8)).isdisjoint(chain_keys(a, "", 8))
+    with pytest.raises(ValueError, match="block_tokens"):
+        chain_keys(a, "", 0)
+
+
+def test_codec_is_lossless():
+    raw = bytes(random.Random(0).randrange(256) for _ in range(4096)) + bytes(4096)
+    for name in ("zstd", "none"):
+        codec = BlockCodec(name, typesize=4)
+        assert codec.decode(codec.encode(raw)) == raw
+    assert len(BlockCodec("zstd").encode(bytes(65536))) < 2000
+    with pytest.raises(ValueError, match="zstd or none"):
+        BlockCodec("lz77")
+
+
+def test_host_tier_is_an_lru_under_its_byte_limit():
+    blocks = [Block(bytes([i]) * 16, (i,), bytes(1000)) for i in range(5)]
+    host = HostTier(3 * blocks[0].nbytes)
+    assert host.put(blocks[0]) == [] and host.put(blocks[1]) == [] and host.put(blocks[2]) == []
+    assert host.get(blocks[0].key) is blocks[0]  # 0 is now the most recent
+    assert host.put(blocks[3]) == [blocks[1]]
+    assert host.keys_lru() == [blocks[2].key, blocks[0].key, blocks[3].key]
+    assert host.nbytes == 3 * blocks[0].nbytes
+    assert host.put(Block(b"x" * 16, (), bytes(10_000))) != []  # larger than the tier: not kept
+    assert len(host) == 3
+
+
+def test_disk_tier_survives_a_reopen_and_skips_a_corrupt_file(tmp_path):
+    fp = b"f" * 16
+    disk = DiskTier(tmp_path, 1 << 20, fp, "test")
+    blocks = [Block(bytes([i]) * 16, (i, i + 1), bytes([i]) * 500) for i in range(3)]
+    for b in blocks:
+        assert disk.put(b)
+    again = DiskTier(tmp_path, 1 << 20, fp, "test")
+    assert len(again) == 3 and again.get(blocks[1].key) == blocks[1]
+    path = tmp_path / f"{blocks[2].key.hex()}.kvb"
+    path.write_bytes(path.read_bytes()[:-7])  # torn
+    (tmp_path / f"{blocks[0].key.hex()}.kvb").write_bytes(b"AKVB" + bytes(200))  # garbage
+    assert again.get(blocks[2].key) is None and again.get(blocks[0].key) is None
+    assert not path.exists() and len(again) == 1 and again.num_discarded == 2
+    (tmp_path / "half.kvb.123.tmp").write_bytes(b"partial")  # a write cut short by a crash
+    DiskTier(tmp_path, 1 << 20, fp, "test")
+    assert not (tmp_path / "half.kvb.123.tmp").exists()
+
+
+def test_disk_tier_discards_another_fingerprints_files(tmp_path, caplog):
+    disk = DiskTier(tmp_path, 1 << 20, b"a" * 16, "model A")
+    disk.put(Block(b"k" * 16, (1,), b"payload"))
+    other = DiskTier(tmp_path, 1 << 20, b"b" * 16, "model B")
+    assert len(other) == 0 and other.num_discarded == 1
+    assert "another model" in caplog.text
+    assert list(tmp_path.glob("*.kvb")) == []
+
+
+def test_disk_tier_keeps_its_byte_limit_lru_first(tmp_path):
+    blocks = [Block(bytes([i]) * 16, (i,), bytes(1000)) for i in range(4)]
+    disk = DiskTier(tmp_path, 2500, b"f" * 16)
+    for b in blocks[:2]:
+        disk.put(b)
+    disk.get(blocks[0].key)
+    disk.put(blocks[2])
+    assert blocks[1].key not in disk and blocks[0].key in disk and blocks[2].key in disk
+    assert disk.nbytes <= 2500 and len(list(tmp_path.glob("*.kvb"))) == 2
+
+
+def test_an_unusable_disk_turns_the_tier_off_without_failing(tmp_path, caplog, monkeypatch):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    disk = DiskTier(not_a_dir / "kv", 1 << 20, b"f" * 16)
+    assert not disk.enabled and "KV disk tier off" in caplog.text
+    assert not disk.put(Block(b"k" * 16, (1,), b"p")) and disk.get(b"k" * 16) is None
+    full = DiskTier(tmp_path / "full", 1 << 20, b"f" * 16)
+
+    def enospc(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(full, "_write_atomic", enospc)
+    assert not full.put(Block(b"k" * 16, (1,), b"p")) and not full.enabled
+
+
+# ---- the engine -------------------------------------------------------------------------------
+def test_evicted_prefixes_come_back_from_the_host_tier_with_the_same_outputs():
+    agents = _agents(6, 60)
+    # the pool holds ~2 agents' histories; the trace's working set is ~4x that
+    plain = fake_engine(_config(), num_kv_slots=200)
+    outs0, prompts0 = _run_trace(plain, agents, 3)
+    tiered = fake_engine(_config(kv_host_bytes=64 << 20), num_kv_slots=200)
+    outs1, prompts1 = _run_trace(tiered, agents, 3)
+    assert prompts1 == prompts0
+    _check(tiered, outs1, prompts1)
+    host = sum(o.cached_tokens_by_tier.get("host", 0) for o in outs1)
+    assert host > 0
+    assert sum(o.num_cached_tokens for o in outs1) > sum(o.num_cached_tokens for o in outs0) + host // 2
+    # with an unbounded pool every history after the first turn is a hit up to its last block
+    big = fake_engine(_config(), num_kv_slots=20_000)
+    outs2, _ = _run_trace(big, agents, 3)
+    share = [sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in prompts0) for outs in (outs1, outs2)]
+    assert share[0] > share[1] - 0.1, share
+    m = tiered.metrics.registry.get_sample_value
+    assert m("agentrt_kv_tier_hit_tokens_total", {"tier": "host"}) == host
+    assert m("agentrt_kv_tier_blocks", {"tier": "host"}) > 0
+    assert m("agentrt_kv_tier_loads_total") > 0
+    tiered.close()
+
+
+def test_a_restarted_engine_finds_prefixes_on_disk(tmp_path):
+    agents = _agents(3, 50, seed=2)
+    first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    outs, prompts = _run_trace(first, agents, 1)
+    first.close()  # (a SIGKILLed server: tests/api/test_kv_tiers_server.py)
+    assert len(list(tmp_path.glob("*.kvb"))) >= 3 * (50 // BLOCK)
+    second = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    again = [second.generate([(p, _params(), None)])[0] for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    for o, p in zip(again, prompts):
+        assert o.cached_tokens_by_tier.get("disk", 0) == o.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
+    second.close()
+
+
+def test_a_different_block_size_discards_the_disk_tier(tmp_path):
+    agents = _agents(1, 40, seed=3)
+    e = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    _run_trace(e, agents, 1)
+    e.close()
+    other = fake_engine(
+        EngineConfig(cache=CacheConfig(kv_disk_dir=str(tmp_path), kv_tier_block_tokens=16)), num_kv_slots=400
+    )
+    out = other.generate([(agents[0] + [40, 41], _params(), None)])[0]
+    assert out.num_cached_tokens == 0 and other.tiers.disk.num_discarded > 0
+    other.close()
+
+
+def test_cache_salt_isolation_holds_in_the_lower_tiers(tmp_path):
+    agents = _agents(4, 60, seed=4)
+    e = fake_engine(_config(kv_host_bytes=64 << 20, kv_disk_dir=str(tmp_path)), num_kv_slots=150)
+    _run_trace(e, agents, 2, salt="tenant-a")
+    e.tiers.flush()
+    outs, prompts = _run_trace(e, agents[:1], 1, salt="tenant-b")
+    assert outs[0].num_cached_tokens == 0 and outs[0].cached_tokens_by_tier == {}
+    _check(e, outs, prompts)
+    e.close()
+
+
+def test_tiers_need_the_prefix_cache_and_valid_limits():
+    with pytest.raises(ValueError, match="need the prefix cache"):
+        CacheConfig(kv_host_bytes=1 << 20, enable_prefix_cache=False)
+    with pytest.raises(ValueError, match="kv_host_bytes"):
+        CacheConfig(kv_host_bytes=-1)
+    with pytest.raises(ValueError, match="kv_tier_compress"):
+        CacheConfig(kv_tier_compress="gzip")
