@@ -502,7 +502,8 @@ class CompletionRequest(_CommonRequest):
 def usage(*outs: RequestOutput, reasoning: bool = False) -> dict:
     """OpenAI's `usage` object of finished outputs (tokens): the choices of one request share its
     prompt, counted once (with its cached tokens, as the first choice found them); completion
-    tokens are summed over the choices. reasoning: a reasoning model's request, whose
+    tokens are summed over the choices; `prompt_tokens_details.cached_tokens_by_tier` (device / host
+    / disk) appears when a lower KV tier served some of them. reasoning: a reasoning model's request, whose
     `completion_tokens_details.reasoning_tokens` counts the reasoning (markers included)."""
     n = sum(len(out.token_ids) for out in outs)
     prompt = outs[0].num_prompt_tokens
@@ -512,6 +513,11 @@ def usage(*outs: RequestOutput, reasoning: bool = False) -> dict:
         "total_tokens": prompt + n,
         "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
     }
+    tiers = outs[0].cached_tokens_by_tier
+    if tiers:  # some of the cached tokens came back from a lower KV tier (runtime/kv_tiers.py)
+        lower = {t: tiers.get(t, 0) for t in ("host", "disk")}
+        device = outs[0].num_cached_tokens - sum(lower.values())
+        body["prompt_tokens_details"]["cached_tokens_by_tier"] = {"device": device, **lower}
     if reasoning:
         body["completion_tokens_details"] = {"reasoning_tokens": sum(o.num_reasoning_tokens for o in outs)}
     return body
