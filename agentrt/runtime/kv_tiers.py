@@ -238,7 +238,10 @@ class KVTiers:
             blocks.append(block)
             tiers.append(tier)
         B, n = self.block_tokens, len(blocks)
-        flat = [torch.empty(n * B * rb, dtype=torch.uint8) for rb in self._row_bytes]
+        pinned = self.kv.state_tensors()[
+            0
+        ].is_cuda  # page-locked staging: the copy to the GPU runs at full speed
+        flat = [torch.empty(n * B * rb, dtype=torch.uint8, pin_memory=pinned) for rb in self._row_bytes]
         for j, block in enumerate(blocks):
             raw = bytearray(self.codec.decode(block.blob))
             if len(raw) != self.block_bytes:

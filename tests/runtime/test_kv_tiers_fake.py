@@ -67,7 +67,9 @@ def test_chain_keys_name_the_whole_prefix_and_its_namespace():
     assert chain_keys(a, "", 8) == chain_keys(a + [99, 98], "", 8)  # a partial block has no key
     assert len(chain_keys(a, "", 8)) == 5
     b = [7] + a[1:]
-    assert all(x != y for x, y in zip(chain_keys(a, "", 8), chain_keys(b, "", 8)))  # every key depends on token 0
+    assert all(
+        x != y for x, y in zip(chain_keys(a, "", 8), chain_keys(b, "", 8))
+    )  # every key depends on token 0
     assert set(chain_keys(a, "t1", 8)).isdisjoint(chain_keys(a, "", 8))
     with pytest.raises(ValueError, match="block_tokens"):
         chain_keys(a, "", 0)
@@ -164,7 +166,9 @@ def test_evicted_prefixes_come_back_from_the_host_tier_with_the_same_outputs():
     # with an unbounded pool every history after the first turn is a hit up to its last block
     big = fake_engine(_config(), num_kv_slots=20_000)
     outs2, _ = _run_trace(big, agents, 3)
-    share = [sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in prompts0) for outs in (outs1, outs2)]
+    share = [
+        sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in prompts0) for outs in (outs1, outs2)
+    ]
     assert share[0] > share[1] - 0.1, share
     m = tiered.metrics.registry.get_sample_value
     assert m("agentrt_kv_tier_hit_tokens_total", {"tier": "host"}) == host
@@ -218,3 +222,25 @@ def test_tiers_need_the_prefix_cache_and_valid_limits():
         CacheConfig(kv_host_bytes=-1)
     with pytest.raises(ValueError, match="kv_tier_compress"):
         CacheConfig(kv_tier_compress="gzip")
+
+
+def test_a_request_aborted_while_its_blocks_load_leaks_nothing():
+    agents = _agents(5, 60, seed=5)
+    e = fake_engine(_config(kv_host_bytes=64 << 20), num_kv_slots=150)
+    _, prompts = _run_trace(e, agents, 1)
+    e.tiers.flush()
+    req = e.add_request(prompts[0] + [33], _params())  # agent 0's prefix was evicted to the host tier
+    e.step()
+    assert req.tier_load is not None  # waiting for its blocks
+    assert e.abort(req.request_id).finish_reason == "abort"
+    assert req.tier_load is None and req.tier_node is None
+    while e.has_work():
+        e.step()
+    e.tiers.flush()
+    e.step()  # nothing to promote: the load's result is dropped
+    kv, cache = e.runner.kv, e.scheduler.cache
+    assert cache.locked_tokens == 0 and kv.num_free + cache.total_tokens == kv.num_slots
+    again = e.generate([(prompts[0] + [33], _params(), None)])[0]
+    assert again.token_ids == e.runner.greedy_continuation(prompts[0] + [33], 6)
+    assert again.cached_tokens_by_tier.get("host", 0) > 0
+    e.close()
