@@ -163,6 +163,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             "qwen3_coder",
             "glm45",
             "deepseek_v3_1",
+            "deepseek_v3_2",
             "kimi_k2",
             "pythonic",
             "harmony",

@@ -1,6 +1,8 @@
 """Argument grammars of the tool-call formats whose arguments are not one JSON object: XML
 parameters (Qwen3-Coder ``<parameter=k>\\nv\\n</parameter>``, GLM ``<arg_key>k</arg_key>
-<arg_value>v</arg_value>``) and Python keyword arguments (pythonic ``f(k=v, ...)``).
+<arg_value>v</arg_value>``, DeepSeek V3.2's DSML ``<｜DSML｜parameter name="k" string="true">v
+</｜DSML｜parameter>``, whose `string` attribute says how the value is written: "true" raw text,
+"false" JSON) and Python keyword arguments (pythonic ``f(k=v, ...)``).
 
 Each is EBNF (root rule ``root``) built from the tool's parameter schema after the same faithful
 normalization as ``response_format`` (json_schema/): the properties in their declared order, the
@@ -66,22 +68,35 @@ def _cls(c: str) -> str:
 
 @dataclass(frozen=True)
 class XmlLayout:
-    """How a format writes one parameter: `open` + key + `mid` + value + `close`, then `after`; the
-    value text of a string is raw, ended by `close` (stripped of `strip_newlines` newlines at each
-    end when parsed)."""
+    """How a format writes one parameter: `open` + key + `mid` + value + `close`, then `after`, with
+    `sep` between two parameters; the value text of a string is raw, ended by `close` (stripped of
+    `strip_newlines` newlines at each end when parsed). `string_attr` (DSML): `mid` is followed by
+    `true">` and the raw text of a string, or `false">` and the JSON text of another value."""
 
     open: str
     mid: str
     close: str
     after: str = "\n"
     strip_newlines: bool = False
+    sep: str = ""
+    string_attr: bool = False
 
     def ebnf_param(self, key_lit: str, value_root: str) -> str:
         return f"{lit(self.open)} {key_lit} {lit(self.mid)} {value_root} {lit(self.close + self.after)}"
 
+    def render(self, key: str, value) -> str:
+        """One parameter as the model writes it (strings raw, other values as JSON)."""
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        attr = ('true">' if isinstance(value, str) else 'false">') if self.string_attr else ""
+        return self.open + key + self.mid + attr + text + self.close + self.after
+
 
 QWEN_XML = XmlLayout("<parameter=", ">\n", "\n</parameter>", strip_newlines=True)
 GLM_XML = XmlLayout("<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>")
+DSML = "｜DSML｜"
+DSML_XML = XmlLayout(
+    f'<{DSML}parameter name="', '" string="', f"</{DSML}parameter>", after="", sep="\n", string_attr=True
+)
 
 
 class _Builder:
@@ -119,27 +134,35 @@ class _Builder:
         return schema
 
     def xml_value(self, schema: dict, layout: XmlLayout) -> str:
-        """The root rule of a value of `schema` written raw (strings) or as JSON (others)."""
+        """The root rule of a value of `schema` written raw (strings) or as JSON (others); with
+        `layout.string_attr`, each preceded by its attribute's end (`true">` / `false">`)."""
+        raw, js = (lit('true">') + " ", lit('false">') + " ") if layout.string_attr else ("", "")
         s = self.resolve(schema)
         if not isinstance(s, dict) or s == {}:
+            if layout.string_attr:  # any value: raw text, or a JSON value
+                return self.rule(f"{raw}{self.raw_text(layout)} | {js}{self.json_value({})}")
             return self.raw_text(layout)
         if set(s) == {"anyOf"}:
             return self.rule(" | ".join(self.xml_value(b, layout) for b in s["anyOf"]))
         if "enum" in s or "const" in s:
             values = s["enum"] if "enum" in s else [s["const"]]
-            alts = [lit(v) if isinstance(v, str) else lit(json.dumps(v, ensure_ascii=False)) for v in values]
+            alts = [
+                raw + lit(v) if isinstance(v, str) else js + lit(json.dumps(v, ensure_ascii=False))
+                for v in values
+            ]
             return self.rule(" | ".join(alts) or "[^\\0-\\U0010ffff]")
         if s.get("type") == "string":
             if set(s) == {"type"}:
-                return self.raw_text(layout)
+                return self.rule(raw + self.raw_text(layout)) if raw else self.raw_text(layout)
             ebnf = self.schema_ebnf(s, None, [], self.ws)
             m = _STRING_ROOT.search(ebnf)
             if m is None:
                 raise ValueError(
                     f"a string parameter of this kind cannot be written raw in the {self.fmt} format"
                 )
-            return self.add(ebnf[: m.start()] + f"root ::= (({m.group(1)}))" + ebnf[m.end() :])
-        return self.json_value(s)
+            root = self.add(ebnf[: m.start()] + f"root ::= (({m.group(1)}))" + ebnf[m.end() :])
+            return self.rule(raw + root) if raw else root
+        return self.rule(js + self.json_value(s)) if js else self.json_value(s)
 
     def raw_text(self, layout: XmlLayout) -> str:
         name = self.fresh() + "raw"
@@ -205,11 +228,12 @@ def xml_arguments_ebnf(
     for k in names:
         value = b.xml_value(props[k], layout)
         parts.append((b.rule(layout.ebnf_param(lit(k), value)), k in required))
-    body = _sequence(b, parts, "")
+    body = _sequence(b, parts, layout.sep)
     if extra is not None:
         value = b.xml_value(extra, layout)
         key = "[A-Za-z_] [A-Za-z0-9_.\\-]*"
-        body = f"({layout.ebnf_param(f'({key})', value)})*"
+        one = layout.ebnf_param(f"({key})", value)
+        body = f"({one} ({lit(layout.sep)} {one})*)?" if layout.sep else f"({one})*"
     return "\n".join([f"root ::= {body}", *b.rules]) + "\n"
 
 

@@ -15,6 +15,10 @@ Styles of format (``ToolCallFormat.style``):
 - ``xml``: the arguments as parameters, strings raw (qwen3_coder ``<tool_call>\\n<function=name>\\n
   <parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``, glm45 ``<tool_call>name\\n
   <arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``);
+- ``dsml`` (DeepSeek V3.2): XML parameters inside a section, each with a ``string`` attribute
+  saying how its value is written (``true``: raw text, ``false``: JSON): ``<｜DSML｜function_calls>
+  \\n<｜DSML｜invoke name="name">\\n<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>
+  \\n</｜DSML｜invoke>\\n</｜DSML｜function_calls>``;
 - ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3).
 
 harmony (gpt-oss) is tagged without a section: ``<|channel|>commentary to=functions.NAME
@@ -27,6 +31,8 @@ import json
 from dataclasses import dataclass
 
 from agentrt.grammars.tool_args import (
+    DSML,
+    DSML_XML,
     GLM_XML,
     QWEN_XML,
     XmlLayout,
@@ -46,11 +52,11 @@ class ToolCallFormat:
     a block (hermes); args_key: the key holding the arguments; list_style: a block is a JSON list of
     calls (mistral); separator: between calls of one block (list / llama3) or between blocks;
     skip_special_tokens: whether decoded text may drop special tokens (a marker that is a special
-    token must stay in the text); style: json / tagged / xml / pythonic (module docstring);
-    section: (begin, end) around the calls (tagged); call_begin / name_end / call_end: the text
-    before a call's name, between the name and its arguments, after the arguments (tagged, xml);
+    token must stay in the text); style: json / tagged / xml / dsml / pythonic (module docstring);
+    section: (begin, end) around the calls (tagged, dsml); call_begin / name_end / call_end: the text
+    before a call's name, between the name and its arguments, after the arguments (tagged, xml, dsml);
     name_prefix: before the name inside call_begin..name_end (kimi_k2 "functions."); call_index: a
-    ":N" index follows the name (kimi_k2); xml: how a parameter is written (xml)."""
+    ":N" index follows the name (kimi_k2); xml: how a parameter is written (xml, dsml)."""
 
     name: str
     marker: str
@@ -105,7 +111,7 @@ class ToolCallFormat:
         (one block; kimi_k2 numbers them from `first_index`)."""
         if not calls:
             return ""
-        if self.style in ("xml", "pythonic"):
+        if self.style in ("xml", "dsml", "pythonic"):
             calls = [(n, a if isinstance(a, dict) else {}) for n, a in calls]
         if self.style == "pythonic":
             items = ", ".join(f"{n}({', '.join(f'{k}={_js(v)}' for k, v in a.items())})" for n, a in calls)
@@ -118,11 +124,8 @@ class ToolCallFormat:
             begin = self.tag_begin(n)
             if self.call_index:
                 begin += f"{first_index + i}{self.name_end}"
-            if self.style == "xml":
-                body = "".join(
-                    self.xml.open + k + self.xml.mid + _xml_value(v) + self.xml.close + self.xml.after
-                    for k, v in a.items()
-                )
+            if self.xml is not None:
+                body = self.xml.sep.join(self.xml.render(k, v) for k, v in a.items())
             else:
                 body = _js(a)
             parts.append(begin + body + self.tag_end())
@@ -133,10 +136,6 @@ class ToolCallFormat:
 
 def _js(value) -> str:
     return json.dumps(value, ensure_ascii=False)
-
-
-def _xml_value(value) -> str:
-    return value if isinstance(value, str) else _js(value)
 
 
 DEEPSEEK = (
@@ -228,6 +227,20 @@ FORMATS = {
         separator="",
         skip_special_tokens=False,
     ),
+    # DeepSeek V3.2: as its template writes calls (after "\n\n" following the content)
+    "deepseek_v3_2": ToolCallFormat(
+        "deepseek_v3_2",
+        f"<{DSML}function_calls>",
+        f"</{DSML}function_calls>",
+        style="dsml",
+        section=(f"<{DSML}function_calls>", f"\n</{DSML}function_calls>"),
+        call_begin=f'\n<{DSML}invoke name="',
+        name_end='">\n',
+        call_end=f"\n</{DSML}invoke>",
+        xml=DSML_XML,
+        separator="",
+        skip_special_tokens=False,
+    ),
     "pythonic": ToolCallFormat("pythonic", "[", "]", style="pythonic", separator=", "),
     # gpt-oss: a call is a message on the commentary channel to its recipient; <|call|> (a stop
     # token) ends it and the turn, so one call per output
@@ -251,7 +264,7 @@ def arguments_ebnf(fmt_name: str, tool: dict, dropped: list[str], ws: dict, sche
     Schema grammar, passed in to keep this module below the pipeline), or XML parameters / Python
     keyword arguments built from it (grammars/tool_args.py)."""
     fmt = FORMATS[fmt_name]
-    if fmt.style == "xml":
+    if fmt.style in ("xml", "dsml"):
         return xml_arguments_ebnf(
             tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, fmt.xml, fmt.name
         )

@@ -21,7 +21,7 @@ from tests.support.paths import SHARED, shared_path
 # template file -> (format, the unparsed call syntax it uses: warned about, generic prompt)
 TEMPLATES = {
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ("hermes", "command_r"),
-    "DeepSeek-V3.2": ("hermes", "deepseek_v3_2"),
+    "DeepSeek-V3.2": ("deepseek_v3_2", None),
     "GLM-4.6": ("glm45", None),
     "HuggingFaceTB-SmolLM3-3B": ("hermes", None),  # no tool syntax at all: generic, no warning
     "MiniMax-M2": ("hermes", "minimax_m2"),
@@ -53,7 +53,16 @@ GENERIC = {name for name, (fmt, _) in TEMPLATES.items() if fmt == "hermes"} - {
     "Qwen-Qwen3-0.6B",
     "Qwen3-4B-Thinking-2507",
 }
-NEW = ["qwen3_coder", "glm45", "deepseek_v3_1", "kimi_k2", "mistral_v11", "phi4_mini", "pythonic"]
+NEW = [
+    "qwen3_coder",
+    "glm45",
+    "deepseek_v3_1",
+    "deepseek_v3_2",
+    "kimi_k2",
+    "mistral_v11",
+    "phi4_mini",
+    "pythonic",
+]
 
 WEATHER = {
     "name": "get_weather",
@@ -145,6 +154,10 @@ RENDERED_CALL = {
     "qwen3_coder": "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>",
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>",
     "deepseek_v3_1": 'get_weather<｜tool▁sep｜>{"city": "Paris", "days": 2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time',
+    "deepseek_v3_2": (
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>'
+        '\n<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    ),
     "kimi_k2": 'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>',
     "mistral": '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "',
     "phi4_mini": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}<|/tool_call|>',

@@ -4,8 +4,9 @@
 streaming and non-streaming responses, so streamed deltas concatenate to the non-streamed result
 whatever the chunking. One machine per style of format (grammars/tool_calls.py): ``JsonCalls``
 here (hermes, llama3_json with or without ``<|python_tag|>``, mistral's list and ``[ARGS]`` styles,
-phi4_mini), ``TaggedCalls`` (parse_tagged.py: deepseek_v3_1, kimi_k2), ``XmlCalls``
-(parse_xml.py: qwen3_coder, glm45), ``PythonicCalls`` (parse_pythonic.py). (The request side:
+phi4_mini), ``TaggedCalls`` (parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls``
+(parse_xml.py: qwen3_coder, glm45), ``DsmlCalls`` (parse_dsml.py: deepseek_v3_2),
+``PythonicCalls`` (parse_pythonic.py). (The request side:
 validation.py and rendering.py beside this module.)
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import regex
 
 from agentrt.api.tools.events import MAX_HEAD_CHARS, JsonScan, Machine, ParseEvent, ToolCall, new_call_id
+from agentrt.api.tools.parse_dsml import DsmlCalls
 from agentrt.api.tools.parse_pythonic import PythonicCalls
 from agentrt.api.tools.parse_tagged import TaggedCalls
 from agentrt.api.tools.parse_xml import XmlCalls
@@ -41,9 +43,13 @@ class ToolCallParser:
     schema, which types the argument values of the XML formats (strings raw, the rest JSON)."""
 
     def __init__(self, fmt, names: set[str] | None = None, schemas: dict | None = None):
-        machine = {"json": JsonCalls, "tagged": TaggedCalls, "xml": XmlCalls, "pythonic": PythonicCalls}[
-            fmt.style
-        ]
+        machine = {
+            "json": JsonCalls,
+            "tagged": TaggedCalls,
+            "xml": XmlCalls,
+            "dsml": DsmlCalls,
+            "pythonic": PythonicCalls,
+        }[fmt.style]
         self.fmt = fmt
         self._m: Machine = machine(fmt, names, schemas)
 

@@ -2,8 +2,8 @@
 detection.py), and the messages and tool definitions handed to the chat template.
 
 With a *native* template (one that renders tools itself) tool calls and results pass through in
-Hugging Face's shape, adjusted to what the family's template expects (DeepSeek's arguments as JSON
-text, Mistral's 9-character call ids, Kimi's `functions.NAME:N` ids, Qwen3-Coder's non-string values
+Hugging Face's shape, adjusted to what the family's template expects (DeepSeek V3.1's arguments as
+JSON text, V3.2's as an object whose values its template types, Mistral's 9-character call ids, Kimi's `functions.NAME:N` ids, Qwen3-Coder's non-string values
 as JSON, one call per turn for Llama 3.x); where the template renders no tool list (DeepSeek V3.1)
 the family's own tools prompt goes into the system message, and where it renders no earlier calls
 (Kimi K2's first template) they are written as text in the family's syntax. Otherwise the
@@ -219,8 +219,8 @@ def _template_id(fmt: ToolCallFormat, call: dict, n: int) -> str | None:
 
 
 def _arguments(fmt: ToolCallFormat, call: dict):
-    """A call's arguments for the template: an object (JSON text for DeepSeek, whose template
-    concatenates strings; non-string values as JSON text for the XML formats, whose templates write
+    """A call's arguments for the template: an object (JSON text for DeepSeek V3.1, whose template
+    concatenates strings; an object for V3.2, whose template writes strings raw and the rest as JSON; non-string values as JSON text for the XML formats, whose templates write
     values with `| string`)."""
     args = _object(call["function"]["arguments"])
     if fmt.name == "deepseek_v3_1":

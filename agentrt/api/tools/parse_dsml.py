@@ -1,0 +1,155 @@
+"""Parsing of the `dsml` tool-call format (grammars/tool_calls.py): DeepSeek V3.2's
+
+    <｜DSML｜function_calls>
+    <｜DSML｜invoke name="NAME">
+    <｜DSML｜parameter name="K" string="true">raw text</｜DSML｜parameter>
+    <｜DSML｜parameter name="K2" string="false">JSON</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    ...
+    </｜DSML｜function_calls>
+
+as its chat template writes it: a parameter's `string` attribute says how its value is written
+("true": the raw text is the string; "false": JSON, read as a Python literal when it is not JSON,
+kept as text when it is neither); a parameter without the attribute is typed by the tool's schema
+(values.py). The arguments stream as a JSON object, one parameter at a time (`{` when the call
+starts, `"k": v`, `, "k2": v2`, ..., `}`). An invoke outside a section is read too. A call whose
+name is not offered is given back as content (its markup as written); markup cut off by max_tokens
+is dropped, a call already started keeps the parameters it completed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import regex
+
+from agentrt.api.tools.events import MAX_HEAD_CHARS, Machine, held_back
+from agentrt.api.tools.values import literal, property_schema, typed_value
+from agentrt.grammars.tool_args import DSML
+
+SECTION = f"<{DSML}function_calls>"
+SECTION_END = f"</{DSML}function_calls>"
+INVOKE = f"<{DSML}invoke"
+INVOKE_END = f"</{DSML}invoke>"
+PARAM_END = f"</{DSML}parameter>"
+# an invoke's head after INVOKE, and a parameter's head (its key and optional string attribute)
+_NAME = regex.compile(r'\s+name="([^"<>\n]{1,256})"\s*>')
+_PARAM = regex.compile(rf'\s*<{DSML}parameter\s+name="([^"<>\n]{{1,256}})"(?:\s+string="(true|false)")?\s*>')
+
+
+class DsmlCalls(Machine):
+    def __init__(self, fmt, names=None, schemas=None):
+        super().__init__(fmt, names, schemas)
+        self._in_section = False
+        self._block = ""  # the markup since the section (or last call) while no call is decided
+        self._key = ""
+        self._string: str | None = None  # the parameter's string attribute
+        self._nparams = 0
+        self._parts: list[str] = []  # a value's text so far (the buffer keeps what may be its close)
+
+    def _held_back(self, buf: str) -> int:
+        return max(held_back(buf, SECTION), held_back(buf, INVOKE))
+
+    def _on_text(self, ev, final):
+        found = self._scan_text(ev, final, (SECTION, INVOKE))
+        if found is not None:
+            self._in_section = found == SECTION
+            self._block, self._state = found, "sec" if self._in_section else "name"
+
+    def _fail(self, ev, final):
+        """Not a call: the markup read is content (dropped when cut off at the end)."""
+        if not (final and self._cut_off):
+            self._emit_text(ev, self._block)
+            self._block, self._state = "", "text"
+
+    def _on_sec(self, ev, final):
+        """Inside the section: the next invoke, or the section's end."""
+        s = self._buf.lstrip()
+        for tag in (INVOKE, SECTION_END):
+            if s.startswith(tag):
+                self._block += self._buf[: len(self._buf) - len(s) + len(tag)]
+                self._buf = s[len(tag) :]
+                self._state = "name" if tag == INVOKE else "gap"
+                if tag == SECTION_END:
+                    self._block = ""
+                return
+        if final or not (INVOKE.startswith(s) or SECTION_END.startswith(s)):
+            self._fail(ev, final)  # not the format's markup: the rest is text
+
+    def _on_name(self, ev, final):
+        m = _NAME.match(self._buf, partial=True)
+        if m is not None and m.partial and not final:
+            return
+        if m is None or m.partial or not self._known(m.group(1)):
+            if m is not None and not m.partial:  # an unknown tool: its head is content too
+                self._block += self._buf[: m.end()]
+                self._buf = self._buf[m.end() :]
+            self._fail(ev, final)
+            return
+        self._block = ""
+        self._start_call(ev, m.group(1))
+        self._add_args(ev, "{")
+        self._nparams = 0
+        self._buf, self._state = self._buf[m.end() :], "params"
+
+    def _on_params(self, ev, final):
+        s = self._buf.lstrip()
+        if s.startswith(INVOKE_END):
+            self._buf = s[len(INVOKE_END) :]
+            self._add_args(ev, "}")
+            self._state = "sec" if self._in_section else "gap"
+            return
+        m = _PARAM.match(self._buf[:MAX_HEAD_CHARS], partial=True)
+        if m is not None and not m.partial:
+            self._key, self._string = m.group(1), m.group(2)
+            self._buf, self._state = self._buf[m.end() :], "value"
+            return
+        maybe = (m is not None and len(self._buf) < MAX_HEAD_CHARS) or INVOKE_END.startswith(s)
+        if maybe and (not final or self._cut_off):
+            return  # a tag begun (cut off at the end: dropped)
+        self._add_args(ev, "}")  # not the format's markup: the call ends here, the rest is text
+        self._state = "text"
+
+    def _on_value(self, ev, final):
+        i = self._buf.find(PARAM_END)
+        if i < 0:
+            if final and not self._cut_off:  # the output stopped inside the last value
+                self._param(ev, "".join(self._parts) + self._buf)
+                self._parts, self._buf = [], ""
+                self._add_args(ev, "}")
+                self._state = "text"
+            elif len(self._buf) >= len(PARAM_END):  # keep only what may begin the close tag
+                cut = len(self._buf) - len(PARAM_END) + 1
+                self._parts.append(self._buf[:cut])
+                self._buf = self._buf[cut:]
+            return
+        self._param(ev, "".join(self._parts) + self._buf[:i])
+        self._parts = []
+        self._buf = self._buf[i + len(PARAM_END) :]
+        self._state = "params"
+
+    def _param(self, ev, raw: str) -> None:
+        schema = self.schemas.get(self.calls[-1].name)
+        if self._string == "true":
+            value = raw
+        elif self._string == "false":
+            ok, value = literal(raw)
+            value = value if ok else raw
+        else:
+            value = typed_value(raw, property_schema(schema, self._key), schema)
+        key = json.dumps(self._key, ensure_ascii=False)
+        sep = "" if self._nparams == 0 else ", "
+        self._add_args(ev, f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}")
+        self._nparams += 1
+
+    def _on_gap(self, ev, final):
+        """Whitespace after the calls is not content."""
+        self._buf = self._buf.lstrip()
+        if self._buf:
+            self._state = "text"
+
+    def _at_end(self, ev):
+        if self._state == "params" and not self._cut_off:
+            self._add_args(ev, "}")
+        super()._at_end(ev)
+        self._block = ""
