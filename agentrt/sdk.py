@@ -62,13 +62,14 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         grammar: GrammarConfig | None = None,
     ):
         self.engine = Engine(
             EngineConfig(
                 model=ModelConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len),
-                cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
+                cache=CacheConfig(kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
                 grammar=grammar or GrammarConfig(),
             )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.kv_cache import QuantizedKV, dequantize_kv, gather_kv, quantize_kv, store_kv
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,14 +34,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [S, Hkv, D], slots [...] int64 -> [..., Hkv, D]: the rows of those slots.
+def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, Hkv, D] (a tensor or an int8 pool's QuantizedKV), slots [...] int64 -> [..., Hkv, D]:
+    the rows of those slots, de-quantized to float32 from an int8 pool (kv_cache.gather_kv).
 
     `index_select` on the [S, Hkv * D] view copies whole rows; advanced indexing (`cache[slots]`)
     computes an offset per element and took 1.4x as long for a batch-16 decode step's gathers
     (default model, context 400, 2 threads: step 289-318 -> 222 ms, bit-identical)."""
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, *cache.shape[1:])
+    return gather_kv(cache, slots)
+
+
+def kernel_cache(cache) -> bool:
+    """Whether the C++ attention kernel reads this layer cache in place: float32 or an int8 pool."""
+    return isinstance(cache, QuantizedKV) or cache.dtype == torch.float32
+
+
+def as_stored(x: torch.Tensor, cache) -> torch.Tensor:
+    """x [T, Hkv, D] as attention reads it back from `cache`: through int8 and back (de-quantized,
+    in x's dtype) for an int8 pool, rounded to the pool's dtype and back for a float pool of another
+    dtype, so that a chunk attending its own new K/V sees what a later chunk reading them from the
+    pool sees; x itself when the pool has x's dtype."""
+    if isinstance(cache, QuantizedKV):
+        return dequantize_kv(*quantize_kv(x)).to(x.dtype)
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 @dataclass
@@ -149,22 +165,24 @@ class AttentionMetadata:
         return rows
 
     def rope_and_store(self, q, k, v, k_cache, v_cache, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool.
+        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool
+        (cast to a float pool's dtype, quantized into an int8 pool: kv_cache.store_kv).
         rope: the layer's (cos, sin) tables, None = the model's first."""
         cos, sin = self.rope_rows(rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[self.slot_mapping] = k
-        v_cache[self.slot_mapping] = v
+        store_kv(k_cache, self.slot_mapping, k)
+        store_kv(v_cache, self.slot_mapping, v)
         return q, k
 
     def attend(self, q, k, v, k_cache, v_cache, scale=None, window=None, sinks=None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] -> out [T, H, D].
+        """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] (tensors, or an int8 pool's
+        QuantizedKV: read de-quantized) -> out [T, H, D].
         scale: softmax scale (None = D ** -0.5); window: a query at position p attends keys at
         positions in (p - window, p] (None = all); sinks: [H] float32 learned logits that join each
         head's softmax without a value (gpt-oss), or None."""
         gqa = q.shape[1] != k.shape[1]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if self.rows is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        if self.rows is not None and q.dtype == torch.float32 and kernel_cache(k_cache):
             rows = self.rows if window is None else self._windowed_rows(window)
             return cpu_kernels.attention(q, k_cache, v_cache, rows, scale=scale, sinks=sinks)
         if self.decode_idx is not None and not self.prefills:
@@ -177,15 +195,15 @@ class AttentionMetadata:
         for span in self.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start
-            if span.kv_slots is None:
-                ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
-                vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            if span.kv_slots is None:  # the chunk's own K/V, as the pool holds them
+                ks = as_stored(k[span.start : span.end], k_cache).transpose(0, 1).unsqueeze(0)
+                vs = as_stored(v[span.start : span.end], v_cache).transpose(0, 1).unsqueeze(0)
                 mask = None
                 if window is not None or sinks is not None:
                     mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             else:
-                ks = gather_slots(k_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
-                vs = gather_slots(v_cache, span.kv_slots).transpose(0, 1).unsqueeze(0)
+                ks = gather_slots(k_cache, span.kv_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vs = gather_slots(v_cache, span.kv_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 total = span.kv_slots.shape[0]
                 if span.tree_mask is None:
                     q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
@@ -219,13 +237,13 @@ class AttentionMetadata:
         return rows
 
     def _decode(self, q, k_cache, v_cache, gqa: bool, scale: float, window=None, sinks=None) -> torch.Tensor:
-        if self.cpu_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and window is None:
+        if self.cpu_kernel and q.dtype == torch.float32 and kernel_cache(k_cache) and window is None:
             return cpu_kernels.decode_attention(
                 q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale=scale, sinks=sinks
             )
         qd = q.unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_slots(k_cache, self.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = gather_slots(v_cache, self.decode_slots).transpose(1, 2)
+        kd = gather_slots(k_cache, self.decode_slots).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = gather_slots(v_cache, self.decode_slots).to(q.dtype).transpose(1, 2)
         mask = self.decode_mask
         if window is not None:
             first = (self.decode_lens - window)[:, None, None, None]

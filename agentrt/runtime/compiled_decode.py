@@ -53,6 +53,7 @@ from torch import nn
 
 from agentrt.runtime.attention import apply_rope, build_torch_metadata
 from agentrt.runtime.cuda_graph import is_plain_decode
+from agentrt.runtime.kv_cache import store_kv
 
 logger = logging.getLogger(__name__)
 
@@ -343,8 +344,8 @@ class CompiledDecode:
         num_layers = len(self.k_caches)
         for i in range(num_layers):
             k_cache, v_cache = self.k_caches[i], self.v_caches[i]
-            k_cache[meta.slot_mapping] = k
-            v_cache[meta.slot_mapping] = v
+            store_kv(k_cache, meta.slot_mapping, k)  # cast or quantized as the pool stores them
+            store_kv(v_cache, meta.slot_mapping, v)
             attn_out = meta.attend(q, k, v, k_cache, v_cache).contiguous()
             if i + 1 < num_layers:
                 x, q, k, v = mid([x, attn_out, cos, sin, *self._mid_w[i]])

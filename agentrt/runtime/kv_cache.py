@@ -1,22 +1,122 @@
-"""KV pool: preallocated K and V tensors per layer, addressed by token slot (page size 1)."""
+"""KV pool: preallocated K and V tensors per layer, addressed by token slot (page size 1), stored at
+the model's dtype, another float dtype, or quantized to int8 with one scale per token and KV head."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+# amax below this stores zeros with scale 0 (127 / amax would overflow float32 near 3.7e-37)
+QUANT_MIN_AMAX = 1e-30
+
+
+class QuantizedKV(NamedTuple):
+    """One layer's int8 K (or V) pool: data [S, Hkv, D] int8 and scale [S, Hkv] float32, both
+    contiguous, slot-major. Row (s, h) holds x ~= data[s, h, :] * scale[s, h] (see `quantize_kv`).
+    `dtype` (torch.int8), `shape` (data's) and `device` read like a tensor's, so shape checks written
+    for a float pool hold for it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (q [..., D] int8, scale [...] float32): symmetric absmax per row, computed
+    in float32: amax = max |x|; scale = amax / 127; q = round_half_even(x * (127 / amax)) clamped to
+    [-127, 127]; a row with amax < QUANT_MIN_AMAX (zeros) gets q = 0 and scale = 0. Every store path
+    (this reference, the C++ rope_store, the Triton rope_and_store) computes exactly these float32
+    operations, so they write the same bytes for the same float32 input row. A row with a NaN gets a
+    NaN scale (its dequantized values are NaN)."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    ok = amax >= QUANT_MIN_AMAX
+    inv = torch.where(ok, 127.0 / torch.where(ok, amax, 1.0), 0.0)
+    q = torch.round(x * inv[..., None]).clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
+    scale = torch.where(ok | amax.isnan(), amax / 127.0, 0.0)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., D] int8, scale [...] float32 -> q * scale [..., D] float32 (one rounding per element)."""
+    return q.float() * scale[..., None]
+
+
+def store_kv(cache: torch.Tensor | QuantizedKV, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [T, Hkv, D] to the pool rows `slots` [T] int64 of one layer's K or V cache: cast to a
+    float pool's dtype, quantized (`quantize_kv`) into an int8 pool."""
+    if isinstance(cache, QuantizedKV):
+        q, scale = quantize_kv(x)
+        cache.data[slots] = q
+        cache.scale[slots] = scale
+    else:
+        cache[slots] = x.to(cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor | QuantizedKV, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, Hkv, D], slots [...] int64 -> [..., Hkv, D]: the rows of those slots (index_select on
+    the [S, Hkv * D] view: whole rows, 1.4x faster than advanced indexing), an int8 pool's
+    de-quantized to float32 (only the gathered rows: the pool itself is never copied)."""
+    flat = slots.reshape(-1)
+    if isinstance(cache, QuantizedKV):
+        s, h, d = cache.data.shape
+        q = cache.data.reshape(s, h * d).index_select(0, flat).view(*slots.shape, h, d)
+        return dequantize_kv(q, cache.scale.index_select(0, flat).view(*slots.shape, h))
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, flat)
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool dtype of `--kv-cache-dtype name`: auto = the model's dtype; float32; bfloat16; int8
+    (quantized: QuantizedKV). Raises ValueError naming the problem for an unknown name, and for
+    fp8_e4m3: it needs a CUDA device, and no kernel stores or reads fp8 yet (int8 is the quantized
+    KV cache on every device)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "fp8_e4m3":
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype fp8_e4m3 needs a CUDA device (here {device}): use int8")
+        raise ValueError("kv_cache_dtype fp8_e4m3 is not implemented yet (no fp8 KV kernels): use int8")
+    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[
+        name
+    ]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """float32 / bfloat16 / int8 ... (torch's name without the prefix)."""
+    return str(dtype).removeprefix("torch.")
 
 
 class KVPool:
-    """One K and one V tensor per layer, each [num_slots, num_kv_heads, head_dim].
+    """One K and one V cache per layer, each [num_slots, num_kv_heads, head_dim] addressed by slot.
 
-    Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes.
-    `allocate` pops slots from a free list (no partial allocation: it returns None when fewer than
-    asked are free); `free` returns them. The free list is a stack kept so that slots come out in
-    ascending runs (a fresh pool gives 0, 1, 2, ...; freed slots come back in the order they were
-    freed): attention reads a sequence's K/V rows in slot order, and rows read in descending
-    address order took twice as long (CPU decode kernel, default model, 2 threads: 4.0 vs 2.0 ms
-    per layer at batch 16, context 400). Slots are token-granular, so no memory is lost to
-    partially filled pages. Raises ValueError when the budget holds no token or cannot be
-    allocated on the device.
+    dtype: a float dtype (the caches are plain tensors of it), or torch.int8: each cache is then a
+    QuantizedKV, data [num_slots, Hkv, D] int8 plus scale [num_slots, Hkv] float32, one symmetric
+    absmax scale per token and KV head (x ~= data * scale; `quantize_kv` gives the exact rounding),
+    written by every store path and read by every attention backend straight from these tensors.
+    Other dtypes (the fake runner's int64) are plain tensors too.
+
+    Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x (head_dim x dtype bytes,
+    + 4 for the float32 scale when int8). `allocate` pops slots from a free list (no partial
+    allocation: it returns None when fewer than asked are free); `free` returns them. The free list
+    is a stack kept so that slots come out in ascending runs (a fresh pool gives 0, 1, 2, ...; freed
+    slots come back in the order they were freed): attention reads a sequence's K/V rows in slot
+    order, and rows read in descending address order took twice as long (CPU decode kernel).
+    Slots are token-granular, so no memory is lost to partially filled pages. Raises ValueError when
+    the budget holds no token or cannot be allocated on the device.
     """
 
     def __init__(
@@ -28,6 +128,8 @@ class KVPool:
         device: torch.device,
         budget_bytes: int,
     ):
+        self.dtype = dtype
+        self.quantized = dtype == torch.int8
         self.bytes_per_token = self.bytes_per_token_of(num_layers, num_kv_heads, head_dim, dtype)
         self.num_slots = int(budget_bytes // self.bytes_per_token)
         if self.num_slots < 1:
@@ -35,9 +137,16 @@ class KVPool:
                 f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)"
             )
         shape = (self.num_slots, num_kv_heads, head_dim)
+
+        def cache():
+            data = torch.zeros(shape, dtype=dtype, device=device)
+            if not self.quantized:
+                return data
+            return QuantizedKV(data, torch.zeros(shape[:2], dtype=torch.float32, device=device))
+
         try:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k = [cache() for _ in range(num_layers)]
+            self.v = [cache() for _ in range(num_layers)]
         except RuntimeError as e:  # includes torch.OutOfMemoryError
             self.k = self.v = []
             raise ValueError(
@@ -48,14 +157,26 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K + V bytes of one token over all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K + V bytes of one token over all layers (an int8 pool's float32 scales included)."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.int8:
+            row += 4
+        return 2 * num_layers * num_kv_heads * row
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every per-slot tensor of the pool (each layer's K, then each layer's V), each with the
-        slot as its first dimension: what a lower cache tier copies out of and back into the pool
-        for a run of slots (`tensor[slots]`), whatever the KV dtype."""
-        return [*self.k, *self.v]
+        """Every per-slot tensor of the pool, each with the slot as its first dimension: what a lower
+        cache tier copies out of and back into the pool for a run of slots (`tensor[slots]`),
+        whatever the KV dtype. A float pool: each layer's K, then each layer's V ([S, Hkv, D]). An
+        int8 pool: each layer's K data, each layer's V data ([S, Hkv, D] int8), then each layer's K
+        scales, each layer's V scales ([S, Hkv] float32)."""
+        if not self.quantized:
+            return [*self.k, *self.v]
+        return [
+            *(c.data for c in self.k),
+            *(c.data for c in self.v),
+            *(c.scale for c in self.k),
+            *(c.scale for c in self.v),
+        ]
 
     @property
     def num_free(self) -> int:

@@ -51,18 +51,19 @@ class TierLoad:
     first_block: int
     keys: list[bytes]
     future: Future
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class LoadedBlocks:
     """Decoded blocks: `rows[i]` holds tensor i of the pool's state tensors for every loaded token
     ([num_blocks * block_tokens, *row shape], the pool's dtype, on the CPU); `tiers[j]` is where
-    block j came from ("host" or "disk"); `tokens[j]` its token ids (checked against the prompt)."""
+    block j came from ("host" or "disk"); `tokens[j]` its token ids (checked against the prompt);
+    `seconds`: the load thread's time reading and decoding them."""
 
     rows: list[torch.Tensor]
     tiers: list[str]
     tokens: list[tuple[int, ...]]
+    seconds: float = 0.0
 
 
 @dataclass
@@ -225,6 +226,7 @@ class KVTiers:
         return TierLoad(first, run, self._load_pool.submit(self._load, run))
 
     def _load(self, keys: list[bytes]) -> LoadedBlocks:
+        t0 = time.monotonic()
         blocks, tiers = [], []
         for key in keys:
             pending = self._pending.get(key)
@@ -238,9 +240,7 @@ class KVTiers:
             blocks.append(block)
             tiers.append(tier)
         B, n = self.block_tokens, len(blocks)
-        pinned = self.kv.state_tensors()[
-            0
-        ].is_cuda  # page-locked staging: the copy to the GPU runs at full speed
+        pinned = self.kv.state_tensors()[0].is_cuda  # page-locked staging: full-speed copies to a GPU
         flat = [torch.empty(n * B * rb, dtype=torch.uint8, pin_memory=pinned) for rb in self._row_bytes]
         for j, block in enumerate(blocks):
             raw = bytearray(self.codec.decode(block.blob))
@@ -252,7 +252,7 @@ class KVTiers:
                 flat[i][j * B * rb : (j + 1) * B * rb] = data[offset : offset + B * rb]
                 offset += B * rb
         rows = [f.view(dt).view(n * B, *shape) for f, dt, shape in zip(flat, self._dtypes, self._shapes)]
-        return LoadedBlocks(rows, tiers, [b.tokens for b in blocks])
+        return LoadedBlocks(rows, tiers, [b.tokens for b in blocks], time.monotonic() - t0)
 
     def write_rows(self, slots: list[int], loaded: LoadedBlocks, offset: int) -> None:
         """Copy loaded rows offset.. into pool `slots` (engine thread)."""

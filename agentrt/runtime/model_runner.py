@@ -11,7 +11,7 @@ import torch
 
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
-from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_cache import KVPool, kv_dtype_name, resolve_kv_dtype
 from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
@@ -70,18 +70,36 @@ class MemoryPlan:
     reserved_bytes: int
     total_bytes: int
     weights_by_format: tuple[tuple[str, int], ...] = ()
+    kv_dtype: str = ""
+    kv_tokens_per_gib: tuple[tuple[str, int], ...] = ()  # (KV dtype, tokens per GiB of pool)
 
     def describe(self) -> str:
         gb = 1e9
         by_format = ", ".join(f"{k} {v / gb:.3f} GB" for k, v in self.weights_by_format)
+        per_gib = ", ".join(f"{k} {v}" for k, v in self.kv_tokens_per_gib)
         return (
             f"memory plan on {self.device}: weights {self.weights_bytes / gb:.2f} GB"
             + (f" ({by_format})" if by_format else "")
             + ", KV pool "
-            f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
-            f"bytes/token, reserved {self.reserved_bytes / gb:.2f} GB"
+            + (f"{self.kv_dtype} " if self.kv_dtype else "")
+            + f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
+            f"bytes/token"
+            + (f" (KV tokens per GiB: {per_gib})" if per_gib else "")
+            + f", reserved {self.reserved_bytes / gb:.2f} GB"
             + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else "")
         )
+
+
+def kv_tokens_per_gib(arch) -> tuple[tuple[str, int], ...]:
+    """(KV dtype, tokens one GiB of pool holds) for float32, bfloat16 and int8 (scales counted) of a
+    model with `arch`'s layers, KV heads and head size."""
+    return tuple(
+        (
+            kv_dtype_name(d),
+            (1 << 30) // KVPool.bytes_per_token_of(arch.num_layers, arch.num_kv_heads, arch.head_dim, d),
+        )
+        for d in (torch.float32, torch.bfloat16, torch.int8)
+    )
 
 
 def plan_kv_budget(
@@ -218,7 +236,17 @@ class ModelRunner:
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
         a = self.arch
-        bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
+        if (
+            model_config.deterministic
+            and backend == "cpu"
+            and self.kv_dtype not in (torch.float32, torch.int8)
+        ):
+            raise ValueError(
+                f"--deterministic: the CPU attention kernel reads float32 or int8 KV, not "
+                f"{kv_dtype_name(self.kv_dtype)} (--kv-cache-dtype)"
+            )
+        bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
         budget, reserved, total = plan_kv_budget(
             cache_config,
             self.device,
@@ -234,7 +262,7 @@ class ModelRunner:
                 budget = int(budget * 0.8)
             elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
                 budget = int(budget * a.num_layers / (a.num_layers + n))
-        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, budget)
+        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, budget)
         self.memory_plan = MemoryPlan(
             str(self.device),
             self.weights_bytes,
@@ -244,6 +272,8 @@ class ModelRunner:
             reserved,
             total,
             self.weight_format.bytes,
+            kv_dtype_name(self.kv_dtype),
+            kv_tokens_per_gib(a),
         )
         self.attention_backend = backend
         self.slot_table = self.graphs = None

@@ -289,6 +289,7 @@ class Request:
     prompt_counted: bool = False
     tier_load: TierLoad | None = None  # runtime/kv_tiers.TierLoad: lower-tier blocks loading before admission
     tier_checked: bool = False  # lower tiers were looked up for this admission
+    tier_relooked: bool = False  # looked up again once: the pool's part of the prefix was evicted meanwhile
     tier_node: TreeNode | None = None  # radix-tree node locked for blocks loaded from a lower tier
     tier_hits: dict[str, int] = field(default_factory=dict)  # cached prompt tokens per lower tier
     prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree

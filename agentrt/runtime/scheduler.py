@@ -229,8 +229,11 @@ class Scheduler:
 
     def _promote(self, r: Request, load, loaded) -> None:
         """Put loaded blocks back into the pool and the radix tree under r's cached prefix, locked
-        for r until it is admitted. Blocks that no longer continue the pool's match (it shrank
-        meanwhile) or whose tokens differ from the prompt are dropped."""
+        for r until it is admitted. Blocks whose tokens differ from the prompt are dropped. When the
+        pool's match no longer reaches the first loaded block (evicted meanwhile: it went down to a
+        lower tier), r looks the tiers up again, once; when the pool has no room for the blocks now
+        (running requests hold it), r keeps the loaded blocks and waits for room, as a prompt waits
+        for admission, instead of computing them again."""
         tiers, B = self.tiers, self.tiers.block_tokens
         key = r.cached_key()
         start = load.first_block * B
@@ -242,9 +245,11 @@ class Scheduler:
         end = start + good * B
         match = self.cache.match_prefix(key[:end], r.cache_salt)
         have = len(match.slots)
-        tiers.stats.num_loads += 1
-        tiers.stats.load_seconds += time.monotonic() - load.started
+        if have < start and not r.tier_relooked:
+            r.tier_relooked, r.tier_checked = True, False
+            return
         if have < start or have >= end:
+            self._count_load(loaded)
             return
         self.cache.lock(match.node)  # keep the prefix we extend while making room
         slots = self.kv.allocate(end - have)
@@ -252,7 +257,9 @@ class Scheduler:
             slots = self.kv.allocate(end - have)
         self.cache.unlock(match.node)
         if slots is None:
+            r.tier_load = load  # done: tried again at the next step
             return
+        self._count_load(loaded)
         tiers.write_rows(slots, loaded, have - start)
         present = self.cache.insert(key[:end], match.slots + slots, r.cache_salt)
         if present > have:  # (cannot happen on the engine thread; kept safe)
@@ -268,9 +275,13 @@ class Scheduler:
                 if r.num_cached_tokens is None:  # first admission: the request's usage counts it
                     r.tier_hits[tier] = r.tier_hits.get(tier, 0) + hi - lo
 
+    def _count_load(self, loaded) -> None:
+        self.tiers.stats.num_loads += 1
+        self.tiers.stats.load_seconds += loaded.seconds
+
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
-        r.tier_checked = False
+        r.tier_checked = r.tier_relooked = False
         r.pending_jump_forward = 0  # recomputed with the rest, as prefill
         self._release(r, insert=True)
         r.status = RequestStatus.WAITING

@@ -302,13 +302,13 @@ def test_decode_layers_refuses_a_miscounted_weight_list():
     x = torch.randn(1, 64)
     pool = torch.zeros(8, 2, 16)
     with pytest.raises(RuntimeError, match="layer 1's K/V pools are not shaped like layer 0's"):
-        ops.decode_layers(
+        cpu_kernels.decode_layers(
             x, [torch.ones(64)] * 36, [pool, pool[:4].clone()], [pool.clone(), pool.clone()], torch.ones(1, 8),
             torch.zeros(1, 8), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.ones(64),
             [64, 64, 64, 64], 4, 1e-5, 0.25,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="13 weights for 1 layers \\(18 each\\)"):
-        ops.decode_layers(
+        cpu_kernels.decode_layers(
             x, [torch.ones(64)] * 13, [pool], [pool.clone()], torch.ones(1, 8), torch.zeros(1, 8),
             torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), torch.ones(64), [64, 64, 64, 64], 4, 1e-5, 0.25,
         )  # fmt: skip

@@ -70,12 +70,17 @@ def _random_prompts(tokenizer, rng, n, chars):
 FORMATS = ["none", "int8", "int4"]  # the formats `auto` picks on a CPU (float32 activations)
 
 
-@pytest.mark.parametrize("quantization", FORMATS)
-def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, tokenizer, quantization):
+@pytest.mark.parametrize(
+    "quantization,kv_cache_dtype", [*((q, "auto") for q in FORMATS), ("int4", "int8")]
+)  # int4 + int8 KV: make run's weights with the quantized KV cache
+def test_greedy_identical_cache_on_off_cold_warm_any_batch(
+    default_model_dir, tokenizer, quantization, kv_cache_dtype
+):
     """8 prompts of 400 random characters + 4 sharing a 400-token prefix: alone, batched, cold and
     warm, prefix cache on and off, prefill chunks of 128 or 96 tokens, all give the same greedy
     tokens, in every weight format `auto` picks on a CPU, at the default dtype (the invariance is the
-    engine's, not a test setting). The scheduler's limits are small (8 sequences) so the same paths
+    engine's, not a test setting), and with the int8 KV cache (a chunk's own K/V are read as the pool
+    stores them, so a cached prefix and a fresh one attend the same values). The scheduler's limits are small (8 sequences) so the same paths
     run on fewer tokens: prompts queue behind the running batch, every prompt is prefilled in chunks
     interleaved with decodes, and a cached prefix longer than a chunk is extended."""
     import random
@@ -91,13 +96,16 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(default_model_dir, to
         return Engine(
             EngineConfig(
                 model=ModelConfig(model=str(default_model_dir), device="cpu", quantization=quantization),
-                cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_cache=cache),
+                cache=CacheConfig(
+                    kv_cache_bytes=256 << 20, enable_prefix_cache=cache, kv_cache_dtype=kv_cache_dtype
+                ),
                 scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=chunk),
             )
         )
 
     off = engine_with(False, 128)
     assert off.runner.weight_format.quantization == quantization
+    assert off.runner.kv.quantized == (kv_cache_dtype == "int8")
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
     on = engine_with(True, 96)
     alone_idx = [0, 1, 8, 9]  # two random prompts and two sharing the prefix, one at a time, cold

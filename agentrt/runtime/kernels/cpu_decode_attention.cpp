@@ -14,11 +14,16 @@
 //   softmax gets one more logit sinks[h] that has no value row:
 //   out[t, h] = sum_l exp(s_l - m) v_l / (sum_l exp(s_l - m) + exp(sinks[h] - m)),
 //   m = max(max_l s_l, sinks[h]).
-// decode_attention(q [B, H, D], k_cache, v_cache, slots [B, L], lens [B], scale, sinks): the same,
-//   row b reading slot row b (a decode step: one new token per sequence).
+// decode_attention(q [B, H, D], k_cache, v_cache, slots [B, L], lens [B], scale, sinks, k_scale,
+//   v_scale): the same, row b reading slot row b (a decode step: one new token per sequence).
+// An int8 pool (runtime/kv_cache.py KVPool): k_cache / v_cache int8 [S, Hkv, D] with k_scale /
+//   v_scale float32 [S, Hkv] (contiguous), row (s, h) standing for data[s, h, :] * scale[s, h]; read
+//   in place, the scales applied on load: s_l = (q . k_l as below, on the int8 values as floats) times
+//   k_scale[l] then times `scale`; out = sum_l (e_l * v_scale[l]) v_l. A float32 pool takes no scales.
 // D up to 256 (Gemma 3's 256 included). Raises RuntimeError on bad shapes or dtypes, D not a multiple
-// of 8 or above 256, a slot outside the pool, a length outside [1, L], or sinks that are not a
-// contiguous float32 [H] CPU tensor.
+// of 8 or above 256, a slot outside the pool, a length outside [1, L], sinks that are not a
+// contiguous float32 [H] CPU tensor, an int8 pool without both scales or scales that are not
+// contiguous float32 [S, Hkv], or scales with a float32 pool.
 //
 // Order of the arithmetic, per query row and head (the invariant the tests check bitwise):
 // - scores: keys in groups of 8 from key 0; s_l = sum over d of q[d] k_l[d] as 8 lanes (lane i:
@@ -39,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -52,6 +58,10 @@ constexpr int64_t RB = 4;   // query rows per block
 using V8 = __m256;
 inline V8 vzero() { return _mm256_setzero_ps(); }
 inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+// 8 int8 values as floats (exact)
+inline V8 vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
 inline V8 vset1(float x) { return _mm256_set1_ps(x); }
 inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -105,6 +115,11 @@ inline V8 vzero() { return V8{}; }
 inline V8 vload(const float* p) {
   V8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+inline V8 vload(const int8_t* p) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
   return r;
 }
 inline void vstore(float* p, V8 a) {
@@ -166,7 +181,9 @@ inline float lanes_max(V8 a) {
 #endif
 
 struct Problem {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;          // [S, Hkv, D] float32, or int8 with scales
+  const float *ks, *vs;       // [S, Hkv] scales of an int8 pool, else nullptr
   const int64_t* slots;
   const int64_t* lens;
   float* out;
@@ -177,9 +194,13 @@ struct Problem {
 
 // One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads; ND = D / 8
 // when known at compile time (the accumulators then stay in registers), else 0 (P.D / 8 at run time).
-// scores: scratch, resized to nr * G * round_up(max len, 8) floats.
-template <int64_t ND>
+// scores: scratch, resized to nr * G * round_up(max len, 8) floats. KT: the pool's element type (float,
+// or int8_t with P.ks / P.vs: each key's score times its K scale, each weight times its V scale).
+template <int64_t ND, typename KT>
 void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_t hk, std::vector<float>& scores) {
+  constexpr bool QUANT = std::is_same<KT, int8_t>::value;
+  const KT* K = static_cast<const KT*>(P.k);
+  const KT* V = static_cast<const KT*>(P.v);
   const int64_t G = P.G, D = P.D, nd = ND ? ND : D / 8, np = nr * G;
   const int64_t* srow_slots = P.slots + srow * P.L;
   int64_t n[RB * 64];
@@ -191,14 +212,15 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
   const int64_t npad = (nmax + 7) / 8 * 8;
   scores.resize(np * npad);
   auto qrow = [&](int64_t p) { return P.q + ((t0 + p / G) * P.H + hk * G + p % G) * D; };
-  auto krow = [&](int64_t l) { return P.k + (srow_slots[std::min(l, nmax - 1)] * P.Hkv + hk) * D; };
+  auto kslot = [&](int64_t l) { return srow_slots[std::min(l, nmax - 1)]; };
+  auto krow = [&](int64_t l) { return K + (kslot(l) * P.Hkv + hk) * D; };
   // scores, 8 keys at a time
   for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
     const int64_t l1 = std::min(l0 + KB, nmax);
     for (int64_t p = 0; p < np; ++p) {
       const float* qp = qrow(p);
       for (int64_t g = l0; g < std::min(l1, n[p]); g += 8) {
-        const float* kr[8];
+        const KT* kr[8];
         for (int j = 0; j < 8; ++j) kr[j] = krow(g + j);
         V8 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = vmul(vload(qp), vload(kr[j]));
@@ -206,7 +228,13 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
           const V8 qv = vload(qp + c * 8);
           for (int j = 0; j < 8; ++j) acc[j] = vfma(qv, vload(kr[j] + c * 8), acc[j]);
         }
-        vstore(scores.data() + p * npad + g, vmul(reduce8x8(acc), vset1(P.scale)));
+        V8 dots = reduce8x8(acc);
+        if (QUANT) {  // each key's K scale, then the softmax scale
+          alignas(32) float ks[8];
+          for (int j = 0; j < 8; ++j) ks[j] = P.ks[kslot(g + j) * P.Hkv + hk];
+          dots = vmul(dots, vload(ks));
+        }
+        vstore(scores.data() + p * npad + g, vmul(dots, vset1(P.scale)));
       }
     }
   }
@@ -249,8 +277,9 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
       V8 a[ND ? ND : MAXC];
       for (int64_t c = 0; c < nd; ++c) a[c] = vload(ap + c * 8);
       for (int64_t l = l0; l < end; ++l) {
-        const float* vr = P.v + (srow_slots[l] * P.Hkv + hk) * D;
-        const V8 e = vset1(sp[l]);
+        const int64_t row = srow_slots[l] * P.Hkv + hk;
+        const KT* vr = V + row * D;
+        const V8 e = vset1(QUANT ? sp[l] * P.vs[row] : sp[l]);
         for (int64_t c = 0; c < nd; ++c) a[c] = vfma(e, vload(vr + c * 8), a[c]);
       }
       for (int64_t c = 0; c < nd; ++c) vstore(ap + c * 8, a[c]);
@@ -269,10 +298,24 @@ namespace agentrt_cpu {
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slots, const at::Tensor& seq, const at::Tensor& lens, double scale,
-                     const c10::optional<at::Tensor>& sinks) {
+                     const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "attention: q [T,H,D], caches [S,Hkv,D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "attention: float32 only");
+  const bool quant = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attention: q must be float32");
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || quant) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "attention: the K and V pools must both be float32 or both int8, got ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type());
+  TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
+              quant ? "attention: an int8 pool needs k_scale and v_scale" : "attention: scales only with an int8 pool");
+  if (quant) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == k_cache.size(1) && t->is_contiguous(),
+                  "attention: scales must be contiguous float32 [S, Hkv] = [", k_cache.size(0), ", ",
+                  k_cache.size(1), "], got ", t->scalar_type(), " ", t->sizes());
+    }
+  }
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && seq.scalar_type() == at::kLong,
               "attention: int64 slots, seq and lens");
   TORCH_CHECK(slots.dim() == 2 && lens.dim() == 1 && seq.dim() == 1, "attention: slots [R, L], seq [T], lens [T]");
@@ -317,17 +360,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
   const int64_t nblocks = static_cast<int64_t>(starts.size());
   starts.push_back(T);
-  const Problem P{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, lp,
-                  out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale), sinks_p};
+  const Problem P{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  quant ? k_scale->data_ptr<float>() : nullptr, quant ? v_scale->data_ptr<float>() : nullptr,
+                  sp, lp, out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale), sinks_p};
   at::parallel_for(0, nblocks * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, t0 = starts[b];
       const int64_t nr = starts[b + 1] - t0, srow = qs ? qs[t0] : t0;
+      const int64_t hk = item % Hkv;
       switch (D) {  // the usual head sizes get their own unrolled copies (same arithmetic)
-        case 64: attend_block<8>(P, t0, nr, srow, item % Hkv, scores); break;
-        case 128: attend_block<16>(P, t0, nr, srow, item % Hkv, scores); break;
-        default: attend_block<0>(P, t0, nr, srow, item % Hkv, scores);
+        case 64:
+          quant ? attend_block<8, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<8, float>(P, t0, nr, srow, hk, scores);
+          break;
+        case 128:
+          quant ? attend_block<16, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<16, float>(P, t0, nr, srow, hk, scores);
+          break;
+        default:
+          quant ? attend_block<0, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<0, float>(P, t0, nr, srow, hk, scores);
       }
     }
   });
@@ -336,19 +386,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale,
-                            const c10::optional<at::Tensor>& sinks) {
+                            const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(slots.dim() == 2 && q.dim() == 3 && slots.size(0) == q.size(0),
               "decode_attention: one slot row per sequence");
-  return attention(q, k_cache, v_cache, slots, at::empty({0}, slots.options()), lens, scale, sinks);
+  return attention(q, k_cache, v_cache, slots, at::empty({0}, slots.options()), lens, scale, sinks, k_scale,
+                   v_scale);
 }
 
 }  // namespace agentrt_cpu
 
 TORCH_LIBRARY(agentrt_cpu, m) {
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq, Tensor lens, float scale, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {

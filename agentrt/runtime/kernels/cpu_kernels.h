@@ -15,16 +15,22 @@
 
 namespace agentrt_cpu {
 
-// sinks: [H] float32 attention-sink logits (gpt-oss), or none (cpu_decode_attention.cpp)
+// sinks: [H] float32 attention-sink logits (gpt-oss), or none; k_scale / v_scale: [S, Hkv] float32
+// scales of an int8 pool, or none for a float32 one (cpu_decode_attention.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale,
-                            const c10::optional<at::Tensor>& sinks = c10::nullopt);
+                            const c10::optional<at::Tensor>& sinks = c10::nullopt,
+                            const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                            const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);
+// k_scale / v_scale: an int8 pool's [S, Hkv] float32 scales (the rows are quantized), or none (cpu_layer_ops.cpp)
 std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                              const at::Tensor& slot_mapping, int64_t H);
+                                              const at::Tensor& slot_mapping, int64_t H,
+                                              const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                                              const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor pack_int8(const at::Tensor& q);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from agentrt.runtime.hardware import cpu_info, kernel_isa
+from agentrt.runtime.kv_cache import QuantizedKV
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,12 @@ OPS = (
     "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa",
 )  # fmt: skip
 # arguments an op's schema must name (a library built before them registers the op without them)
-OP_ARGS = {"attention": ("sinks",), "decode_attention": ("sinks",)}
+OP_ARGS = {
+    "attention": ("sinks", "k_scale"),
+    "decode_attention": ("sinks", "k_scale"),
+    "rope_store": ("k_scale",),
+    "decode_layers": ("k_scales",),
+}
 # -fopenmp: at::parallel_for is inline OpenMP code (without it the kernel ran on one thread);
 # libgomp.so.1 resolves to the copy torch has already loaded (same soname): one thread pool.
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
@@ -218,16 +224,28 @@ def _load(cache_dir: Path) -> str | None:
         return failure
 
 
+def _pool(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(K data, V data, K scales, V scales) of one layer's caches: float32 tensors (no scales) or an
+    int8 pool's QuantizedKV pair (kv_cache.py). Raises ValueError when one is quantized and the other not."""
+    kq, vq = isinstance(k_cache, QuantizedKV), isinstance(v_cache, QuantizedKV)
+    if kq != vq:
+        raise ValueError("the K and V caches must both be int8 (QuantizedKV) or both plain tensors")
+    if kq:
+        return k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
+    return k_cache, v_cache, None, None
+
+
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] float32, caches [S, Hkv, D] float32, slots [B, L] int64 (padded), lens [B] int64
+    """q [B, H, D] float32, caches [S, Hkv, D] float32 (or an int8 pool's kv_cache.QuantizedKV: int8
+    data, [S, Hkv] float32 scales, read in place), slots [B, L] int64 (padded), lens [B] int64
     -> out [B, H, D] float32: softmax(q k^T * scale) v over each sequence's first lens[b] slots
     (grouped-query: query head h reads KV head h // (H / Hkv)); D a multiple of 8, at most 256.
 
@@ -237,20 +255,22 @@ def decode_attention(
     less than 1 (out = sum_l exp(s_l - m) v_l / (sum_l exp(s_l - m) + exp(sinks[h] - m)),
     m = max(max_l s_l, sinks[h])). Raises RuntimeError on bad shapes, dtypes, a slot outside the
     pool, a length outside [1, L], or sinks of the wrong dtype, shape or layout."""
+    k, v, ks, vs = _pool(k_cache, v_cache)
     return torch.ops.agentrt_cpu.decode_attention(
-        q.contiguous(), k_cache, v_cache, slots, lens, q.shape[-1] ** -0.5 if scale is None else scale, sinks
+        q.contiguous(), k, v, slots, lens, q.shape[-1] ** -0.5 if scale is None else scale, sinks, ks, vs
     )
 
 
 def attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     rows,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] float32, caches [S, Hkv, D] float32, rows: attention.KernelRows (slots [R, L],
+    """q [T, H, D] float32, caches [S, Hkv, D] float32 (or an int8 pool's kv_cache.QuantizedKV, read in
+    place, the scales applied on load), rows: attention.KernelRows (slots [R, L],
     seq [T], lens [T] int64) -> out [T, H, D] float32: for each new token t, softmax(q k^T * scale) v
     over the first lens[t] slots of its slot row, in an order that depends on that token alone
     (batch-invariant: kernels/cpu_decode_attention.cpp); D a multiple of 8, at most 256.
@@ -259,13 +279,58 @@ def attention(
     attention-sink logits, one per query head, as in `decode_attention`. Raises RuntimeError on bad
     shapes, dtypes, a slot outside the pool, a length outside [1, L], or sinks of the wrong dtype,
     shape or layout."""
+    k, v, ks, vs = _pool(k_cache, v_cache)
     return torch.ops.agentrt_cpu.attention(
         q.contiguous(),
-        k_cache,
-        v_cache,
+        k,
+        v,
         rows.slots,
         rows.seq,
         rows.lens,
         q.shape[-1] ** -0.5 if scale is None else scale,
         sinks,
+        ks,
+        vs,
     )
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache,
+    v_cache,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) D] float32, cos / sin [T, D/2] float32, caches [S, Hkv, D] float32 or an int8
+    pool's QuantizedKV pair, slot_mapping [T] int64 -> (q [T, H, D], k [T, Hkv, D]) rotated; k and v
+    are written to the pool (quantized per token and KV head into an int8 pool, bit for bit as
+    kv_cache.quantize_kv on the same float32 rows). RuntimeError on bad shapes or dtypes
+    (kernels/cpu_layer_ops.cpp)."""
+    k, v, ks, vs = _pool(k_cache, v_cache)
+    return torch.ops.agentrt_cpu.rope_store(qkv, cos, sin, k, v, slot_mapping, num_heads, ks, vs)
+
+
+def stack_caches(caches) -> bool:
+    """Whether `decode_layers` can take these per-layer caches: all float32 tensors or all int8 pools."""
+    return all(isinstance(c, QuantizedKV) for c in caches) or all(
+        isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in caches
+    )
+
+
+def decode_layers(x: torch.Tensor, weights, k_caches, v_caches, *args) -> torch.Tensor:
+    """`torch.ops.agentrt_cpu.decode_layers` (kernels/cpu_decode_layers.cpp: its arguments after the
+    caches, in order) over per-layer caches that are float32 tensors or int8 pools (QuantizedKV: their
+    data and scale lists go to the op separately)."""
+    if k_caches and isinstance(k_caches[0], QuantizedKV):
+        return torch.ops.agentrt_cpu.decode_layers(
+            x,
+            weights,
+            [c.data for c in k_caches],
+            [c.data for c in v_caches],
+            *args,
+            [c.scale for c in k_caches],
+            [c.scale for c in v_caches],
+        )
+    return torch.ops.agentrt_cpu.decode_layers(x, weights, k_caches, v_caches, *args, [], [])

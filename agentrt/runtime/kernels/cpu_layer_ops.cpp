@@ -7,8 +7,12 @@
 // add_rms_norm(x [T, D], delta [T, D], w [D], eps) -> (x + delta, rms_norm(x + delta))  (vLLM's fused
 //     residual add: the sum is the next residual, the norm the next layer's input)
 // rope_store(qkv [T, (H + 2 Hkv) D], cos [T, D/2], sin [T, D/2], k_cache [S, Hkv, D], v_cache,
-//     slot_mapping [T] int64, H) -> (q [T, H, D], k [T, Hkv, D]), both rotated (RoFormer, half-split
-//     layout); k and v are written to the pool rows slot_mapping[t]
+//     slot_mapping [T] int64, H, k_scale, v_scale) -> (q [T, H, D], k [T, Hkv, D]), both rotated
+//     (RoFormer, half-split layout); k and v are written to the pool rows slot_mapping[t]: float32
+//     pools as they are, int8 pools (k_cache / v_cache int8 with k_scale / v_scale float32 [S, Hkv])
+//     quantized per token and KV head exactly as runtime/kv_cache.py quantize_kv: amax = max |x|,
+//     q = nearbyint(x * (127 / amax)) clamped to [-127, 127], scale = amax / 127 (amax < 1e-30: zeros,
+//     scale 0; a NaN row: zeros, scale NaN)
 // silu_mul(gate_up [T, 2 I]) -> silu(gate) * up [T, I]  (SwiGLU, Shazeer 2020; torch's own silu and
 //     mul, called from C++, so the result is bit-identical to the Python path)
 // All float32, contiguous; errors are RuntimeErrors naming the problem.
@@ -17,6 +21,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -84,6 +89,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 namespace {
 
+// One row of D floats -> D int8 and its scale (runtime/kv_cache.py quantize_kv, the same float32
+// operations: one division for 127 / amax, one product and a round-half-even per element).
+inline void quantize_kv_row(const float* x, int8_t* q, float* scale, int64_t D) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = std::fabs(x[d]);
+    nan = nan || a != a;
+    amax = a > amax ? a : amax;
+  }
+  if (nan) amax = NAN;
+  const bool ok = amax >= 1e-30f;
+  const float inv = ok ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float v = std::nearbyint(x[d] * inv);
+    v = std::min(std::max(v, -127.f), 127.f);
+    q[d] = static_cast<int8_t>(v == v ? v : 0.f);  // NaN (inf x 0) -> 0; a NaN cast would be undefined
+  }
+  *scale = (ok || nan) ? amax / 127.f : 0.f;
+}
+
 inline void rotate(const float* x, const float* c, const float* s, float* y, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
@@ -98,14 +124,26 @@ namespace agentrt_cpu {
 
 std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                              const at::Tensor& slot_mapping, int64_t H) {
+                                              const at::Tensor& slot_mapping, int64_t H,
+                                              const c10::optional<at::Tensor>& k_scale,
+                                              const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat,
               "rope_store: qkv must be a contiguous float32 [T, (H + 2 Hkv) D] tensor");
+  const bool quant = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat,
-              "rope_store: caches must be contiguous float32 [S, Hkv, D] tensors of one shape");
+                  (k_cache.scalar_type() == at::kFloat || quant) && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "rope_store: caches must be contiguous float32 (or int8) [S, Hkv, D] tensors of one shape and dtype");
   const int64_t T = qkv.size(0), S = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
+              quant ? "rope_store: an int8 pool needs k_scale and v_scale" : "rope_store: scales only with an int8 pool");
+  if (quant) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == S && t->size(1) == Hkv &&
+                      t->is_contiguous(),
+                  "rope_store: scales must be contiguous float32 [S, Hkv] = [", S, ", ", Hkv, "]");
+    }
+  }
   TORCH_CHECK(D % 2 == 0 && H > 0 && qkv.size(1) == (H + 2 * Hkv) * D, "rope_store: qkv width ", qkv.size(1),
               " is not (H + 2 Hkv) D = ", (H + 2 * Hkv) * D);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 &&
@@ -125,8 +163,6 @@ std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::T
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* row = xp + t * W;
@@ -134,8 +170,19 @@ std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::T
       const float* s = sp + t * half;
       for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, qp + (t * H + h) * D, half);
       for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, c, s, kp + (t * Hkv + h) * D, half);
-      std::copy(kp + t * Hkv * D, kp + (t + 1) * Hkv * D, kc + slots[t] * Hkv * D);
-      std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, vc + slots[t] * Hkv * D);
+      if (quant) {
+        int8_t* kc = k_cache.data_ptr<int8_t>() + slots[t] * Hkv * D;
+        int8_t* vc = v_cache.data_ptr<int8_t>() + slots[t] * Hkv * D;
+        float* ks = k_scale->data_ptr<float>() + slots[t] * Hkv;
+        float* vs = v_scale->data_ptr<float>() + slots[t] * Hkv;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          quantize_kv_row(kp + (t * Hkv + h) * D, kc + h * D, ks + h, D);
+          quantize_kv_row(row + (H + Hkv + h) * D, vc + h * D, vs + h, D);
+        }
+      } else {
+        std::copy(kp + t * Hkv * D, kp + (t + 1) * Hkv * D, k_cache.data_ptr<float>() + slots[t] * Hkv * D);
+        std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, v_cache.data_ptr<float>() + slots[t] * Hkv * D);
+      }
     }
   });
   return {q, k};
@@ -152,7 +199,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int H) -> (Tensor, Tensor)");
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int H, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 

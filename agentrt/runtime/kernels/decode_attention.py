@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
-from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
+from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step, pool_args
 
 
 @triton.jit
@@ -51,6 +51,10 @@ def _decode_split_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    KScale,
+    VScale,
+    stride_kss,
+    stride_vss,
     stride_pt,
     stride_ob,
     stride_oh,
@@ -64,6 +68,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
@@ -117,9 +122,17 @@ def _decode_split_kernel(
             stride_kh,
             stride_vs,
             stride_vh,
+            KScale,
+            VScale,
+            stride_kss,
+            stride_vss,
             PAGE_SIZE,
             UPCAST,
+            QUANT,
         )
+        if QUANT:  # de-quantized fp32: the dot's operands in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
@@ -227,8 +240,8 @@ def decode_splits(max_seq_len: int, split_tokens: int = SPLIT_TOKENS, window: in
 
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float | None = None,
@@ -243,7 +256,8 @@ def decode_attention(
     """Attention of one new token per sequence over its whole context in the KV pool.
 
     q: [B, H, D] (the new tokens' queries, RoPE applied); k_cache / v_cache: [S, Hkv, D] with the
-    new tokens' K/V already stored; page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
+    new tokens' K/V already stored (tensors, or an int8 pool's kv_cache.QuantizedKV: de-quantized
+    on load, data x the row's scale); page_table: [B, P] int32 page ids; seq_lens: [B] int32 tokens of
     context per sequence, new token included (0 = a padding row: its output is 0).
     H must be a multiple of Hkv; the last dimension of q and the caches must be contiguous. Returns out [B, H, D] in q's dtype (written into `out` if given).
     `num_splits` sets the grid (static for CUDA graph capture): `decode_splits(longest seq_len,
@@ -258,6 +272,7 @@ def decode_attention(
     positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
     batch, num_heads, head_dim = q.shape
+    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
@@ -295,6 +310,10 @@ def decode_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        k_scale,
+        v_scale,
+        stride_kss,
+        stride_vss,
         page_table.stride(0),
         part_out.stride(0),
         part_out.stride(1),
@@ -308,6 +327,7 @@ def decode_attention(
         BLOCK_N=64 if block_d <= 64 else 32,
         BLOCK_D=block_d,
         UPCAST=upcast_dot(q.dtype),
+        QUANT=quant,
         HAS_ROWS=page_rows is not None,
         PRECISION=dot_precision(q.dtype),
         MAX_SPLITS=MAX_SPLITS,
@@ -335,13 +355,14 @@ def decode_attention(
     return out
 
 
-def gather_kv_ref(
-    cache: torch.Tensor, page_table: torch.Tensor, b: int, length: int, page_size: int
-) -> torch.Tensor:
-    """Torch reference of the paged addressing: [length, Hkv, D] K or V of sequence b."""
+def gather_kv_ref(cache, page_table: torch.Tensor, b: int, length: int, page_size: int) -> torch.Tensor:
+    """Torch reference of the paged addressing: [length, Hkv, D] K or V of sequence b (an int8
+    pool's rows de-quantized to float32: kv_cache.gather_kv)."""
+    from agentrt.runtime.kv_cache import gather_kv
+
     j = torch.arange(length, device=cache.device)
     slots = page_table[b, j // page_size].long() * page_size + j % page_size
-    return cache[slots]
+    return gather_kv(cache, slots)
 
 
 def softmax_with_sinks_ref(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

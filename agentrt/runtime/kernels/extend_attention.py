@@ -23,7 +23,7 @@ import triton.language as tl
 
 from agentrt.runtime.kernels import dot_precision, require_contiguous_heads, upcast_dot
 from agentrt.runtime.kernels.decode_attention import check_window_sinks, gather_kv_ref, softmax_with_sinks_ref
-from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step
+from agentrt.runtime.kernels.paged import load_paged_kv, online_softmax_step, pool_args
 
 
 @triton.jit
@@ -49,6 +49,10 @@ def _extend_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    KScale,
+    VScale,
+    stride_kss,
+    stride_vss,
     stride_ot,
     stride_oh,
     stride_pt,
@@ -60,6 +64,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -120,9 +125,17 @@ def _extend_kernel(
             stride_kh,
             stride_vs,
             stride_vh,
+            KScale,
+            VScale,
+            stride_kss,
+            stride_vss,
             PAGE_SIZE,
             UPCAST,
+            QUANT,
         )
+        if QUANT:  # de-quantized fp32: the dot's operands in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * sm_scale
         new_col = offs_n - prefix  # index among the new tokens (negative: a prefix key)
         if HAS_TREE:
@@ -159,8 +172,8 @@ def _extend_kernel(
 
 def extend_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     q_starts: torch.Tensor,
     q_lens: torch.Tensor,
     prefix_lens: torch.Tensor,
@@ -179,7 +192,8 @@ def extend_attention(
 
     q: [T, H, D] queries (RoPE applied); sequence b's new tokens are rows
     [q_starts[b], q_starts[b] + q_lens[b]) at positions prefix_lens[b] + i. k_cache / v_cache:
-    [S, Hkv, D] holding the prefix and the new tokens' K/V; page_table: [B, P] int32 page ids
+    [S, Hkv, D] holding the prefix and the new tokens' K/V (tensors, or an int8 pool's
+    kv_cache.QuantizedKV: de-quantized on load); page_table: [B, P] int32 page ids
     covering prefix_lens[b] + q_lens[b] tokens; q_starts / q_lens / prefix_lens: [B] int32;
     max_q_len: at least the max of q_lens (sets the grid; rows past it are not computed).
     tree_mask (optional): flat uint8 with, for sequence b, a [q_lens[b], q_lens[b]] row-major block
@@ -200,6 +214,7 @@ def extend_attention(
     not a positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
+    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
@@ -237,6 +252,10 @@ def extend_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        k_scale,
+        v_scale,
+        stride_kss,
+        stride_vss,
         out.stride(0),
         out.stride(1),
         page_table.stride(0),
@@ -248,6 +267,7 @@ def extend_attention(
         BLOCK_N=32,
         BLOCK_D=block_d,
         UPCAST=upcast_dot(q.dtype),
+        QUANT=quant,
         HAS_ROWS=page_rows is not None,
         PRECISION=dot_precision(q.dtype),
         HAS_WINDOW=window > 0,

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from agentrt.runtime.kernels.paged import pool_args
+from agentrt.runtime.kv_cache import store_kv
+
 
 @triton.jit
 def _rope_store_kernel(
@@ -25,6 +28,8 @@ def _rope_store_kernel(
     SlotMapping,
     KCache,
     VCache,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -38,6 +43,8 @@ def _rope_store_kernel(
     stride_kch,
     stride_vcs,
     stride_vch,
+    stride_kss,
+    stride_vss,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -46,6 +53,7 @@ def _rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # HALF = rotary_dim // 2: features [0, HALF) pair with [HALF, 2 * HALF); features
     # [2 * HALF, 2 * HALF + PASS) (partial rotary, PASS = head_dim - rotary_dim) are copied as is.
@@ -75,26 +83,73 @@ def _rope_store_kernel(
     slot = tl.load(SlotMapping + t)
     if slot >= 0:
         offs_kh = tl.arange(0, BLOCK_KH)
-        km = (offs_kh < NUM_KV_HEADS)[:, None] & d_mask[None, :]
+        h_mask = offs_kh < NUM_KV_HEADS
+        km = h_mask[:, None] & d_mask[None, :]
         kp = K + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
         k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
         kc = KCache + slot * stride_kcs + offs_kh[:, None] * stride_kch + offs_d[None, :]
-        tl.store(kc, (k1 * c - k2 * s).to(KCache.dtype.element_ty), mask=km)
-        tl.store(kc + HALF, (k2 * c + k1 * s).to(KCache.dtype.element_ty), mask=km)
         vp = V + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
         vc = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + offs_d[None, :]
-        tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
-        tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
-        if PASS > 0:
-            offs_p = tl.arange(0, BLOCK_PASS)
-            kpm = (offs_kh < NUM_KV_HEADS)[:, None] & (offs_p < PASS)[None, :]
-            kpp = K + t * stride_kt + offs_kh[:, None] * stride_kh + 2 * HALF + offs_p[None, :]
-            kcp = KCache + slot * stride_kcs + offs_kh[:, None] * stride_kch + 2 * HALF + offs_p[None, :]
-            tl.store(kcp, tl.load(kpp, mask=kpm, other=0.0).to(KCache.dtype.element_ty), mask=kpm)
-            vpp = V + t * stride_vt + offs_kh[:, None] * stride_vh + 2 * HALF + offs_p[None, :]
-            vcp = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + 2 * HALF + offs_p[None, :]
-            tl.store(vcp, tl.load(vpp, mask=kpm, other=0.0).to(VCache.dtype.element_ty), mask=kpm)
+        offs_p = tl.arange(0, BLOCK_PASS)
+        kpm = h_mask[:, None] & (offs_p < PASS)[None, :]
+        kpp = K + t * stride_kt + offs_kh[:, None] * stride_kh + 2 * HALF + offs_p[None, :]
+        kcp = KCache + slot * stride_kcs + offs_kh[:, None] * stride_kch + 2 * HALF + offs_p[None, :]
+        vpp = V + t * stride_vt + offs_kh[:, None] * stride_vh + 2 * HALF + offs_p[None, :]
+        vcp = VCache + slot * stride_vcs + offs_kh[:, None] * stride_vch + 2 * HALF + offs_p[None, :]
+        if QUANT:
+            # the rotated key in the activations' dtype (what the torch path quantizes), then per head:
+            # amax, 127 / amax, round half to even (the 1.5 * 2^23 trick: exact for |x| < 2^22)
+            kr1 = (k1 * c - k2 * s).to(K.dtype.element_ty).to(tl.float32)
+            kr2 = (k2 * c + k1 * s).to(K.dtype.element_ty).to(tl.float32)
+            v1 = tl.load(vp, mask=km, other=0.0).to(tl.float32)
+            v2 = tl.load(vp + HALF, mask=km, other=0.0).to(tl.float32)
+            kx = tl.load(kpp, mask=kpm, other=0.0).to(tl.float32)
+            vx = tl.load(vpp, mask=kpm, other=0.0).to(tl.float32)
+            k_amax = tl.maximum(tl.max(tl.abs(kr1), 1), tl.max(tl.abs(kr2), 1))
+            v_amax = tl.maximum(tl.max(tl.abs(v1), 1), tl.max(tl.abs(v2), 1))
+            if PASS > 0:
+                k_amax = tl.maximum(k_amax, tl.max(tl.abs(kx), 1))
+                v_amax = tl.maximum(v_amax, tl.max(tl.abs(vx), 1))
+            k_inv = _inv_scale(k_amax)
+            v_inv = _inv_scale(v_amax)
+            tl.store(kc, _round_int8(kr1 * k_inv[:, None]), mask=km)
+            tl.store(kc + HALF, _round_int8(kr2 * k_inv[:, None]), mask=km)
+            tl.store(vc, _round_int8(v1 * v_inv[:, None]), mask=km)
+            tl.store(vc + HALF, _round_int8(v2 * v_inv[:, None]), mask=km)
+            if PASS > 0:
+                tl.store(kcp, _round_int8(kx * k_inv[:, None]), mask=kpm)
+                tl.store(vcp, _round_int8(vx * v_inv[:, None]), mask=kpm)
+            tl.store(KScale + slot * stride_kss + offs_kh, _scale(k_amax), mask=h_mask)
+            tl.store(VScale + slot * stride_vss + offs_kh, _scale(v_amax), mask=h_mask)
+        else:
+            tl.store(kc, (k1 * c - k2 * s).to(KCache.dtype.element_ty), mask=km)
+            tl.store(kc + HALF, (k2 * c + k1 * s).to(KCache.dtype.element_ty), mask=km)
+            tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+            tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+            if PASS > 0:
+                tl.store(kcp, tl.load(kpp, mask=kpm, other=0.0).to(KCache.dtype.element_ty), mask=kpm)
+                tl.store(vcp, tl.load(vpp, mask=kpm, other=0.0).to(VCache.dtype.element_ty), mask=kpm)
+
+
+@triton.jit
+def _inv_scale(amax):
+    """127 / amax per row (IEEE-rounded division), 0 where amax < QUANT_MIN_AMAX (kv_cache.quantize_kv)."""
+    ok = amax >= 1e-30
+    return tl.where(ok, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(ok, amax, 1.0)), 0.0)
+
+
+@triton.jit
+def _scale(amax):
+    """amax / 127 per row, 0 where amax < QUANT_MIN_AMAX."""
+    return tl.where(amax >= 1e-30, tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 0.0)
+
+
+@triton.jit
+def _round_int8(y):
+    """fp32 y (|y| <= 127 up to rounding) -> int8 round-half-even, clamped to [-127, 127]."""
+    r = (y + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
 
 
 def _rotary_half(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
@@ -119,8 +174,8 @@ def rope_and_store(
     sin: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of T new tokens and store k, v into the pool.
@@ -129,7 +184,10 @@ def rope_and_store(
     must be contiguous); cos / sin: [max_positions, rotary_dim // 2] fp32 tables, rotary_dim <= D
     (< D: partial rotary, features [rotary_dim, D) of q and k pass through); positions: [T] int64;
     slot_mapping: [T] int64 pool slot per token (-1 = do not store: a padding row);
-    k_cache / v_cache: [S, Hkv, D]. Math in fp32. Returns the rotated q [T, H, D] (`q_out` if
+    k_cache / v_cache: [S, Hkv, D] tensors (written in their dtype), or an int8 pool's
+    kv_cache.QuantizedKV pair: each token's K and V head rows quantized as kv_cache.quantize_kv (the
+    rotated key rounded to k's dtype first, as the torch path has it), the same bytes for the same
+    rows. Math in fp32. Returns the rotated q [T, H, D] (`q_out` if
     given, else a new tensor). Raises ValueError on a rotary_dim of 0 or over D, cos / sin tables
     of different shapes, or a non-contiguous last dim.
     """
@@ -143,6 +201,7 @@ def rope_and_store(
     if num_tokens == 0:
         return q_out
     passthrough = head_dim - 2 * half
+    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     _rope_store_kernel[(num_tokens,)](
         q,
         k,
@@ -154,6 +213,8 @@ def rope_and_store(
         slot_mapping,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -167,6 +228,8 @@ def rope_and_store(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        stride_kss,
+        stride_vss,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
@@ -175,12 +238,14 @@ def rope_and_store(
         BLOCK_HALF=triton.next_power_of_2(half),
         PASS=passthrough,
         BLOCK_PASS=triton.next_power_of_2(max(passthrough, 1)),
+        QUANT=quant,
     )
     return q_out
 
 
 def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
-    """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes); partial rotary
+    """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes; an int8 pool's rows
+    quantized by kv_cache.store_kv); partial rotary
     (rotary_dim = 2 * cos.shape[-1] < head_dim) leaves features [rotary_dim, head_dim) as they are."""
     half = _rotary_half(cos, sin, q.shape[-1])
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
@@ -191,6 +256,6 @@ def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_ca
         return torch.cat((out, x[..., 2 * half :]), dim=-1)
 
     keep = slot_mapping >= 0
-    k_cache[slot_mapping[keep]] = rot(k)[keep].to(k_cache.dtype)
-    v_cache[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
+    store_kv(k_cache, slot_mapping[keep], rot(k)[keep])
+    store_kv(v_cache, slot_mapping[keep], v[keep])
     return rot(q)

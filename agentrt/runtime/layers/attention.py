@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from agentrt.runtime.attention import kernel_cache
+from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.layers.norm import RMSNorm
 
 
@@ -35,8 +37,10 @@ class AttentionConfig:
 
 
 class Attention(nn.Module):
-    """forward(x [T, hidden], k_cache, v_cache [S, Hkv, D], meta, rope) -> [T, hidden]; rope: the
-    layer's (cos, sin) tables [max_positions, rotary_dim // 2] float32, None = the model's first."""
+    """forward(x [T, hidden], k_cache, v_cache [S, Hkv, D], meta, rope) -> [T, hidden]; the caches are
+    tensors, or an int8 pool's kv_cache.QuantizedKV (written quantized, read de-quantized on load);
+    rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2] float32, None = the model's
+    first."""
 
     def __init__(self, cfg: AttentionConfig):
         super().__init__()
@@ -57,15 +61,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         fused = getattr(meta, "ops_fused", False)
         cos, sin = meta.rope_rows(rope) if fused else (None, None)
-        if fused and 2 * cos.shape[-1] == self.head_dim:
+        if fused and 2 * cos.shape[-1] == self.head_dim and kernel_cache(k_cache):
             if self.cfg.qk_norm:  # norm each head of q and k in place, then the one op below
                 q_end, k_end = self.q_size, self.q_size + self.kv_size
                 qkv[:, :q_end] = self.q_norm.forward_fused(qkv[:, :q_end], True)
                 qkv[:, q_end:k_end] = self.k_norm.forward_fused(qkv[:, q_end:k_end], True)
-            # rotate q and k, write k and v to the pool: one C++ op
-            q, k = torch.ops.agentrt_cpu.rope_store(
-                qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads
-            )
+            # rotate q and k, write k and v to the pool (float32, or quantized to int8): one C++ op
+            q, k = cpu_kernels.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -14,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.layers.attention import Attention, AttentionConfig
 from agentrt.runtime.layers.mlp import GatedMLP
 from agentrt.runtime.layers.moe import SparseMoE
@@ -148,11 +149,13 @@ class DecoderModel(nn.Module):
             bool(getattr(meta, "cpu_kernel", False)) and x.dtype == torch.float32 and x.device.type == "cpu"
         )
         meta.ops_fused = fused
-        stack = self.decode_stack() if fused and meta.decode_idx is not None and not meta.prefills else None
+        stack = None
+        if fused and meta.decode_idx is not None and not meta.prefills and cpu_kernels.stack_caches(k_caches):
+            stack = self.decode_stack()
         if stack is not None:  # a decode-only batch: the whole stack in one C++ op (cpu_decode_layers.cpp)
             weights, out_features = stack
             n = len(self.layers) if num_layers is None else num_layers
-            return torch.ops.agentrt_cpu.decode_layers(
+            return cpu_kernels.decode_layers(
                 x, weights[: n * 18], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
                 meta.decode_slots, meta.decode_lens, self.norm.weight, out_features, self.arch.num_heads,
                 self.arch.rms_norm_eps, self.arch.head_dim**-0.5,
