@@ -5,7 +5,9 @@ of block i-1's key and block i's token ids, and block 0's parent is a root key m
 namespace (`salt`). So a key names a whole prefix (every token up to the block's end, in its
 namespace) in 16 bytes, any tier can hold any block without a tree, and the same prompt finds the
 same keys after a restart (the scheme vLLM's prefix caching and LMCache use for the same reason).
-A trailing partial block has no key: it is not stored in the lower tiers.
+A trailing partial block (a finished request's last < block_tokens tokens, written through to disk
+so a returning prompt resumes exactly where it stopped) has a `tail_key` of its own, in another hash
+domain, under the key of the full block before it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ def block_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     """Key of a block of token ids under its parent key. Raises OverflowError for a token id
     outside [0, 2**32)."""
     return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=KEY_BYTES).digest()
+
+
+def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """Key of a trailing partial block (fewer tokens than a block) under its parent key; never equal
+    to a block_key (its own hash domain). Raises OverflowError for a token id outside [0, 2**32)."""
+    return hashlib.blake2b(
+        b"agentrt-kv-tail\x00" + parent + array("I", tokens).tobytes(), digest_size=KEY_BYTES
+    ).digest()
 
 
 def chain_keys(token_ids: list[int], salt: str, block_tokens: int) -> list[bytes]:

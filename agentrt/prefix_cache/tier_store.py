@@ -69,8 +69,24 @@ class BlockCodec:
             raw, codec=b.Codec.ZSTD, clevel=1, filters=[b.Filter.SHUFFLE], typesize=self.typesize, nthreads=1
         )
 
-    def decode(self, blob: bytes) -> bytes:
-        return blob if self.name == "none" else self._blosc2.decompress2(blob)
+    def decode(self, blob: bytes | memoryview, out: memoryview | None = None) -> bytes | memoryview:
+        """The raw bytes of `blob`; with `out` (a writable buffer of exactly the raw size, e.g. a
+        numpy view of a tensor row) decoded into it, in place, and `out` returned. ValueError when
+        the decoded size is not out's."""
+        if self.name == "none":
+            if out is None:
+                return blob
+            if len(blob) != len(out):
+                raise ValueError(f"a KV block decoded to {len(blob)} bytes, expected {len(out)}")
+            out[:] = blob
+            return out
+        if out is None:
+            return self._blosc2.decompress2(blob)
+        size = self._blosc2.get_cbuffer_sizes(blob)[0]
+        if size != len(out):
+            raise ValueError(f"a KV block decoded to {size} bytes, expected {len(out)}")
+        self._blosc2.decompress2(blob, dst=out)
+        return out
 
 
 class HostTier:
@@ -254,8 +270,9 @@ class DiskTier:
             return None
         if len(data) != _HEADER.size + 4 * n + payload:
             return None
-        tokens = data[_HEADER.size : _HEADER.size + 4 * n]
-        blob = data[_HEADER.size + 4 * n :]
+        view = memoryview(data)  # slices without copying the payload
+        tokens = view[_HEADER.size : _HEADER.size + 4 * n]
+        blob = view[_HEADER.size + 4 * n :]
         if zlib.crc32(blob, zlib.crc32(tokens)) != crc:
             return None
         return Block(key, struct.unpack(f"<{n}I", tokens), blob)

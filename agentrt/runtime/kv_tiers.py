@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.prefix_cache.block_keys import chain_keys
+from agentrt.prefix_cache.block_keys import chain_keys, root_key, tail_key
 from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
 from agentrt.runtime.kv_cache import KVPool
 
@@ -45,8 +45,9 @@ FORMAT_VERSION = 1  # of the block payload layout; part of the fingerprint
 
 @dataclass
 class TierLoad:
-    """A running load of blocks `first_block`.. of a prompt (`keys` in order). Its future gives the
-    LoadedBlocks (possibly fewer blocks than asked, when one was gone or failed its check)."""
+    """A running load of blocks `first_block`.. of a prompt (`keys` in order; the last may be a
+    trailing partial block, block_keys.tail_key). Its future gives the LoadedBlocks (possibly fewer
+    blocks than asked, when one was gone or failed its check)."""
 
     first_block: int
     keys: list[bytes]
@@ -56,7 +57,8 @@ class TierLoad:
 @dataclass
 class LoadedBlocks:
     """Decoded blocks: `rows[i]` holds tensor i of the pool's state tensors for every loaded token
-    ([num_blocks * block_tokens, *row shape], the pool's dtype, on the CPU); `tiers[j]` is where
+    ([loaded tokens, *row shape], the pool's dtype, on the CPU; a block is block_tokens tokens, a
+    trailing partial block fewer); `tiers[j]` is where
     block j came from ("host" or "disk"); `tokens[j]` its token ids (checked against the prompt);
     `seconds`: the load thread's time reading and decoding them."""
 
@@ -131,21 +133,32 @@ class KVTiers:
         b0, b1 = start // self.block_tokens, len(path_tokens) // self.block_tokens
         if b1 <= b0:
             return
-        keys = chain_keys(path_tokens[: b1 * self.block_tokens], salt, self.block_tokens)
-        todo = [b for b in range(b0, b1) if not self._held(keys[b])]
+        B = self.block_tokens
+        keys = chain_keys(path_tokens[: b1 * B], salt, B)
+        todo = [(keys[b], b * B, B) for b in range(b0, b1) if not self._held(keys[b])]
         if todo:
-            self._submit(keys, todo, path_tokens, path_slots, host=self.host is not None)
+            self._submit(todo, path_tokens, path_slots, host=self.host is not None)
 
-    def write_through(self, tokens: list[int], slots: list[int], salt: str) -> None:
-        """Write the full blocks of a cached prefix (tokens, their pool slots) that the disk tier
-        lacks (after a request finishes, so its prefix survives a restart)."""
+    def write_through(self, tokens: list[int], slots: list[int], salt: str, prompt_len: int = 0) -> None:
+        """Write the blocks of a cached prefix (tokens, their pool slots) that the disk tier lacks
+        (after a request finishes, so its prefix survives a restart), with its trailing partial
+        block and, when `prompt_len` (the request's prompt tokens) ends in another partial block,
+        that one too: a returning prompt resumes at the last token it shares with the request,
+        whether it carries the request's output (an agent's next turn) or not (a retry)."""
         if self.disk is None or not self.disk.enabled:
             return
-        n = len(tokens) // self.block_tokens
-        keys = chain_keys(tokens[: n * self.block_tokens], salt, self.block_tokens)
-        todo = [b for b in range(n) if keys[b] not in self.disk and keys[b] not in self._pending]
+        B = self.block_tokens
+        n = len(tokens) // B
+        keys = chain_keys(tokens[: n * B], salt, B)
+        spans = [(keys[b], b * B, B) for b in range(n)]
+        for end in sorted({len(tokens), min(prompt_len, len(tokens))}):
+            a = end // B * B
+            if end > a:
+                parent = keys[a // B - 1] if a else root_key(salt)
+                spans.append((tail_key(parent, tokens[a:end]), a, end - a))
+        todo = [sp for sp in spans if sp[0] not in self.disk and sp[0] not in self._pending]
         if todo:
-            self._submit(keys, todo, tokens, slots, host=False)
+            self._submit(todo, tokens, slots, host=False)
 
     def _held(self, key: bytes) -> bool:
         if key in self._pending:
@@ -155,18 +168,19 @@ class KVTiers:
         return self.disk is not None and key in self.disk
 
     def _submit(
-        self, keys: list[bytes], blocks: list[int], tokens: list[int], slots: list[int], host: bool
+        self, spans: list[tuple[bytes, int, int]], tokens: list[int], slots: list[int], host: bool
     ) -> None:
-        B = self.block_tokens
-        nbytes = len(blocks) * self.block_bytes
+        """Hand blocks to the store thread: spans (key, first token, tokens) of tokens / slots."""
+        row_bytes = sum(self._row_bytes)
+        nbytes = sum(n for _, _, n in spans) * row_bytes
         with self._lock:
             if self._pending_bytes + nbytes > self.max_pending_bytes:
-                self.stats.dropped_blocks += len(blocks)
+                self.stats.dropped_blocks += len(spans)
                 return
             self._pending_bytes += nbytes
-        index = torch.tensor([s for b in blocks for s in slots[b * B : (b + 1) * B]], dtype=torch.int64)
+        index = torch.tensor([s for _, a, n in spans for s in slots[a : a + n]], dtype=torch.int64)
         rows = [t.index_select(0, index.to(t.device)).cpu() for t in self.kv.state_tensors()]
-        items = [(keys[b], tuple(tokens[b * B : (b + 1) * B])) for b in blocks]
+        items = [(key, tuple(tokens[a : a + n])) for key, a, n in spans]
         future: Future = Future()
         with self._lock:
             for key, _ in items:
@@ -175,12 +189,12 @@ class KVTiers:
 
     # ---- store thread -----------------------------------------------------------------------
     def _store(self, items, rows: list[torch.Tensor], host: bool, nbytes: int, future: Future) -> None:
-        B = self.block_tokens
         try:
-            for j, (key, tokens) in enumerate(items):
-                raw = b"".join(
-                    r[j * B : (j + 1) * B].contiguous().view(torch.uint8).numpy().tobytes() for r in rows
-                )
+            at = 0
+            for key, tokens in items:
+                n = len(tokens)
+                raw = b"".join(r[at : at + n].contiguous().view(torch.uint8).numpy().tobytes() for r in rows)
+                at += n
                 block = Block(key, tokens, self.codec.encode(raw))
                 if host and self.host is not None:
                     self.stats.stored_blocks["host"] += 1
@@ -205,8 +219,9 @@ class KVTiers:
     # ---- coming back ------------------------------------------------------------------------
     def lookup(self, tokens: list[int], salt: str, device_len: int) -> TierLoad | None:
         """Start loading the blocks that continue a prompt past its `device_len` cached tokens in
-        the pool (engine thread; the load runs on the load thread). None when no lower tier holds
-        the next block."""
+        the pool (engine thread; the load runs on the load thread): the run of full blocks a lower
+        tier holds, then, where the run ends, the longest trailing partial block held (at most
+        block_tokens - 1 keys tried). None when they reach no further than the pool."""
         if not self.enabled:
             return None
         B = self.block_tokens
@@ -214,16 +229,27 @@ class KVTiers:
         keys = chain_keys(tokens, salt, B)
         run: list[bytes] = []
         for key in keys[first:]:
-            if not (
-                key in self._pending
-                or (self.host is not None and key in self.host)
-                or (self.disk is not None and key in self.disk)
-            ):
+            if not self._holds(key):
                 break
             run.append(key)
-        if (first + len(run)) * B <= device_len:
+        end = (first + len(run)) * B
+        parent = keys[first + len(run) - 1] if first + len(run) > 0 else root_key(salt)
+        for t in range(min(B - 1, len(tokens) - end), 0, -1):
+            key = tail_key(parent, tokens[end : end + t])
+            if self._holds(key):
+                run.append(key)
+                end += t
+                break
+        if end <= device_len:
             return None
         return TierLoad(first, run, self._load_pool.submit(self._load, run))
+
+    def _holds(self, key: bytes) -> bool:
+        return (
+            key in self._pending
+            or (self.host is not None and key in self.host)
+            or (self.disk is not None and key in self.disk)
+        )
 
     def _load(self, keys: list[bytes]) -> LoadedBlocks:
         t0 = time.monotonic()
@@ -239,20 +265,32 @@ class KVTiers:
                 break
             blocks.append(block)
             tiers.append(tier)
-        B, n = self.block_tokens, len(blocks)
+        B = self.block_tokens
+        full = 0  # the leading full blocks (a partial block, if any, is the last)
+        while full < len(blocks) and len(blocks[full].tokens) == B:
+            full += 1
+        blocks = blocks[: full + 1] if full < len(blocks) else blocks
+        tail = len(blocks[-1].tokens) if len(blocks) > full else 0
+        # the full blocks' decoded payloads side by side ([full, block_bytes]: each holds tensor 0's
+        # rows, then tensor 1's, ...), then one strided copy per pool tensor into its own staging
+        payload = torch.empty(full, self.block_bytes, dtype=torch.uint8)
+        for j in range(full):
+            self.codec.decode(
+                blocks[j].blob, out=memoryview(payload[j].numpy())
+            )  # ValueError on a size mismatch
+        tail_payload = torch.empty(tail * sum(self._row_bytes), dtype=torch.uint8)
+        if tail:
+            self.codec.decode(blocks[-1].blob, out=memoryview(tail_payload.numpy()))
         pinned = self.kv.state_tensors()[0].is_cuda  # page-locked staging: full-speed copies to a GPU
-        flat = [torch.empty(n * B * rb, dtype=torch.uint8, pin_memory=pinned) for rb in self._row_bytes]
-        for j, block in enumerate(blocks):
-            raw = bytearray(self.codec.decode(block.blob))
-            if len(raw) != self.block_bytes:
-                raise ValueError(f"a KV block decoded to {len(raw)} bytes, expected {self.block_bytes}")
-            data = torch.frombuffer(raw, dtype=torch.uint8)
-            offset = 0
-            for i, rb in enumerate(self._row_bytes):
-                flat[i][j * B * rb : (j + 1) * B * rb] = data[offset : offset + B * rb]
-                offset += B * rb
-        rows = [f.view(dt).view(n * B, *shape) for f, dt, shape in zip(flat, self._dtypes, self._shapes)]
-        return LoadedBlocks(rows, tiers, [b.tokens for b in blocks], time.monotonic() - t0)
+        rows, offset, tail_offset = [], 0, 0
+        for rb, dt, shape in zip(self._row_bytes, self._dtypes, self._shapes):
+            flat = torch.empty(full * B * rb + tail * rb, dtype=torch.uint8, pin_memory=pinned)
+            flat[: full * B * rb].view(full, B * rb).copy_(payload[:, offset : offset + B * rb])
+            flat[full * B * rb :] = tail_payload[tail_offset : tail_offset + tail * rb]
+            rows.append(flat.view(dt).view(full * B + tail, *shape))
+            offset += B * rb
+            tail_offset += tail * rb
+        return LoadedBlocks(rows, tiers[: len(blocks)], [b.tokens for b in blocks], time.monotonic() - t0)
 
     def write_rows(self, slots: list[int], loaded: LoadedBlocks, offset: int) -> None:
         """Copy loaded rows offset.. into pool `slots` (engine thread)."""

@@ -237,12 +237,12 @@ class Scheduler:
         tiers, B = self.tiers, self.tiers.block_tokens
         key = r.cached_key()
         start = load.first_block * B
-        good = 0
-        for j, tokens in enumerate(loaded.tokens):
-            if list(tokens) != key[start + j * B : start + (j + 1) * B]:
+        bounds = [start]  # block j covers tokens bounds[j]..bounds[j + 1]
+        for tokens in loaded.tokens:
+            if list(tokens) != key[bounds[-1] : bounds[-1] + len(tokens)]:
                 break
-            good += 1
-        end = start + good * B
+            bounds.append(bounds[-1] + len(tokens))
+        end = bounds[-1]
         match = self.cache.match_prefix(key[:end], r.cache_salt)
         have = len(match.slots)
         if have < start and not r.tier_relooked:
@@ -267,8 +267,8 @@ class Scheduler:
         node = self.cache.match_prefix(key[:end], r.cache_salt).node
         self.cache.lock(node)
         r.tier_node = node
-        for j in range(good):
-            lo, hi = max(have, start + j * B), start + (j + 1) * B
+        for j in range(len(bounds) - 1):
+            lo, hi = max(have, bounds[j]), bounds[j + 1]
             if hi > lo:
                 tier = loaded.tiers[j]
                 tiers.stats.hit_tokens[tier] += hi - lo
@@ -316,7 +316,10 @@ class Scheduler:
                 self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
                 if self.tiers is not None:
                     self.tiers.write_through(
-                        tokens, self.cache.match_prefix(tokens, r.cache_salt).slots, r.cache_salt
+                        tokens,
+                        self.cache.match_prefix(tokens, r.cache_salt).slots,
+                        r.cache_salt,
+                        r.num_prompt_tokens,
                     )
             else:
                 self.kv.free(r.slots[r.num_shared :])

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from agentrt.prefix_cache.block_keys import chain_keys
+from agentrt.prefix_cache.block_keys import block_key, chain_keys, tail_key
 from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
 from agentrt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from agentrt.runtime.request import SamplingParams
@@ -73,6 +73,10 @@ def test_chain_keys_name_the_whole_prefix_and_its_namespace():
     assert set(chain_keys(a, "t1", 8)).isdisjoint(chain_keys(a, "", 8))
     with pytest.raises(ValueError, match="block_tokens"):
         chain_keys(a, "", 0)
+    # a trailing partial block's key: its own hash domain, under the block before it
+    parent = chain_keys(a, "", 8)[-1]
+    assert tail_key(parent, [1, 2]) != block_key(parent, [1, 2])
+    assert tail_key(parent, [1, 2]) != tail_key(chain_keys(b, "", 8)[-1], [1, 2])
 
 
 def test_codec_is_lossless():
@@ -244,3 +248,27 @@ def test_a_request_aborted_while_its_blocks_load_leaks_nothing():
     assert again.token_ids == e.runner.greedy_continuation(prompts[0] + [33], 6)
     assert again.cached_tokens_by_tier.get("host", 0) > 0
     e.close()
+
+
+def test_a_returning_agent_resumes_at_its_last_token_after_a_restart(tmp_path):
+    """A finished request's trailing partial block is written through too (block_keys.tail_key), at
+    the end of its tokens and at the end of its prompt: after a restart the agent's next turn (its
+    prompt + the output + a new message) is cached up to the request's last computed token, and a
+    retry of a prompt that ends mid-block is cached up to the block boundary, plus the tail of the
+    prompt's own tokens when the retry extends it with other text."""
+    agents = _agents(3, 45, seed=5)  # 45 + 5 = 50 prompt tokens: ends mid-block (BLOCK 8)
+    first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    outs, prompts = _run_trace(first, agents, 1)
+    first.close()
+    second = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    for out, p in zip(outs, prompts):
+        computed = len(p) + len(out.token_ids) - 1  # the last output token has no KV yet
+        assert computed % BLOCK  # the test needs a partial last block
+        nxt = p + out.token_ids + [40, 41, 42]
+        res = second.generate([(nxt, _params(), None)])[0]
+        assert res.num_cached_tokens == res.cached_tokens_by_tier["disk"] == computed
+        assert res.token_ids == second.runner.greedy_continuation(nxt, 6)
+        other = p + [33, 34, 35]  # the prompt again, then other text: the prompt's own tail
+        res = second.generate([(other, _params(), None)])[0]
+        assert res.num_cached_tokens == len(p)
+    second.close()
