@@ -147,6 +147,28 @@ class Machine:
         ev.append(ParseEvent("call", index=len(self.calls) - 1, id=call.id, name=name))
         return call
 
+    def _read_value(self, ev: list[ParseEvent], final: bool, close: str, end_args) -> None:
+        """State "value" of the XML-like formats: a parameter's raw text up to `close`, kept in
+        `_parts` with only what may begin `close` left in the buffer. At `close`: `_param(ev, text)`
+        and state "params"; when the output stopped inside the value (not cut off): the value so far,
+        then `end_args(ev)` and state "text"."""
+        i = self._buf.find(close)
+        if i < 0:
+            if final and not self._cut_off:  # the output stopped inside the last value
+                self._param(ev, "".join(self._parts) + self._buf)
+                self._parts, self._buf = [], ""
+                end_args(ev)
+                self._state = "text"
+            elif len(self._buf) >= len(close):  # keep only what may begin the close tag
+                cut = len(self._buf) - len(close) + 1
+                self._parts.append(self._buf[:cut])
+                self._buf = self._buf[cut:]
+            return
+        self._param(ev, "".join(self._parts) + self._buf[:i])
+        self._parts = []
+        self._buf = self._buf[i + len(close) :]
+        self._state = "params"
+
     def _add_args(self, ev: list[ParseEvent], frag: str) -> None:
         if not frag:
             return

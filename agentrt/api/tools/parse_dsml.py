@@ -111,22 +111,7 @@ class DsmlCalls(Machine):
         self._state = "text"
 
     def _on_value(self, ev, final):
-        i = self._buf.find(PARAM_END)
-        if i < 0:
-            if final and not self._cut_off:  # the output stopped inside the last value
-                self._param(ev, "".join(self._parts) + self._buf)
-                self._parts, self._buf = [], ""
-                self._add_args(ev, "}")
-                self._state = "text"
-            elif len(self._buf) >= len(PARAM_END):  # keep only what may begin the close tag
-                cut = len(self._buf) - len(PARAM_END) + 1
-                self._parts.append(self._buf[:cut])
-                self._buf = self._buf[cut:]
-            return
-        self._param(ev, "".join(self._parts) + self._buf[:i])
-        self._parts = []
-        self._buf = self._buf[i + len(PARAM_END) :]
-        self._state = "params"
+        self._read_value(ev, final, PARAM_END, lambda e: self._add_args(e, "}"))
 
     def _param(self, ev, raw: str) -> None:
         schema = self.schemas.get(self.calls[-1].name)

@@ -106,23 +106,7 @@ class XmlCalls(Machine):
             self._buf, self._state = s, "value"  # tolerate a missing <arg_value>
 
     def _on_value(self, ev, final):
-        close = self._value_close
-        i = self._buf.find(close)
-        if i < 0:
-            if final and not self._cut_off:  # the output stopped inside the last value
-                self._param(ev, "".join(self._parts) + self._buf)
-                self._parts, self._buf = [], ""
-                self._end_args(ev)
-                self._state = "text"
-            elif len(self._buf) >= len(close):  # keep only what may begin the close tag
-                cut = len(self._buf) - len(close) + 1
-                self._parts.append(self._buf[:cut])
-                self._buf = self._buf[cut:]
-            return
-        self._param(ev, "".join(self._parts) + self._buf[:i])
-        self._parts = []
-        self._buf = self._buf[i + len(close) :]
-        self._state = "params"
+        self._read_value(ev, final, self._value_close, self._end_args)
 
     def _param(self, ev, raw: str) -> None:
         if self.fmt.xml.strip_newlines:
