@@ -212,6 +212,13 @@ class KVTiers:
                 self._pending_bytes -= nbytes
             future.set_result(None)
 
+    def _to_host(self, block: Block) -> None:
+        """Keep a block read from disk in the host tier too; what that evicts goes to the disk tier
+        on the store thread (unless the disk holds it already)."""
+        for gone in self.host.put(block):
+            if self.disk is not None and gone.key not in self.disk:
+                self._store_pool.submit(self._to_disk, gone)
+
     def _to_disk(self, block: Block) -> None:
         if self.disk is not None and block.key not in self.disk and self.disk.put(block):
             self.stats.stored_blocks["disk"] += 1
@@ -261,6 +268,8 @@ class KVTiers:
             block, tier = (self.host.get(key), "host") if self.host is not None else (None, "")
             if block is None and self.disk is not None:
                 block, tier = self.disk.get(key), "disk"
+                if block is not None and self.host is not None:
+                    self._to_host(block)  # read once from disk, kept in memory for the next hit
             if block is None:
                 break
             blocks.append(block)

@@ -272,3 +272,21 @@ def test_a_returning_agent_resumes_at_its_last_token_after_a_restart(tmp_path):
         res = second.generate([(other, _params(), None)])[0]
         assert res.num_cached_tokens == len(p)
     second.close()
+
+
+def test_a_block_read_from_disk_stays_in_the_host_tier(tmp_path):
+    """With both tiers, a block loaded from disk is kept in the host tier as well: the prefix's next
+    return, after the pool evicted it again, is served from memory."""
+    agents = _agents(4, 60, seed=7)
+    first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    _, prompts = _run_trace(first, agents, 1)
+    first.close()
+    second = fake_engine(_config(kv_host_bytes=64 << 20, kv_disk_dir=str(tmp_path)), num_kv_slots=150)
+    a = second.generate([(prompts[0], _params(), None)])[0]
+    assert a.cached_tokens_by_tier.get("disk", 0) > 0 and "host" not in a.cached_tokens_by_tier
+    for p in prompts[1:]:  # the pool (150 slots) evicts prompts[0]'s blocks
+        second.generate([(p, _params(), None)])
+    b = second.generate([(prompts[0], _params(), None)])[0]
+    assert b.cached_tokens_by_tier.get("host", 0) > 0 and "disk" not in b.cached_tokens_by_tier
+    assert b.token_ids == a.token_ids == second.runner.greedy_continuation(prompts[0], 6)
+    second.close()
