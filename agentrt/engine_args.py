@@ -85,10 +85,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument(
         "--kv-cache-bytes",
-        type=int,
+        type=byte_size,
         default=None,
-        help="KV pool size in bytes, an integer (default: on CUDA from --gpu-memory-utilization; "
-        "1 GiB on CPU)",
+        help="KV pool size in bytes, e.g. 1073741824 or 1G (default: on CUDA from "
+        "--gpu-memory-utilization; 1 GiB on CPU)",
     )
     p.add_argument(
         "--kv-cache-dtype",

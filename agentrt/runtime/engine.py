@@ -107,9 +107,9 @@ class Engine:
             "KV tiers: host %s, disk %s (%d blocks found), blocks of %d tokens (%d bytes each before %s)",
             f"{c.kv_host_bytes:,} bytes" if c.kv_host_bytes else "off",
             f"{c.kv_disk_dir} up to {c.kv_disk_bytes:,} bytes"
-            if tiers.disk and tiers.disk.enabled
+            if tiers.disk is not None and tiers.disk.enabled
             else "off",
-            len(tiers.disk) if tiers.disk else 0,
+            len(tiers.disk) if tiers.disk is not None else 0,
             c.kv_tier_block_tokens,
             tiers.block_bytes,
             c.kv_tier_compress,

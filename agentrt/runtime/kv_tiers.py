@@ -142,16 +142,17 @@ class KVTiers:
     def write_through(self, tokens: list[int], slots: list[int], salt: str, prompt_len: int = 0) -> None:
         """Write the blocks of a cached prefix (tokens, their pool slots) that the disk tier lacks
         (after a request finishes, so its prefix survives a restart), with its trailing partial
-        block and, when `prompt_len` (the request's prompt tokens) ends in another partial block,
-        that one too: a returning prompt resumes at the last token it shares with the request,
-        whether it carries the request's output (an agent's next turn) or not (a retry)."""
+        block and the partial block ending one token before `prompt_len` (the request's prompt
+        tokens): a returning prompt resumes at the last token it shares with the request, whether it
+        carries the request's output (an agent's next turn) or not (the same prompt again, whose
+        last token is always computed, as the pool's own cache hit leaves it)."""
         if self.disk is None or not self.disk.enabled:
             return
         B = self.block_tokens
         n = len(tokens) // B
         keys = chain_keys(tokens[: n * B], salt, B)
         spans = [(keys[b], b * B, B) for b in range(n)]
-        for end in sorted({len(tokens), min(prompt_len, len(tokens))}):
+        for end in sorted({len(tokens), min(prompt_len - 1, len(tokens))}):
             a = end // B * B
             if end > a:
                 parent = keys[a // B - 1] if a else root_key(salt)

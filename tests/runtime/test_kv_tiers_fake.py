@@ -191,7 +191,9 @@ def test_a_restarted_engine_finds_prefixes_on_disk(tmp_path):
     again = [second.generate([(p, _params(), None)])[0] for p in prompts]
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     for o, p in zip(again, prompts):
-        assert o.cached_tokens_by_tier.get("disk", 0) == o.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
+        assert (
+            o.cached_tokens_by_tier.get("disk", 0) == o.num_cached_tokens == len(p) - 1
+        )  # up to the last prompt token (a tail block)
     second.close()
 
 
@@ -252,10 +254,10 @@ def test_a_request_aborted_while_its_blocks_load_leaks_nothing():
 
 def test_a_returning_agent_resumes_at_its_last_token_after_a_restart(tmp_path):
     """A finished request's trailing partial block is written through too (block_keys.tail_key), at
-    the end of its tokens and at the end of its prompt: after a restart the agent's next turn (its
-    prompt + the output + a new message) is cached up to the request's last computed token, and a
-    retry of a prompt that ends mid-block is cached up to the block boundary, plus the tail of the
-    prompt's own tokens when the retry extends it with other text."""
+    the end of its tokens and one token before the end of its prompt: after a restart the agent's
+    next turn (its prompt + the output + a new message) is cached up to the request's last computed
+    token, and the same prompt again (alone or followed by other text) up to its last token, as a hit
+    in the pool would be."""
     agents = _agents(3, 45, seed=5)  # 45 + 5 = 50 prompt tokens: ends mid-block (BLOCK 8)
     first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
     outs, prompts = _run_trace(first, agents, 1)
@@ -268,9 +270,14 @@ def test_a_returning_agent_resumes_at_its_last_token_after_a_restart(tmp_path):
         res = second.generate([(nxt, _params(), None)])[0]
         assert res.num_cached_tokens == res.cached_tokens_by_tier["disk"] == computed
         assert res.token_ids == second.runner.greedy_continuation(nxt, 6)
-        other = p + [33, 34, 35]  # the prompt again, then other text: the prompt's own tail
-        res = second.generate([(other, _params(), None)])[0]
-        assert res.num_cached_tokens == len(p)
+        # on fresh engines (their pools hold nothing): the same prompt again, and the prompt again
+        # followed by other text, each from disk up to the prompt's last token
+        for retry in (p, p + [33, 34, 35]):
+            fresh = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+            res = fresh.generate([(retry, _params(), None)])[0]
+            assert res.num_cached_tokens == res.cached_tokens_by_tier["disk"] == len(p) - 1
+            assert res.token_ids == fresh.runner.greedy_continuation(retry, 6)
+            fresh.close()
     second.close()
 
 
