@@ -211,6 +211,10 @@ class _CommonRequest(SamplingFields):
             )
         if self.cache_salt == "":  # as vLLM: an empty salt would share the cache of unsalted requests
             raise APIError("cache_salt must be a non-empty string when given", param="cache_salt")
+        if self.cache_salt is not None and not _utf8(self.cache_salt):
+            raise APIError(
+                "cache_salt must be valid Unicode text (it has a lone surrogate)", param="cache_salt"
+            )
         if self.seed is not None and self.n > 1 and self.seed + self.n - 1 >= 2**63:
             raise APIError(
                 f"seed + n - 1 must be below 2^63 (choice i samples with seed + i), got seed {self.seed}",
@@ -542,3 +546,12 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[int]
+
+
+def _utf8(text: str) -> bool:
+    """Whether text encodes as UTF-8 (JSON lets a client send a lone surrogate, "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

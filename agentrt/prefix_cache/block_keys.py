@@ -20,7 +20,10 @@ KEY_BYTES = 16
 
 def root_key(salt: str) -> bytes:
     """The parent key of block 0 in namespace `salt` (a tenant's `cache_salt`; "" = shared)."""
-    return hashlib.blake2b(b"agentrt-kv-root\x00" + salt.encode(), digest_size=KEY_BYTES).digest()
+    # surrogatepass: any str has a key (a lone surrogate from a JSON "\\ud800" never raises here)
+    return hashlib.blake2b(
+        b"agentrt-kv-root\x00" + salt.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES
+    ).digest()
 
 
 def block_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:

@@ -58,8 +58,12 @@ class RadixCache:
     def evictable_tokens(self) -> int:
         return self.total_tokens - self.locked_tokens
 
-    def match_prefix(self, token_ids: list[int], salt: str = "") -> MatchResult:
-        """Longest cached prefix of token_ids. Does not modify the tree (not even access times)."""
+    def match_prefix(self, token_ids: list[int], salt: str = "", split: bool = False) -> MatchResult:
+        """Longest cached prefix of token_ids. Without `split` the tree is not modified (not even
+        access times), and a match ending inside an edge returns that edge's node, which holds more
+        tokens than matched. With `split` (for a caller that locks the node) such an edge is split
+        where the match ends, so the node holds exactly the matched tokens: locking it protects them
+        without pinning the rest of the edge, which stays evictable."""
         node = self.root(salt)
         slots: list[int] = []
         i = 0
@@ -70,9 +74,10 @@ class RadixCache:
             n = _common_len(child.key, token_ids, i)
             slots.extend(child.value[:n])
             i += n
-            node = child
             if n < len(child.key):
+                node = self._split(child, n) if split else child
                 break
+            node = child
         return MatchResult(slots, node)
 
     def insert(self, token_ids: list[int], slots: list[int], salt: str = "") -> int:

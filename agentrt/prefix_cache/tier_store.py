@@ -173,16 +173,19 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
         stamp = self.dir / "FINGERPRINT"
         want = f"{self.fingerprint.hex()}\n{describe}\n"
-        have = stamp.read_text() if stamp.exists() else None
+        have = stamp.read_bytes().decode("utf-8", "replace") if stamp.is_file() else None
         files = sorted(self.dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime_ns)
         if have is None or have.split("\n", 1)[0] != self.fingerprint.hex():
             if files:
+                lines = (have or "").split("\n")
                 logger.warning(
                     "KV disk tier %s: %d files belong to another model, weights or KV layout (%s); "
                     "discarding them",
                     self.dir,
                     len(files),
-                    (have or "no FINGERPRINT").split("\n")[1:2] or "?",
+                    "no FINGERPRINT file"
+                    if have is None
+                    else (lines[1] if len(lines) > 1 and lines[1] else "unreadable FINGERPRINT"),
                 )
             for f in files:
                 f.unlink(missing_ok=True)

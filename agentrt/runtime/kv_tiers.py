@@ -216,6 +216,7 @@ class KVTiers:
     def _to_host(self, block: Block) -> None:
         """Keep a block read from disk in the host tier too; what that evicts goes to the disk tier
         on the store thread (unless the disk holds it already)."""
+        self.stats.stored_blocks["host"] += 1
         for gone in self.host.put(block):
             if self.disk is not None and gone.key not in self.disk:
                 self._store_pool.submit(self._to_disk, gone)
@@ -272,6 +273,9 @@ class KVTiers:
                 if block is not None and self.host is not None:
                     self._to_host(block)  # read once from disk, kept in memory for the next hit
             if block is None:
+                if self.disk is not None:  # gone or failed its check: check the rest of the run now,
+                    for rest in keys[len(blocks) + 1 :]:  # so bad files are dropped (and rewritten
+                        self.disk.get(rest)  # by this request) at once, not one per request
                 break
             blocks.append(block)
             tiers.append(tier)

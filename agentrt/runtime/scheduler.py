@@ -124,7 +124,7 @@ class Scheduler:
         r.prefilled_since_insert = False
         tokens = r.token_ids[: len(r.slots)]
         present = self.cache.insert(tokens, r.slots, r.cache_salt)
-        match = self.cache.match_prefix(tokens, r.cache_salt)
+        match = self.cache.match_prefix(tokens, r.cache_salt, split=True)
         tree_slots = match.slots
         for i in range(r.num_shared, present):
             if r.slots[i] != tree_slots[i]:
@@ -153,7 +153,7 @@ class Scheduler:
         """Move r to running with its cached prefix locked. (Memory is checked by _allocate.)"""
         self.waiting.remove(r)
         if self.cache is not None:
-            match = self.cache.match_prefix(r.cached_key(), r.cache_salt)
+            match = self.cache.match_prefix(r.cached_key(), r.cache_salt, split=True)
             self.cache.lock(match.node)
             self.cache.touch(match.node)
             if r.tier_node is not None:  # blocks loaded from a lower tier: now held by r's own lock
@@ -243,7 +243,7 @@ class Scheduler:
                 break
             bounds.append(bounds[-1] + len(tokens))
         end = bounds[-1]
-        match = self.cache.match_prefix(key[:end], r.cache_salt)
+        match = self.cache.match_prefix(key[:end], r.cache_salt, split=True)
         have = len(match.slots)
         if have < start and not r.tier_relooked:
             r.tier_relooked, r.tier_checked = True, False
@@ -264,7 +264,7 @@ class Scheduler:
         present = self.cache.insert(key[:end], match.slots + slots, r.cache_salt)
         if present > have:  # (cannot happen on the engine thread; kept safe)
             self.kv.free(slots[: present - have])
-        node = self.cache.match_prefix(key[:end], r.cache_salt).node
+        node = self.cache.match_prefix(key[:end], r.cache_salt, split=True).node
         self.cache.lock(node)
         r.tier_node = node
         for j in range(len(bounds) - 1):

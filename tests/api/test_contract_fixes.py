@@ -208,6 +208,10 @@ def test_empty_cache_salt_is_a_400(client):
     ):
         err = _error(client.post(url, json={"model": MODEL, "cache_salt": "", **body}))
         assert err["param"] == "cache_salt" and "cache_salt" in err["message"], err
+        # a lone surrogate (valid JSON, not UTF-8 text): a 400 for this request, nothing else fails
+        raw = json.dumps({"model": MODEL, "cache_salt": "SALT", **body}).replace('"SALT"', '"\\ud800"')
+        err = _error(client.post(url, content=raw, headers={"content-type": "application/json"}))
+        assert err["param"] == "cache_salt" and "surrogate" in err["message"], err
         ok = client.post(url, json={"model": MODEL, "cache_salt": "tenant-a", **body})
         assert ok.status_code == 200, ok.text
 

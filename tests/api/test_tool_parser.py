@@ -344,3 +344,26 @@ def test_format_detection_and_native_template_rendering(tokenizer):
         '"name": "get_time"' in text
         and '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text
     )
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e999", "[1, NaN]", '"\\ud800"'])
+def test_argument_values_that_are_not_strict_json_stay_text(raw):
+    """A parameter value written as NaN / Infinity / an overflowing number / a lone-surrogate escape
+    is not strict JSON (clients JSON.parse the arguments; a lone surrogate cannot be sent as UTF-8):
+    the value is kept as the text the model wrote, in DSML's JSON-typed and Qwen3-Coder's formats."""
+    dsml = (
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n'
+        f'<｜DSML｜parameter name="v" string="false">{raw}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜function_calls>"
+    )
+    qwen = f"<tool_call>\n<function=f>\n<parameter=v>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+    for fmt, text in (("deepseek_v3_2", dsml), ("qwen3_coder", qwen)):
+        _, calls, _ = _parse(fmt, [text], names={"f"})
+        assert len(calls) == 1, fmt
+        args = calls[0][1]
+        assert json.loads(args, parse_constant=_no_constant) == {"v": raw}
+        args.encode("utf-8")
+
+
+def _no_constant(name: str):
+    pytest.fail(f"{name} in tool arguments")

@@ -258,3 +258,24 @@ def test_abort_with_prefix_cache_leaves_every_slot_free_or_evictable():
     out = engine.generate([(big, _greedy(24, ignore_eos=True), None)])[0]
     assert out.token_ids == engine.runner.greedy_continuation(big, 24)
     assert _metric(engine, "agentrt_preemptions_total") == 0
+
+
+def test_a_prompt_sharing_a_short_prefix_with_a_long_cached_one_is_admitted():
+    """A cached 580-token prompt fills most of a 650-slot pool; a new prompt shares its first 30
+    tokens. The match ends inside the cached edge: admission locks only the shared 30 tokens (the
+    edge is split there), so the other 550 can be evicted and the new prompt runs (before, the
+    whole edge was locked and the request went back to the queue at every step, forever)."""
+    engine = fake_engine(num_kv_slots=650, max_model_len=1024)
+    shared = _prompt(30, seed=1)
+    a = shared + _prompt(550, seed=2)
+    b = shared + _prompt(560, seed=3)
+    out_a = engine.generate([(a, _greedy(8), None)])[0]
+    assert out_a.token_ids == engine.runner.greedy_continuation(a, 8)
+    req = engine.add_request(b, _greedy(8))
+    outs = []
+    for _ in range(200):  # a few dozen steps are enough
+        outs += [o for o in engine.step() if o.request_id == req.request_id and o.finished]
+        if outs:
+            break
+    assert outs and outs[0].token_ids == engine.runner.greedy_continuation(b, 8)
+    assert outs[0].num_cached_tokens == 30

@@ -297,3 +297,31 @@ def test_a_block_read_from_disk_stays_in_the_host_tier(tmp_path):
     assert b.cached_tokens_by_tier.get("host", 0) > 0 and "disk" not in b.cached_tokens_by_tier
     assert b.token_ids == a.token_ids == second.runner.greedy_continuation(prompts[0], 6)
     second.close()
+
+
+def test_corrupt_disk_files_are_all_dropped_and_rewritten_by_the_first_request(tmp_path):
+    """Every other block file of a prompt corrupted while the server was down: the first request
+    after the restart skips them (same output), checks the rest of its run at once and writes the
+    bad blocks again, so a second restart serves the whole prompt from disk (not one block more per
+    request). A lone-surrogate cache_salt (JSON allows "\\ud800") has keys too, never an error."""
+    prompt = _agents(1, 90, seed=9)[0]
+    first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    ref = first.generate([(prompt, _params(), None)])[0]
+    first.close()
+    files = sorted(tmp_path.glob("*.kvb"))
+    for f in files[::2]:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    for _ in range(2):
+        e = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+        out = e.generate([(prompt, _params(), None)])[0]
+        assert out.token_ids == ref.token_ids
+        e.close()
+    assert out.cached_tokens_by_tier["disk"] == len(prompt) - 1
+    e = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    salted = e.add_request(prompt, _params(), cache_salt="\ud800")
+    while e.has_work():
+        e.step()
+    assert salted.num_cached_tokens == 0
+    e.close()

@@ -83,18 +83,26 @@ def _fits(v: Any, types: frozenset[str]) -> bool:
     return t in types or (t == "integer" and "number" in types)
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def literal(text: str) -> tuple[bool, Any]:
-    """(ok, value): `text` read as JSON, else as a Python literal that is JSON data."""
+    """(ok, value): `text` read as strict JSON, else as a Python literal that is strict JSON data:
+    not ok for NaN / Infinity (and numbers that overflow to them) and for strings with a lone
+    surrogate (arguments must be JSON that encodes as UTF-8), so the caller keeps such text as is."""
     try:
-        return True, json.loads(text)
+        value = json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):
-        pass
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return False, None
     try:
-        value = ast.literal_eval(text.strip())
-        json.dumps(value)
-        return True, value
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
         return False, None
+    return True, value
 
 
 def typed_value(text: str, schema: Any, root: dict | None) -> Any:
