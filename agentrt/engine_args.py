@@ -30,6 +30,8 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 4G)") from None
     if not 0 <= n < float("inf"):
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r}")
+    if n != int(n):
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
     return int(n)
 
 

@@ -170,11 +170,14 @@ class DiskTier:
     def _open(self, describe: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         for tmp in self.dir.glob("*.tmp"):  # a write cut short by a crash
-            tmp.unlink(missing_ok=True)
+            if tmp.is_file() or tmp.is_symlink():  # (not a directory someone put here)
+                tmp.unlink(missing_ok=True)
         stamp = self.dir / "FINGERPRINT"
         want = f"{self.fingerprint.hex()}\n{describe}\n"
         have = stamp.read_bytes().decode("utf-8", "replace") if stamp.is_file() else None
-        files = sorted(self.dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime_ns)
+        # block files only: not symlinks (a dangling one has no mtime), not directories
+        files = [p for p in self.dir.glob("*.kvb") if p.is_file() and not p.is_symlink()]
+        files.sort(key=lambda p: p.stat().st_mtime_ns)
         if have is None or have.split("\n", 1)[0] != self.fingerprint.hex():
             if files:
                 lines = (have or "").split("\n")
@@ -288,7 +291,7 @@ class DiskTier:
             if size is not None:
                 self.nbytes -= size
         self.num_discarded += 1
-        path.unlink(missing_ok=True)
+        _remove(path)
 
     def _trim(self) -> None:
         """Delete least recently used files until within the byte limit."""
@@ -298,7 +301,7 @@ class DiskTier:
                     return
                 key, size = self._index.popitem(last=False)
                 self.nbytes -= size
-            self._path(key).unlink(missing_ok=True)
+            _remove(self._path(key))
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
@@ -314,3 +317,12 @@ class DiskTier:
         if self.enabled:
             logger.warning("KV disk tier off: %s; the tiers above keep serving", why)
         self.enabled = False
+
+
+def _remove(path: Path) -> None:
+    """Delete a block file; one that cannot be deleted (replaced by a directory, say) is left, with
+    a warning: it is out of the index already, so the tier carries on without it."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("KV disk tier: cannot delete %s (%s); left in place", path, e)

@@ -325,3 +325,39 @@ def test_corrupt_disk_files_are_all_dropped_and_rewritten_by_the_first_request(t
         e.step()
     assert salted.num_cached_tokens == 0
     e.close()
+
+
+def test_odd_entries_in_the_disk_directory_do_not_turn_the_tier_off(tmp_path):
+    """A dangling `<key>.kvb` symlink, a directory named like a block file and one named `*.tmp` are
+    not block files: the tier opens, skips them and keeps serving from the real blocks."""
+    prompt = _agents(1, 60, seed=11)[0]
+    first = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    ref = first.generate([(prompt, _params(), None)])[0]
+    first.close()
+    (tmp_path / ("ab" * 16 + ".kvb")).symlink_to(tmp_path / "nowhere")
+    (tmp_path / ("cd" * 16 + ".kvb")).mkdir()
+    (tmp_path / "junk.tmp").mkdir()
+    second = fake_engine(_config(kv_disk_dir=str(tmp_path)), num_kv_slots=400)
+    assert second.tiers.disk.enabled
+    out = second.generate([(prompt, _params(), None)])[0]
+    assert out.token_ids == ref.token_ids and out.cached_tokens_by_tier["disk"] == len(prompt) - 1
+    assert second.tiers.disk.enabled
+    second.close()
+
+
+def test_byte_size_flags_take_units_and_name_bad_values():
+    """--kv-cache-bytes / --kv-host-bytes / --kv-disk-bytes: an integer or a binary unit (4G = 4 GiB);
+    garbage, negative, infinite and fractional byte counts are refused naming the value."""
+    import argparse
+
+    from agentrt.engine_args import add_engine_args, byte_size
+
+    assert byte_size("4G") == 4 << 30 and byte_size("512MiB") == 512 << 20 and byte_size("1536") == 1536
+    assert byte_size("1.5K") == 1536
+    for bad in ("abc", "-1", "inf", "nan", "0.5", "1.5Q", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="byte"):
+            byte_size(bad)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--kv-cache-bytes", "1G", "--kv-host-bytes", "2G", "--kv-disk-bytes", "3G"])
+    assert (args.kv_cache_bytes, args.kv_host_bytes, args.kv_disk_bytes) == (1 << 30, 2 << 30, 3 << 30)
