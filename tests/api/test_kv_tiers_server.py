@@ -83,8 +83,9 @@ def test_a_torn_block_is_skipped_and_another_layouts_files_discarded(tmp_path, d
     disk, question = tmp_path / "kv", "The cold room on aisle 9 reads 11 degrees. What now?"
     try:
         first, files = _first_life(disk, tmp_path, question)
-        newest = max(files, key=lambda p: p.stat().st_mtime_ns)
-        newest.write_bytes(newest.read_bytes()[:100])  # torn
+        # the prompt's second block (files are written in block order, then the tail blocks)
+        second = sorted(files, key=lambda p: p.stat().st_mtime_ns)[1]
+        second.write_bytes(second.read_bytes()[:100])  # torn
         with _serve(disk, tmp_path / "c.log") as srv:
             again = _ask(srv.url, question)
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
