@@ -13,10 +13,8 @@ from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.platform import choose_attention_backend
+from tests.support.kernels import KERNEL_FAILURE, needs_kernel
 from tests.support.models import make_tiny_model
-
-FAILURE = cpu_kernels.load(default_cache_dir())
-needs_kernel = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernel is unavailable: {FAILURE}")
 
 
 def reference(q, k_cache, v_cache, slots, lens):
@@ -83,7 +81,7 @@ def test_backend_choice_names_why(tmp_path):
         choose_attention_backend("cpu", cpu, torch.bfloat16, tmp_path)
     with pytest.raises(ValueError, match="attention_backend must be auto, torch, cpu or triton"):
         ModelConfig(attention_backend="flash")
-    if FAILURE is None:
+    if KERNEL_FAILURE is None:
         assert choose_attention_backend("auto", cpu, torch.float32, default_cache_dir())[0] == "cpu"
 
 

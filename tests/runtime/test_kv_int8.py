@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.runtime.attention import KernelRows, apply_rope
-from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_cache_dir
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.kernels import cpu_kernels, triton_usable
 from agentrt.runtime.kv_cache import (
     KVPool,
@@ -33,9 +33,8 @@ from agentrt.runtime.kv_cache import (
     resolve_kv_dtype,
 )
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from tests.support.kernels import needs_kernel
 
-FAILURE = cpu_kernels.load(default_cache_dir())
-needs_kernel = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernel is unavailable: {FAILURE}")
 needs_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="triton is not installed")
 
 
