@@ -139,7 +139,7 @@ class KVTiers:
         if todo:
             self._submit(todo, path_tokens, path_slots, host=self.host is not None)
 
-    def write_through(self, tokens: list[int], slots: list[int], salt: str, prompt_len: int = 0) -> None:
+    def write_through(self, tokens: list[int], slots: list[int], salt: str, prompt_len: int) -> None:
         """Write the blocks of a cached prefix (tokens, their pool slots) that the disk tier lacks
         (after a request finishes, so its prefix survives a restart), with its trailing partial
         block and the partial block ending one token before `prompt_len` (the request's prompt
@@ -269,22 +269,23 @@ class KVTiers:
                 pending.result()
             block, tier = (self.host.get(key), "host") if self.host is not None else (None, "")
             if block is None and self.disk is not None:
+                discarded = self.disk.num_discarded
                 block, tier = self.disk.get(key), "disk"
                 if block is not None and self.host is not None:
                     self._to_host(block)  # read once from disk, kept in memory for the next hit
+                elif block is None and self.disk.num_discarded > discarded:
+                    # a file failed its check: check the rest of the run now, so every bad file is
+                    # dropped (and rewritten by this request) at once, not one per request
+                    for rest in keys[len(blocks) + 1 :]:
+                        self.disk.get(rest)
             if block is None:
-                if self.disk is not None:  # gone or failed its check: check the rest of the run now,
-                    for rest in keys[len(blocks) + 1 :]:  # so bad files are dropped (and rewritten
-                        self.disk.get(rest)  # by this request) at once, not one per request
                 break
             blocks.append(block)
             tiers.append(tier)
+        # full blocks, then at most one trailing partial block (lookup puts it last)
         B = self.block_tokens
-        full = 0  # the leading full blocks (a partial block, if any, is the last)
-        while full < len(blocks) and len(blocks[full].tokens) == B:
-            full += 1
-        blocks = blocks[: full + 1] if full < len(blocks) else blocks
-        tail = len(blocks[-1].tokens) if len(blocks) > full else 0
+        tail = len(blocks[-1].tokens) if blocks and len(blocks[-1].tokens) < B else 0
+        full = len(blocks) - (tail > 0)
         # the full blocks' decoded payloads side by side ([full, block_bytes]: each holds tensor 0's
         # rows, then tensor 1's, ...), then one strided copy per pool tensor into its own staging
         payload = torch.empty(full, self.block_bytes, dtype=torch.uint8)
@@ -304,7 +305,7 @@ class KVTiers:
             rows.append(flat.view(dt).view(full * B + tail, *shape))
             offset += B * rb
             tail_offset += tail * rb
-        return LoadedBlocks(rows, tiers[: len(blocks)], [b.tokens for b in blocks], time.monotonic() - t0)
+        return LoadedBlocks(rows, tiers, [b.tokens for b in blocks], time.monotonic() - t0)
 
     def write_rows(self, slots: list[int], loaded: LoadedBlocks, offset: int) -> None:
         """Copy loaded rows offset.. into pool `slots` (engine thread)."""
