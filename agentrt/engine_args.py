@@ -101,6 +101,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "implemented yet (default %(default)s)",
     )
     p.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=None,
+        help="sliding-window models (Gemma 3, gpt-oss, ...): rows of the windowed layers' K/V per token "
+        "slot, in (0, 1] (default: 2 x (max-num-seqs x window + max-num-batched-tokens) rows)",
+    )
+    p.add_argument(
+        "--disable-hybrid-swa-memory",
+        action="store_true",
+        help="keep the sliding-window layers' K/V for every token, like the full-attention layers'",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=CacheConfig.gpu_memory_utilization,
@@ -305,6 +317,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_cache=not args.no_prefix_cache,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+            disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
             kv_host_bytes=args.kv_host_bytes,
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=args.kv_disk_bytes,

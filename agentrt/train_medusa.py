@@ -78,7 +78,15 @@ def train_medusa(config: EngineConfig, args: argparse.Namespace, log=print) -> d
                 raise ValueError(f"a prompt + response of {len(seq)} tokens does not fit the KV pool")
             try:
                 chunk = SeqChunk(seq, 0, slots, True, len(seq) - start + 1)
-                _, hidden = run_chunks(runner.model, runner.kv.k, runner.kv.v, [chunk], runner.device, True)
+                _, hidden = run_chunks(
+                    runner.model,
+                    runner.kv.k,
+                    runner.kv.v,
+                    [chunk],
+                    runner.device,
+                    True,
+                    swa_map=runner.kv.swa_map,
+                )
             finally:
                 runner.kv.free(slots)
             hidden_rows.append(hidden.float().cpu())

@@ -11,6 +11,7 @@ attended one sequence at a time with a causal mask offset by the tokens already 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -140,8 +141,10 @@ class AttentionMetadata:
     ops_fused: bool = False  # the layers' element-wise ops run the C++ ops (set by the model's forward)
     positions: torch.Tensor | None = None  # [T] int64, set by prepare_rope
     rope_dtype: torch.dtype | None = None
+    swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
     _rope_rows: dict = field(default_factory=dict, repr=False)
     _windowed: dict = field(default_factory=dict, repr=False)
+    _window_view: AttentionMetadata | None = field(default=None, repr=False)
 
     def prepare_rope(
         self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
@@ -152,6 +155,30 @@ class AttentionMetadata:
         self.cos, self.sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
         self._rope_rows = {id(cos_table): (self.cos, self.sin)}
         self._windowed = {}
+        self._window_view = None
+
+    def window_view(self) -> AttentionMetadata:
+        """This batch's metadata for a sliding-window layer of a SlidingWindowKVPool: every slot
+        (written, decoded, gathered, kernel rows) mapped through `swa_map` to the windowed layers'
+        rows (built once per forward, after prepare_rope); self when there is no map."""
+        if self.swa_map is None:
+            return self
+        if self._window_view is None:
+            m = self.swa_map
+
+            def rows_of(t):
+                return None if t is None else m[t]
+
+            self._window_view = dataclasses.replace(
+                self,
+                slot_mapping=m[self.slot_mapping],
+                decode_slots=rows_of(self.decode_slots),
+                prefills=[dataclasses.replace(p, kv_slots=rows_of(p.kv_slots)) for p in self.prefills],
+                rows=None if self.rows is None else self.rows._replace(slots=m[self.rows.slots]),
+                swa_map=None,
+                _windowed={},
+            )
+        return self._window_view
 
     def rope_rows(self, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rotary_dim // 2] of this batch's positions for a layer's tables `rope`

@@ -124,6 +124,11 @@ class CacheConfig:
     kv_disk_bytes: int = 4 << 30
     kv_tier_block_tokens: int = 32
     kv_tier_compress: str = "zstd"
+    # Sliding-window layers (runtime/kv_window.py): their K/V rows for the tokens still attended
+    # only; `swa_full_tokens_ratio` window rows per token slot (None: sized from max_num_seqs x window);
+    # `disable_hybrid_swa_memory` keeps every layer for every token (the plain pool).
+    swa_full_tokens_ratio: float | None = None
+    disable_hybrid_swa_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
@@ -135,6 +140,8 @@ class CacheConfig:
                 "kv_cache_dtype must be auto, float32, bfloat16, int8 or fp8_e4m3, got "
                 f"{self.kv_cache_dtype!r}"
             )
+        if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
         if self.kv_disk_bytes < 1:

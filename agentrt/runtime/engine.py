@@ -60,7 +60,11 @@ class Engine:
         with deterministic logits and no weights, see agentrt/testing/)."""
         self.config = config or EngineConfig()
         self.runner = runner or ModelRunner(
-            self.config.model, self.config.cache, self.config.scheduler.max_num_seqs, self.config.speculative
+            self.config.model,
+            self.config.cache,
+            self.config.scheduler.max_num_seqs,
+            self.config.speculative,
+            self.config.scheduler.max_num_batched_tokens,
         )
         self.tokenizer = self.runner.tokenizer
         self.stop_ids = self.runner.stop_ids

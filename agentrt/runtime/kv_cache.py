@@ -127,26 +127,29 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         budget_bytes: int,
+        num_slots: int | None = None,
+        layer_rows: list[int] | None = None,
     ):
         self.dtype = dtype
         self.quantized = dtype == torch.int8
         self.bytes_per_token = self.bytes_per_token_of(num_layers, num_kv_heads, head_dim, dtype)
-        self.num_slots = int(budget_bytes // self.bytes_per_token)
+        self.num_slots = int(budget_bytes // self.bytes_per_token) if num_slots is None else num_slots
         if self.num_slots < 1:
             raise ValueError(
                 f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)"
             )
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        rows = layer_rows or [self.num_slots] * num_layers
 
-        def cache():
+        def cache(n: int):
+            shape = (n, num_kv_heads, head_dim)
             data = torch.zeros(shape, dtype=dtype, device=device)
             if not self.quantized:
                 return data
             return QuantizedKV(data, torch.zeros(shape[:2], dtype=torch.float32, device=device))
 
         try:
-            self.k = [cache() for _ in range(num_layers)]
-            self.v = [cache() for _ in range(num_layers)]
+            self.k = [cache(n) for n in rows]
+            self.v = [cache(n) for n in rows]
         except RuntimeError as e:  # includes torch.OutOfMemoryError
             self.k = self.v = []
             raise ValueError(
@@ -179,6 +182,11 @@ class KVPool:
         ]
 
     @property
+    def pool_bytes(self) -> int:
+        """Bytes of K/V (and int8 scales) the pool holds."""
+        return self.num_slots * self.bytes_per_token
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -193,3 +201,25 @@ class KVPool:
 
     def free(self, slots: list[int]) -> None:
         self._free.extend(reversed(slots))
+
+    # A plain pool keeps every layer's K/V for every slot: the sliding-window pool's calls
+    # (kv_window.SlidingWindowKVPool) are no-ops here, so the scheduler calls them on any pool.
+    window = 0  # the largest window whose layers hold fewer rows than slots (0: none)
+    swa_map = None  # slot -> window row [num_slots] int64, or None
+
+    @property
+    def num_free_window(self) -> int:
+        return len(self._free)
+
+    def reclaim(self, n: int, live: set[int]) -> int:
+        return 0
+
+    def touch(self, slots) -> None:
+        pass
+
+    def usable_prefix(self, slots: list[int]) -> int:
+        return len(slots)
+
+    def adopt(self, mine: list[int], theirs: list[int]) -> None:
+        """Free the request's slots `mine` that differ from the tree's `theirs` (duplicates)."""
+        self.free([m for m, t in zip(mine, theirs) if m != t])

@@ -12,6 +12,7 @@ import torch
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool, kv_dtype_name, resolve_kv_dtype
+from agentrt.runtime.kv_window import SlidingWindowKVPool, plan_window_pool, window_layer_split
 from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
@@ -72,6 +73,7 @@ class MemoryPlan:
     weights_by_format: tuple[tuple[str, int], ...] = ()
     kv_dtype: str = ""
     kv_tokens_per_gib: tuple[tuple[str, int], ...] = ()  # (KV dtype, tokens per GiB of pool)
+    window_kv: str = ""  # how the sliding-window layers' K/V are held (kv_window.py), "" without windows
 
     def describe(self) -> str:
         gb = 1e9
@@ -85,6 +87,7 @@ class MemoryPlan:
             + f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
             f"bytes/token"
             + (f" (KV tokens per GiB: {per_gib})" if per_gib else "")
+            + (f"; {self.window_kv}" if self.window_kv else "")
             + f", reserved {self.reserved_bytes / gb:.2f} GB"
             + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else "")
         )
@@ -155,6 +158,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         max_num_seqs: int = 16,
         spec_config: SpecConfig | None = None,
+        max_num_batched_tokens: int = 512,
     ):
         from transformers import AutoConfig
 
@@ -262,18 +266,21 @@ class ModelRunner:
                 budget = int(budget * 0.8)
             elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
                 budget = int(budget * a.num_layers / (a.num_layers + n))
-        self.kv = KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, budget)
+        self.kv, window_kv = self._make_pool(
+            cache_config, backend, budget, max_num_seqs, max_num_batched_tokens, spec_config
+        )
         self.memory_plan = MemoryPlan(
             str(self.device),
             self.weights_bytes,
-            bytes_per_token,
-            self.kv.num_slots * bytes_per_token,
+            self.kv.bytes_per_token,
+            self.kv.pool_bytes,
             self.kv.num_slots,
             reserved,
             total,
             self.weight_format.bytes,
             kv_dtype_name(self.kv_dtype),
             kv_tokens_per_gib(a),
+            window_kv,
         )
         self.attention_backend = backend
         self.slot_table = self.graphs = None
@@ -345,6 +352,51 @@ class ModelRunner:
             return_hidden,
             self.slot_table,
             self.attention_backend == "cpu",
+            self.kv.swa_map,
+        )
+
+    def _make_pool(self, cache_config, backend, budget, max_num_seqs, max_num_batched_tokens, spec_config):
+        """(the KV pool, what the memory plan says of the windowed layers): a SlidingWindowKVPool when
+        the model has sliding-window layers and nothing here needs every layer per token, else a
+        KVPool (the reason in the second item, "" for a model without windows)."""
+        a = self.arch
+
+        def plain():
+            return KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, budget)
+
+        if not a.windowed:
+            return plain(), ""
+        off = None
+        if cache_config.disable_hybrid_swa_memory:
+            off = "disable_hybrid_swa_memory"
+        elif self.device.type != "cpu" or backend not in ("torch", "cpu"):
+            off = f"not built for {self.device} / attention {backend} yet"
+        elif cache_config.kv_host_bytes or cache_config.kv_disk_dir:
+            off = "the KV host/disk tiers copy every layer per token"
+        elif spec_config is not None and spec_config.method == "draft":
+            off = "a draft model's pool is sized from this one's tokens"
+        if off is None:
+            layer_bytes = KVPool.bytes_per_token_of(1, a.num_kv_heads, a.head_dim, self.kv_dtype)
+            plan = plan_window_pool(
+                a.layer_windows,
+                layer_bytes,
+                budget,
+                max_num_seqs,
+                max_num_batched_tokens,
+                self.max_model_len,
+                cache_config.swa_full_tokens_ratio,
+            )
+            if isinstance(plan, str):
+                off = plan
+        if off is not None:
+            return plain(), f"windowed layers keep every token ({off})"
+        kv = SlidingWindowKVPool(
+            a.layer_windows, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, *plan
+        )
+        full, windowed, window = window_layer_split(a.layer_windows)
+        return kv, (
+            f"{windowed} windowed layers (window {window}) hold {kv.num_window_slots} tokens x "
+            f"{kv.window_bytes_per_token} bytes; the {full} full-attention layers' bytes/token above"
         )
 
 
@@ -358,6 +410,7 @@ def run_chunks(
     return_hidden: bool = False,
     slot_table: SlotTable | None = None,
     cpu_kernel: bool = False,
+    swa_map: torch.Tensor | None = None,
 ):
     """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
     compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
@@ -372,6 +425,7 @@ def run_chunks(
         batch = build_triton_metadata(chunks, slot_table, dev)
     else:
         batch = build_torch_metadata(chunks, dev, cpu_kernel)
+        batch.meta.swa_map = swa_map
     hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)
     rows = hidden[batch.logit_idx]
     logits = model.compute_logits(rows)

@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._step_context: dict[Request, int] = {}
 
     def add(self, r: Request) -> None:
         r.status = RequestStatus.WAITING
@@ -69,6 +70,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        self._step_context: dict[Request, int] = {}  # context_len of the chunks scheduled so far
         if self.cache is not None:
             for r in self.running:
                 if r.prefilled_since_insert:
@@ -110,10 +112,10 @@ class Scheduler:
             budget -= n
         return chunks
 
-    @staticmethod
-    def _add_chunk(chunks: list[ScheduledChunk], r: Request, n: int) -> None:
+    def _add_chunk(self, chunks: list[ScheduledChunk], r: Request, n: int) -> None:
         """(A verify chunk's draft slots lie beyond r.num_tokens; the engine trims them after.)"""
         chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens))
+        self._step_context[r] = len(r.slots) - n
         if n > 1 and r.spec.draft is None:
             r.prefilled_since_insert = True
 
@@ -126,9 +128,7 @@ class Scheduler:
         present = self.cache.insert(tokens, r.slots, r.cache_salt)
         match = self.cache.match_prefix(tokens, r.cache_salt, split=True)
         tree_slots = match.slots
-        for i in range(r.num_shared, present):
-            if r.slots[i] != tree_slots[i]:
-                self.kv.free([r.slots[i]])
+        self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
         r.slots[: len(tree_slots)] = tree_slots
         self.cache.lock(match.node)
         if r.cache_node is not None:
@@ -153,7 +153,12 @@ class Scheduler:
         """Move r to running with its cached prefix locked. (Memory is checked by _allocate.)"""
         self.waiting.remove(r)
         if self.cache is not None:
-            match = self.cache.match_prefix(r.cached_key(), r.cache_salt, split=True)
+            key = r.cached_key()
+            match = self.cache.match_prefix(key, r.cache_salt, split=True)
+            usable = self.kv.usable_prefix(match.slots)  # windowed layers: the last window must be there
+            if usable < len(match.slots):
+                match = self.cache.match_prefix(key[:usable], r.cache_salt, split=True)
+            self.kv.touch(match.slots[-self.kv.window :] if self.kv.window else ())
             self.cache.lock(match.node)
             self.cache.touch(match.node)
             if r.tier_node is not None:  # blocks loaded from a lower tier: now held by r's own lock
@@ -178,7 +183,9 @@ class Scheduler:
             if slots is not None:
                 r.slots.extend(slots)
                 return True
-            short = n - self.kv.num_free
+            if self.kv.num_free_window < n and self.kv.reclaim(n, self._live_window_slots()):
+                continue
+            short = max(n - self.kv.num_free, n - self.kv.num_free_window)
             if self.cache is not None and self._evict(short):
                 continue
             if not preempt:
@@ -187,6 +194,12 @@ class Scheduler:
             self.preempt(victim)
             if victim is r:
                 return False
+
+    def _live_window_slots(self) -> set[int]:
+        """Slots whose windowed-layer K/V a running request can still attend: the last `window`
+        before its context, and the new tokens of a chunk scheduled this step."""
+        w, ctx = self.kv.window, self._step_context
+        return {s for r in self.running for s in r.slots[max(0, ctx.get(r, len(r.slots)) - w) :]}
 
     def _evict(self, num_tokens: int) -> bool:
         """Evict unlocked cache leaves (down to the lower tiers when present) until num_tokens
@@ -313,7 +326,9 @@ class Scheduler:
             if insert and len(r.slots) > r.num_shared:
                 tokens = r.token_ids[: len(r.slots)]
                 present = self.cache.insert(tokens, r.slots, r.cache_salt)
-                self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
+                tree_slots = self.cache.match_prefix(tokens[:present], r.cache_salt).slots
+                # duplicates of what the tree holds (their window rows go to the tree's slots)
+                self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
                 if self.tiers is not None:
                     self.tiers.write_through(
                         tokens,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrt.runtime.kv_window import plan_window_pool
 from agentrt.runtime.models.check import check_model, reasoning_format, safetensors_headers
 from agentrt.runtime.models.gguf_meta import gguf_hf_config, read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
@@ -88,7 +89,14 @@ def test_tiny_models_of_each_family_pass_with_their_kv_bytes(
     assert kv.sequence_bytes(100) == full * layer_bytes * 100 + windowed
     layers = full + sum(n for _, n in windows)
     assert kv.pool_bytes_per_token == layers * layer_bytes  # what KVPool reserves per token
-    assert report.capacity.pool_sequences == 1_000_000 // (layers * layer_bytes * 100)
+    if windows:  # the sliding-window pool the engine builds on a CPU (kv_window.plan_window_pool)
+        layer_windows = (None,) * full + tuple(w for w, n in windows for _ in range(n))
+        slots, rows = plan_window_pool(layer_windows, layer_bytes, 1_000_000, 16, 512, 100)
+        pool = min(slots // 100, rows // min(100, max(w for w, _ in windows)))
+        assert pool > 1_000_000 // (layers * layer_bytes * 100)
+    else:
+        pool = 1_000_000 // (layers * layer_bytes * 100)
+    assert report.capacity.pool_sequences == pool
     assert report.capacity.window_sequences == 1_000_000 // kv.sequence_bytes(100)
     text = report.of("kv cache")[0].message
     for w, n in windows:
@@ -102,7 +110,9 @@ def test_gemma3_numbers_by_hand(tiny):
     report = check_model(str(tiny["gemma3"]), max_model_len=100, kv_cache_bytes=1_000_000, **CPU)
     # one layer: 2 x 1 KV head x 16 x 4 bytes = 128; the full layer 128 x 100, two windowed 2 x 128 x 8
     assert report.kv.sequence_bytes(100) == 12_800 + 2_048
-    assert (report.capacity.pool_sequences, report.capacity.window_sequences) == (26, 67)
+    # the engine's pool: 2 x (16 sequences x 8 + 512) = 1,280 window rows of 256 bytes, the rest
+    # (672,320 bytes) 5,252 token slots of 128 bytes: 52 sequences (26 with every layer per token)
+    assert (report.capacity.pool_sequences, report.capacity.window_sequences) == (52, 67)
     assert "LM head tied to the embedding" in report.of("embedding")[0].message
 
 
@@ -307,7 +317,9 @@ def test_gemma3_gguf_is_checked_from_its_metadata(gemma_gguf):
     assert (report.kv.layer_bytes, report.kv.full_layers, report.kv.windows) == (2048, 3, ((512, 15),))
     assert report.kv.sequence_bytes(4096) == 6144 * 4096 + 30720 * 512
     assert "windowed layers (15): 30,720 bytes/token up to 512 tokens" in report.describe()
-    assert report.capacity.pool_sequences == (1 << 30) // (18 * 2048 * 4096) == 7
+    # the engine's pool: 2 x (16 x 512 + 512) = 17,408 rows of 30,720 bytes, the rest token slots of
+    # 6,144 bytes: 87,722 slots, 21 sequences of 4,096 tokens (7 with every layer per token)
+    assert report.capacity.pool_sequences == 21
 
 
 def test_chat_template_given_to_check_is_the_one_checked(gemma_gguf, tmp_path):

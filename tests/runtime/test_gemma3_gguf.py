@@ -71,22 +71,36 @@ def test_served_json_schema_request_is_valid_json(gemma_gguf, tmp_path):
 def test_prompt_past_the_window_matches_transformers(gemma_gguf):
     from transformers import AutoModelForCausalLM
 
-    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
+    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from agentrt.runtime.engine import Engine
     from agentrt.runtime.request import SamplingParams
 
-    engine = Engine(
-        EngineConfig(
-            model=ModelConfig(model="gemma3-270m", dtype="float32"),
-            cache=CacheConfig(kv_cache_bytes=64 << 20),
+    from agentrt.runtime.kv_window import SlidingWindowKVPool
+
+    def engine_of(cache, **scheduler):
+        return Engine(
+            EngineConfig(
+                model=ModelConfig(model="gemma3-270m", dtype="float32"),
+                cache=CacheConfig(**cache),
+                scheduler=SchedulerConfig(**scheduler),
+            )
         )
+
+    engine = engine_of({"kv_cache_bytes": 64 << 20, "disable_hybrid_swa_memory": True})
+    # the sliding-window pool with fewer window rows than the prompt has tokens (758: 3,033 slots)
+    window_engine = engine_of(
+        {"kv_cache_bytes": 40 << 20, "swa_full_tokens_ratio": 0.25}, max_num_batched_tokens=128
     )
+    assert isinstance(window_engine.runner.kv, SlidingWindowKVPool)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:3000]
     ids = engine.tokenizer("Here is a document:\n" + readme + "\n\nSummary of the document in one sentence:")[
         "input_ids"
     ]
     assert len(ids) > 3 * 512 // 2  # well past the 512-token window of the local layers
     out = engine.generate([(ids, SamplingParams(temperature=0, max_tokens=24), None)])[0].token_ids
+    assert window_engine.runner.kv.num_window_slots < len(ids)
+    windowed = window_engine.generate([(ids, SamplingParams(temperature=0, max_tokens=24), None)])
+    assert windowed[0].token_ids == out
     hf = AutoModelForCausalLM.from_pretrained(
         str(engine.runner.model_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -18,112 +18,17 @@ from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.request import SamplingParams
+from tests.support.families import save_family
 from tests.support.models import chunked_logits_error
-
-WINDOW = 24
-COMMON = {
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.1,
-}
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
-
-
-def _families():
-    from transformers import (
-        Gemma3TextConfig,
-        GptOssConfig,
-        MistralConfig,
-        MixtralConfig,
-        Phi3Config,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
-
-    moe = {"num_experts_per_tok": 2}
-    return {
-        "qwen3": (Qwen3Config, {"head_dim": 16}),
-        "qwen3_moe": (
-            Qwen3MoeConfig,
-            {"head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1], **moe},
-        ),
-        "mixtral": (MixtralConfig, {"num_local_experts": 4, "sliding_window": None, **moe}),
-        "mistral_window": (MistralConfig, {"sliding_window": WINDOW}),
-        "gemma3": (
-            Gemma3TextConfig,
-            {
-                "head_dim": 16,
-                "sliding_window": WINDOW,
-                "layer_types": LAYER_TYPES,
-                "query_pre_attn_scalar": 24,
-                "tie_word_embeddings": True,
-                "rope_parameters": {
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-                },
-            },
-        ),
-        "gpt_oss": (
-            GptOssConfig,
-            {
-                "head_dim": 16,
-                "num_local_experts": 4,
-                "sliding_window": WINDOW,
-                "layer_types": LAYER_TYPES,
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "factor": 4.0,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                    "truncate": False,
-                    "original_max_position_embeddings": 128,
-                    "rope_theta": 150000.0,
-                },
-                **moe,
-            },
-        ),
-        "phi3": (
-            Phi3Config,
-            {
-                "partial_rotary_factor": 0.5,
-                "original_max_position_embeddings": 256,
-                "rope_scaling": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0, 1.1, 1.3, 1.7],
-                    "long_factor": [2.0, 3.0, 4.0, 5.0],
-                },
-            },
-        ),
-    }
-
 
 FAMILY_NAMES = ["qwen3", "qwen3_moe", "mixtral", "mistral_window", "gemma3", "gpt_oss", "phi3"]
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, default_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
-    dirs = {}
-    for name, (cls, overrides) in _families().items():
-        path = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cls(**{**COMMON, **overrides}), dtype=torch.float32)
-        with torch.no_grad():  # random sinks (their init is zeros-like small values)
-            for n, p in model.named_parameters():
-                if n.endswith("sinks"):
-                    p.normal_(0, 1.0)
-        model.save_pretrained(str(path))
-        tokenizer.save_pretrained(str(path))
-        dirs[name] = path
-    return dirs
+    return {
+        name: save_family(name, tmp_path_factory.mktemp(name), default_model_dir) for name in FAMILY_NAMES
+    }
 
 
 def _hf(path):

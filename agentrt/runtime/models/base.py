@@ -162,8 +162,10 @@ class DecoderModel(nn.Module):
             )  # fmt: skip
         residual = None
         layers = self.layers[:num_layers]
+        windows = self.arch.layer_windows
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
-            x, residual = layer(x, residual, k_cache, v_cache, meta, self.layer_rope(i))
+            m = meta if windows[i] is None or getattr(meta, "swa_map", None) is None else meta.window_view()
+            x, residual = layer(x, residual, k_cache, v_cache, m, self.layer_rope(i))
         return self.norm.add_forward(x, residual, fused)[1]
 
     def decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -154,18 +154,21 @@ def kv_estimate(arch, dtype) -> KVEstimate:
     return KVEstimate(name, arch.num_layers, layer, full, tuple(sorted(windows.items())))
 
 
-def capacity(kv: KVEstimate, max_model_len: int, budget: int | None, device: str, source: str) -> Capacity:
-    """Sequences of `max_model_len` tokens that `budget` KV bytes hold (0 when budget is None)."""
+def capacity(
+    kv: KVEstimate, max_model_len: int, budget: int | None, device: str, source: str, window_pool=None
+) -> Capacity:
+    """Sequences of `max_model_len` tokens that `budget` KV bytes hold (0 when budget is None).
+    window_pool: (token slots, window rows) of the sliding-window pool the engine builds here
+    (kv_window.plan_window_pool), or None for the plain pool (every layer per token)."""
     if budget is None:
         return Capacity(device, None, source, max_model_len)
-    return Capacity(
-        device,
-        budget,
-        source,
-        max_model_len,
-        budget // (kv.pool_bytes_per_token * max_model_len),
-        budget // kv.sequence_bytes(max_model_len),
-    )
+    if window_pool is None:
+        pool = budget // (kv.pool_bytes_per_token * max_model_len)
+    else:
+        slots, rows = window_pool
+        window = max(w for w, _ in kv.windows)
+        pool = min(slots // max_model_len, rows // min(max_model_len, window))
+    return Capacity(device, budget, source, max_model_len, pool, budget // kv.sequence_bytes(max_model_len))
 
 
 def safetensors_headers(model_dir: Path) -> tuple[dict[str, dict], list[str]]:
@@ -423,6 +426,7 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
     import torch
 
     from agentrt.runtime.config import CacheConfig
+    from agentrt.runtime.kv_window import plan_window_pool
     from agentrt.runtime.platform import choose_dtype
 
     device = options["device"]
@@ -449,10 +453,11 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
         f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
     ]
     note = ""
-    if kv.windows:
+    if kv.windows and dev.type != "cpu":
         note = (
-            f"; the engine's pool today stores every layer's K/V for every token: {kv.pool_bytes_per_token:,} "
-            f"bytes/token, {kv.pool_bytes_per_token * n:,} bytes per {n:,}-token sequence"
+            f"; the engine's pool on {dev.type} stores every layer's K/V for every token: "
+            f"{kv.pool_bytes_per_token:,} bytes/token, {kv.pool_bytes_per_token * n:,} bytes per "
+            f"{n:,}-token sequence (the sliding-window pool runs on the CPU only)"
         )
     report.add(
         OK,
@@ -477,14 +482,27 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
             f"{CacheConfig.gpu_memory_utilization} x {total / 2**30:.1f} GiB - {(total - free) / 2**30:.1f} GiB in use "
             f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
         )
-    cap = report.capacity = capacity(kv, n, budget, str(dev), source)
+    window_pool = None
+    if kv.windows and dev.type == "cpu" and budget is not None and budget > 0:
+        plan = plan_window_pool(
+            arch.layer_windows, kv.layer_bytes, budget, options["max_num_seqs"], 512, n
+        )  # the engine's pool with the default --max-num-batched-tokens
+        window_pool = None if isinstance(plan, str) else plan
+    cap = report.capacity = capacity(kv, n, budget, str(dev), source, window_pool)
     if budget is None:
         report.add(WARNING, "capacity", f"{dev}: {source}")
         return
-    slots = budget // kv.pool_bytes_per_token if budget > 0 else 0
+    slots = (
+        (budget // kv.pool_bytes_per_token if window_pool is None else window_pool[0]) if budget > 0 else 0
+    )
     text = f"{dev} KV budget {budget:,} bytes ({source}): {cap.pool_sequences} sequences of {n:,} tokens"
     if kv.windows:
-        text += f" with the pool as built ({cap.window_sequences} if windowed layers kept only their window)"
+        how = (
+            "every layer per token"
+            if window_pool is None
+            else f"{window_pool[1]:,} windowed-layer rows, shared by the running sequences' windows"
+        )
+        text += f" with the pool as built ({how}; {cap.window_sequences} if each kept exactly its window)"
     estimated = dev.type == "cuda" and options["kv_cache_bytes"] is None  # the runner refuses it then
     if slots < 1 or (estimated and cap.pool_sequences < 1):
         report.add(
