@@ -76,6 +76,7 @@ def train_medusa(config: EngineConfig, args: argparse.Namespace, log=print) -> d
             slots = runner.kv.allocate(len(seq))
             if slots is None:
                 raise ValueError(f"a prompt + response of {len(seq)} tokens does not fit the KV pool")
+            runner.kv.sync_map()
             try:
                 chunk = SeqChunk(seq, 0, slots, True, len(seq) - start + 1)
                 _, hidden = run_chunks(

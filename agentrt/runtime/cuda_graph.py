@@ -49,6 +49,7 @@ class DecodeGraphRunner:
         batch_sizes,
         device: torch.device,
         capture: bool,
+        swa_map: torch.Tensor | None = None,
     ):
         self.model, self.k_caches, self.v_caches, self.table = model, k_caches, v_caches, table
         self.batch_sizes = sorted(set(batch_sizes))
@@ -68,6 +69,7 @@ class DecodeGraphRunner:
                 is_decode=True,
                 seq_lens=self.seq_lens[:bs],
                 num_splits=decode_splits(table.max_len),
+                swa_map=swa_map,  # a sliding-window pool's map: updated in place, read by the graph
             )
             for bs in self.batch_sizes
         }

@@ -217,6 +217,12 @@ class KVPool:
     def touch(self, slots) -> None:
         pass
 
+    def sync_map(self) -> None:
+        pass
+
+    def demote(self, slots) -> None:
+        pass
+
     def usable_prefix(self, slots: list[int]) -> int:
         return len(slots)
 

@@ -17,7 +17,8 @@ with its full-attention K/V. A cached prefix of length L is usable only when the
 last `window` tokens are still there (`usable_prefix`): a request then recomputes from the last
 point that holds. Rows of a running request's own dead tokens are not freed eagerly: a finished
 request's prompt end is what the same prompt, sent again, needs, and the LRU order keeps the
-recent ones (as vLLM's hybrid KV cache manager frees out-of-window blocks into its cached free
+recent ones; the rows a running request has moved past are demoted to the front of that order
+(`demote`), so a long prompt's interior goes before other requests' cached prefix ends (as vLLM's hybrid KV cache manager frees out-of-window blocks into its cached free
 queue, and SGLang's SWA radix cache tombstones them lazily).
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from agentrt.runtime.kv_cache import KVPool
@@ -51,8 +53,8 @@ def plan_window_pool(
     layer_bytes: K + V bytes of one token in one layer. `ratio` (window rows per token slot, as
     SGLang's --swa-full-tokens-ratio) fixes the split; None (auto) gives the windowed layers
     2 x (max_num_seqs x window + max_num_batched_tokens) rows, what every running sequence's window
-    plus a step's new tokens need, twice over so that cached prefixes keep their windows, and the
-    rest of the budget to token slots. Raises ValueError when `ratio` leaves fewer window rows than
+    plus a step's new tokens need, twice over so that cached prefixes keep their windows, but at
+    most half the budget, and the rest of the budget to token slots. Raises ValueError when `ratio` leaves fewer window rows than
     one request needs (window + max_num_batched_tokens)."""
     full, windowed, window = window_layer_split(layer_windows)
     if not windowed:
@@ -76,22 +78,20 @@ def plan_window_pool(
     if bf == 0:  # every layer windowed: token slots cost nothing but the tree's bookkeeping
         rows = int(budget_bytes // bs)
         return (4 * rows, rows) if rows >= need else "the budget holds fewer rows than one request's window"
-    target = 2 * (max_num_seqs * window + max_num_batched_tokens)
-    slots = int((budget_bytes - target * bs) // bf)
-    if slots < target:
-        return (
-            f"the budget holds fewer than {target} tokens (2 x (max_num_seqs x window + "
-            "max_num_batched_tokens)): no room to save"
-        )
-    return slots, target
+    rows = min(2 * (max_num_seqs * window + max_num_batched_tokens), int(budget_bytes // 2 // bs))
+    slots = int((budget_bytes - rows * bs) // bf)
+    if rows < need or slots < rows:
+        return f"half the budget holds fewer window rows than one request needs (window + {max_num_batched_tokens})"
+    return slots, rows
 
 
 class SlidingWindowKVPool(KVPool):
     """A KVPool whose windowed layers (`layer_windows[i]` not None) hold `num_window_slots` rows; see
     the module docstring. k[i] / v[i] are [num_slots, Hkv, D] for a full-attention layer and
     [num_window_slots + 1, Hkv, D] for a windowed one (QuantizedKV for int8, as KVPool).
-    `window`: the largest window (tokens). CPU only: the slot -> row map is updated in place.
-    Raises ValueError as KVPool, and when the device is not a CPU."""
+    `window`: the largest window (tokens). The slot -> row map is kept on the host; on a CPU
+    `swa_map` is the same memory, on a GPU a device copy that `sync_map` brings up to date (the
+    entries changed since, one copy) before a forward. Raises ValueError as KVPool."""
 
     def __init__(
         self,
@@ -103,8 +103,6 @@ class SlidingWindowKVPool(KVPool):
         num_slots: int,
         num_window_slots: int,
     ):
-        if torch.device(device).type != "cpu":
-            raise ValueError("the sliding-window KV pool runs on the CPU only")
         full, windowed, self.window = window_layer_split(layer_windows)
         self.layer_windows = tuple(layer_windows)
         self.num_window_slots = num_window_slots
@@ -121,8 +119,11 @@ class SlidingWindowKVPool(KVPool):
             layer_rows=[num_slots if w is None else num_window_slots + 1 for w in layer_windows],
         )
         self.bytes_per_token = self.bytes_per_token_of(full, num_kv_heads, head_dim, dtype)
-        self.swa_map = torch.zeros(num_slots, dtype=torch.int64)
-        self._row_of = self.swa_map.numpy()  # the same memory: host writes are the map's
+        self.swa_map = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        on_cpu = self.swa_map.device.type == "cpu"
+        # host map: on a CPU the same memory as swa_map; else a copy, its changes kept in _dirty
+        self._row_of = self.swa_map.numpy() if on_cpu else np.zeros(num_slots, dtype=np.int64)
+        self._dirty: dict[int, int] | None = None if on_cpu else {}
         self._free_rows = list(range(num_window_slots, 0, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()  # slots holding a row, least recent first
         self.num_reclaimed = 0  # rows dropped from slots still allocated (a metric)
@@ -149,9 +150,22 @@ class SlidingWindowKVPool(KVPool):
         del self._free_rows[len(self._free_rows) - n :]
         rows.reverse()
         for s, r in zip(slots, rows):
-            self._row_of[s] = r
+            self._set_row(s, r)
             self._lru[s] = None
         return slots
+
+    def _set_row(self, s: int, r: int) -> None:
+        self._row_of[s] = r
+        if self._dirty is not None:
+            self._dirty[s] = r
+
+    def sync_map(self) -> None:
+        """Bring the device copy of the slot -> row map up to date (a GPU pool; no-op on a CPU)."""
+        if self._dirty:
+            idx = torch.tensor(list(self._dirty), dtype=torch.int64)
+            rows = torch.tensor(list(self._dirty.values()), dtype=torch.int64)
+            self.swa_map[idx.to(self.swa_map.device)] = rows.to(self.swa_map.device)
+            self._dirty.clear()
 
     def free(self, slots: list[int]) -> None:
         for s in slots:
@@ -161,7 +175,7 @@ class SlidingWindowKVPool(KVPool):
     def _drop_row(self, s: int) -> None:
         r = int(self._row_of[s])
         if r:
-            self._row_of[s] = 0
+            self._set_row(s, 0)
             self._free_rows.append(r)
             del self._lru[s]
 
@@ -185,6 +199,13 @@ class SlidingWindowKVPool(KVPool):
             if s in self._lru:
                 self._lru.move_to_end(s)
 
+    def demote(self, slots) -> None:
+        """Mark these slots' rows as the first to reclaim: a running request has moved past them
+        (they serve only a later request whose cached prefix ends right there)."""
+        for s in slots:
+            if s in self._lru:
+                self._lru.move_to_end(s, last=False)
+
     def usable_prefix(self, slots: list[int]) -> int:
         """The longest L <= len(slots) such that the last `window` of slots[:L] (all of them when
         L < window) hold window rows: how much of a cached prefix a request can reuse."""
@@ -202,8 +223,8 @@ class SlidingWindowKVPool(KVPool):
         the request's slots are then freed."""
         for m, t in zip(mine, theirs):
             if m != t and not self._row_of[t] and self._row_of[m]:
-                self._row_of[t] = self._row_of[m]
-                self._row_of[m] = 0
+                self._set_row(t, int(self._row_of[m]))
+                self._set_row(m, 0)
                 del self._lru[m]
                 self._lru[t] = None
         self.free([m for m, t in zip(mine, theirs) if m != t])

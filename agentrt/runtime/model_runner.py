@@ -293,7 +293,7 @@ class ModelRunner:
             sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
             capture = self.device.type == "cuda" and not model_config.enforce_eager
             self.graphs = DecodeGraphRunner(
-                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture
+                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.kv.swa_map
             )
         self.compiled = None  # CompiledDecode on CPU with compile_decode (see compiled_decode.py)
         decode = "decode eager"
@@ -337,6 +337,7 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):
         """Logits [N, vocab] fp32 (N = sum of num_logits over chunks with need_logits, in order);
         with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
+        self.kv.sync_map()  # a GPU sliding-window pool: the slot -> row changes since the last step
         if self.graphs is not None and not return_hidden and self.graphs.accepts(chunks):
             return self.graphs.run(chunks)
         if self.compiled is not None and not return_hidden and self.compiled.accepts(chunks):
@@ -369,8 +370,6 @@ class ModelRunner:
         off = None
         if cache_config.disable_hybrid_swa_memory:
             off = "disable_hybrid_swa_memory"
-        elif self.device.type != "cpu" or backend not in ("torch", "cpu"):
-            off = f"not built for {self.device} / attention {backend} yet"
         elif cache_config.kv_host_bytes or cache_config.kv_disk_dir:
             off = "the KV host/disk tiers copy every layer per token"
         elif spec_config is not None and spec_config.method == "draft":
@@ -425,7 +424,7 @@ def run_chunks(
         batch = build_triton_metadata(chunks, slot_table, dev)
     else:
         batch = build_torch_metadata(chunks, dev, cpu_kernel)
-        batch.meta.swa_map = swa_map
+    batch.meta.swa_map = swa_map
     hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)
     rows = hidden[batch.logit_idx]
     logits = model.compute_logits(rows)

@@ -118,6 +118,22 @@ class Scheduler:
         self._step_context[r] = len(r.slots) - n
         if n > 1 and r.spec.draft is None:
             r.prefilled_since_insert = True
+        if self.kv.window:
+            self._demote_passed(r, len(r.slots) - n)
+
+    def _demote_passed(self, r: Request, context_len: int) -> None:
+        """Demote the window rows of r's positions no query of r attends from now on (they go first
+        when rows run short), except the window before the prompt's end, which the same prompt
+        sent again, or the next turn of a conversation whose output tokenizes differently, reuses."""
+        w = self.kv.window
+        dead = context_len - w
+        if dead <= r.window_demoted:
+            return
+        keep_lo, keep_hi = r.num_prompt_tokens - w - 1, r.num_prompt_tokens
+        for lo, hi in ((r.window_demoted, min(dead, keep_lo)), (max(r.window_demoted, keep_hi), dead)):
+            if hi > lo:
+                self.kv.demote(r.slots[lo:hi])
+        r.window_demoted = dead
 
     def _cache_computed_prefix(self, r: Request) -> None:
         """Insert a running request's computed prefix (after a prefill chunk) into the radix tree,
@@ -342,4 +358,5 @@ class Scheduler:
                 self.cache.unlock(r.cache_node)
         r.slots = []
         r.num_shared = 0
+        r.window_demoted = 0
         r.cache_node = None

@@ -10,6 +10,7 @@ one token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -105,10 +106,32 @@ class TritonAttentionMetadata:
     tree_offsets: torch.Tensor | None = None
     cos_table: torch.Tensor | None = None
     sin_table: torch.Tensor | None = None
+    swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
+    ops_fused: bool = False  # set by the model's forward (the C++ element-wise ops: never on this path)
+    _window_view: TritonAttentionMetadata | None = None
 
     def prepare_rope(self, positions, cos_table, sin_table, dtype) -> None:
         """Keep the fp32 cos/sin tables [max_positions, head_dim // 2]; the kernel gathers rows."""
         self.cos_table, self.sin_table = cos_table, sin_table
+        self._window_view = None
+
+    def window_view(self) -> TritonAttentionMetadata:
+        """This batch's metadata for a sliding-window layer of a SlidingWindowKVPool: the new tokens'
+        slots (padding -1 kept) and the whole page table mapped through `swa_map` to the windowed
+        layers' rows; built once per forward (inside a captured CUDA graph, part of the graph)."""
+        if self.swa_map is None:
+            return self
+        if self._window_view is None:
+            m = self.swa_map
+            sm = self.slot_mapping
+            self._window_view = dataclasses.replace(
+                self,
+                slot_mapping=torch.where(sm >= 0, m[sm.clamp(min=0)], sm),
+                page_table=m[self.page_table.long()].to(torch.int32),
+                swa_map=None,
+                _window_view=None,
+            )
+        return self._window_view
 
     def rope_rows(self, rope=None):
         """The layer's (cos, sin) tables themselves: the Triton kernels gather the positions' rows."""

@@ -73,9 +73,8 @@ def test_prompt_past_the_window_matches_transformers(gemma_gguf):
 
     from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from agentrt.runtime.engine import Engine
-    from agentrt.runtime.request import SamplingParams
-
     from agentrt.runtime.kv_window import SlidingWindowKVPool
+    from agentrt.runtime.request import SamplingParams
 
     def engine_of(cache, **scheduler):
         return Engine(

@@ -62,6 +62,15 @@ def test_reclaim_drops_least_recent_rows_outside_live_windows():
     assert pool.reclaim(6, live=set(a + b)) == 0
 
 
+def test_demoted_rows_are_reclaimed_first():
+    pool = _pool()
+    a = pool.allocate(3)
+    b = pool.allocate(3)
+    pool.demote(b[:2])  # a request moved past them
+    assert pool.reclaim(2, live=set()) == 2
+    assert [pool.has_window_row(s) for s in a + b] == [True, True, True, False, False, True]
+
+
 def test_usable_prefix_needs_the_last_window():
     pool = _pool(slots=12, rows=10)
     s = pool.allocate(8)
@@ -94,7 +103,9 @@ def test_plan_window_pool():
     assert rows == 2 * (16 * 512 + 512)
     assert slots * layer + rows * 2 * layer <= 1 << 30
     assert slots > 2.5 * (1 << 30) // (3 * layer)  # the plain pool's tokens: every layer per token
-    assert isinstance(plan_window_pool((None, 512, 512), layer, 1 << 20, 16, 512, 8192), str)  # too small
+    slots, rows = plan_window_pool((None, 512, 512), layer, 8 << 20, 16, 512, 8192)
+    assert rows == (8 << 20) // 2 // (2 * layer) and slots == (8 << 20) // 2 // layer  # rows: half at most
+    assert isinstance(plan_window_pool((None, 512, 512), layer, 1 << 19, 16, 512, 8192), str)  # too small
     slots, rows = plan_window_pool((64, 64), layer, 1 << 20, 4, 64, 4096)  # every layer windowed
     assert rows == (1 << 20) // (2 * layer) and slots == 4 * rows
     slots, rows = plan_window_pool((None, 24), layer, 1 << 20, 4, 16, 512, 0.5)
@@ -195,3 +206,27 @@ def test_window_pool_saves_memory_and_says_so(window_dirs):
     assert type(tiers.kv) is KVPool and "host/disk tiers" in tiers.memory_plan.describe()
     triton = _engine(path, {"kv_cache_bytes": 16 << 20}, model={"attention_backend": "torch"}).runner
     assert isinstance(triton.kv, SlidingWindowKVPool)  # the torch reference path reads it too
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_triton_path_reads_the_window_rows(window_dirs, family):
+    """The Triton kernels (the interpreter on a CPU) store to and read the windowed layers' rows
+    through the page table mapped by `swa_map`: the same tokens as the plain pool's, under pressure."""
+    from agentrt.runtime.kernels import triton_usable
+
+    if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("needs triton (TRITON_INTERPRET=1 on CPU)")
+    path = window_dirs[family]
+    prompts = [p[:40] for p in _workload()[:5]]
+    triton = {"model": {"attention_backend": "triton"}}
+    plain = _engine(path, {"kv_cache_bytes": 16 << 20, "disable_hybrid_swa_memory": True}, **triton)
+    alone = [_run(plain, [p], new=12)[0] for p in prompts]
+    engine = _engine(
+        path,
+        {"kv_cache_bytes": 64 << 10, "swa_full_tokens_ratio": 0.5},
+        {"max_num_seqs": 3, "max_num_batched_tokens": 16},
+        **triton,
+    )
+    assert engine.runner.attention_backend == "triton" and isinstance(engine.runner.kv, SlidingWindowKVPool)
+    assert _run(engine, prompts, new=12) == alone
+    assert engine.runner.kv.num_reclaimed > 0

@@ -452,17 +452,10 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
     parts += [
         f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
     ]
-    note = ""
-    if kv.windows and dev.type != "cpu":
-        note = (
-            f"; the engine's pool on {dev.type} stores every layer's K/V for every token: "
-            f"{kv.pool_bytes_per_token:,} bytes/token, {kv.pool_bytes_per_token * n:,} bytes per "
-            f"{n:,}-token sequence (the sliding-window pool runs on the CPU only)"
-        )
     report.add(
         OK,
         "kv cache",
-        f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes{note}",
+        f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes",
     )
     budget, source = options["kv_cache_bytes"], "--kv-cache-bytes"
     if budget is None and dev.type == "cpu":
@@ -483,7 +476,7 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
             f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
         )
     window_pool = None
-    if kv.windows and dev.type == "cpu" and budget is not None and budget > 0:
+    if kv.windows and budget is not None and budget > 0:
         plan = plan_window_pool(
             arch.layer_windows, kv.layer_bytes, budget, options["max_num_seqs"], 512, n
         )  # the engine's pool with the default --max-num-batched-tokens
