@@ -33,7 +33,7 @@ TEMPLATE = (
 CONFIGS = {
     "plain pool": {"disable_hybrid_swa_memory": True},
     "sliding-window pool": {},
-    "sliding-window pool, ratio 0.4": {"swa_full_tokens_ratio": 0.4},
+    "sliding-window pool (ratio 0.4)": {"swa_full_tokens_ratio": 0.4},
     "unbounded plain pool": {"disable_hybrid_swa_memory": True, "unbounded": True},
 }
 LAYER_BYTES = 2 * 256 * 4  # Gemma 3 270M: K + V of one token in one layer (1 KV head x 256, float32)

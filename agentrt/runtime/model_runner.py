@@ -279,7 +279,7 @@ class ModelRunner:
             total,
             self.weight_format.bytes,
             kv_dtype_name(self.kv_dtype),
-            kv_tokens_per_gib(a),
+            () if self.kv.window else kv_tokens_per_gib(a),  # (a plain pool's)
             window_kv,
         )
         self.attention_backend = backend

@@ -342,9 +342,11 @@ class Scheduler:
             if insert and len(r.slots) > r.num_shared:
                 tokens = r.token_ids[: len(r.slots)]
                 present = self.cache.insert(tokens, r.slots, r.cache_salt)
-                tree_slots = self.cache.match_prefix(tokens[:present], r.cache_salt).slots
-                # duplicates of what the tree holds (their window rows go to the tree's slots)
-                self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
+                if self.kv.window:  # duplicates of the tree's: their window rows go to the tree's slots
+                    tree_slots = self.cache.match_prefix(tokens[:present], r.cache_salt).slots
+                    self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
+                else:
+                    self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
                 if self.tiers is not None:
                     self.tiers.write_through(
                         tokens,
