@@ -74,6 +74,8 @@ def train_medusa(config: EngineConfig, args: argparse.Namespace, log=print) -> d
             seq = ids + list(out.token_ids)
             start = len(ids)
             slots = runner.kv.allocate(len(seq))
+            if slots is None and engine.scheduler.make_room(len(seq)):  # the prefix cache holds the pool
+                slots = runner.kv.allocate(len(seq))
             if slots is None:
                 raise ValueError(f"a prompt + response of {len(seq)} tokens does not fit the KV pool")
             runner.kv.sync_map()

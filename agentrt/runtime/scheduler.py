@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._step_context: dict[Request, int] = {}
+        self._live: set[int] | None = None
 
     def add(self, r: Request) -> None:
         r.status = RequestStatus.WAITING
@@ -71,6 +72,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         self._step_context: dict[Request, int] = {}  # context_len of the chunks scheduled so far
+        self._live: set[int] | None = None  # _live_window_slots of this step
         if self.cache is not None:
             for r in self.running:
                 if r.prefilled_since_insert:
@@ -123,16 +125,22 @@ class Scheduler:
 
     def _demote_passed(self, r: Request, context_len: int) -> None:
         """Demote the window rows of r's positions no query of r attends from now on (they go first
-        when rows run short), except the window before the prompt's end, which the same prompt
-        sent again, or the next turn of a conversation whose output tokenizes differently, reuses."""
+        when rows run short), except the window before the prompt's end (which the same prompt sent
+        again, or the next turn of a conversation whose output tokenizes differently, reuses) and the
+        window before r's own cache hit (a shared system prompt's end, which the next request that
+        shares it reuses)."""
         w = self.kv.window
         dead = context_len - w
         if dead <= r.window_demoted:
             return
-        keep_lo, keep_hi = r.num_prompt_tokens - w - 1, r.num_prompt_tokens
-        for lo, hi in ((r.window_demoted, min(dead, keep_lo)), (max(r.window_demoted, keep_hi), dead)):
-            if hi > lo:
-                self.kv.demote(r.slots[lo:hi])
+        keep = sorted((end - w - 1, end) for end in {r.num_prompt_tokens, r.num_cached_tokens or 0} if end)
+        lo = r.window_demoted
+        for keep_lo, keep_hi in keep:
+            if min(dead, keep_lo) > lo:
+                self.kv.demote(r.slots[lo : min(dead, keep_lo)])
+            lo = max(lo, keep_hi)
+        if dead > lo:
+            self.kv.demote(r.slots[lo:dead])
         r.window_demoted = dead
 
     def _cache_computed_prefix(self, r: Request) -> None:
@@ -198,8 +206,11 @@ class Scheduler:
             slots = self.kv.allocate(n)
             if slots is not None:
                 r.slots.extend(slots)
+                if self._live is not None:
+                    self._live.update(slots)
                 return True
-            if self.kv.num_free_window < n and self.kv.reclaim(n, self._live_window_slots()):
+            # rows short: reclaim a window's worth beyond the need, so the next calls find them free
+            if self.kv.num_free_window < n and self.kv.reclaim(n + self.kv.window, self._live_window_slots()):
                 continue
             short = max(n - self.kv.num_free, n - self.kv.num_free_window)
             if self.cache is not None and self._evict(short):
@@ -211,11 +222,26 @@ class Scheduler:
             if victim is r:
                 return False
 
+    def make_room(self, n: int) -> bool:
+        """For work outside the scheduler while no request runs (train-medusa's forwards): reclaim
+        window rows and evict cached prefixes until n slots, each with a row, are free. False when
+        the pool cannot hold n."""
+        while self.kv.num_free < n or self.kv.num_free_window < n:
+            if self.kv.num_free_window < n and self.kv.reclaim(n, set()):
+                continue
+            short = max(n - self.kv.num_free, n - self.kv.num_free_window)
+            if self.cache is None or not self._evict(short):
+                return False
+        return True
+
     def _live_window_slots(self) -> set[int]:
         """Slots whose windowed-layer K/V a running request can still attend: the last `window`
-        before its context, and the new tokens of a chunk scheduled this step."""
-        w, ctx = self.kv.window, self._step_context
-        return {s for r in self.running for s in r.slots[max(0, ctx.get(r, len(r.slots)) - w) :]}
+        before its context, and the new tokens of a chunk scheduled this step. Built once a step
+        (slots allocated after are added by _allocate; a preemption rebuilds it)."""
+        if self._live is None:
+            w, ctx = self.kv.window, self._step_context
+            self._live = {s for r in self.running for s in r.slots[max(0, ctx.get(r, len(r.slots)) - w) :]}
+        return self._live
 
     def _evict(self, num_tokens: int) -> bool:
         """Evict unlocked cache leaves (down to the lower tiers when present) until num_tokens
@@ -310,6 +336,7 @@ class Scheduler:
 
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
+        self._live = None  # r's window is no longer live
         r.tier_checked = r.tier_relooked = False
         r.pending_jump_forward = 0  # recomputed with the rest, as prefill
         self._release(r, insert=True)

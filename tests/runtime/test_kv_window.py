@@ -230,3 +230,83 @@ def test_triton_path_reads_the_window_rows(window_dirs, family):
     assert engine.runner.attention_backend == "triton" and isinstance(engine.runner.kv, SlidingWindowKVPool)
     assert _run(engine, prompts, new=12) == alone
     assert engine.runner.kv.num_reclaimed > 0
+
+
+def test_a_shared_system_prompt_keeps_its_window_under_row_pressure(window_dirs):
+    """Every request moves past the shared prefix's end; its rows must not be the first reclaimed
+    (the window before a request's cache hit is kept out of the demotion), or each pair's first
+    request would recompute the prefix."""
+    rng = random.Random(0)
+    system = [rng.randrange(100, 49000) for _ in range(100)]
+    prompts = [system + [rng.randrange(100, 49000) for _ in range(20)] for _ in range(16)]
+    engine = _engine(
+        window_dirs["gemma3"], {"kv_cache_bytes": 4 << 20}, {"max_num_seqs": 4, "max_num_batched_tokens": 16}
+    )
+    params = SamplingParams(temperature=0, max_tokens=20, logit_bias={t: -100.0 for t in engine.stop_ids})
+    hits = []
+    for i in range(0, len(prompts), 2):
+        requests = [engine.make_request(p, params) for p in prompts[i : i + 2]]
+        for r in requests:
+            engine.enqueue(r)
+        while engine.has_work():
+            engine.step()
+        hits += [r.num_cached_tokens for r in requests]
+    assert engine.runner.kv.num_reclaimed > 0
+    assert hits == [0] + [100] * (len(prompts) - 1)
+
+
+def test_train_medusa_reclaims_the_caches_rows(window_dirs, tmp_path):
+    """`agentrt train-medusa` computes hidden states of whole sequences after the engine generated
+    them: the prefix cache then holds the window rows, which it takes back."""
+    import json
+    import subprocess
+    import sys
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(60))}) + "\n" for _ in range(24)
+        )
+    )
+    cmd = [sys.executable, "-m", "agentrt.cli", "train-medusa", str(window_dirs["gemma3"]), "--device", "cpu"]
+    cmd += ["--prompts", str(prompts), "--output", str(tmp_path / "heads"), "--max-tokens", "48"]
+    cmd += ["--epochs", "1", "--num-heads", "2", "--kv-cache-bytes", str(1200 << 10)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_triton_medusa_tree_with_windows_matches_plain_decoding(window_dirs, tmp_path):
+    """A branching Medusa tree verified by the Triton extend kernel: a node's window is counted from
+    its position (the prefix + its depth), not its index in the tree; with the sliding-window pool
+    under pressure the tokens equal plain decoding's."""
+    from agentrt.runtime.kernels import triton_usable
+    from agentrt.speculative.medusa import MedusaHeads
+
+    if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("needs triton (TRITON_INTERPRET=1 on CPU)")
+    torch.manual_seed(1)
+    heads = MedusaHeads(64, 49152, 3, 1, True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.mul_(0.01)
+    heads.save(str(tmp_path / "medusa"), dtype=torch.float32)
+    rng = random.Random(3)
+    base = [rng.randrange(100, 49000) for _ in range(60)]
+    prompts = [
+        base[:n] + [rng.randrange(100, 49000) for _ in range(k)] for n, k in [(0, 30), (24, 10), (48, 5)]
+    ]
+    path, triton = window_dirs["gemma3"], {"model": {"attention_backend": "triton"}}
+    plain = _engine(path, {"kv_cache_bytes": 16 << 20, "disable_hybrid_swa_memory": True}, **triton)
+    alone = [_run(plain, [p], new=12)[0] for p in prompts]
+    tree = ((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0))
+    spec = SpecConfig(method="medusa", medusa_heads=str(tmp_path / "medusa"), medusa_tree=tree)
+    engine = _engine(
+        path,
+        {"kv_cache_bytes": 64 << 10, "swa_full_tokens_ratio": 0.25},
+        {"max_num_seqs": 3, "max_num_batched_tokens": 16},
+        speculative=spec,
+        **triton,
+    )
+    assert _run(engine, prompts, new=12) == alone

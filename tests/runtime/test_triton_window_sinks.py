@@ -77,11 +77,15 @@ def extend_batch(q_lens: list[int], prefixes: list[int], page_size: int, gen, dt
 
 
 def random_trees(q_lens: list[int], gen):
-    """Random draft-tree masks (lower triangular, diagonal set) and their flat uint8 layout."""
+    """Random draft trees (node i's parent a random earlier node; its row: its ancestors and itself,
+    so its depth, its row's count minus 1, differs from its index) and their flat uint8 layout."""
     masks, parts, offsets, acc = [], [], [], 0
     for n in q_lens:
-        m = (torch.rand(n, n, generator=gen) < 0.5).tril()
-        m.fill_diagonal_(True)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            if i:
+                m[i] = m[int(torch.randint(0, i, (1,), generator=gen))]
+            m[i, i] = True
         masks.append(m.to(DEVICE))
         parts.append(m.flatten().to(torch.uint8))
         offsets.append(acc)
@@ -121,7 +125,9 @@ def test_references_match_direct_softmax(window, with_sinks):
         ref = extend_attention_ref(*args, tree_masks=trees, window=window, sinks=sinks)
         for b, (n, p) in enumerate(zip(q_lens, prefixes)):
             pos = torch.arange(p + n, device=DEVICE)
-            seen = positions_mask(pos[p:], pos, window)
+            # a tree node's position: the prefix + its depth (not its index among the new tokens)
+            q_pos = pos[p:] if trees is None else p + trees[b].sum(1) - 1
+            seen = positions_mask(q_pos, pos, window)
             if trees is not None:  # the tree rule among the new tokens, the window on the prefix
                 seen[:, p:] = trees[b]
             s = 1 + sum(q_lens[:b])

@@ -92,6 +92,17 @@ def _extend_kernel(
         q = q.to(tl.float32)
     if HAS_TREE:
         tree_off = tl.load(TreeOffsets + b)
+        if HAS_WINDOW:  # a node's position: prefix + its depth (its ancestors in its row, minus 1)
+            depth = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for c in range(0, q_len, BLOCK_N):
+                cols = c + tl.arange(0, BLOCK_N)
+                row = tl.load(
+                    TreeMask + tree_off + offs_m[:, None] * q_len + cols[None, :],
+                    mask=m_mask[:, None] & (cols[None, :] < q_len),
+                    other=0,
+                )
+                depth += tl.sum(row.to(tl.int32), axis=1)
+            q_pos = prefix + depth - 1
 
     # keys needed by this block: the prefix plus new tokens up to its last row (none past q_len)
     hi = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_M)
@@ -101,8 +112,8 @@ def _extend_kernel(
         # the block's first row (position prefix + mb * BLOCK_M) sees no key before `lo`; under a
         # tree the new tokens are seen by the tree rule, whatever their distance
         lo = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
-        if HAS_TREE:
-            lo = tl.minimum(lo, prefix)
+        if HAS_TREE:  # a node of any depth (>= 0) may be in the block
+            lo = tl.maximum(prefix - window + 1, 0)
         lo = lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -144,8 +155,8 @@ def _extend_kernel(
                 TreeMask + tree_off + offs_m[:, None] * q_len + new_col[None, :], mask=in_new, other=0
             )
             old = new_col[None, :] < 0
-            if HAS_WINDOW:  # the window applies to the prefix keys by position
-                old = old & (offs_n[None, :] > prefix + offs_m[:, None] - window)
+            if HAS_WINDOW:  # the window applies to the prefix keys by the node's position
+                old = old & (offs_n[None, :] > q_pos[:, None] - window)
             allowed = old | (tree != 0)
         else:
             allowed = new_col[None, :] <= offs_m[:, None]
@@ -207,7 +218,8 @@ def extend_attention(
     p = prefix_lens[b] + i) attends keys at positions in (p - W, p] only, within the causal rule
     (None or 0: no window; a runtime argument, new values compile nothing). With a tree_mask the
     tree rule alone decides among the new tokens (a draft is far shorter than a window) and the
-    window applies to the prefix keys by position: prefix key j is attended iff j > p - W.
+    window applies to the prefix keys by the node's position, p = prefix_lens[b] + its depth (the
+    ones in its tree row, minus 1): prefix key j is attended iff j > p - W.
     sinks (optional): float32 [H] learned logits, one per query head, added to each head's softmax
     as a column with no value (gpt-oss).
     Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes, a window that is
@@ -313,7 +325,8 @@ def extend_attention_ref(
         )
         if window:  # key j seen by new token i (position p + i) iff j > p + i - window
             pos = torch.arange(p + n, device=q.device)
-            in_window = pos[None, :] > (p + pos[:n, None]) - window
+            q_pos = p + (pos[:n] if tree is None else tree.sum(1) - 1)  # a tree node: p + its depth
+            in_window = pos[None, :] > q_pos[:, None] - window
             if tree is not None:
                 in_window[:, p:] = True  # the tree rule alone among the new tokens
             allowed &= in_window
