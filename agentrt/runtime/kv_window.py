@@ -15,11 +15,11 @@ freed, and earlier when the pool is short of window rows (`reclaim`): rows of sl
 request can attend are dropped, least recently used first, and the slot stays in the radix tree
 with its full-attention K/V. A cached prefix of length L is usable only when the window rows of its
 last `window` tokens are still there (`usable_prefix`): a request then recomputes from the last
-point that holds. Rows of a running request's own dead tokens are not freed eagerly: a finished
-request's prompt end is what the same prompt, sent again, needs, and the LRU order keeps the
-recent ones; the rows a running request has moved past are demoted to the front of that order
-(`demote`), so a long prompt's interior goes before other requests' cached prefix ends (as vLLM's hybrid KV cache manager frees out-of-window blocks into its cached free
-queue, and SGLang's SWA radix cache tombstones them lazily).
+point that holds. Rows are not freed the moment a request moves past them: a finished request's
+prompt end is what the same prompt, sent again, needs. Instead the scheduler demotes them to the
+front of the LRU order (`demote`), so a long prompt's interior goes before other requests' cached
+prefix ends. vLLM's hybrid KV cache manager likewise frees out-of-window blocks into its cached free
+queue, and SGLang's SWA radix cache tombstones them lazily.
 """
 
 from __future__ import annotations
