@@ -45,6 +45,7 @@ from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.models.check import check_model
 from agentrt.runtime.models.gguf_meta import read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
+from tests.support.families import family_config
 from tests.support.gguf import llama3_rope_freqs, tiny_vocab, write_gguf
 from tests.support.models import chunked_logits_error
 
@@ -87,17 +88,7 @@ FAMILIES = {
     ),
     "phi3": (
         "Phi3Config",
-        {
-            "pad_token_id": 0,
-            "sliding_window": 24,
-            "partial_rotary_factor": 0.5,
-            "original_max_position_embeddings": 256,
-            "rope_scaling": {
-                "rope_type": "longrope",
-                "short_factor": [1.0, 1.1, 1.3, 1.7],
-                "long_factor": [2.0, 3.0, 4.0, 5.0],
-            },
-        },
+        {"pad_token_id": 0, "sliding_window": 24, **family_config("phi3")[1]},
         None,
         "Phi3ForCausalLM",
     ),
