@@ -388,14 +388,15 @@ class ModelRunner:
             if isinstance(plan, str):
                 off = plan
         if off is not None:
-            return plain(), f"windowed layers keep every token ({off})"
+            return plain(), f"plain pool: the windowed layers keep every token too ({off})"
         kv = SlidingWindowKVPool(
             a.layer_windows, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, *plan
         )
         full, windowed, window = window_layer_split(a.layer_windows)
         return kv, (
-            f"{windowed} windowed layers (window {window}) hold {kv.num_window_slots} tokens x "
-            f"{kv.window_bytes_per_token} bytes; the {full} full-attention layers' bytes/token above"
+            f"sliding-window pool (the model has {windowed} sliding-window layers, window {window}): the "
+            f"tokens above hold the {full} full-attention layers' K/V, {kv.num_window_slots} rows x "
+            f"{kv.window_bytes_per_token} bytes/row the windowed layers' for the tokens still attended"
         )
 
 

@@ -195,8 +195,14 @@ def test_window_pool_saves_memory_and_says_so(window_dirs):
     assert hybrid.kv.pool_bytes <= 16 << 20
     assert hybrid.kv.num_slots > 2.5 * plain.kv.num_slots  # 1 of 3 layers per token, windows apart
     text = hybrid.memory_plan.describe()
-    assert "2 windowed layers (window 24) hold" in text and f"{hybrid.kv.num_slots} tokens" in text
-    assert "windowed layers keep every token (disable_hybrid_swa_memory)" in plain.memory_plan.describe()
+    assert "sliding-window pool (the model has 2 sliding-window layers, window 24)" in text
+    assert (
+        f"{hybrid.kv.num_slots} tokens" in text
+        and f"{hybrid.kv.num_window_slots} rows x 512 bytes/row" in text
+    )
+    assert "plain pool: the windowed layers keep every token too (disable_hybrid_swa_memory)" in (
+        plain.memory_plan.describe()
+    )
     from agentrt.runtime.models.check import check_model
 
     report = check_model(str(path), kv_cache_bytes=16 << 20, device="cpu", dtype="float32")
