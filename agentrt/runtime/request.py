@@ -286,6 +286,7 @@ class Request:
     cache_node: TreeNode | None = None  # radix-tree node locked for this request's shared prefix
     num_shared: int = 0  # leading slots that belong to the radix tree
     window_demoted: int = 0  # leading slots out of every window, demoted in the KV pool's LRU
+    hit_node: TreeNode | None = None  # radix-tree node where the first admission's cache hit ended
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_counted: bool = False
     tier_load: TierLoad | None = None  # runtime/kv_tiers.TierLoad: lower-tier blocks loading before admission

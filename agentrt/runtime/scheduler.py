@@ -127,13 +127,17 @@ class Scheduler:
         """Demote the window rows of r's positions no query of r attends from now on (they go first
         when rows run short), except the window before the prompt's end (which the same prompt sent
         again, or the next turn of a conversation whose output tokenizes differently, reuses) and the
-        window before r's own cache hit (a shared system prompt's end, which the next request that
-        shares it reuses)."""
+        window before r's cache hit when the tree branches there (a shared system prompt's end, which
+        the next request that shares it reuses; a conversation's previous turn, which r extends
+        alone, is demoted)."""
         w = self.kv.window
         dead = context_len - w
         if dead <= r.window_demoted:
             return
-        keep = sorted((end - w - 1, end) for end in {r.num_prompt_tokens, r.num_cached_tokens or 0} if end)
+        ends = {r.num_prompt_tokens}
+        if r.num_cached_tokens and r.hit_node is not None and len(r.hit_node.children) > 1:
+            ends.add(r.num_cached_tokens)
+        keep = sorted((end - w - 1, end) for end in ends)
         lo = r.window_demoted
         for keep_lo, keep_hi in keep:
             if min(dead, keep_lo) > lo:
@@ -193,6 +197,7 @@ class Scheduler:
             r.num_shared = len(match.slots)
             if r.num_cached_tokens is None:  # first admission: prompt tokens served from cache
                 r.num_cached_tokens = len(match.slots)
+                r.hit_node = match.node
         elif r.num_cached_tokens is None:
             r.num_cached_tokens = 0
         r.status = RequestStatus.RUNNING
@@ -353,6 +358,7 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
         r.tier_load = None
+        r.hit_node = None
         if r.tier_node is not None:
             self.cache.unlock(r.tier_node)
             r.tier_node = None
