@@ -103,7 +103,8 @@ class SlidingWindowKVPool(KVPool):
         num_slots: int,
         num_window_slots: int,
     ):
-        full, windowed, self.window = window_layer_split(layer_windows)
+        self.num_full_layers, self.num_window_layers, self.window = window_layer_split(layer_windows)
+        full, windowed = self.num_full_layers, self.num_window_layers
         self.layer_windows = tuple(layer_windows)
         self.num_window_slots = num_window_slots
         self.window_bytes_per_token = self.bytes_per_token_of(windowed, num_kv_heads, head_dim, dtype)

@@ -12,7 +12,7 @@ import torch
 from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool, kv_dtype_name, resolve_kv_dtype
-from agentrt.runtime.kv_window import SlidingWindowKVPool, plan_window_pool, window_layer_split
+from agentrt.runtime.kv_window import SlidingWindowKVPool, plan_window_pool
 from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
@@ -392,10 +392,10 @@ class ModelRunner:
         kv = SlidingWindowKVPool(
             a.layer_windows, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, *plan
         )
-        full, windowed, window = window_layer_split(a.layer_windows)
         return kv, (
-            f"sliding-window pool (the model has {windowed} sliding-window layers, window {window}): the "
-            f"tokens above hold the {full} full-attention layers' K/V, {kv.num_window_slots} rows x "
+            f"sliding-window pool (the model has {kv.num_window_layers} sliding-window layers, window "
+            f"{kv.window}): the tokens above hold the {kv.num_full_layers} full-attention layers' K/V, "
+            f"{kv.num_window_slots} rows x "
             f"{kv.window_bytes_per_token} bytes/row the windowed layers' for the tokens still attended"
         )
 

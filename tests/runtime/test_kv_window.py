@@ -210,8 +210,8 @@ def test_window_pool_saves_memory_and_says_so(window_dirs):
     assert report.capacity.pool_sequences == min(kv.num_slots // 512, kv.num_window_slots // 24) > 0
     tiers = _engine(path, {"kv_cache_bytes": 16 << 20, "kv_host_bytes": 1 << 20}).runner
     assert type(tiers.kv) is KVPool and "host/disk tiers" in tiers.memory_plan.describe()
-    triton = _engine(path, {"kv_cache_bytes": 16 << 20}, model={"attention_backend": "torch"}).runner
-    assert isinstance(triton.kv, SlidingWindowKVPool)  # the torch reference path reads it too
+    torch_path = _engine(path, {"kv_cache_bytes": 16 << 20}, model={"attention_backend": "torch"}).runner
+    assert isinstance(torch_path.kv, SlidingWindowKVPool)  # the torch reference path reads it too
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])

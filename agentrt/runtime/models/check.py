@@ -425,7 +425,7 @@ def _check_tokenizer(report: CheckReport, m: _Model, vocab: int | None) -> None:
 def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
     import torch
 
-    from agentrt.runtime.config import CacheConfig
+    from agentrt.runtime.config import CacheConfig, SchedulerConfig
     from agentrt.runtime.kv_window import plan_window_pool
     from agentrt.runtime.platform import choose_dtype
 
@@ -478,8 +478,13 @@ def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
     window_pool = None
     if kv.windows and budget is not None and budget > 0:
         plan = plan_window_pool(
-            arch.layer_windows, kv.layer_bytes, budget, options["max_num_seqs"], 512, n
-        )  # the engine's pool with the default --max-num-batched-tokens
+            arch.layer_windows,
+            kv.layer_bytes,
+            budget,
+            options["max_num_seqs"],
+            SchedulerConfig.max_num_batched_tokens,  # the engine's pool with the default chunk
+            n,
+        )
         window_pool = None if isinstance(plan, str) else plan
     cap = report.capacity = capacity(kv, n, budget, str(dev), source, window_pool)
     if budget is None:
