@@ -35,8 +35,9 @@
 //   same polynomial), one scalar add; without sinks none of this runs (the same bits as before sinks);
 // - out = (sum_l e_l v_l, FMA in key order) * (1 / sum).
 // Rows that share a slot row and are adjacent in the batch (a prefill chunk) are worked on together,
-// up to 4 at a time, so each K and V row is read once for all of them; that changes which row is
-// computed when, not how. at::parallel_for over (row block, KV head) items.
+// up to 32 at a time (4 without AVX-512), so each K and V row is read once for all of them, and up to 3 (row, head) pairs
+// of one length share each K and V load where AVX-512 gives 32 registers (V on 16 lanes, across d);
+// that changes which row is computed when, not how. at::parallel_for over (row block, KV head) items.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -52,7 +53,7 @@
 namespace {
 
 constexpr int64_t KB = 64;  // keys per tile (K and V tiles of one KV head stay in L1)
-constexpr int64_t RB = 4;   // query rows per block
+
 
 #ifdef __AVX2__
 using V8 = __m256;
@@ -192,6 +193,104 @@ struct Problem {
   const float* sinks;  // [H] attention-sink logits, or nullptr
 };
 
+// Pairs of (row, head) taken together by attend_block: 3 where AVX-512 gives 32 vector registers (3
+// pairs x 8 keys of accumulators stay in registers), else 1.
+#if defined(__AVX512F__)
+#define PB_MAX 3
+#else
+#define PB_MAX 1
+#endif
+constexpr int64_t PB = PB_MAX;
+// query rows per block, at most (K and V read once for all of them): 32 with the 3-pair loops, the 4
+// of the 1-pair loops otherwise (docs/benchmarks.md, issue 37)
+constexpr int64_t RB = PB_MAX > 1 ? 32 : 4;
+
+// dots[i] = the 8 keys' scores (before any scale) of query row qp[i], i < NP: per pair and key the
+// lanes by FMA over d in order, then reduce8x8 (the order in the header); K rows loaded once for all.
+template <int NP, int64_t ND, typename KT>
+inline void qk_dots(const float* const* qp, const KT* const* kr, int64_t nd, V8* dots) {
+  V8 acc[NP][8];
+  for (int j = 0; j < 8; ++j) {
+    const V8 kv = vload(kr[j]);
+    for (int i = 0; i < NP; ++i) acc[i][j] = vmul(vload(qp[i]), kv);
+  }
+  for (int64_t c = 1; c < (ND ? ND : nd); ++c) {
+    V8 qv[NP];
+    for (int i = 0; i < NP; ++i) qv[i] = vload(qp[i] + c * 8);
+    for (int j = 0; j < 8; ++j) {
+      const V8 kv = vload(kr[j] + c * 8);
+      for (int i = 0; i < NP; ++i) acc[i][j] = vfma(qv[i], kv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NP; ++i) dots[i] = reduce8x8(acc[i]);
+}
+
+// acc[(p + i) * D + 8 (c0 + c)] += sum over l in [l0, end) of e_l v_l[8 (c0 + c) ...], c < nc <= 8,
+// FMA in key order (e_l = the pair's score, times the key's V scale for an int8 pool), i < NP.
+template <int NP, typename KT>
+inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
+                   int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const KT* V) {
+  constexpr bool QUANT = std::is_same<KT, int8_t>::value;
+  const int64_t D = P.D;
+  V8 a[NP][8];
+  for (int i = 0; i < NP; ++i)
+    for (int64_t c = 0; c < nc; ++c) a[i][c] = vload(acc + (p + i) * D + (c0 + c) * 8);
+  for (int64_t l = l0; l < end; ++l) {
+    const int64_t row = srow_slots[l] * P.Hkv + hk;
+    const KT* vr = V + row * D + c0 * 8;
+    V8 e[NP];
+    for (int i = 0; i < NP; ++i) {
+      const float s = scores[(p + i) * npad + l];
+      e[i] = vset1(QUANT ? s * P.vs[row] : s);
+    }
+    if (nc == 8) {
+      for (int64_t c = 0; c < 8; ++c) {
+        const V8 vv = vload(vr + c * 8);
+        for (int i = 0; i < NP; ++i) a[i][c] = vfma(e[i], vv, a[i][c]);
+      }
+    } else {
+      for (int64_t c = 0; c < nc; ++c) {
+        const V8 vv = vload(vr + c * 8);
+        for (int i = 0; i < NP; ++i) a[i][c] = vfma(e[i], vv, a[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i)
+    for (int64_t c = 0; c < nc; ++c) vstore(acc + (p + i) * D + (c0 + c) * 8, a[i][c]);
+}
+
+#if defined(__AVX512F__)
+// pv_acc for a float32 pool on 16-lane registers, c0 and nc even: each output element takes the same
+// FMAs in the same key order as on 8 lanes (lanes run across d, never across keys), so the result is
+// bit for bit pv_acc's.
+template <int NP>
+inline void pv_acc16(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
+                     int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const float* V) {
+  const int64_t D = P.D, nz = nc / 2;
+  __m512 a[NP][4];
+  for (int i = 0; i < NP; ++i)
+    for (int64_t c = 0; c < nz; ++c) a[i][c] = _mm512_loadu_ps(acc + (p + i) * D + c0 * 8 + c * 16);
+  for (int64_t l = l0; l < end; ++l) {
+    const float* vr = V + (srow_slots[l] * P.Hkv + hk) * D + c0 * 8;
+    __m512 e[NP];
+    for (int i = 0; i < NP; ++i) e[i] = _mm512_set1_ps(scores[(p + i) * npad + l]);
+    if (nz == 4) {
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+        for (int i = 0; i < NP; ++i) a[i][c] = _mm512_fmadd_ps(e[i], vv, a[i][c]);
+      }
+    } else {
+      for (int64_t c = 0; c < nz; ++c) {
+        const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+        for (int i = 0; i < NP; ++i) a[i][c] = _mm512_fmadd_ps(e[i], vv, a[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i)
+    for (int64_t c = 0; c < nz; ++c) _mm512_storeu_ps(acc + (p + i) * D + c0 * 8 + c * 16, a[i][c]);
+}
+#endif
+
 // One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads; ND = D / 8
 // when known at compile time (the accumulators then stay in registers), else 0 (P.D / 8 at run time).
 // scores: scratch, resized to nr * G * round_up(max len, 8) floats. KT: the pool's element type (float,
@@ -203,7 +302,7 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
   const KT* V = static_cast<const KT*>(P.v);
   const int64_t G = P.G, D = P.D, nd = ND ? ND : D / 8, np = nr * G;
   const int64_t* srow_slots = P.slots + srow * P.L;
-  int64_t n[RB * 64];
+  int64_t n[32 * 64];
   int64_t nmax = 0;
   for (int64_t p = 0; p < np; ++p) {
     n[p] = P.lens[t0 + p / G];
@@ -214,32 +313,41 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
   auto qrow = [&](int64_t p) { return P.q + ((t0 + p / G) * P.H + hk * G + p % G) * D; };
   auto kslot = [&](int64_t l) { return srow_slots[std::min(l, nmax - 1)]; };
   auto krow = [&](int64_t l) { return K + (kslot(l) * P.Hkv + hk) * D; };
-  // scores, 8 keys at a time
+  // scores, 8 keys at a time; PB (row, head) pairs of equal length together, each K row loaded once
+  // for all of them (the same operations per pair as one at a time)
   for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
     const int64_t l1 = std::min(l0 + KB, nmax);
-    for (int64_t p = 0; p < np; ++p) {
-      const float* qp = qrow(p);
+    for (int64_t p = 0; p < np;) {
+      int64_t pb = 1;
+      while (pb < PB && p + pb < np && n[p + pb] == n[p]) ++pb;
+      const float* qp[PB];
+      for (int64_t i = 0; i < pb; ++i) qp[i] = qrow(p + i);
       for (int64_t g = l0; g < std::min(l1, n[p]); g += 8) {
         const KT* kr[8];
         for (int j = 0; j < 8; ++j) kr[j] = krow(g + j);
-        V8 acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = vmul(vload(qp), vload(kr[j]));
-        for (int64_t c = 1; c < nd; ++c) {
-          const V8 qv = vload(qp + c * 8);
-          for (int j = 0; j < 8; ++j) acc[j] = vfma(qv, vload(kr[j] + c * 8), acc[j]);
+        V8 dots[PB];
+        switch (pb) {
+          case 1: qk_dots<1, ND>(qp, kr, nd, dots); break;
+#if PB_MAX >= 2
+          case 2: qk_dots<2, ND>(qp, kr, nd, dots); break;
+          default: qk_dots<PB, ND>(qp, kr, nd, dots); break;
+#endif
         }
-        V8 dots = reduce8x8(acc);
+        alignas(32) float ks[8];
         if (QUANT) {  // each key's K scale, then the softmax scale
-          alignas(32) float ks[8];
           for (int j = 0; j < 8; ++j) ks[j] = P.ks[kslot(g + j) * P.Hkv + hk];
-          dots = vmul(dots, vload(ks));
         }
-        vstore(scores.data() + p * npad + g, vmul(dots, vset1(P.scale)));
+        for (int64_t i = 0; i < pb; ++i) {
+          V8 d = dots[i];
+          if (QUANT) d = vmul(d, vload(ks));
+          vstore(scores.data() + (p + i) * npad + g, vmul(d, vset1(P.scale)));
+        }
       }
+      p += pb;
     }
   }
   // softmax numerators in place; 1 / sum per (row, head)
-  float inv[RB * 64];
+  float inv[32 * 64];
   for (int64_t p = 0; p < np; ++p) {
     float* sp = scores.data() + p * npad;
     const int64_t np8 = (n[p] + 7) / 8 * 8;
@@ -264,25 +372,39 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
     }
     inv[p] = 1.f / total;
   }
-  // out = sum_l e_l v_l, key by key, per (row, head) in registers over a tile of keys
+  // out = sum_l e_l v_l, key by key, per (row, head) in registers over a tile of keys; PB pairs of
+  // equal length together (each V row loaded once for all), 8 vectors of D at a time
   std::vector<float> acc(np * D, 0.f);
-  constexpr int64_t MAXC = 32;  // D <= 256
   for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
     const int64_t l1 = std::min(l0 + KB, nmax);
-    for (int64_t p = 0; p < np; ++p) {
+    for (int64_t p = 0; p < np;) {
+      int64_t pb = 1;
+      while (pb < PB && p + pb < np && n[p + pb] == n[p]) ++pb;
       const int64_t end = std::min(l1, n[p]);
-      if (end <= l0) continue;
-      float* ap = acc.data() + p * D;
-      const float* sp = scores.data() + p * npad;
-      V8 a[ND ? ND : MAXC];
-      for (int64_t c = 0; c < nd; ++c) a[c] = vload(ap + c * 8);
-      for (int64_t l = l0; l < end; ++l) {
-        const int64_t row = srow_slots[l] * P.Hkv + hk;
-        const KT* vr = V + row * D;
-        const V8 e = vset1(QUANT ? sp[l] * P.vs[row] : sp[l]);
-        for (int64_t c = 0; c < nd; ++c) a[c] = vfma(e, vload(vr + c * 8), a[c]);
+      if (end > l0) {
+        for (int64_t c0 = 0; c0 < nd; c0 += 8) {
+          const int64_t nc = std::min<int64_t>(8, nd - c0);
+#if defined(__AVX512F__)
+          if (!QUANT && nc % 2 == 0) {
+            const float* Vf = reinterpret_cast<const float*>(V);
+            switch (pb) {
+              case 1: pv_acc16<1>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
+              case 2: pv_acc16<2>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
+              default: pv_acc16<PB>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
+            }
+            continue;
+          }
+#endif
+          switch (pb) {
+            case 1: pv_acc<1, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
+#if PB_MAX >= 2
+            case 2: pv_acc<2, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
+            default: pv_acc<PB, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
+#endif
+          }
+        }
       }
-      for (int64_t c = 0; c < nd; ++c) vstore(ap + c * 8, a[c]);
+      p += pb;
     }
   }
   for (int64_t p = 0; p < np; ++p) {
@@ -352,11 +474,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
   auto out = at::empty_like(q);
   if (T == 0) return out;
-  // blocks: runs of up to RB adjacent rows reading the same slot row
-  std::vector<int64_t> starts;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t r = qs ? qs[t] : t;
-    if (starts.empty() || t - starts.back() >= RB || (qs ? qs[t - 1] : t - 1) != r) starts.push_back(t);
+  // blocks: runs of up to rb adjacent rows reading the same slot row; rb the largest of RB, RB / 2, ...,
+  // 4 that still gives each thread 4 items (a block's K/V are read once for all its rows: fewer reads
+  // for long prompts, enough items for short ones)
+  auto blocks = [&](int64_t rb) {
+    std::vector<int64_t> starts;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = qs ? qs[t] : t;
+      if (starts.empty() || t - starts.back() >= rb || (qs ? qs[t - 1] : t - 1) != r) starts.push_back(t);
+    }
+    return starts;
+  };
+  std::vector<int64_t> starts = blocks(RB);
+  for (int64_t rb = RB / 2; rb >= 4 && static_cast<int64_t>(starts.size()) * Hkv < 4 * at::get_num_threads(); rb /= 2) {
+    starts = blocks(rb);
   }
   const int64_t nblocks = static_cast<int64_t>(starts.size());
   starts.push_back(T);
