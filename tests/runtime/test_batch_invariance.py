@@ -120,7 +120,7 @@ def _int8_reference(x, q, scales):
 def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_reference(isa):
     ops = torch.ops.agentrt_cpu
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 320, generator=gen)
+    x = torch.randn(20, 320, generator=gen)  # 20 rows: the int4 kernel's GEMM path on AVX-512 VNNI
     q8 = torch.randint(-127, 128, (37, 320), dtype=torch.int8, generator=gen)
     s8 = torch.rand(37, 10, generator=gen) / 100
     levels = torch.randint(0, 16, (37, 320), dtype=torch.uint8, generator=gen)
@@ -146,20 +146,22 @@ def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_refere
     sums, d = _int8_reference(x, q8, s8)
     want8 = (sums * s8[None] * d[:, None, :]).sum(-1)
     torch.testing.assert_close(got8, want8, atol=1e-4, rtol=1e-5)
-    xq_dq = (torch.round(x.view(9, -1, 32) / d[..., None]) * d[..., None]).view(9, 320)
+    xq_dq = (torch.round(x.view(20, -1, 32) / d[..., None]) * d[..., None]).view(20, 320)
     torch.testing.assert_close(got4, xq_dq @ dense4.T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("isa", _available_isas())
 def test_integer_kernel_rows_do_not_depend_on_the_batch(isa):
-    """A row's int8 / int4 matmul output is the same bit for bit alone or among 1 to 9 rows, first or
-    last (the VNNI paths take batch rows 4 at a time, then the rest, and blocks 2 at a time, then the
-    rest: 10 blocks here), which the engine's batch invariance with the kernels relies on."""
+    """A row's int8 / int4 matmul output is the same bit for bit alone or among 1 to 9 rows, or 16 to
+    40 (the int4 GEMM path on AVX-512 VNNI: 16 output rows a work item, 22 here so the second item is
+    part padding), first or last (the VNNI paths take batch rows 4 at a time, then the rest, and blocks
+    2 at a time, then the rest: 10 blocks here), which the engine's batch invariance with the kernels
+    relies on."""
     ops = torch.ops.agentrt_cpu
     gen = torch.Generator().manual_seed(11)
     from agentrt.runtime.models.quant import group_major
 
-    x = torch.randn(9, 320, generator=gen)
+    x = torch.randn(40, 320, generator=gen)
     w8 = ops.pack_int8(torch.randint(-127, 128, (22, 320), dtype=torch.int8, generator=gen))
     scales = group_major(torch.rand(22, 10, generator=gen) / 100)
     w4 = torch.randint(0, 256, (24, 160), dtype=torch.uint8, generator=gen)
@@ -168,8 +170,8 @@ def test_integer_kernel_rows_do_not_depend_on_the_batch(isa):
         assert cpu_kernels.select_isa(isa) == isa
         full8 = ops.int8_linear(x, w8, scales, None, 22)
         full4 = ops.int4_linear(x, w4, scales, mins, None, 22)
-        for rows in range(1, 10):
-            for start in (0, 9 - rows):
+        for rows in [*range(1, 10), 16, 17, 23, 40]:
+            for start in (0, 40 - rows):
                 part = x[start : start + rows].contiguous()
                 assert torch.equal(ops.int8_linear(part, w8, scales, None, 22), full8[start : start + rows])
                 assert torch.equal(

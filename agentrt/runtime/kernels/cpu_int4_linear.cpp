@@ -18,13 +18,15 @@
 // are reduced together with horizontal adds and scaled with one 4-wide FMA, the mins' term with
 // another: about half the instructions of a row at a time. The VNNI paths unpack a work item's
 // nibbles once for up to 4 batch rows and reduce 2 blocks together (1.4-1.6x at batch 4, 1.0-1.2x at
-// batch 1 with the prefetch, on Zen 4: bench/gemv.py); a row's output is the same bit for bit on every
-// path and whatever the batch. K must be a multiple of 32; errors are RuntimeErrors naming the
+// batch 1 with the prefetch, on Zen 4: bench/gemv.py). From 16 batch rows (a prefill chunk) the AVX-512
+// VNNI path is a GEMM with 16 output rows on the lanes (gemm_rows below: no horizontal sums). A row's
+// output is the same bit for bit on every path and whatever the batch. K must be a multiple of 32; errors are RuntimeErrors naming the
 // problem. Built with the other CPU kernels (runtime/kernels/cpu_kernels.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <cstring>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -183,6 +185,87 @@ void item_scalar(const Item& a) {
 }
 #endif
 
+
+// Many batch rows (a prefill chunk) on AVX-512 VNNI: 16 output rows on the 16 lanes of a register, so
+// a block's integer sums need no horizontal reduction. Per work item the 16 rows' nibbles are laid out
+// once as [block, 4 columns, 16 rows, 4 bytes] (vpdpbusd's operand: each lane 4 unsigned weights of
+// its row), their scales and mins as [block, 16]; then per batch row and block 8 vpdpbusd with the
+// row's 4 activation bytes broadcast give the exact int32 sums, and the float steps are the other
+// paths': acc = fma(float(sum), scale * d, acc), low = fma(min, xs, low) in block order, out = acc +
+// low: bit for bit the same outputs (the int32 sums are exact in any order).
+constexpr int64_t NG = 16;  // output rows per GEMM work item
+constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int4_linear takes the GEMM path
+
+struct GemmItem {
+  const int8_t* xq;  // [M, K]
+  const float* xd;   // [M, K / 32]
+  const float* xs;   // [M, K / 32]
+  const uint8_t* w;  // the item's first group of 4 rows: [groups, K / 32, 2, 32] (kernel layout)
+  const float* s;    // [groups, K / 32, 4]
+  const float* mn;   // [groups, K / 32, 4]
+  int64_t groups;    // 1..4 groups of 4 rows in this item (the rest of the 16 lanes are zero)
+  int64_t M, K, nb;
+};
+
+#ifdef __AVX2__
+// the item's [K / 32, 8, 16, 4] weight bytes and [K / 32, 16] scales and mins
+void gemm_layout(const GemmItem& a, uint8_t* wv, float* s16, float* m16) {
+  for (int64_t b = 0; b < a.nb; ++b) {
+    uint8_t* wb = wv + b * 8 * NG * 4;
+    for (int64_t n = 0; n < NG; ++n) {
+      const int64_t g = n / 4, r = n % 4;
+      if (g >= a.groups) {
+        for (int64_t kq = 0; kq < 8; ++kq)
+          for (int i = 0; i < 4; ++i) wb[(kq * NG + n) * 4 + i] = 0;
+        s16[b * NG + n] = m16[b * NG + n] = 0.f;
+        continue;
+      }
+      const uint8_t* run = a.w + (g * a.nb + b) * 64 + (r / 2) * 32;
+      const int shift = (r % 2) * 4;
+      for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = (run[j] >> shift) & 0x0F;
+      s16[b * NG + n] = a.s[(g * a.nb + b) * NR + r];
+      m16[b * NG + n] = a.mn[(g * a.nb + b) * NR + r];
+    }
+  }
+}
+
+// out[m, 16] for the item's rows, MB batch rows at a time from m0
+template <int MB>
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline void gemm_rows(const GemmItem& a, const uint8_t* wv,
+                                                                                  const float* s16, const float* m16,
+                                                                                  int64_t m0, float* out) {
+  __m512 acc[MB], low[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = low[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = wv + b * 8 * NG * 4;
+    __m512i sum[MB];
+    for (int m = 0; m < MB; ++m) sum[m] = _mm512_setzero_si512();
+    for (int64_t kq = 0; kq < 8; ++kq) {
+      const __m512i w = _mm512_loadu_si512(wb + kq * NG * 4);
+      for (int m = 0; m < MB; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, a.xq + (m0 + m) * a.K + b * QK + kq * 4, 4);
+        sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(x4));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(s16 + b * NG), mi = _mm512_loadu_ps(m16 + b * NG);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t mb = (m0 + m) * a.nb + b;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(sc, _mm512_set1_ps(a.xd[mb])), acc[m]);
+      low[m] = _mm512_fmadd_ps(mi, _mm512_set1_ps(a.xs[mb]), low[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * NG, _mm512_add_ps(acc[m], low[m]));
+}
+
+__attribute__((target("avx512f,avx512vnni"))) void gemm_avx512vnni(const GemmItem& a, const uint8_t* wv,
+                                                                    const float* s16, const float* m16, float* out) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) gemm_rows<4>(a, wv, s16, m16, m, out);
+  for (; m < a.M; ++m) gemm_rows<1>(a, wv, s16, m16, m, out);
+}
+#endif
+
 using ItemFn = void (*)(const Item&);
 
 ItemFn item_fn(int isa) {
@@ -244,6 +327,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX2__
+  if (M >= GEMM_MIN_ROWS && cpu_isa() == agentrt_cpu::ISA_AVX512VNNI) {
+    at::parallel_for(0, (N4 + NG - 1) / NG, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> wv(nb * 8 * NG * 4);
+      std::vector<float> s16(nb * NG), m16(nb * NG), out(M * NG);
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t n0 = it * NG, nr = std::min(NG, N - n0);
+        const GemmItem g{xq.data(), xd.data(), xs.data(), wp + n0 * (K / 2), sp + n0 * nb, mp + n0 * nb,
+                         std::min<int64_t>(4, (N4 - n0) / NR), M, K, nb};
+        gemm_layout(g, wv.data(), s16.data(), m16.data());
+        gemm_avx512vnni(g, wv.data(), s16.data(), m16.data(), out.data());
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NG + r] + (bp ? bp[n0 + r] : 0.f);
+        }
+      }
+    });
+    return y;
+  }
+#endif
   const ItemFn fn = item_fn(cpu_isa());
   at::parallel_for(0, N4 / NR, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> out(M * NR);
