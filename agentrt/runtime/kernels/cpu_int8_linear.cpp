@@ -20,16 +20,18 @@
 // float32 for an FMA (torch._weight_int8pack_mm at float32) costs ~4x the instructions and was
 // compute-bound here (2 cores, AVX2). The VNNI paths take up to 4 batch rows per pass over a work
 // item's weights (batch 4: 1.4-1.6x the per-row passes on Zen 4, bench/gemv.py); every path
-// prefetches the weights ahead (cpu_kernels.h: PREFETCH_AHEAD). A row's output is the same bit for bit
-// on every path and whatever the batch (tests/runtime/test_batch_invariance.py). K must be a multiple
-// of 32 (the caller checks); errors are RuntimeErrors naming the problem. Built with the other CPU
-// kernels (runtime/kernels/cpu_kernels.py).
+// prefetches the weights ahead (cpu_kernels.h: PREFETCH_AHEAD). From 16 batch rows (a prefill chunk)
+// the AVX-512 VNNI path is a GEMM with 16 output rows on the lanes (gemm_rows). A row's output is the
+// same bit for bit on every path and whatever the batch (tests/runtime/test_batch_invariance.py). K
+// must be a multiple of 32 (the caller checks); errors are RuntimeErrors naming the problem. Built
+// with the other CPU kernels (runtime/kernels/cpu_kernels.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 #ifdef __AVX2__
@@ -195,6 +197,71 @@ void item_scalar(const Item& a) {
 }
 #endif
 
+
+// Many batch rows (a prefill chunk) on AVX-512 VNNI: 16 output rows on the 16 lanes of a register (no
+// horizontal sums). Per work item the 16 rows' weights are laid out once as [block, 8 column quads, 16
+// rows, 4 bytes], made unsigned (w + 128) for vpdpbusd, and the scales as [block, 16]; per batch row
+// and block 8 vpdpbusd with the row's 4 activation bytes broadcast, minus 128 x the block's activation
+// sum, give the exact int32 sums, then acc = fma(float(sum), scale * d, acc) in block order as on the
+// other paths: bit for bit the same outputs.
+constexpr int64_t NG = 16;             // output rows per GEMM work item
+constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int8_linear takes the GEMM path
+
+#ifdef __AVX2__
+// the item's [K / 32, 8, 16, 4] unsigned weight bytes and [K / 32, 16] scales; w: the item's first
+// group of 4 rows ([groups, K / 32, 4, 32]), s: its scales ([groups, K / 32, 4]), groups in 1..4
+void gemm_layout(const int8_t* w, const float* s, int64_t groups, int64_t nb, uint8_t* wv, float* s16) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* wb = wv + b * 8 * NG * 4;
+    for (int64_t n = 0; n < NG; ++n) {
+      const int64_t g = n / 4, r = n % 4;
+      const int8_t* row = w + (g * nb + b) * NR * QK + r * QK;
+      for (int64_t j = 0; j < QK; ++j) {
+        wb[((j / 4) * NG + n) * 4 + j % 4] = g < groups ? static_cast<uint8_t>(row[j] + 128) : 128;
+      }
+      s16[b * NG + n] = g < groups ? s[(g * nb + b) * NR + r] : 0.f;
+    }
+  }
+}
+
+// out[m, 16] for batch rows [m0, m0 + MB); xc: [M, K / 32] 128 x each block's activation sum
+template <int MB>
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline void gemm_rows(
+    const int8_t* xq, const float* xd, const int32_t* xc, int64_t K, int64_t nb, const uint8_t* wv, const float* s16,
+    int64_t m0, float* out) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = wv + b * 8 * NG * 4;
+    __m512i sum[MB];
+    for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-xc[(m0 + m) * nb + b]);
+    for (int64_t kq = 0; kq < 8; ++kq) {
+      const __m512i w = _mm512_loadu_si512(wb + kq * NG * 4);
+      for (int m = 0; m < MB; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + (m0 + m) * K + b * QK + kq * 4, 4);
+        sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(x4));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(s16 + b * NG);
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(sc, _mm512_set1_ps(xd[(m0 + m) * nb + b])),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * NG, acc[m]);
+}
+
+__attribute__((target("avx512f,avx512vnni"))) void gemm_avx512vnni(const int8_t* xq, const float* xd,
+                                                                    const int32_t* xc, int64_t M, int64_t K,
+                                                                    int64_t nb, const uint8_t* wv, const float* s16,
+                                                                    float* out) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) gemm_rows<4>(xq, xd, xc, K, nb, wv, s16, m, out);
+  for (; m < M; ++m) gemm_rows<1>(xq, xd, xc, K, nb, wv, s16, m, out);
+}
+#endif
+
 using ItemFn = void (*)(const Item&);
 
 ItemFn item_fn(int isa) {
@@ -299,6 +366,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX2__
+  if (M >= GEMM_MIN_ROWS && cpu_isa() == agentrt_cpu::ISA_AVX512VNNI) {
+    std::vector<int32_t> xc(M * nb);
+    for (int64_t k = 0; k < M * nb; ++k) xc[k] = 128 * sums[k];
+    at::parallel_for(0, (N4 + NG - 1) / NG, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> wv(nb * 8 * NG * 4);
+      std::vector<float> s16(nb * NG), out(M * NG);
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t n0 = it * NG, nr = std::min(NG, N - n0);
+        gemm_layout(wp + n0 * K, sp + n0 * nb, std::min<int64_t>(4, (N4 - n0) / NR), nb, wv.data(), s16.data());
+        gemm_avx512vnni(xq.data(), xd.data(), xc.data(), M, K, nb, wv.data(), s16.data(), out.data());
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NG + r] + (bp ? bp[n0 + r] : 0.f);
+        }
+      }
+    });
+    return y;
+  }
+#endif
   const int64_t items = N4 / NR;
   const ItemFn fn = item_fn(cpu_isa());
   at::parallel_for(0, items, 8, [&](int64_t begin, int64_t end) {
