@@ -1,7 +1,7 @@
 """`make run`'s configuration on this CPU, side by side with llama-server, and what the batch-invariant
 attention costs: one run, one process (llama-server in its own).
 
-    python bench/same_answer.py [--llama-server PATH] [--prompt-tokens 1000 4000 8000]
+    python bench/same_answer.py [--llama-server PATH] [--prompt-tokens 1000 4000 8000] [--model NAME]
 
 Prints, for the machine (CPU model and the flags that decide the kernels, read bandwidth: a 1 GiB
 float32 sum, best of 5):
@@ -99,6 +99,8 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
 
 
 def chat(tokenizer, content: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):  # a GGUF without one: the plain text
+        return tokenizer.encode(content, add_special_tokens=False)
     messages = [{"role": "user", "content": content}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -119,14 +121,14 @@ def invariance(engine: Engine, tokenizer) -> str:
     return f"alone vs batched {n_batch}/{len(prompts)}, alone vs cached prompt {n_cache}/{len(prompts)}"
 
 
-def llama_server(path: str, threads: int, prompts: dict[int, str]) -> None:
+def llama_server(path: str, threads: int, prompts: dict[int, str], model: str) -> None:
     import httpx
 
     from agentrt.runtime.models.loader import find_registered_gguf
     from agentrt.testing import free_port, launch_server
 
     port = free_port()
-    gguf = find_registered_gguf("smollm2-135m-instruct")
+    gguf = find_registered_gguf(model)
     cmd = [
         path,
         "-m",
@@ -180,6 +182,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", help="a llama.cpp llama-server binary")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000, 8000 - 16])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a registered GGUF model (both engines)")
     p.add_argument(
         "--isa-paths",
         action="store_true",
@@ -193,7 +196,7 @@ def main() -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     engine = Engine(
         EngineConfig(
-            model=ModelConfig(quantization="auto"),
+            model=ModelConfig(model=args.model, quantization="auto"),
             cache=CacheConfig(enable_prefix_cache=False, kv_cache_bytes=1 << 30),
             scheduler=SchedulerConfig(max_num_batched_tokens=512),
         )
@@ -252,14 +255,14 @@ def main() -> int:
         line = ", ".join(f"{m} {min(v):.2f} s ({n / min(v):.0f} tok/s)" for m, v in results.items())
         print(f"agentrt TTFT {n} tokens: {line}", flush=True)
     engine_cached = Engine(
-        EngineConfig(model=ModelConfig(quantization="auto"), scheduler=SchedulerConfig(max_num_seqs=8))
+        EngineConfig(model=ModelConfig(model=args.model, quantization="auto"), scheduler=SchedulerConfig(max_num_seqs=8))
     )
     print(
         f"invariance ({engine_cached.runner.weight_format.quantization}): {invariance(engine_cached, tok)}",
         flush=True,
     )
     if args.llama_server:
-        llama_server(args.llama_server, torch.get_num_threads(), texts)
+        llama_server(args.llama_server, torch.get_num_threads(), texts, args.model)
     return 0
 
 

@@ -261,6 +261,7 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline void gemm_ro
 __attribute__((target("avx512f,avx512vnni"))) void gemm_avx512vnni(const GemmItem& a, const uint8_t* wv,
                                                                     const float* s16, const float* m16, float* out) {
   int64_t m = 0;
+  for (; m + 8 <= a.M; m += 8) gemm_rows<8>(a, wv, s16, m16, m, out);
   for (; m + 4 <= a.M; m += 4) gemm_rows<4>(a, wv, s16, m16, m, out);
   for (; m < a.M; ++m) gemm_rows<1>(a, wv, s16, m16, m, out);
 }

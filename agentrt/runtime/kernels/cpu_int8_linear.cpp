@@ -257,6 +257,7 @@ __attribute__((target("avx512f,avx512vnni"))) void gemm_avx512vnni(const int8_t*
                                                                     int64_t nb, const uint8_t* wv, const float* s16,
                                                                     float* out) {
   int64_t m = 0;
+  for (; m + 8 <= M; m += 8) gemm_rows<8>(xq, xd, xc, K, nb, wv, s16, m, out);
   for (; m + 4 <= M; m += 4) gemm_rows<4>(xq, xd, xc, K, nb, wv, s16, m, out);
   for (; m < M; ++m) gemm_rows<1>(xq, xd, xc, K, nb, wv, s16, m, out);
 }
