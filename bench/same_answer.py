@@ -8,20 +8,22 @@ float32 sum, best of 5):
 - agentrt with dtype and quantization `auto` (`make run`): the start line's format and kernel ISA,
   the batch-1 decode step at 400 tokens of context (ModelRunner.execute, median of 15) against its
   weight-read bound (bytes a step reads / read bandwidth), single-stream tokens/s (64 tokens minus 1,
-  best of 3, prefix cache off), TTFT of a new prompt of each size (max_tokens 1, prefix cache off,
-  best of 2);
+  prefix cache off; 5 rounds alternating with llama-server's, best and median of each), TTFT of a new
+  prompt of each size (max_tokens 1, prefix cache off, best of 2);
 - the same TTFT with prefill attention through torch SDPA (the path before the invariant kernel: the
   batch is otherwise the same), so the invariant mode's cost is measured, not assumed;
 - invariance: 8 chats asked alone, then together, then again with their prompts cached: how many
   give the same tokens and the same first-token logprob;
-- llama-server on the same Q4_1 GGUF (-t = torch's threads): single stream (its predicted_per_second
-  of 64 tokens, best of 3 after a warm-up) and TTFT of the same prompts (wall time of n_predict 1,
-  cache_prompt false).
+- llama-server on the same GGUF (-t = torch's threads; started before the single-stream rounds, idle
+  between its requests): single stream (its predicted_per_second of 64 tokens, after a warm-up, in
+  the alternating rounds) and TTFT of the same prompts (wall time of n_predict 1, cache_prompt false).
+--model: a registered GGUF (default the default model) for both engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -80,12 +82,43 @@ def decode_step_ms(engine: Engine, context: int = 400) -> float:
 
 
 def single_stream(engine: Engine, prompt: list[int]) -> float:
+    """Tokens/s of one 64-token greedy generation after the first token (one try)."""
+
     def run(n: int) -> float:
         t = time.perf_counter()
         engine.generate([(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), None)])
         return time.perf_counter() - t
 
-    return max(63 / (run(64) - run(1)) for _ in range(3))
+    return 63 / (run(64) - run(1))
+
+
+def llama_single_stream(url: str) -> float:
+    """llama-server's predicted_per_second of 64 greedy tokens (one try)."""
+    import httpx
+
+    body = {"prompt": "Write a short story about a lighthouse keeper.", "n_predict": 64,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+    return httpx.post(f"{url}/completion", json=body, timeout=300).json()["timings"]["predicted_per_second"]
+
+
+def alternate_single_stream(engine: Engine, prompt: list[int], url: str | None, rounds: int = 5) -> None:
+    """Single stream of agentrt and (with url) llama-server, one try each per round, alternating, so
+    a slow spell of this shared machine hits both; prints best and median of each and their ratio."""
+    ours, theirs = [], []
+    if url:
+        llama_single_stream(url)  # warm-up
+    for _ in range(rounds):
+        ours.append(single_stream(engine, prompt))
+        if url:
+            theirs.append(llama_single_stream(url))
+    line = f"agentrt single stream: best {max(ours):.1f} tok/s, median {statistics.median(ours):.1f}"
+    if theirs:
+        line += (
+            f"; llama-server best {max(theirs):.1f}, median {statistics.median(theirs):.1f}"
+            f" (alternating, {rounds} rounds): ratio of bests {max(ours) / max(theirs):.2f}x,"
+            f" of medians {statistics.median(ours) / statistics.median(theirs):.2f}x"
+        )
+    print(line, flush=True)
 
 
 def ttft(engine: Engine, prompt: list[int]) -> float:
@@ -121,15 +154,11 @@ def invariance(engine: Engine, tokenizer) -> str:
     return f"alone vs batched {n_batch}/{len(prompts)}, alone vs cached prompt {n_cache}/{len(prompts)}"
 
 
-def llama_server(path: str, threads: int, prompts: dict[int, str], model: str) -> None:
-    import httpx
-
+def llama_server_cmd(path: str, threads: int, model: str, port: int) -> list[str]:
     from agentrt.runtime.models.loader import find_registered_gguf
-    from agentrt.testing import free_port, launch_server
 
-    port = free_port()
     gguf = find_registered_gguf(model)
-    cmd = [
+    return [
         path,
         "-m",
         str(gguf),
@@ -142,19 +171,19 @@ def llama_server(path: str, threads: int, prompts: dict[int, str], model: str) -
         "--host",
         "127.0.0.1",
     ]
-    with launch_server(cmd, port, timeout_s=120) as server:
-        body = {"prompt": "Write a short story about a lighthouse keeper.", "n_predict": 64,
-                "temperature": 0, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
-        speeds = [httpx.post(f"{server.url}/completion", json=body, timeout=300).json()["timings"]["predicted_per_second"] for _ in range(4)]  # fmt: skip
-        print(f"llama-server single stream: {max(speeds[1:]):.1f} tok/s", flush=True)
-        for text in prompts.values():
-            best = float("inf")
-            for _ in range(2):
-                t = time.perf_counter()
-                r = httpx.post(f"{server.url}/completion", json={"prompt": text, "n_predict": 1, "cache_prompt": False}, timeout=600).json()  # fmt: skip
-                best = min(best, time.perf_counter() - t)
-            got = r["timings"]["prompt_n"]
-            print(f"llama-server TTFT {got} tokens: {best:.2f} s ({got / best:.0f} tok/s)", flush=True)
+
+
+def llama_ttft(url: str, prompts: dict[int, str]) -> None:
+    import httpx
+
+    for text in prompts.values():
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            r = httpx.post(f"{url}/completion", json={"prompt": text, "n_predict": 1, "cache_prompt": False}, timeout=600).json()  # fmt: skip
+            best = min(best, time.perf_counter() - t)
+        got = r["timings"]["prompt_n"]
+        print(f"llama-server TTFT {got} tokens: {best:.2f} s ({got / best:.0f} tok/s)", flush=True)
 
 
 def isa_paths(engine: Engine, n: int) -> None:
@@ -211,7 +240,21 @@ def main() -> int:
     bound = step_bytes(engine) / bw * 1e3
     print(f"batch-1 step {step:.2f} ms, weight-read bound {bound:.2f} ms ({step / bound:.2f}x)", flush=True)
     story = chat(tok, "Write a short story about a lighthouse keeper.")
-    print(f"agentrt single stream: {single_stream(engine, story):.1f} tok/s", flush=True)
+    stack = contextlib.ExitStack()
+    url = None
+    if args.llama_server:  # started now, idle but for its own requests
+        from agentrt.testing import free_port, launch_server
+
+        port = free_port()
+        cmd = llama_server_cmd(args.llama_server, torch.get_num_threads(), args.model, port)
+        url = stack.enter_context(launch_server(cmd, port, timeout_s=120)).url
+    with stack:
+        run_all(args, engine, tok, story, url)
+    return 0
+
+
+def run_all(args, engine: Engine, tok, story: list[int], url: str | None) -> None:
+    alternate_single_stream(engine, story, url)
     rng = random.Random(0)
     words = [
         "the",
@@ -255,15 +298,17 @@ def main() -> int:
         line = ", ".join(f"{m} {min(v):.2f} s ({n / min(v):.0f} tok/s)" for m, v in results.items())
         print(f"agentrt TTFT {n} tokens: {line}", flush=True)
     engine_cached = Engine(
-        EngineConfig(model=ModelConfig(model=args.model, quantization="auto"), scheduler=SchedulerConfig(max_num_seqs=8))
+        EngineConfig(
+            model=ModelConfig(model=args.model, quantization="auto"),
+            scheduler=SchedulerConfig(max_num_seqs=8),
+        )
     )
     print(
         f"invariance ({engine_cached.runner.weight_format.quantization}): {invariance(engine_cached, tok)}",
         flush=True,
     )
-    if args.llama_server:
-        llama_server(args.llama_server, torch.get_num_threads(), texts, args.model)
-    return 0
+    if url:
+        llama_ttft(url, texts)
 
 
 if __name__ == "__main__":
