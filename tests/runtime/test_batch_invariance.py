@@ -60,6 +60,37 @@ def test_attention_rows_are_batch_chunk_and_cache_invariant(heads, kv_heads, hea
         assert torch.equal(alone[0], whole[t]), t
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 40)])
+def test_long_chunks_on_an_int8_pool_equal_each_row_alone(heads, kv_heads, head_dim):
+    """A 300-row prefill chunk (blocks of up to 32 rows, 3 heads per K/V load with AVX-512) on an
+    int8 pool, and the same rows in odd chunks behind a decode row, give each row's decode output bit
+    for bit (head_dim 40: 5 vectors, the 8-lane weighted sum)."""
+    from agentrt.runtime.kv_cache import QuantizedKV, quantize_kv
+
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    num_slots, n = 600, 300
+    k = QuantizedKV(*quantize_kv(torch.randn(num_slots, kv_heads, head_dim, generator=gen)))
+    v = QuantizedKV(*quantize_kv(torch.randn(num_slots, kv_heads, head_dim, generator=gen)))
+    seq_a = torch.randperm(num_slots, generator=gen)[:n].tolist()
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    qb = torch.randn(1, heads, head_dim, generator=gen)
+    whole = cpu_kernels.attention(q, k, v, rows_for([seq_a], [0] * n, list(range(1, n + 1))))
+    for start, end in ((0, 33), (33, 100), (100, n)):
+        batch = torch.cat([qb, q[start:end]])
+        got = cpu_kernels.attention(
+            batch,
+            k,
+            v,
+            rows_for([seq_a[:9], seq_a], [0] + [1] * (end - start), [9, *range(start + 1, end + 1)]),
+        )
+        assert torch.equal(got[1:], whole[start:end]), (start, end)
+    slots, lens = torch.tensor([seq_a]), torch.arange(1, n + 1)
+    for t in (0, 31, 32, 100, 299):
+        assert torch.equal(
+            cpu_kernels.decode_attention(q[t : t + 1], k, v, slots, lens[t : t + 1])[0], whole[t]
+        ), t
+
+
 def test_draft_tree_rows_attend_their_ancestors_like_decoded_tokens():
     """A draft tree's token reads the context and its ancestors (kernel_rows): the same output as if
     the path had been decoded one token at a time."""
