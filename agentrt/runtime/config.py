@@ -142,6 +142,11 @@ class CacheConfig:
             )
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        if self.swa_full_tokens_ratio is not None and self.disable_hybrid_swa_memory:
+            raise ValueError(
+                "swa_full_tokens_ratio sizes the sliding-window pool, which disable_hybrid_swa_memory turns off: "
+                "pass one of them"
+            )
         if self.kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
         if self.kv_disk_bytes < 1:

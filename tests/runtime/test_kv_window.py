@@ -114,6 +114,16 @@ def test_plan_window_pool():
         plan_window_pool((None, 512), layer, 1 << 20, 4, 512, 4096, 0.01)
 
 
+def test_a_ratio_with_the_window_pool_off_is_refused():
+    from agentrt.runtime.config import CacheConfig
+
+    with pytest.raises(ValueError, match="disable_hybrid_swa_memory turns off"):
+        CacheConfig(swa_full_tokens_ratio=0.5, disable_hybrid_swa_memory=True)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        CacheConfig(swa_full_tokens_ratio=1.5)
+    assert CacheConfig(disable_hybrid_swa_memory=True).swa_full_tokens_ratio is None
+
+
 # ---- the engine -------------------------------------------------------------------------------------
 
 FAMILIES = ["gemma3", "gpt_oss", "mistral_window"]
