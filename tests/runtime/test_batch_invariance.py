@@ -91,6 +91,40 @@ def test_long_chunks_on_an_int8_pool_equal_each_row_alone(heads, kv_heads, head_
         ), t
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,quant", [(9, 3, 64, False), (4, 1, 256, True), (6, 2, 40, False)]
+)
+def test_a_long_decode_row_split_across_threads_equals_the_same_row_in_a_chunk(
+    heads, kv_heads, head_dim, quant
+):
+    """One sequence decoding at 1,100+ keys takes the split path (every phase across the threads: the
+    scores by keys, the weighted sum by vectors of D); the same row inside a 40-row chunk takes the
+    blocked path. Bit for bit the same, with and without sinks, on float32 and int8 pools."""
+    from agentrt.runtime.kv_cache import QuantizedKV, quantize_kv
+
+    gen = torch.Generator().manual_seed(head_dim)
+    num_slots, n = 1500, 1200
+    k = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    if quant:
+        k, v = QuantizedKV(*quantize_kv(k)), QuantizedKV(*quantize_kv(v))
+    seq = torch.randperm(num_slots, generator=gen)[:n].tolist()
+    q = torch.randn(40, heads, head_dim, generator=gen)
+    lens = list(range(n - 39, n + 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split path needs more than one thread
+    try:
+        for sinks in (None, torch.randn(heads, generator=gen)):
+            chunk = cpu_kernels.attention(q, k, v, rows_for([seq], [0] * 40, lens), sinks=sinks)
+            for t in (0, 21, 39):
+                alone = cpu_kernels.decode_attention(
+                    q[t : t + 1], k, v, torch.tensor([seq]), torch.tensor([lens[t]]), sinks=sinks
+                )
+                assert torch.equal(alone[0], chunk[t]), (t, sinks is not None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_draft_tree_rows_attend_their_ancestors_like_decoded_tokens():
     """A draft tree's token reads the context and its ancestors (kernel_rows): the same output as if
     the path had been decoded one token at a time."""

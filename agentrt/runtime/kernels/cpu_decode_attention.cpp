@@ -37,7 +37,10 @@
 // Rows that share a slot row and are adjacent in the batch (a prefill chunk) are worked on together,
 // up to 32 at a time (4 without AVX-512), so each K and V row is read once for all of them, and up to 3 (row, head) pairs
 // of one length share each K and V load where AVX-512 gives 32 registers (V on 16 lanes, across d);
-// that changes which row is computed when, not how. at::parallel_for over (row block, KV head) items.
+// that changes which row is computed when, not how. at::parallel_for over (row block, KV head) items;
+// with fewer than 2 items a thread and rows of 1,024+ keys (a decode step deep in a long context)
+// each phase is split across the threads instead: the scores by keys, the softmax by (row, head), the
+// weighted sum by vectors of D, every KV head of a tile of keys together (their rows are adjacent).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -49,137 +52,14 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_vec8.h"
 
 namespace {
 
 constexpr int64_t KB = 64;  // keys per tile (K and V tiles of one KV head stay in L1)
 
 
-#ifdef __AVX2__
-using V8 = __m256;
-inline V8 vzero() { return _mm256_setzero_ps(); }
-inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
-// 8 int8 values as floats (exact)
-inline V8 vload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
-inline V8 vset1(float x) { return _mm256_set1_ps(x); }
-inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
-inline V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
-inline V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
-inline V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
-// lanes i < n kept, the others zero
-inline V8 vkeep(V8 v, int64_t n) {
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx)));
-}
-// 8 accumulators -> [8] their lane sums, each as ((0+1)+(2+3))+((4+5)+(6+7))
-inline V8 reduce8x8(const V8* a) {
-  const V8 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const V8 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-// exp on 8 lanes for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial)
-inline V8 vexp(V8 x) {
-  x = _mm256_max_ps(x, vset1(-87.3f));
-  V8 fx = _mm256_floor_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
-  x = vfma(fx, vset1(-0.693359375f), x);
-  x = vfma(fx, vset1(2.12194440e-4f), x);
-  V8 y = vset1(1.9875691500e-4f);
-  y = vfma(y, x, vset1(1.3981999507e-3f));
-  y = vfma(y, x, vset1(8.3334519073e-3f));
-  y = vfma(y, x, vset1(4.1665795894e-2f));
-  y = vfma(y, x, vset1(1.6666665459e-1f));
-  y = vfma(y, x, vset1(5.0000001201e-1f));
-  y = vfma(y, vmul(x, x), vadd(x, vset1(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return vmul(y, _mm256_castsi256_ps(e));
-}
-inline float lanes_sum(V8 v) {
-  alignas(32) float a[8];
-  vstore(a, v);
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-inline float lanes_max(V8 v) {
-  alignas(32) float a[8];
-  vstore(a, v);
-  return std::max(std::max(std::max(a[0], a[1]), std::max(a[2], a[3])),
-                  std::max(std::max(a[4], a[5]), std::max(a[6], a[7])));
-}
-#else
-// The same arithmetic, lane by lane, where AVX2 is not built.
-struct V8 {
-  float v[8];
-};
-inline V8 vzero() { return V8{}; }
-inline V8 vload(const float* p) {
-  V8 r;
-  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
-  return r;
-}
-inline V8 vload(const int8_t* p) {
-  V8 r;
-  for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
-  return r;
-}
-inline void vstore(float* p, V8 a) {
-  for (int i = 0; i < 8; ++i) p[i] = a.v[i];
-}
-inline V8 vset1(float x) {
-  V8 r;
-  for (int i = 0; i < 8; ++i) r.v[i] = x;
-  return r;
-}
-inline V8 vfma(V8 a, V8 b, V8 c) {
-  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-  return c;
-}
-inline V8 vmul(V8 a, V8 b) {
-  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline V8 vadd(V8 a, V8 b) {
-  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
-  return a;
-}
-inline V8 vmax(V8 a, V8 b) {
-  for (int i = 0; i < 8; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
-  return a;
-}
-inline V8 vkeep(V8 a, int64_t n) {
-  for (int i = 0; i < 8; ++i) a.v[i] = i < n ? a.v[i] : 0.f;
-  return a;
-}
-inline float tree(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
-inline V8 reduce8x8(const V8* a) {
-  V8 r;
-  for (int j = 0; j < 8; ++j) r.v[j] = tree(a[j].v);
-  return r;
-}
-inline V8 vexp(V8 x) {
-  for (int i = 0; i < 8; ++i) {
-    float xi = std::max(x.v[i], -87.3f);
-    const float fx = std::floor(std::fma(xi, 1.44269504088896341f, 0.5f));
-    xi = std::fma(fx, -0.693359375f, xi);
-    xi = std::fma(fx, 2.12194440e-4f, xi);
-    float y = 1.9875691500e-4f;
-    y = std::fma(y, xi, 1.3981999507e-3f);
-    y = std::fma(y, xi, 8.3334519073e-3f);
-    y = std::fma(y, xi, 4.1665795894e-2f);
-    y = std::fma(y, xi, 1.6666665459e-1f);
-    y = std::fma(y, xi, 5.0000001201e-1f);
-    y = std::fma(y, xi * xi, xi + 1.f);
-    x.v[i] = y * std::ldexp(1.f, static_cast<int>(fx));
-  }
-  return x;
-}
-inline float lanes_sum(V8 a) { return tree(a.v); }
-inline float lanes_max(V8 a) {
-  return std::max(std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])),
-                  std::max(std::max(a.v[4], a.v[5]), std::max(a.v[6], a.v[7])));
-}
-#endif
+using namespace agentrt_cpu::vec8;  // NOLINT: the 8-lane vector ops (cpu_vec8.h)
 
 struct Problem {
   const float* q;
@@ -204,6 +84,11 @@ constexpr int64_t PB = PB_MAX;
 // query rows per block, at most (K and V read once for all of them): 32 with the 3-pair loops, the 4
 // of the 1-pair loops otherwise (docs/benchmarks.md, issue 37)
 constexpr int64_t RB = PB_MAX > 1 ? 32 : 4;
+// fewer items than 2 per thread and rows of at least WIDE_MIN_KEYS keys: the phases split across the
+// threads, the scores in chunks of WIDE_KEYS keys (multiples of KB)
+constexpr int64_t WIDE_MIN_KEYS = 1024;
+constexpr int64_t WIDE_KEYS = 512;
+constexpr int64_t WIDE_VECTORS = 4;  // 8-float vectors of D per weighted-sum task, at most (128 bytes)
 
 // dots[i] = the 8 keys' scores (before any scale) of query row qp[i], i < NP: per pair and key the
 // lanes by FMA over d in order, then reduce8x8 (the order in the header); K rows loaded once for all.
@@ -291,40 +176,47 @@ inline void pv_acc16(const Problem& P, int64_t hk, const int64_t* srow_slots, co
 }
 #endif
 
-// One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads; ND = D / 8
-// when known at compile time (the accumulators then stay in registers), else 0 (P.D / 8 at run time).
-// scores: scratch, resized to nr * G * round_up(max len, 8) floats. KT: the pool's element type (float,
-// or int8_t with P.ks / P.vs: each key's score times its K scale, each weight times its V scale).
+// One item: rows [t0, t0 + nr) reading slot row `srow`, KV head `hk` and its G query heads, as np =
+// nr * G (row, head) pairs; n[p] the keys pair p attends. Its buffers: scores [np, npad] (npad = max n
+// rounded up to 8), inv [np], acc [np, D] (zeros at the start). The phases below each cover a part of
+// the item (keys or vectors of D), so one item can be split across threads; a pair's arithmetic is
+// the same however it is split.
+struct Span {
+  int64_t t0, srow, hk, np, nmax, npad;
+  const int64_t* n;
+  float* scores;
+  float* inv;
+  float* acc;
+};
+
+// pairs [p, p + pb) of equal length (at most PB), from p
+inline int64_t group_at(const Span& s, int64_t p) {
+  int64_t pb = 1;
+  while (pb < PB && p + pb < s.np && s.n[p + pb] == s.n[p]) ++pb;
+  return pb;
+}
+
+// scores of keys [k0, k1) (k0 a multiple of 8), 8 keys at a time, PB pairs of equal length together
+// (each K row loaded once for all of them; the same operations per pair as one at a time), in tiles of
+// KB keys (a tile's K rows stay in L1 across the pairs). KT: the pool's element type (float, or int8_t
+// with P.ks: each key's score times its K scale, then the softmax scale); ND = D / 8 when known at
+// compile time (the accumulators then stay in registers), else 0.
 template <int64_t ND, typename KT>
-void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_t hk, std::vector<float>& scores) {
+void span_scores(const Problem& P, const Span& s, int64_t k0, int64_t k1) {
   constexpr bool QUANT = std::is_same<KT, int8_t>::value;
   const KT* K = static_cast<const KT*>(P.k);
-  const KT* V = static_cast<const KT*>(P.v);
-  const int64_t G = P.G, D = P.D, nd = ND ? ND : D / 8, np = nr * G;
-  const int64_t* srow_slots = P.slots + srow * P.L;
-  int64_t n[32 * 64];
-  int64_t nmax = 0;
-  for (int64_t p = 0; p < np; ++p) {
-    n[p] = P.lens[t0 + p / G];
-    nmax = std::max(nmax, n[p]);
-  }
-  const int64_t npad = (nmax + 7) / 8 * 8;
-  scores.resize(np * npad);
-  auto qrow = [&](int64_t p) { return P.q + ((t0 + p / G) * P.H + hk * G + p % G) * D; };
-  auto kslot = [&](int64_t l) { return srow_slots[std::min(l, nmax - 1)]; };
-  auto krow = [&](int64_t l) { return K + (kslot(l) * P.Hkv + hk) * D; };
-  // scores, 8 keys at a time; PB (row, head) pairs of equal length together, each K row loaded once
-  // for all of them (the same operations per pair as one at a time)
-  for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
-    const int64_t l1 = std::min(l0 + KB, nmax);
-    for (int64_t p = 0; p < np;) {
-      int64_t pb = 1;
-      while (pb < PB && p + pb < np && n[p + pb] == n[p]) ++pb;
+  const int64_t G = P.G, D = P.D, nd = ND ? ND : D / 8, hk = s.hk;
+  const int64_t* srow_slots = P.slots + s.srow * P.L;
+  auto kslot = [&](int64_t l) { return srow_slots[std::min(l, s.nmax - 1)]; };
+  for (int64_t l0 = k0; l0 < k1; l0 += KB) {
+    const int64_t l1 = std::min(l0 + KB, k1);
+    for (int64_t p = 0; p < s.np;) {
+      const int64_t pb = group_at(s, p);
       const float* qp[PB];
-      for (int64_t i = 0; i < pb; ++i) qp[i] = qrow(p + i);
-      for (int64_t g = l0; g < std::min(l1, n[p]); g += 8) {
+      for (int64_t i = 0; i < pb; ++i) qp[i] = P.q + ((s.t0 + (p + i) / G) * P.H + hk * G + (p + i) % G) * D;
+      for (int64_t g = l0; g < std::min(l1, s.n[p]); g += 8) {
         const KT* kr[8];
-        for (int j = 0; j < 8; ++j) kr[j] = krow(g + j);
+        for (int j = 0; j < 8; ++j) kr[j] = K + (kslot(g + j) * P.Hkv + hk) * D;
         V8 dots[PB];
         switch (pb) {
           case 1: qk_dots<1, ND>(qp, kr, nd, dots); break;
@@ -334,72 +226,80 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
 #endif
         }
         alignas(32) float ks[8];
-        if (QUANT) {  // each key's K scale, then the softmax scale
+        if (QUANT) {
           for (int j = 0; j < 8; ++j) ks[j] = P.ks[kslot(g + j) * P.Hkv + hk];
         }
         for (int64_t i = 0; i < pb; ++i) {
           V8 d = dots[i];
           if (QUANT) d = vmul(d, vload(ks));
-          vstore(scores.data() + (p + i) * npad + g, vmul(d, vset1(P.scale)));
+          vstore(s.scores + (p + i) * s.npad + g, vmul(d, vset1(P.scale)));
         }
       }
       p += pb;
     }
   }
-  // softmax numerators in place; 1 / sum per (row, head)
-  float inv[32 * 64];
-  for (int64_t p = 0; p < np; ++p) {
-    float* sp = scores.data() + p * npad;
-    const int64_t np8 = (n[p] + 7) / 8 * 8;
-    for (int64_t l = n[p]; l < np8; ++l) sp[l] = -std::numeric_limits<float>::infinity();
-    V8 mv = vload(sp);
-    for (int64_t l = 8; l < np8; l += 8) mv = vmax(mv, vload(sp + l));
-    float mx = lanes_max(mv);
-    const float sink = P.sinks ? P.sinks[hk * G + p % G] : 0.f;  // query head hk * G + p % G
-    if (P.sinks) mx = std::max(mx, sink);
-    const V8 m = vset1(mx);
-    V8 sum = vzero();
-    for (int64_t l = 0; l < np8; l += 8) {
-      const V8 e = vkeep(vexp(vadd(vload(sp + l), vmul(m, vset1(-1.f)))), n[p] - l);
-      vstore(sp + l, e);
-      sum = vadd(sum, e);
-    }
-    float total = lanes_sum(sum);
-    if (P.sinks) {  // the sink's exp(sinks[h] - m): a numerator with no value row
-      alignas(32) float es[8];
-      vstore(es, vexp(vset1(sink - mx)));
-      total += es[0];
-    }
-    inv[p] = 1.f / total;
+}
+
+// pair p's softmax numerators in place and inv[p] = 1 / their sum (the order in the header)
+void span_softmax(const Problem& P, const Span& s, int64_t p) {
+  const int64_t n = s.n[p];
+  float* sp = s.scores + p * s.npad;
+  const int64_t np8 = (n + 7) / 8 * 8;
+  for (int64_t l = n; l < np8; ++l) sp[l] = -std::numeric_limits<float>::infinity();
+  V8 mv = vload(sp);
+  for (int64_t l = 8; l < np8; l += 8) mv = vmax(mv, vload(sp + l));
+  float mx = lanes_max(mv);
+  const float sink = P.sinks ? P.sinks[s.hk * P.G + p % P.G] : 0.f;  // query head hk * G + p % G
+  if (P.sinks) mx = std::max(mx, sink);
+  const V8 m = vset1(mx);
+  V8 sum = vzero();
+  for (int64_t l = 0; l < np8; l += 8) {
+    const V8 e = vkeep(vexp(vadd(vload(sp + l), vmul(m, vset1(-1.f)))), n - l);
+    vstore(sp + l, e);
+    sum = vadd(sum, e);
   }
-  // out = sum_l e_l v_l, key by key, per (row, head) in registers over a tile of keys; PB pairs of
-  // equal length together (each V row loaded once for all), 8 vectors of D at a time
-  std::vector<float> acc(np * D, 0.f);
-  for (int64_t l0 = 0; l0 < nmax; l0 += KB) {
-    const int64_t l1 = std::min(l0 + KB, nmax);
-    for (int64_t p = 0; p < np;) {
-      int64_t pb = 1;
-      while (pb < PB && p + pb < np && n[p + pb] == n[p]) ++pb;
-      const int64_t end = std::min(l1, n[p]);
+  float total = lanes_sum(sum);
+  if (P.sinks) {  // the sink's exp(sinks[h] - m): a numerator with no value row
+    alignas(32) float es[8];
+    vstore(es, vexp(vset1(sink - mx)));
+    total += es[0];
+  }
+  s.inv[p] = 1.f / total;
+}
+
+// acc += sum_l e_l v_l over keys [k0, k1) for the vectors [c0, c1) of D (8 floats each), key by key,
+// in tiles of KB keys, PB pairs of equal length together (each V row loaded once for all), up to 8
+// vectors at a time; then, with `last`, those vectors of the output: acc * inv.
+template <typename KT>
+void span_pv(const Problem& P, const Span& s, int64_t k0, int64_t k1, int64_t c0, int64_t c1, bool last) {
+  constexpr bool QUANT = std::is_same<KT, int8_t>::value;
+  const KT* V = static_cast<const KT*>(P.v);
+  const int64_t* srow_slots = P.slots + s.srow * P.L;
+  const int64_t hk = s.hk;
+  for (int64_t l0 = k0; l0 < k1; l0 += KB) {
+    const int64_t l1 = std::min(l0 + KB, k1);
+    for (int64_t p = 0; p < s.np;) {
+      const int64_t pb = group_at(s, p);
+      const int64_t end = std::min(l1, s.n[p]);
       if (end > l0) {
-        for (int64_t c0 = 0; c0 < nd; c0 += 8) {
-          const int64_t nc = std::min<int64_t>(8, nd - c0);
+        for (int64_t cc = c0; cc < c1; cc += 8) {
+          const int64_t nc = std::min<int64_t>(8, c1 - cc);
 #if defined(__AVX512F__)
           if (!QUANT && nc % 2 == 0) {
             const float* Vf = reinterpret_cast<const float*>(V);
             switch (pb) {
-              case 1: pv_acc16<1>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
-              case 2: pv_acc16<2>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
-              default: pv_acc16<PB>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), Vf); break;
+              case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
+              case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
+              default: pv_acc16<PB>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
             }
             continue;
           }
 #endif
           switch (pb) {
-            case 1: pv_acc<1, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
+            case 1: pv_acc<1, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
 #if PB_MAX >= 2
-            case 2: pv_acc<2, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
-            default: pv_acc<PB, KT>(P, hk, srow_slots, scores.data(), npad, p, l0, end, c0, nc, acc.data(), V); break;
+            case 2: pv_acc<2, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
+            default: pv_acc<PB, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
 #endif
           }
         }
@@ -407,11 +307,40 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
       p += pb;
     }
   }
-  for (int64_t p = 0; p < np; ++p) {
-    float* o = P.out + ((t0 + p / G) * P.H + hk * G + p % G) * D;
-    const V8 s = vset1(inv[p]);
-    for (int64_t c = 0; c < nd; ++c) vstore(o + c * 8, vmul(vload(acc.data() + p * D + c * 8), s));
+  if (!last) return;
+  const int64_t G = P.G, D = P.D;
+  for (int64_t p = 0; p < s.np; ++p) {
+    float* o = P.out + ((s.t0 + p / G) * P.H + hk * G + p % G) * D;
+    const V8 iv = vset1(s.inv[p]);
+    for (int64_t c = c0; c < c1; ++c) vstore(o + c * 8, vmul(vload(s.acc + p * D + c * 8), iv));
   }
+}
+
+// An item's buffers, sized for its pairs and keys.
+struct SpanBuffers {
+  std::vector<int64_t> n;
+  std::vector<float> scores, inv, acc;
+
+  Span make(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_t hk) {
+    const int64_t np = nr * P.G;
+    n.resize(np);
+    int64_t nmax = 0;
+    for (int64_t p = 0; p < np; ++p) nmax = std::max(nmax, n[p] = P.lens[t0 + p / P.G]);
+    const int64_t npad = (nmax + 7) / 8 * 8;
+    scores.resize(np * npad);
+    inv.resize(np);
+    acc.assign(np * P.D, 0.f);
+    return Span{t0, srow, hk, np, nmax, npad, n.data(), scores.data(), inv.data(), acc.data()};
+  }
+};
+
+// One item on one thread: every phase over all of it.
+template <int64_t ND, typename KT>
+void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_t hk, SpanBuffers& buf) {
+  const Span s = buf.make(P, t0, nr, srow, hk);
+  span_scores<ND, KT>(P, s, 0, s.nmax);
+  for (int64_t p = 0; p < s.np; ++p) span_softmax(P, s, p);
+  span_pv<KT>(P, s, 0, s.nmax, 0, P.D / 8, true);
 }
 
 }  // namespace
@@ -494,21 +423,79 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const Problem P{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                   quant ? k_scale->data_ptr<float>() : nullptr, quant ? v_scale->data_ptr<float>() : nullptr,
                   sp, lp, out.data_ptr<float>(), H, Hkv, H / Hkv, D, L, static_cast<float>(scale), sinks_p};
-  at::parallel_for(0, nblocks * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  const int64_t items = nblocks * Hkv, threads = at::get_num_threads();
+  auto item_rows = [&](int64_t item, int64_t& t0, int64_t& nr, int64_t& srow) {
+    const int64_t b = item / Hkv;
+    t0 = starts[b], nr = starts[b + 1] - t0, srow = qs ? qs[t0] : t0;
+  };
+  int64_t nmax = 0;
+  for (int64_t t = 0; t < T; ++t) nmax = std::max(nmax, lp[t]);
+  if (threads > 1 && items < 2 * threads && nmax >= WIDE_MIN_KEYS) {
+    // few items, long rows (a decode step of one or two sequences deep in a long context): each phase
+    // split across the threads, the scores by keys, the softmax by pair, the weighted sum by vectors
+    // of D, so no thread waits on another's item (the same arithmetic per pair)
+    std::vector<SpanBuffers> bufs(items);
+    std::vector<Span> spans(items);
+    for (int64_t item = 0; item < items; ++item) {
+      int64_t t0, nr, srow;
+      item_rows(item, t0, nr, srow);
+      spans[item] = bufs[item].make(P, t0, nr, srow, item % Hkv);
+    }
+    const int64_t kchunks = (nmax + WIDE_KEYS - 1) / WIDE_KEYS;
+    at::parallel_for(0, kchunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        for (int64_t l0 = chunk * WIDE_KEYS; l0 < std::min((chunk + 1) * WIDE_KEYS, nmax); l0 += KB) {
+          for (const Span& sp_ : spans) {  // every KV head of a tile of keys: its K rows side by side
+            if (l0 >= sp_.nmax) continue;
+            const int64_t l1 = std::min(l0 + KB, sp_.nmax);
+            switch (D) {
+              case 64: quant ? span_scores<8, int8_t>(P, sp_, l0, l1) : span_scores<8, float>(P, sp_, l0, l1); break;
+              case 128: quant ? span_scores<16, int8_t>(P, sp_, l0, l1) : span_scores<16, float>(P, sp_, l0, l1); break;
+              default: quant ? span_scores<0, int8_t>(P, sp_, l0, l1) : span_scores<0, float>(P, sp_, l0, l1);
+            }
+          }
+        }
+      }
+    });
+    std::vector<std::pair<int64_t, int64_t>> pairs;  // (item, pair)
+    for (int64_t item = 0; item < items; ++item) {
+      for (int64_t p = 0; p < spans[item].np; ++p) pairs.emplace_back(item, p);
+    }
+    at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) span_softmax(P, spans[pairs[i].first], pairs[i].second);
+    });
+    const int64_t nd = D / 8, cw = std::max<int64_t>(1, std::min(WIDE_VECTORS, nd / threads));
+    const int64_t cchunks = (nd + cw - 1) / cw;
+    at::parallel_for(0, cchunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c0 = task * cw, c1 = std::min(c0 + cw, nd);
+        for (int64_t l0 = 0; l0 < nmax; l0 += KB) {  // a tile of keys for every KV head, in key order
+          for (const Span& sp_ : spans) {
+            if (l0 >= sp_.nmax) continue;
+            const int64_t l1 = std::min(l0 + KB, sp_.nmax);
+            const bool last = l1 == sp_.nmax;
+            quant ? span_pv<int8_t>(P, sp_, l0, l1, c0, c1, last) : span_pv<float>(P, sp_, l0, l1, c0, c1, last);
+          }
+        }
+      }
+    });
+    return out;
+  }
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    SpanBuffers buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, t0 = starts[b];
-      const int64_t nr = starts[b + 1] - t0, srow = qs ? qs[t0] : t0;
+      int64_t t0, nr, srow;
+      item_rows(item, t0, nr, srow);
       const int64_t hk = item % Hkv;
       switch (D) {  // the usual head sizes get their own unrolled copies (same arithmetic)
         case 64:
-          quant ? attend_block<8, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<8, float>(P, t0, nr, srow, hk, scores);
+          quant ? attend_block<8, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<8, float>(P, t0, nr, srow, hk, buf);
           break;
         case 128:
-          quant ? attend_block<16, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<16, float>(P, t0, nr, srow, hk, scores);
+          quant ? attend_block<16, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<16, float>(P, t0, nr, srow, hk, buf);
           break;
         default:
-          quant ? attend_block<0, int8_t>(P, t0, nr, srow, hk, scores) : attend_block<0, float>(P, t0, nr, srow, hk, scores);
+          quant ? attend_block<0, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<0, float>(P, t0, nr, srow, hk, buf);
       }
     }
   });
