@@ -59,7 +59,7 @@ namespace {
 constexpr int64_t KB = 64;  // keys per tile (K and V tiles of one KV head stay in L1)
 
 
-using namespace agentrt_cpu::vec8;  // NOLINT: the 8-lane vector ops (cpu_vec8.h)
+using namespace agentrt_cpu::vec8;  // the 8-lane vector ops (cpu_vec8.h)
 
 struct Problem {
   const float* q;

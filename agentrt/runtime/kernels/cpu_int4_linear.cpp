@@ -20,8 +20,9 @@
 // nibbles once for up to 4 batch rows and reduce 2 blocks together (1.4-1.6x at batch 4, 1.0-1.2x at
 // batch 1 with the prefetch, on Zen 4: bench/gemv.py). From 16 batch rows (a prefill chunk) the AVX-512
 // VNNI path is a GEMM with 16 output rows on the lanes (gemm_rows below: no horizontal sums). A row's
-// output is the same bit for bit on every path and whatever the batch. K must be a multiple of 32; errors are RuntimeErrors naming the
-// problem. Built with the other CPU kernels (runtime/kernels/cpu_kernels.py).
+// output is the same bit for bit on every path and whatever the batch. K must be a multiple of 32;
+// errors are RuntimeErrors naming the problem. Built with the other CPU kernels
+// (runtime/kernels/cpu_kernels.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -185,10 +186,9 @@ void item_scalar(const Item& a) {
 }
 #endif
 
-
 // Many batch rows (a prefill chunk) on AVX-512 VNNI: 16 output rows on the 16 lanes of a register, so
 // a block's integer sums need no horizontal reduction. Per work item the 16 rows' nibbles are laid out
-// once as [block, 4 columns, 16 rows, 4 bytes] (vpdpbusd's operand: each lane 4 unsigned weights of
+// once as [block, 8 column quads, 16 rows, 4 bytes] (vpdpbusd's operand: each lane 4 unsigned weights of
 // its row), their scales and mins as [block, 16]; then per batch row and block 8 vpdpbusd with the
 // row's 4 activation bytes broadcast give the exact int32 sums, and the float steps are the other
 // paths': acc = fma(float(sum), scale * d, acc), low = fma(min, xs, low) in block order, out = acc +

@@ -215,11 +215,14 @@ void gemm_layout(const int8_t* w, const float* s, int64_t groups, int64_t nb, ui
     uint8_t* wb = wv + b * 8 * NG * 4;
     for (int64_t n = 0; n < NG; ++n) {
       const int64_t g = n / 4, r = n % 4;
-      const int8_t* row = w + (g * nb + b) * NR * QK + r * QK;
-      for (int64_t j = 0; j < QK; ++j) {
-        wb[((j / 4) * NG + n) * 4 + j % 4] = g < groups ? static_cast<uint8_t>(row[j] + 128) : 128;
+      if (g >= groups) {  // padding lanes: zero weights (128 unsigned) and zero scales
+        for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = 128;
+        s16[b * NG + n] = 0.f;
+        continue;
       }
-      s16[b * NG + n] = g < groups ? s[(g * nb + b) * NR + r] : 0.f;
+      const int8_t* row = w + (g * nb + b) * NR * QK + r * QK;
+      for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = static_cast<uint8_t>(row[j] + 128);
+      s16[b * NG + n] = s[(g * nb + b) * NR + r];
     }
   }
 }
