@@ -52,7 +52,9 @@ SOURCES = tuple(
         "cpu_decode_layers.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_isa.h", "cpu_vec8.h"))  # shared declarations
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_isa.h", "cpu_vec8.h")
+)  # shared declarations
 OPS = (
     "attention", "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
     "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa",
