@@ -330,6 +330,31 @@ def test_bad_sinks_and_head_dims_are_refused():
     with pytest.raises(RuntimeError, match="at most 256"):
         cpu_kernels.decode_attention(torch.zeros(1, 2, 264), torch.zeros(4, 1, 264), torch.zeros(4, 1, 264),
                                      torch.tensor([[1]]), torch.tensor([1]))  # fmt: skip
+    with pytest.raises(RuntimeError, match="head_dim 0 must be a positive multiple of 8"):  # was a segfault
+        cpu_kernels.decode_attention(torch.zeros(1, 2, 0), torch.zeros(4, 1, 0), torch.zeros(4, 1, 0),
+                                     torch.tensor([[1]]), torch.tensor([1]))  # fmt: skip
+
+
+@needs_kernel
+def test_a_nan_in_q_k_or_a_sink_makes_the_row_nan_as_sdpa_does():
+    """exp's lower clamp must not turn a NaN score into a ~0 weight (a NaN key was silently dropped
+    and a NaN max gave the mean of V): the row is NaN, as SDPA's; the other rows are untouched."""
+    q, k, v, slots, lens, sinks = sink_problem(4, 2, 8, 5, seed=3)
+    # (tensor, index, the (row, head) outputs that read it): q of row 0 head 1; a key of row 0's
+    # KV head 0, read by its query heads 0 and 1 (the slot rows share no slot)
+    cases = [("q", (0, 1, 2), [(0, 1)]), ("k", (int(slots[0, 2]), 0, 5), [(0, 0), (0, 1)])]
+    for name, index, hit in cases:
+        qq, kk = q.clone(), k.clone()
+        (qq if name == "q" else kk)[index] = float("nan")
+        nan_rows = torch.isnan(cpu_kernels.decode_attention(qq, kk, v, slots, lens)).all(dim=-1)
+        want = torch.zeros_like(nan_rows)
+        for r, h in hit:
+            want[r, h] = True
+        assert torch.equal(nan_rows, want), name
+    bad_sink = sinks.clone()
+    bad_sink[3] = float("nan")
+    out = cpu_kernels.decode_attention(q, k, v, slots, lens, sinks=bad_sink)
+    assert torch.isnan(out[:, 3]).all() and not torch.isnan(out[:, :3]).any()
 
 
 @needs_kernel

@@ -375,7 +375,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), R = slots.size(0), L = slots.size(1);
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(), "attention: cache shapes");
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "attention: head_dim ", D, " must be a multiple of 8, at most 256");
+  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= 256, "attention: head_dim ", D, " must be a positive multiple of 8, at most 256");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(lens.size(0) == T, "attention: one length per query row");
   TORCH_CHECK(seq.numel() == 0 ? R == T : seq.size(0) == T, "attention: one slot row per query row");

@@ -41,7 +41,7 @@ inline V8 reduce8x8(const V8* a) {
 }
 // exp on 8 lanes for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial)
 inline V8 vexp(V8 x) {
-  x = _mm256_max_ps(x, vset1(-87.3f));
+  x = _mm256_max_ps(vset1(-87.3f), x);  // a NaN x stays NaN (maxps returns its second operand then)
   V8 fx = _mm256_floor_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
   x = vfma(fx, vset1(-0.693359375f), x);
   x = vfma(fx, vset1(2.12194440e-4f), x);
