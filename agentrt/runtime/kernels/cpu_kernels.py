@@ -259,7 +259,15 @@ def decode_attention(
     pool, a length outside [1, L], or sinks of the wrong dtype, shape or layout."""
     k, v, ks, vs = _pool(k_cache, v_cache)
     return torch.ops.agentrt_cpu.decode_attention(
-        q.contiguous(), k, v, slots, lens, max(q.shape[-1], 1) ** -0.5 if scale is None else scale, sinks, ks, vs
+        q.contiguous(),
+        k,
+        v,
+        slots,
+        lens,
+        max(q.shape[-1], 1) ** -0.5 if scale is None else scale,
+        sinks,
+        ks,
+        vs,
     )
 
 
