@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -215,10 +216,7 @@ class Scheduler:
                     self._live.update(slots)
                 return True
             # rows short: reclaim a window's worth beyond the need, so the next calls find them free
-            if self.kv.num_free_window < n and self.kv.reclaim(n + self.kv.window, self._live_window_slots()):
-                continue
-            short = max(n - self.kv.num_free, n - self.kv.num_free_window)
-            if self.cache is not None and self._evict(short):
+            if self._free_some(n, n + self.kv.window, self._live_window_slots):
                 continue
             if not preempt:
                 return False
@@ -232,12 +230,17 @@ class Scheduler:
         window rows and evict cached prefixes until n slots, each with a row, are free. False when
         the pool cannot hold n."""
         while self.kv.num_free < n or self.kv.num_free_window < n:
-            if self.kv.num_free_window < n and self.kv.reclaim(n, set()):
-                continue
-            short = max(n - self.kv.num_free, n - self.kv.num_free_window)
-            if self.cache is None or not self._evict(short):
+            if not self._free_some(n, n, set):
                 return False
         return True
+
+    def _free_some(self, n: int, reclaim: int, live: Callable[[], set[int]]) -> bool:
+        """One step toward n free slots, each with a window row: when rows are short, reclaim
+        `reclaim` of them outside live(); else evict cached prefixes. False when neither freed any."""
+        if self.kv.num_free_window < n and self.kv.reclaim(reclaim, live()):
+            return True
+        short = max(n - self.kv.num_free, n - self.kv.num_free_window)
+        return self.cache is not None and self._evict(short)
 
     def _live_window_slots(self) -> set[int]:
         """Slots whose windowed-layer K/V a running request can still attend: the last `window`

@@ -343,6 +343,19 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
   span_pv<KT>(P, s, 0, s.nmax, 0, P.D / 8, true);
 }
 
+// f(nd, kt) with nd a std::integral_constant: D / 8 for the usual head sizes (64, 128: their own
+// unrolled copies, the same arithmetic), else 0 (D at run time); kt a null KT* (float, or int8_t for
+// an int8 pool).
+template <typename F>
+void with_types(int64_t D, bool quant, F&& f) {
+  auto pool = [&](auto nd) { quant ? f(nd, static_cast<int8_t*>(nullptr)) : f(nd, static_cast<float*>(nullptr)); };
+  switch (D) {
+    case 64: pool(std::integral_constant<int64_t, 8>{}); break;
+    case 128: pool(std::integral_constant<int64_t, 16>{}); break;
+    default: pool(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 }  // namespace
 
 namespace agentrt_cpu {
@@ -448,11 +461,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
           for (const Span& sp_ : spans) {  // every KV head of a tile of keys: its K rows side by side
             if (l0 >= sp_.nmax) continue;
             const int64_t l1 = std::min(l0 + KB, sp_.nmax);
-            switch (D) {
-              case 64: quant ? span_scores<8, int8_t>(P, sp_, l0, l1) : span_scores<8, float>(P, sp_, l0, l1); break;
-              case 128: quant ? span_scores<16, int8_t>(P, sp_, l0, l1) : span_scores<16, float>(P, sp_, l0, l1); break;
-              default: quant ? span_scores<0, int8_t>(P, sp_, l0, l1) : span_scores<0, float>(P, sp_, l0, l1);
-            }
+            with_types(D, quant, [&](auto nd, auto* kt) {
+              span_scores<decltype(nd)::value, std::remove_pointer_t<decltype(kt)>>(P, sp_, l0, l1);
+            });
           }
         }
       }
@@ -487,16 +498,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       int64_t t0, nr, srow;
       item_rows(item, t0, nr, srow);
       const int64_t hk = item % Hkv;
-      switch (D) {  // the usual head sizes get their own unrolled copies (same arithmetic)
-        case 64:
-          quant ? attend_block<8, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<8, float>(P, t0, nr, srow, hk, buf);
-          break;
-        case 128:
-          quant ? attend_block<16, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<16, float>(P, t0, nr, srow, hk, buf);
-          break;
-        default:
-          quant ? attend_block<0, int8_t>(P, t0, nr, srow, hk, buf) : attend_block<0, float>(P, t0, nr, srow, hk, buf);
-      }
+      with_types(D, quant, [&](auto nd, auto* kt) {
+        attend_block<decltype(nd)::value, std::remove_pointer_t<decltype(kt)>>(P, t0, nr, srow, hk, buf);
+      });
     }
   });
   return out;

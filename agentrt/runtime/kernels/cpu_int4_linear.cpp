@@ -193,7 +193,7 @@ void item_scalar(const Item& a) {
 // row's 4 activation bytes broadcast give the exact int32 sums, and the float steps are the other
 // paths': acc = fma(float(sum), scale * d, acc), low = fma(min, xs, low) in block order, out = acc +
 // low: bit for bit the same outputs (the int32 sums are exact in any order).
-constexpr int64_t NG = 16;  // output rows per GEMM work item
+constexpr int64_t NG = agentrt_cpu::detail::GEMM_ROWS;
 constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int4_linear takes the GEMM path
 
 struct GemmItem {
@@ -210,22 +210,22 @@ struct GemmItem {
 #ifdef __AVX2__
 // the item's [K / 32, 8, 16, 4] weight bytes and [K / 32, 16] scales and mins
 void gemm_layout(const GemmItem& a, uint8_t* wv, float* s16, float* m16) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t rows[NG * QK];  // one block's 16 rows of 32 levels
   for (int64_t b = 0; b < a.nb; ++b) {
-    uint8_t* wb = wv + b * 8 * NG * 4;
     for (int64_t n = 0; n < NG; ++n) {
       const int64_t g = n / 4, r = n % 4;
-      if (g >= a.groups) {
-        for (int64_t kq = 0; kq < 8; ++kq)
-          for (int i = 0; i < 4; ++i) wb[(kq * NG + n) * 4 + i] = 0;
-        s16[b * NG + n] = m16[b * NG + n] = 0.f;
-        continue;
+      __m256i q = _mm256_setzero_si256();  // padding lanes: zero levels, scales and mins
+      float sc = 0.f, mn = 0.f;
+      if (g < a.groups) {
+        const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + (g * a.nb + b) * 64 + (r / 2) * 32));
+        q = _mm256_and_si256(r % 2 ? _mm256_srli_epi16(run, 4) : run, nibble);
+        sc = a.s[(g * a.nb + b) * NR + r], mn = a.mn[(g * a.nb + b) * NR + r];
       }
-      const uint8_t* run = a.w + (g * a.nb + b) * 64 + (r / 2) * 32;
-      const int shift = (r % 2) * 4;
-      for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = (run[j] >> shift) & 0x0F;
-      s16[b * NG + n] = a.s[(g * a.nb + b) * NR + r];
-      m16[b * NG + n] = a.mn[(g * a.nb + b) * NR + r];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows + n * QK), q);
+      s16[b * NG + n] = sc, m16[b * NG + n] = mn;
     }
+    agentrt_cpu::detail::column_quads(rows, wv + b * 8 * NG * 4);
   }
 }
 

@@ -204,26 +204,28 @@ void item_scalar(const Item& a) {
 // and block 8 vpdpbusd with the row's 4 activation bytes broadcast, minus 128 x the block's activation
 // sum, give the exact int32 sums, then acc = fma(float(sum), scale * d, acc) in block order as on the
 // other paths: bit for bit the same outputs.
-constexpr int64_t NG = 16;             // output rows per GEMM work item
+constexpr int64_t NG = agentrt_cpu::detail::GEMM_ROWS;
 constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int8_linear takes the GEMM path
 
 #ifdef __AVX2__
 // the item's [K / 32, 8, 16, 4] unsigned weight bytes and [K / 32, 16] scales; w: the item's first
 // group of 4 rows ([groups, K / 32, 4, 32]), s: its scales ([groups, K / 32, 4]), groups in 1..4
 void gemm_layout(const int8_t* w, const float* s, int64_t groups, int64_t nb, uint8_t* wv, float* s16) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // w + 128: the sign bit flipped
+  alignas(32) uint8_t rows[NG * QK];  // one block's 16 rows of 32 unsigned weights
   for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* wb = wv + b * 8 * NG * 4;
     for (int64_t n = 0; n < NG; ++n) {
       const int64_t g = n / 4, r = n % 4;
-      if (g >= groups) {  // padding lanes: zero weights (128 unsigned) and zero scales
-        for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = 128;
-        s16[b * NG + n] = 0.f;
-        continue;
+      __m256i q = flip;  // padding lanes: zero weights (128 unsigned) and zero scales
+      float sc = 0.f;
+      if (g < groups) {
+        q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * nb + b) * NR * QK + r * QK)), flip);
+        sc = s[(g * nb + b) * NR + r];
       }
-      const int8_t* row = w + (g * nb + b) * NR * QK + r * QK;
-      for (int64_t j = 0; j < QK; ++j) wb[((j / 4) * NG + n) * 4 + j % 4] = static_cast<uint8_t>(row[j] + 128);
-      s16[b * NG + n] = s[(g * nb + b) * NR + r];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows + n * QK), q);
+      s16[b * NG + n] = sc;
     }
+    agentrt_cpu::detail::column_quads(rows, wv + b * 8 * NG * 4);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -155,6 +156,16 @@ inline __m256i sum8(const __m256i* p) {
     default: break;                             \
   }
 #endif
+
+// The GEMM paths of int8_linear / int4_linear (16+ batch rows on AVX-512 VNNI): a work item's 16
+// output rows of one block of 32 columns, [16 rows, 32 bytes] -> vpdpbusd's operand layout [8 column
+// quads, 16 rows, 4 bytes] (each lane of a 512-bit register: 4 bytes of its row).
+constexpr int64_t GEMM_ROWS = 16;  // output rows per GEMM work item
+inline void column_quads(const uint8_t* rows, uint8_t* out) {
+  for (int64_t kq = 0; kq < QK / 4; ++kq) {
+    for (int64_t n = 0; n < GEMM_ROWS; ++n) std::memcpy(out + (kq * GEMM_ROWS + n) * 4, rows + n * QK + kq * 4, 4);
+  }
+}
 
 }  // namespace detail
 
