@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -170,7 +172,8 @@ class DiskTier:
     def _open(self, describe: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         for tmp in self.dir.glob("*.tmp"):  # a write cut short by a crash
-            if tmp.is_file() or tmp.is_symlink():  # (not a directory someone put here)
+            # (not a directory someone put here, nor a write under way in another store)
+            if (tmp.is_file() or tmp.is_symlink()) and _stale_tmp(tmp):
                 tmp.unlink(missing_ok=True)
         stamp = self.dir / "FINGERPRINT"
         want = f"{self.fingerprint.hex()}\n{describe}\n"
@@ -304,7 +307,7 @@ class DiskTier:
             _remove(self._path(key))
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(f"{path.name}.{_HOST}-{os.getpid()}-{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -317,6 +320,35 @@ class DiskTier:
         if self.enabled:
             logger.warning("KV disk tier off: %s; the tiers above keep serving", why)
         self.enabled = False
+
+
+STALE_TMP_SECONDS = 600.0  # a block write takes milliseconds: a temporary file this old is dead
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"  # writers on a shared directory's hosts
+
+
+def _stale_tmp(tmp: Path) -> bool:
+    """Whether a `<name>.<host>-<pid>-<thread>.tmp` file is left over from a write that will never
+    finish: its writer process on this host is gone, or it is older than STALE_TMP_SECONDS (a name
+    we cannot parse, or a writer on another host sharing the directory). A live writer's file
+    (another replica's, or another engine's in this process) is left alone: deleting it would fail
+    that write's rename and turn that store's disk tier off."""
+    try:
+        age = time.time() - tmp.lstat().st_mtime
+    except OSError:
+        return False
+    if age > STALE_TMP_SECONDS:
+        return True
+    host, _, rest = tmp.name.rsplit(".", 2)[-2].partition("-")
+    pid = rest.partition("-")[0]
+    if host != _HOST or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # alive under another user, or not a pid we can ask about
+        return False
+    return False
 
 
 def _remove(path: Path) -> None:

@@ -6,10 +6,14 @@ and every output is compared with the fake's own greedy reference."""
 from __future__ import annotations
 
 import errno
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
+from agentrt.prefix_cache import tier_store
 from agentrt.prefix_cache.block_keys import block_key, chain_keys, tail_key
 from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
 from agentrt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -114,9 +118,44 @@ def test_disk_tier_survives_a_reopen_and_skips_a_corrupt_file(tmp_path):
     (tmp_path / f"{blocks[0].key.hex()}.kvb").write_bytes(b"AKVB" + bytes(200))  # garbage
     assert again.get(blocks[2].key) is None and again.get(blocks[0].key) is None
     assert not path.exists() and len(again) == 1 and again.num_discarded == 2
-    (tmp_path / "half.kvb.123.tmp").write_bytes(b"partial")  # a write cut short by a crash
+    (tmp_path / "half.kvb.123.tmp").write_bytes(b"partial")  # a write cut short by a crash...
+    os.utime(tmp_path / "half.kvb.123.tmp", (1, 1))  # ...long ago
     DiskTier(tmp_path, 1 << 20, fp, "test")
     assert not (tmp_path / "half.kvb.123.tmp").exists()
+
+
+def test_a_disk_tier_opening_leaves_another_stores_write_under_way(tmp_path):
+    """Two stores on one directory (replicas sharing a disk tier, or an engine started while another
+    runs): the second one's start deletes only temporary files whose writer is gone, so a write
+    under way in the first still lands (CI once saw it fail its rename and turn the tier off)."""
+    fp = b"f" * 16
+    first = DiskTier(tmp_path, 1 << 20, fp, "test")
+    block = Block(b"a" * 16, (1, 2), b"x" * 300)
+    path = tmp_path / f"{block.key.hex()}.kvb"
+    real_replace = os.replace
+
+    def replace_after_another_store_opens(src, dst):  # the second store starts mid-write
+        DiskTier(tmp_path, 1 << 20, fp, "test")
+        real_replace(src, dst)
+
+    os.replace = replace_after_another_store_opens
+    try:
+        assert first.put(block)
+    finally:
+        os.replace = real_replace
+    assert first.enabled and path.exists() and first.get(block.key) == block
+    # a fresh temporary file of a process that has exited is a crash's: deleted at the next start
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True
+    )
+    host = tier_store._HOST
+    dead = tmp_path / f"{block.key.hex()}.kvb.{host}-{int(proc.stdout)}-1.tmp"
+    live = tmp_path / f"{block.key.hex()}.kvb.{host}-{os.getpid()}-1.tmp"
+    elsewhere = tmp_path / f"{block.key.hex()}.kvb.00000000-{int(proc.stdout)}-1.tmp"
+    for f in (dead, live, elsewhere):
+        f.write_bytes(b"partial")
+    DiskTier(tmp_path, 1 << 20, fp, "test")
+    assert not dead.exists() and live.exists() and elsewhere.exists()
 
 
 def test_disk_tier_discards_another_fingerprints_files(tmp_path, caplog):
