@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from agentrt.runtime.hugepages import zeros_on_hugepages
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 # amax below this stores zeros with scale 0 (127 / amax would overflow float32 near 3.7e-37)
 QUANT_MIN_AMAX = 1e-30
@@ -142,7 +144,9 @@ class KVPool:
 
         def cache(n: int):
             shape = (n, num_kv_heads, head_dim)
-            data = torch.zeros(shape, dtype=dtype, device=device)
+            data = zeros_on_hugepages(shape, dtype) if torch.device(device).type == "cpu" else None
+            if data is None:
+                data = torch.zeros(shape, dtype=dtype, device=device)
             if not self.quantized:
                 return data
             return QuantizedKV(data, torch.zeros(shape[:2], dtype=torch.float32, device=device))

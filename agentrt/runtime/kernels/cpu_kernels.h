@@ -14,6 +14,12 @@
 #include <immintrin.h>
 #endif
 
+// small vector helpers called in the kernels' inner loops: inlined even where GCC's unit-growth
+// limits would stop it (torch's headers make every unit large; sum8 ran as a call through the PLT)
+#ifndef AGENTRT_INLINE
+#define AGENTRT_INLINE inline __attribute__((always_inline))
+#endif
+
 namespace agentrt_cpu {
 
 // sinks: [H] float32 attention-sink logits (gpt-oss), or none; k_scale / v_scale: [S, Hkv] float32
@@ -117,7 +123,7 @@ inline void quantize_row(const float* x, int8_t* q, float* d, int32_t* sums, int
 #endif
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
+AGENTRT_INLINE float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
@@ -125,14 +131,14 @@ inline float hsum(__m256 v) {
 }
 
 // 4 rows' sums of 8 int32 partials each -> [4] int32 (horizontal adds: one reduction for 4 rows)
-inline __m128i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+AGENTRT_INLINE __m128i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
 // 8 sums of 8 int32 partials each (p[0..7]) -> [8] int32, lane i the sum of p[i]: a transposing tree
 // of unpacks and adds (21 instructions for 8 sums; two sum4's horizontal adds decode to more here).
-inline __m256i sum8(const __m256i* p) {
+AGENTRT_INLINE __m256i sum8(const __m256i* p) {
   __m256i q[4];
   for (int i = 0; i < 4; ++i) {
     q[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));

@@ -11,36 +11,42 @@
 #include <immintrin.h>
 #endif
 
+// small vector helpers called in the kernels' inner loops: inlined even where GCC's unit-growth
+// limits would stop it (torch's headers make every unit large; sum8 ran as a call through the PLT)
+#ifndef AGENTRT_INLINE
+#define AGENTRT_INLINE inline __attribute__((always_inline))
+#endif
+
 namespace agentrt_cpu {
 namespace vec8 {
 
 #ifdef __AVX2__
 using V8 = __m256;
-inline V8 vzero() { return _mm256_setzero_ps(); }
-inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+AGENTRT_INLINE V8 vzero() { return _mm256_setzero_ps(); }
+AGENTRT_INLINE V8 vload(const float* p) { return _mm256_loadu_ps(p); }
 // 8 int8 values as floats (exact)
-inline V8 vload(const int8_t* p) {
+AGENTRT_INLINE V8 vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
-inline V8 vset1(float x) { return _mm256_set1_ps(x); }
-inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
-inline V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
-inline V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
-inline V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
+AGENTRT_INLINE void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
+AGENTRT_INLINE V8 vset1(float x) { return _mm256_set1_ps(x); }
+AGENTRT_INLINE V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+AGENTRT_INLINE V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
+AGENTRT_INLINE V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
+AGENTRT_INLINE V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
 // lanes i < n kept, the others zero
-inline V8 vkeep(V8 v, int64_t n) {
+AGENTRT_INLINE V8 vkeep(V8 v, int64_t n) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx)));
 }
 // 8 accumulators -> [8] their lane sums, each as ((0+1)+(2+3))+((4+5)+(6+7))
-inline V8 reduce8x8(const V8* a) {
+AGENTRT_INLINE V8 reduce8x8(const V8* a) {
   const V8 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const V8 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 // exp on 8 lanes for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial)
-inline V8 vexp(V8 x) {
+AGENTRT_INLINE V8 vexp(V8 x) {
   x = _mm256_max_ps(vset1(-87.3f), x);  // a NaN x stays NaN (maxps returns its second operand then)
   V8 fx = _mm256_floor_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
   x = vfma(fx, vset1(-0.693359375f), x);
@@ -55,12 +61,12 @@ inline V8 vexp(V8 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return vmul(y, _mm256_castsi256_ps(e));
 }
-inline float lanes_sum(V8 v) {
+AGENTRT_INLINE float lanes_sum(V8 v) {
   alignas(32) float a[8];
   vstore(a, v);
   return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
-inline float lanes_max(V8 v) {
+AGENTRT_INLINE float lanes_max(V8 v) {
   alignas(32) float a[8];
   vstore(a, v);
   return std::max(std::max(std::max(a[0], a[1]), std::max(a[2], a[3])),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.hugepages import move_to_hugepages
 from agentrt.runtime.models.base import DecoderModel
 from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.cpu_linear import pack_linears
@@ -280,6 +281,8 @@ def load_model(
 
         if not use_batch_invariant_kernels(model):
             kernel_reason += " (norms only: no dense linear layer)"
+    if device.type == "cpu":
+        move_to_hugepages(model)  # after every repacking: the tensors a step reads, as they stay
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))
     return model, WeightFormat(
         **{**fmt.__dict__, "bytes": sizes, "linear_kernel": kernel, "linear_reason": kernel_reason}
