@@ -187,9 +187,9 @@ def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_refere
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(20, 320, generator=gen)  # 20 rows: the int4 kernel's GEMM path on AVX-512 VNNI
     q8 = torch.randint(-127, 128, (37, 320), dtype=torch.int8, generator=gen)
-    s8 = torch.rand(37, 10, generator=gen) / 100
+    s8 = (torch.rand(37, 10, generator=gen) / 100).half().float()  # int4 keeps float16 scales and mins
     levels = torch.randint(0, 16, (37, 320), dtype=torch.uint8, generator=gen)
-    mins = torch.randn(37, 10, generator=gen) / 10
+    mins = (torch.randn(37, 10, generator=gen) / 10).half().float()
     from agentrt.runtime.models.quant import Int4BlockLinear, group_major
 
     w8, g8 = ops.pack_int8(q8), group_major(s8)
@@ -234,13 +234,14 @@ def test_integer_kernel_rows_do_not_depend_on_the_batch(isa):
     try:
         assert cpu_kernels.select_isa(isa) == isa
         full8 = ops.int8_linear(x, w8, scales, None, 22)
-        full4 = ops.int4_linear(x, w4, scales, mins, None, 22)
+        full4 = ops.int4_linear(x, w4, scales.half(), mins.half(), None, 22)
         for rows in [*range(1, 10), 16, 17, 23, 40]:
             for start in (0, 40 - rows):
                 part = x[start : start + rows].contiguous()
                 assert torch.equal(ops.int8_linear(part, w8, scales, None, 22), full8[start : start + rows])
                 assert torch.equal(
-                    ops.int4_linear(part, w4, scales, mins, None, 22), full4[start : start + rows]
+                    ops.int4_linear(part, w4, scales.half(), mins.half(), None, 22),
+                    full4[start : start + rows],
                 )
     finally:
         cpu_kernels.select_isa(hardware.kernel_isa(hardware.cpu_info())[0])

@@ -365,14 +365,34 @@ def test_int4_levels_give_a_q4_1_weight_back_exactly():
     q = torch.randint(0, 16, (8, 64), generator=gen)
     q[:, ::32], q[:, 1::32] = 0, 15  # llama.cpp's Q4_1 puts a block's min and max on the end levels
     d, low = torch.rand(8, 2, generator=gen) + 0.01, torch.randn(8, 2, generator=gen)
+    d, low = d.half().float(), low.half().float()  # Q4_1 stores them as float16
     w = (q.float().reshape(8, 2, 32) * d[..., None] + low[..., None]).reshape(8, 64)
     levels, scales, mins = int4_levels(w, 32)
     assert torch.equal(levels, q) and torch.equal(mins, low)
     torch.testing.assert_close(scales, d, rtol=1e-6, atol=0)
+    levels, scales, mins = int4_levels(w, 32, half_scales=True)  # the file's own float16 values
+    assert torch.equal(levels, q) and torch.equal(mins, low) and torch.equal(scales, d)
     lin = torch.nn.Linear(64, 8, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)
-    torch.testing.assert_close(Int4BlockLinear.from_linear(lin, 32).dequantized(), w, rtol=0, atol=1e-5)
+    layer = Int4BlockLinear.from_linear(lin, 32)
+    torch.testing.assert_close(layer.dequantized(), w, rtol=0, atol=1e-5)
+    layer.pack_for_kernel()  # float16 scales and mins in the kernel's layout: the same weight
+    assert layer.scales.dtype == layer.mins.dtype == torch.float16
+    torch.testing.assert_close(layer.dequantized(), w, rtol=0, atol=1e-5)
+
+
+def test_int4_levels_on_float16_scales_stay_finite_and_on_the_grid():
+    """half_scales on blocks float16 cannot hold as they are: a constant block (scale 0 -> the least
+    float16 scale), huge and tiny ranges; levels in 0..15 and the weight within a step of the grid."""
+    w = torch.cat(
+        [torch.full((1, 32), 0.3), torch.randn(1, 32) * 1e-9, torch.randn(1, 32) * 3e4, torch.randn(1, 32)]
+    )
+    q, scales, mins = int4_levels(w, 32, half_scales=True)
+    assert torch.equal(scales, scales.half().float()) and torch.equal(mins, mins.half().float())
+    assert scales.isfinite().all() and (scales > 0).all() and 0 <= q.min() and q.max() <= 15
+    back = q.view(4, 1, 32) * scales[..., None] + mins[..., None]
+    assert ((back.view(4, 32) - w).abs() <= scales + w.abs() * 1e-3).all()
 
 
 def test_int4_linear_keeps_nan_visible_and_refuses_bad_shapes():
@@ -387,7 +407,7 @@ def test_int4_linear_keeps_nan_visible_and_refuses_bad_shapes():
         ops.int4_linear(torch.zeros(1, 48), torch.zeros(8, 24, dtype=torch.uint8), s, m, None, 8)
     with pytest.raises(RuntimeError, match="x has 32 columns, qweight holds 64"):
         ops.int4_linear(torch.zeros(1, 32), q, s, m, None, 8)
-    with pytest.raises(RuntimeError, match="scales and mins must be float32 \\[N4, K / 32\\]"):
+    with pytest.raises(RuntimeError, match="scales and mins must be float16 \\[N4, K / 32\\]"):
         ops.int4_linear(torch.zeros(1, 64), q, s, m[:, :1].contiguous(), None, 8)
     with pytest.raises(RuntimeError, match="qweight must be a contiguous uint8"):
         ops.int4_linear(torch.zeros(1, 64), q.to(torch.int8), s, m, None, 8)

@@ -1,7 +1,7 @@
 // 4-bit weight x int8 activation matmul for decode-sized batches on the CPU (float32 in and out).
 //
-// int4_linear(x [M, K] float32, packed [N4, K / 2] uint8, scales [N4, K / 32] float32,
-//             mins [N4, K / 32] float32, bias [N] or None, N) -> y [M, N] float32,
+// int4_linear(x [M, K] float32, packed [N4, K / 2] uint8, scales [N4, K / 32] float16,
+//             mins [N4, K / 32] float16, bias [N] or None, N) -> y [M, N] float32,
 //   y[m, n] = sum_b sum_{k in block b} (scale[n, b] q[n, k] + min[n, b]) d[m, b] xq[m, k] (+ bias[n]):
 //   weights in llama.cpp's Q4_1 format (q in 0..15, a scale and a minimum per block of 32 input
 //   columns: w = scale * q + min), activations as in int8_linear (Q8_0 blocks of 32, quantized per row
@@ -13,7 +13,8 @@
 //   group-major, [N4 / 4, K / 32, 4] (the 4 rows' values of a block side by side).
 //
 // Why: a batch-1 decode step reads every weight; the default model's weights come from a Q4_1 GGUF,
-// so these are its exact values at 0.75 bytes per weight (float32 scale and min) against int8's 1.125.
+// so these are its exact values at 0.625 bytes per weight (float16 scale and min, as in the file; each
+// widened to float32 exactly where it is used) against int8's 1.125.
 // Per block the 4 rows' integer dot products (AVX2 maddubs on the unsigned nibbles: no sign trick)
 // are reduced together with horizontal adds and scaled with one 4-wide FMA, the mins' term with
 // another: about half the instructions of a row at a time. The VNNI paths unpack a work item's
@@ -35,6 +36,7 @@
 
 namespace {
 
+using agentrt_cpu::detail::half_float;
 using agentrt_cpu::detail::QK;
 using agentrt_cpu::detail::quantize_row;
 
@@ -48,13 +50,15 @@ struct Item {
   const float* xd4;  // [M, K / 32, 4]: xd, each value 4 times (one per row of the group)
   const float* xs4;  // [M, K / 32, 4]: xs likewise
   const uint8_t* w0;  // [K / 32, 2, 32]
-  const float* s0;    // [K / 32, 4]
-  const float* m0;    // [K / 32, 4]
+  const uint16_t* s0;  // [K / 32, 4] float16
+  const uint16_t* m0;  // [K / 32, 4] float16
   int64_t M, K, nb;
   float* out;  // [M, 4]
 };
 
 #ifdef __AVX2__
+using agentrt_cpu::detail::load4h;
+using agentrt_cpu::detail::load8h;
 using agentrt_cpu::detail::PREFETCH_AHEAD;
 using agentrt_cpu::detail::sum4;
 using agentrt_cpu::detail::sum8;
@@ -89,9 +93,9 @@ void item_avx2(const Item& a) {
       const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32));
       const __m128i s = dot4_avx2(_mm256_and_si256(w01, nibble), _mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble),
                                   _mm256_and_si256(w23, nibble), _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble), xv);
-      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_set1_ps(dm[b]));
+      const __m128 scale = _mm_mul_ps(load4h(a.s0 + b * NR), _mm_set1_ps(dm[b]));
       acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
-      low = _mm_fmadd_ps(_mm_loadu_ps(a.m0 + b * NR), _mm_set1_ps(sm[b]), low);
+      low = _mm_fmadd_ps(load4h(a.m0 + b * NR), _mm_set1_ps(sm[b]), low);
     }
     _mm_storeu_ps(a.out + m * NR, _mm_add_ps(acc, low));
   }
@@ -119,7 +123,7 @@ void item_avx2(const Item& a) {
       w[4 * j + 2] = _mm256_and_si256(w23, nibble);                                                             \
       w[4 * j + 3] = _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble);                                       \
     }                                                                                                           \
-    const __m256 sc = _mm256_loadu_ps(a.s0 + b * NR); /* [2 blocks, 4 rows] */                                  \
+    const __m256 sc = load8h(a.s0 + b * NR); /* [2 blocks, 4 rows] */                                  \
     for (int m = 0; m < MB; ++m) {                                                                              \
       const int64_t mb = (m0 + m) * a.nb + b;                                                                   \
       const int8_t* xb = a.xq + (m0 + m) * a.K + b * QK;                                                        \
@@ -131,9 +135,9 @@ void item_avx2(const Item& a) {
       const __m256 f = _mm256_cvtepi32_ps(sum8(p));                                                             \
       const __m256 scale = _mm256_mul_ps(sc, _mm256_loadu_ps(a.xd4 + mb * NR));                                 \
       acc[m] = _mm_fmadd_ps(_mm256_castps256_ps128(f), _mm256_castps256_ps128(scale), acc[m]);                  \
-      low[m] = _mm_fmadd_ps(_mm_loadu_ps(a.m0 + b * NR), _mm_loadu_ps(a.xs4 + mb * NR), low[m]);                \
+      low[m] = _mm_fmadd_ps(load4h(a.m0 + b * NR), _mm_loadu_ps(a.xs4 + mb * NR), low[m]);                \
       acc[m] = _mm_fmadd_ps(_mm256_extractf128_ps(f, 1), _mm256_extractf128_ps(scale, 1), acc[m]);              \
-      low[m] = _mm_fmadd_ps(_mm_loadu_ps(a.m0 + b * NR + 4), _mm_loadu_ps(a.xs4 + mb * NR + 4), low[m]);        \
+      low[m] = _mm_fmadd_ps(load4h(a.m0 + b * NR + 4), _mm_loadu_ps(a.xs4 + mb * NR + 4), low[m]);        \
     }                                                                                                           \
   }                                                                                                             \
   if (b < a.nb) {                                                                                               \
@@ -146,9 +150,9 @@ void item_avx2(const Item& a) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + (m0 + m) * a.K + b * QK));  \
       const __m128i s = sum4(DPBUSD(_mm256_setzero_si256(), q0, xv), DPBUSD(_mm256_setzero_si256(), q1, xv),    \
                              DPBUSD(_mm256_setzero_si256(), q2, xv), DPBUSD(_mm256_setzero_si256(), q3, xv));   \
-      const __m128 scale = _mm_mul_ps(_mm_loadu_ps(a.s0 + b * NR), _mm_loadu_ps(a.xd4 + mb * NR));              \
+      const __m128 scale = _mm_mul_ps(load4h(a.s0 + b * NR), _mm_loadu_ps(a.xd4 + mb * NR));              \
       acc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc[m]);                                                 \
-      low[m] = _mm_fmadd_ps(_mm_loadu_ps(a.m0 + b * NR), _mm_loadu_ps(a.xs4 + mb * NR), low[m]);                \
+      low[m] = _mm_fmadd_ps(load4h(a.m0 + b * NR), _mm_loadu_ps(a.xs4 + mb * NR), low[m]);                \
     }                                                                                                           \
   }                                                                                                             \
   for (int m = 0; m < MB; ++m) _mm_storeu_ps(a.out + (m0 + m) * NR, _mm_add_ps(acc[m], low[m]));
@@ -177,8 +181,8 @@ void item_scalar(const Item& a) {
         const int shift = (r % 2) * 4;
         int32_t s = 0;
         for (int64_t i = 0; i < QK; ++i) s += int32_t((wr[i] >> shift) & 0x0F) * xm[b * QK + i];
-        acc = std::fma(static_cast<float>(s), a.s0[b * NR + r] * a.xd[m * a.nb + b], acc);
-        low = std::fma(a.m0[b * NR + r], a.xs[m * a.nb + b], low);
+        acc = std::fma(static_cast<float>(s), half_float(a.s0[b * NR + r]) * a.xd[m * a.nb + b], acc);
+        low = std::fma(half_float(a.m0[b * NR + r]), a.xs[m * a.nb + b], low);
       }
       a.out[m * NR + r] = acc + low;
     }
@@ -201,8 +205,8 @@ struct GemmItem {
   const float* xd;   // [M, K / 32]
   const float* xs;   // [M, K / 32]
   const uint8_t* w;  // the item's first group of 4 rows: [groups, K / 32, 2, 32] (kernel layout)
-  const float* s;    // [groups, K / 32, 4]
-  const float* mn;   // [groups, K / 32, 4]
+  const uint16_t* s;   // [groups, K / 32, 4] float16
+  const uint16_t* mn;  // [groups, K / 32, 4] float16
   int64_t groups;    // 1..4 groups of 4 rows in this item (the rest of the 16 lanes are zero)
   int64_t M, K, nb;
 };
@@ -220,7 +224,7 @@ void gemm_layout(const GemmItem& a, uint8_t* wv, float* s16, float* m16) {
       if (g < a.groups) {
         const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + (g * a.nb + b) * 64 + (r / 2) * 32));
         q = _mm256_and_si256(r % 2 ? _mm256_srli_epi16(run, 4) : run, nibble);
-        sc = a.s[(g * a.nb + b) * NR + r], mn = a.mn[(g * a.nb + b) * NR + r];
+        sc = half_float(a.s[(g * a.nb + b) * NR + r]), mn = half_float(a.mn[(g * a.nb + b) * NR + r]);
       }
       _mm256_store_si256(reinterpret_cast<__m256i*>(rows + n * QK), q);
       s16[b * NG + n] = sc, m16[b * NG + n] = mn;
@@ -298,8 +302,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t nb = K / QK;
   for (const at::Tensor* t : {&scales, &mins}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == N4 && t->size(1) == nb && t->is_contiguous() &&
-                    t->scalar_type() == at::kFloat,
-                "int4_linear: scales and mins must be float32 [N4, K / 32]");
+                    t->scalar_type() == at::kHalf,
+                "int4_linear: scales and mins must be float16 [N4, K / 32]");
   }
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -325,8 +329,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     }
   });
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
 #ifdef __AVX2__
   if (M >= GEMM_MIN_ROWS && cpu_isa() == agentrt_cpu::ISA_AVX512VNNI) {

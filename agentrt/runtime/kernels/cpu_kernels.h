@@ -49,6 +49,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 namespace detail {
 
 constexpr int64_t QK = 32;  // activation block
+
+// a float16 value (its bits) as float32, exactly
+inline float half_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 // Bytes ahead of the packed weights the quantized matmuls prefetch (_mm_prefetch): a decode-sized
 // matmul streams its weights from memory once, and the hardware prefetcher alone stops at each 4 KiB
 // page (measured on Zen 4, one thread: 14 -> 17 GB/s at 4 KiB pages, 17 -> 20 GB/s at 2 MiB pages,
@@ -128,6 +131,15 @@ AGENTRT_INLINE float hsum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
+}
+
+// float16 scales (the int4 kernel's): 4 or 8 of them widened to float32, exactly (F16C's vcvtph2ps;
+// every AVX2 CPU has it)
+AGENTRT_INLINE __m128 load4h(const uint16_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+AGENTRT_INLINE __m256 load8h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // 4 rows' sums of 8 int32 partials each -> [4] int32 (horizontal adds: one reduction for 4 rows)

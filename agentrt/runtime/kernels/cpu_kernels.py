@@ -170,7 +170,7 @@ def select_isa(isa: str) -> str:
     m4 = torch.randn(12, 9, generator=gen)
 
     def outputs() -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.int8_linear(x, w8, s8, None, 10), ops.int4_linear(x, w4, s8, m4, None, 10)
+        return ops.int8_linear(x, w8, s8, None, 10), ops.int4_linear(x, w4, s8.half(), m4.half(), None, 10)
 
     fast = outputs()
     ops.set_cpu_isa("avx2")

@@ -43,8 +43,8 @@ from agentrt.runtime.models.weights import atomic_cache_dir, load_weights
 
 logger = logging.getLogger(__name__)
 
-QUANT_CACHE_VERSION = 4  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout); 4: int4 at
-# float32 in Q4_1 blocks (the C++ int4 kernel's), its LM head int8
+QUANT_CACHE_VERSION = 5  # 3: int8 at float32 in blocks of 32 (the C++ int8 kernel's layout); 4: int4 at
+# float32 in Q4_1 blocks (the C++ int4 kernel's), its LM head int8; 5: int4 scales and mins float16 values
 """Bumped when the cached layout changes (old entries are then ignored, never misread)."""
 
 

@@ -30,6 +30,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 INT8_BLOCK = 32  # input columns per scale of the block-wise int8 format (llama.cpp's Q8_0)
+HALF_MAX = 65504.0  # the largest finite float16
 
 
 def group_major(t: torch.Tensor) -> torch.Tensor:
@@ -62,18 +63,25 @@ def quantize_int8(weight: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, t
     return q.reshape(n, k), scales
 
 
-def int4_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_levels(
+    weight: torch.Tensor, group_size: int, half_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per group of `group_size` input columns: weight [N, K] float ->
     (q [N, K] int32 in 0..15, scales [N, K // group_size] fp32, mins [N, K // group_size] fp32) with
     weight ~ q * scale + min, min and max of a group on the end levels (llama.cpp's Q4_1 at group 32:
-    a Q4_1 checkpoint's own values come back exactly). Raises ValueError when K is not a multiple of
-    group_size."""
+    a Q4_1 checkpoint's own values come back exactly). half_scales: the minimum and the scale are
+    rounded to float16 values first (Q4_1 stores them as float16) and the levels taken against them,
+    so they keep in float16 exactly. Raises ValueError when K is not a multiple of group_size."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
     w = weight.float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    if half_scales:
+        lo = lo.clamp(-HALF_MAX, HALF_MAX).half().float()
+        scales = ((hi - lo) / 15.0).clamp(2.0**-24, HALF_MAX).half().float()  # (the least float16 > 0)
+    else:
+        scales = ((hi - lo) / 15.0).clamp(min=1e-12)
     q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
     return q.reshape(n, k), scales, lo
 
@@ -225,10 +233,11 @@ class Int4Linear(nn.Module):
 
 class Int4BlockLinear(nn.Module):
     """y = x @ dequant(q)^T + bias with 4-bit weights in llama.cpp's Q4_1 layout: groups of
-    `group_size` input columns (a multiple of 32), each with a float32 scale and minimum
-    (w = q * scale + min). Buffers: `qweight` [out, in // 2] uint8, each block of 32 columns as 16
-    bytes (byte j: q[j] low nibble, q[j + 16] high), `scales` and `mins` [out, in // group_size]
-    float32, `bias` [out] float32 (or None). forward(x [..., in] float32) -> [..., out] float32.
+    `group_size` input columns (a multiple of 32), each with a scale and a minimum that are float16
+    values, as in Q4_1 (w = q * scale + min). Buffers: `qweight` [out, in // 2] uint8, each block of
+    32 columns as 16 bytes (byte j: q[j] low nibble, q[j + 16] high), `scales` and `mins`
+    [out, in // group_size] float32 (float16 after `pack_for_kernel`), `bias` [out] float32 (or
+    None). forward(x [..., in] float32) -> [..., out] float32.
 
     The float32 CPU format of `--quantization int4`: after `pack_for_kernel` (formats.load_model, where
     the CPU kernels are loaded) it computes with the C++ kernel (kernels/cpu_int4_linear.cpp,
@@ -253,7 +262,7 @@ class Int4BlockLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4BlockLinear:
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
-        q, m.scales, m.mins = int4_levels(linear.weight.detach().cpu(), group_size)
+        q, m.scales, m.mins = int4_levels(linear.weight.detach().cpu(), group_size, half_scales=True)
         q = q.to(torch.uint8).reshape(m.out_features, -1, 2, 16)
         m.qweight = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(m.out_features, -1)
         if linear.bias is not None:
@@ -271,8 +280,9 @@ class Int4BlockLinear(nn.Module):
 
     def pack_for_kernel(self) -> None:
         """Use the C++ kernel: `qweight` becomes its packed [N4, in // 2] layout and `scales` and
-        `mins` its [N4, in // 32] group-major order (kernels/cpu_int4_linear.cpp: rows padded to a
-        multiple of 4 with zero scales and mins, groups of 4 rows interleaved per block of 32)."""
+        `mins` its [N4, in // 32] group-major order in float16 (kernels/cpu_int4_linear.cpp: rows padded
+        to a multiple of 4 with zero scales and mins, groups of 4 rows interleaved per block of 32).
+        The values are float16 values already (from_linear), so the layer computes the same."""
         if self.use_kernel:
             return
         n4, nb = -(-self.out_features // 4) * 4, self.in_features // INT8_BLOCK
@@ -280,7 +290,7 @@ class Int4BlockLinear(nn.Module):
         q = F.pad(self.levels(), (0, 0, 0, pad)).view(n4 // 4, 2, 2, nb, INT8_BLOCK)
         pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [N4 / 4, 2, nb, 32]: rows 2c (low) and 2c + 1 (high)
         self.qweight = pairs.permute(0, 2, 1, 3).contiguous().view(n4, -1)
-        self.scales, self.mins = group_major(self._blocks(self.scales)), group_major(self._blocks(self.mins))
+        self.scales, self.mins = (group_major(self._blocks(t)).half() for t in (self.scales, self.mins))
         self.use_kernel = True
 
     def dequantized(self) -> torch.Tensor:
@@ -291,7 +301,7 @@ class Int4BlockLinear(nn.Module):
             pairs = self.qweight.view(-1, nb, 2, INT8_BLOCK)
             q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3)  # [N4 / 4, nb, 2, 2, 32]
             q = q.permute(0, 2, 3, 1, 4).reshape(-1, k)[:n]
-            scales, mins = row_major(self.scales, n), row_major(self.mins, n)
+            scales, mins = row_major(self.scales.float(), n), row_major(self.mins.float(), n)
         else:
             q, scales, mins = self.levels(), self._blocks(self.scales), self._blocks(self.mins)
         w = q.view(n, -1, INT8_BLOCK).float() * scales[..., None] + mins[..., None]
