@@ -46,8 +46,9 @@ def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_cache(cache) -> bool:
-    """Whether the C++ attention kernel reads this layer cache in place: float32 or an int8 pool."""
-    return isinstance(cache, QuantizedKV) or cache.dtype == torch.float32
+    """Whether the C++ attention kernel reads this layer cache in place: float32, float16 or an int8
+    pool."""
+    return isinstance(cache, QuantizedKV) or cache.dtype in (torch.float32, torch.float16)
 
 
 def as_stored(x: torch.Tensor, cache) -> torch.Tensor:

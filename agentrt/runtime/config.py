@@ -107,9 +107,10 @@ class CacheConfig:
     None = automatic: on CUDA, `gpu_memory_utilization` of the device's total memory minus what is
     in use after loading the weights and an activation reserve (see ModelRunner's memory plan); on
     CPU, 1 GiB. `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse.
-    `kv_cache_dtype`: how the pool stores K and V: `auto` (the model's dtype), `float32`, `bfloat16`,
-    `int8` (one float32 scale per token and KV head: kv_cache.KVPool; every attention backend reads it
-    in place) or `fp8_e4m3` (refused at load: it needs CUDA, and no fp8 KV kernel exists yet).
+    `kv_cache_dtype`: how the pool stores K and V: `auto` (the model's dtype), `float32`, `float16`
+    (half the bytes of float32; the CPU attention kernel reads it in place, batch-invariant like
+    float32), `bfloat16`, `int8` (one float32 scale per token and KV head: kv_cache.KVPool; every
+    attention backend reads it in place) or `fp8_e4m3` (refused at load: it needs CUDA, and no fp8 KV kernel exists yet).
     ValueError on any other value."""
 
     kv_cache_bytes: int | None = None
@@ -135,9 +136,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8_e4m3"):
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3"):
             raise ValueError(
-                "kv_cache_dtype must be auto, float32, bfloat16, int8 or fp8_e4m3, got "
+                "kv_cache_dtype must be auto, float32, float16, bfloat16, int8 or fp8_e4m3, got "
                 f"{self.kv_cache_dtype!r}"
             )
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:

@@ -9,7 +9,7 @@ import torch
 
 from agentrt.runtime.hugepages import zeros_on_hugepages
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3")
 # amax below this stores zeros with scale 0 (127 / amax would overflow float32 near 3.7e-37)
 QUANT_MIN_AMAX = 1e-30
 
@@ -82,7 +82,7 @@ def gather_kv(cache: torch.Tensor | QuantizedKV, slots: torch.Tensor) -> torch.T
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The pool dtype of `--kv-cache-dtype name`: auto = the model's dtype; float32; bfloat16; int8
+    """The pool dtype of `--kv-cache-dtype name`: auto = the model's dtype; float32; float16; bfloat16; int8
     (quantized: QuantizedKV). Raises ValueError naming the problem for an unknown name, and for
     fp8_e4m3: it needs a CUDA device, and no kernel stores or reads fp8 yet (int8 is the quantized
     KV cache on every device)."""
@@ -92,9 +92,13 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
         if device.type != "cuda":
             raise ValueError(f"kv_cache_dtype fp8_e4m3 needs a CUDA device (here {device}): use int8")
         raise ValueError("kv_cache_dtype fp8_e4m3 is not implemented yet (no fp8 KV kernels): use int8")
-    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[
-        name
-    ]
+    dtypes = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "int8": torch.int8,
+    }
+    return model_dtype if name == "auto" else dtypes[name]
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

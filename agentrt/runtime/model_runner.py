@@ -244,10 +244,10 @@ class ModelRunner:
         if (
             model_config.deterministic
             and backend == "cpu"
-            and self.kv_dtype not in (torch.float32, torch.int8)
+            and self.kv_dtype not in (torch.float32, torch.float16, torch.int8)
         ):
             raise ValueError(
-                f"--deterministic: the CPU attention kernel reads float32 or int8 KV, not "
+                f"--deterministic: the CPU attention kernel reads float32, float16 or int8 KV, not "
                 f"{kv_dtype_name(self.kv_dtype)} (--kv-cache-dtype)"
             )
         bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)

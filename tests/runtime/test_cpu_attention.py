@@ -372,3 +372,56 @@ def test_a_sink_far_above_every_score_takes_all_the_weight():
     assert got.isfinite().all() and got.abs().max() < 1e-30
     plain = cpu_kernels.decode_attention(q, k, v, slots, lens)
     torch.testing.assert_close(plain[1, 0], v[10:13, 0].mean(0))  # row 1: slots 10, 11, 12
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim,length", [(64, 300), (128, 40), (40, 77), (64, 2100)])
+def test_a_float16_pool_gives_the_bits_of_a_float32_pool_holding_its_values(threads, head_dim, length):
+    """`--kv-cache-dtype float16` on the CPU: each value is widened exactly as it is loaded, so every
+    row (prefill rows over a slot row, decode rows, the split path of a long decode row at 2 threads)
+    equals the float32 pool's with the same values, bit for bit: half the K/V bytes, the same
+    invariance."""
+    gen = torch.Generator().manual_seed(head_dim + length)
+    S, Hkv, H = length + 20, 3, 9
+    k16 = (torch.randn(S, Hkv, head_dim, generator=gen)).half()
+    v16 = (torch.randn(S, Hkv, head_dim, generator=gen)).half()
+    k32, v32 = k16.float(), v16.float()
+    perm = torch.randperm(S, generator=gen)[:length]
+    slots = torch.stack([perm, perm.roll(3)])
+    T = 6
+    q = torch.randn(T, H, head_dim, generator=gen)
+    seq = torch.tensor([0] * (T - 1) + [1])
+    lens = torch.tensor([length - T + 2 + i for i in range(T - 1)] + [length])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops = torch.ops.agentrt_cpu
+        got = ops.attention(q, k16, v16, slots, seq, lens, head_dim**-0.5)
+        want = ops.attention(q, k32, v32, slots, seq, lens, head_dim**-0.5)
+        assert torch.equal(got, want)
+        one = ops.attention(
+            q[-1:], k16, v16, slots[1:], torch.empty(0, dtype=torch.int64), lens[-1:], head_dim**-0.5
+        )
+        assert torch.equal(one, want[-1:])  # the decode row alone (the split path when long)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="must both be float32, both float16 or both int8"):
+        ops.attention(q, k16, v32, slots, seq, lens, 0.1)
+
+
+@needs_kernel
+def test_rope_store_rounds_into_a_float16_pool_as_torch_does():
+    gen = torch.Generator().manual_seed(3)
+    T, H, Hkv, D = 5, 4, 2, 64
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen) * 7
+    qkv[0, H * D] = 70000.0  # beyond float16: inf, as torch's cast gives
+    cos, sin = torch.rand(T, D // 2, generator=gen), torch.rand(T, D // 2, generator=gen)
+    k16 = torch.zeros(10, Hkv, D, dtype=torch.float16)
+    v16 = torch.zeros(10, Hkv, D, dtype=torch.float16)
+    k32, v32 = torch.zeros(10, Hkv, D), torch.zeros(10, Hkv, D)
+    slots = torch.tensor([7, 1, 3, 9, 0])
+    q_a, k_a = torch.ops.agentrt_cpu.rope_store(qkv, cos, sin, k16, v16, slots, H)
+    q_b, k_b = torch.ops.agentrt_cpu.rope_store(qkv, cos, sin, k32, v32, slots, H)
+    assert torch.equal(q_a, q_b) and torch.equal(k_a, k_b)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())

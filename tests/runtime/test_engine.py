@@ -5,6 +5,7 @@ abort bookkeeping are tested model-free in test_engine_fake.py / test_scheduler_
 from __future__ import annotations
 
 import pytest
+import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
@@ -71,8 +72,8 @@ FORMATS = ["none", "int8", "int4"]  # the formats `auto` picks on a CPU (float32
 
 
 @pytest.mark.parametrize(
-    "quantization,kv_cache_dtype", [*((q, "auto") for q in FORMATS), ("int4", "int8")]
-)  # int4 + int8 KV: make run's weights with the quantized KV cache
+    "quantization,kv_cache_dtype", [*((q, "auto") for q in FORMATS), ("int4", "int8"), ("int4", "float16")]
+)  # int4 + int8 or float16 KV: make run's weights with a smaller KV cache
 def test_greedy_identical_cache_on_off_cold_warm_any_batch(
     default_model_dir, tokenizer, quantization, kv_cache_dtype
 ):
@@ -106,6 +107,9 @@ def test_greedy_identical_cache_on_off_cold_warm_any_batch(
     off = engine_with(False, 128)
     assert off.runner.weight_format.quantization == quantization
     assert off.runner.kv.quantized == (kv_cache_dtype == "int8")
+    assert off.runner.kv.dtype == {"int8": torch.int8, "float16": torch.float16}.get(
+        kv_cache_dtype, torch.float32
+    )
     reference = [o.token_ids for o in off.generate([(p, params, None) for p in prompts])]  # batched, no cache
     on = engine_with(True, 96)
     alone_idx = [0, 1, 8, 9]  # two random prompts and two sharing the prefix, one at a time, cold

@@ -370,7 +370,7 @@ def test_engine_serves_with_int8_kv_and_refuses_a_bad_combination(default_model_
             )
         )
 
-    with pytest.raises(ValueError, match="reads float32 or int8 KV, not bfloat16"):
+    with pytest.raises(ValueError, match="reads float32, float16 or int8 KV, not bfloat16"):
         engine("bfloat16", deterministic=True)
     eng = engine("int8")
     ids = tokenizer.encode("The capital of France is")

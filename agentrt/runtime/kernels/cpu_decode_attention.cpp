@@ -19,7 +19,9 @@
 // An int8 pool (runtime/kv_cache.py KVPool): k_cache / v_cache int8 [S, Hkv, D] with k_scale /
 //   v_scale float32 [S, Hkv] (contiguous), row (s, h) standing for data[s, h, :] * scale[s, h]; read
 //   in place, the scales applied on load: s_l = (q . k_l as below, on the int8 values as floats) times
-//   k_scale[l] then times `scale`; out = sum_l (e_l * v_scale[l]) v_l. A float32 pool takes no scales.
+//   k_scale[l] then times `scale`; out = sum_l (e_l * v_scale[l]) v_l. A float32 pool takes no scales,
+//   nor does a float16 one (k_cache / v_cache float16: each value widened to float32 exactly as it is
+//   loaded, so the result is bit for bit that of a float32 pool holding the same values).
 // D up to 256 (Gemma 3's 256 included). Raises RuntimeError on bad shapes or dtypes, D not a multiple
 // of 8 or above 256, a slot outside the pool, a length outside [1, L], sinks that are not a
 // contiguous float32 [H] CPU tensor, an int8 pool without both scales or scales that are not
@@ -148,25 +150,30 @@ inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, cons
 // pv_acc for a float32 pool on 16-lane registers, c0 and nc even: each output element takes the same
 // FMAs in the same key order as on 8 lanes (lanes run across d, never across keys), so the result is
 // bit for bit pv_acc's.
-template <int NP>
+AGENTRT_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AGENTRT_INLINE __m512 load16(const uint16_t* p) {  // 16 float16 values as floats (exact)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int NP, typename VT>
 inline void pv_acc16(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
-                     int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const float* V) {
+                     int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const VT* V) {
   const int64_t D = P.D, nz = nc / 2;
   __m512 a[NP][4];
   for (int i = 0; i < NP; ++i)
     for (int64_t c = 0; c < nz; ++c) a[i][c] = _mm512_loadu_ps(acc + (p + i) * D + c0 * 8 + c * 16);
   for (int64_t l = l0; l < end; ++l) {
-    const float* vr = V + (srow_slots[l] * P.Hkv + hk) * D + c0 * 8;
+    const VT* vr = V + (srow_slots[l] * P.Hkv + hk) * D + c0 * 8;
     __m512 e[NP];
     for (int i = 0; i < NP; ++i) e[i] = _mm512_set1_ps(scores[(p + i) * npad + l]);
     if (nz == 4) {
       for (int64_t c = 0; c < 4; ++c) {
-        const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+        const __m512 vv = load16(vr + c * 16);
         for (int i = 0; i < NP; ++i) a[i][c] = _mm512_fmadd_ps(e[i], vv, a[i][c]);
       }
     } else {
       for (int64_t c = 0; c < nz; ++c) {
-        const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+        const __m512 vv = load16(vr + c * 16);
         for (int i = 0; i < NP; ++i) a[i][c] = _mm512_fmadd_ps(e[i], vv, a[i][c]);
       }
     }
@@ -286,7 +293,8 @@ void span_pv(const Problem& P, const Span& s, int64_t k0, int64_t k1, int64_t c0
           const int64_t nc = std::min<int64_t>(8, c1 - cc);
 #if defined(__AVX512F__)
           if (!QUANT && nc % 2 == 0) {
-            const float* Vf = reinterpret_cast<const float*>(V);
+            using VT = std::conditional_t<QUANT, float, KT>;  // (not taken for int8)
+            const VT* Vf = reinterpret_cast<const VT*>(V);
             switch (pb) {
               case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
               case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
@@ -343,12 +351,21 @@ void attend_block(const Problem& P, int64_t t0, int64_t nr, int64_t srow, int64_
   span_pv<KT>(P, s, 0, s.nmax, 0, P.D / 8, true);
 }
 
+// The pool's element type: float32, int8 (with scales) or float16 (its bits as uint16_t).
+enum Pool { POOL_F32, POOL_I8, POOL_F16 };
+
 // f(nd, kt) with nd a std::integral_constant: D / 8 for the usual head sizes (64, 128: their own
-// unrolled copies, the same arithmetic), else 0 (D at run time); kt a null KT* (float, or int8_t for
-// an int8 pool).
+// unrolled copies, the same arithmetic), else 0 (D at run time); kt a null KT* (float, int8_t or
+// uint16_t, by the pool).
 template <typename F>
-void with_types(int64_t D, bool quant, F&& f) {
-  auto pool = [&](auto nd) { quant ? f(nd, static_cast<int8_t*>(nullptr)) : f(nd, static_cast<float*>(nullptr)); };
+void with_types(int64_t D, Pool pool_type, F&& f) {
+  auto pool = [&](auto nd) {
+    switch (pool_type) {
+      case POOL_I8: f(nd, static_cast<int8_t*>(nullptr)); break;
+      case POOL_F16: f(nd, static_cast<uint16_t*>(nullptr)); break;
+      default: f(nd, static_cast<float*>(nullptr));
+    }
+  };
   switch (D) {
     case 64: pool(std::integral_constant<int64_t, 8>{}); break;
     case 128: pool(std::integral_constant<int64_t, 16>{}); break;
@@ -366,10 +383,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "attention: q [T,H,D], caches [S,Hkv,D]");
   const bool quant = k_cache.scalar_type() == at::kChar;
+  const Pool pool = quant ? POOL_I8 : k_cache.scalar_type() == at::kHalf ? POOL_F16 : POOL_F32;
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attention: q must be float32");
-  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || quant) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "attention: the K and V pools must both be float32 or both int8, got ", k_cache.scalar_type(),
-              " and ", v_cache.scalar_type());
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || quant || pool == POOL_F16) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "attention: the K and V pools must both be float32, both float16 or both int8, got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
               quant ? "attention: an int8 pool needs k_scale and v_scale" : "attention: scales only with an int8 pool");
   if (quant) {
@@ -461,7 +480,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
           for (const Span& sp_ : spans) {  // every KV head of a tile of keys: its K rows side by side
             if (l0 >= sp_.nmax) continue;
             const int64_t l1 = std::min(l0 + KB, sp_.nmax);
-            with_types(D, quant, [&](auto nd, auto* kt) {
+            with_types(D, pool, [&](auto nd, auto* kt) {
               span_scores<decltype(nd)::value, std::remove_pointer_t<decltype(kt)>>(P, sp_, l0, l1);
             });
           }
@@ -485,7 +504,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
             if (l0 >= sp_.nmax) continue;
             const int64_t l1 = std::min(l0 + KB, sp_.nmax);
             const bool last = l1 == sp_.nmax;
-            quant ? span_pv<int8_t>(P, sp_, l0, l1, c0, c1, last) : span_pv<float>(P, sp_, l0, l1, c0, c1, last);
+            with_types(0, pool, [&](auto, auto* kt) {
+              span_pv<std::remove_pointer_t<decltype(kt)>>(P, sp_, l0, l1, c0, c1, last);
+            });
           }
         }
       }
@@ -498,7 +519,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       int64_t t0, nr, srow;
       item_rows(item, t0, nr, srow);
       const int64_t hk = item % Hkv;
-      with_types(D, quant, [&](auto nd, auto* kt) {
+      with_types(D, pool, [&](auto nd, auto* kt) {
         attend_block<decltype(nd)::value, std::remove_pointer_t<decltype(kt)>>(P, t0, nr, srow, hk, buf);
       });
     }

@@ -323,9 +323,11 @@ def rope_store(
 
 
 def stack_caches(caches) -> bool:
-    """Whether `decode_layers` can take these per-layer caches: all float32 tensors or all int8 pools."""
-    return all(isinstance(c, QuantizedKV) for c in caches) or all(
-        isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in caches
+    """Whether `decode_layers` can take these per-layer caches: all float32 tensors, all float16
+    tensors or all int8 pools."""
+    return all(isinstance(c, QuantizedKV) for c in caches) or any(
+        all(isinstance(c, torch.Tensor) and c.dtype == dtype for c in caches)
+        for dtype in (torch.float32, torch.float16)
     )
 
 

@@ -9,7 +9,7 @@
 // rope_store(qkv [T, (H + 2 Hkv) D], cos [T, D/2], sin [T, D/2], k_cache [S, Hkv, D], v_cache,
 //     slot_mapping [T] int64, H, k_scale, v_scale) -> (q [T, H, D], k [T, Hkv, D]), both rotated
 //     (RoFormer, half-split layout); k and v are written to the pool rows slot_mapping[t]: float32
-//     pools as they are, int8 pools (k_cache / v_cache int8 with k_scale / v_scale float32 [S, Hkv])
+//     pools as they are, float16 pools rounded to nearest even, int8 pools (k_cache / v_cache int8 with k_scale / v_scale float32 [S, Hkv])
 //     quantized per token and KV head exactly as runtime/kv_cache.py quantize_kv: amax = max |x|,
 //     q = nearbyint(x * (127 / amax)) clamped to [-127, 127], scale = amax / 127 (amax < 1e-30: zeros,
 //     scale 0; a NaN row: zeros, scale NaN)
@@ -129,11 +129,12 @@ std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::T
                                               const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat,
               "rope_store: qkv must be a contiguous float32 [T, (H + 2 Hkv) D] tensor");
-  const bool quant = k_cache.scalar_type() == at::kChar;
+  const bool quant = k_cache.scalar_type() == at::kChar, f16 = k_cache.scalar_type() == at::kHalf;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  (k_cache.scalar_type() == at::kFloat || quant) && v_cache.sizes() == k_cache.sizes() &&
+                  (k_cache.scalar_type() == at::kFloat || quant || f16) && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "rope_store: caches must be contiguous float32 (or int8) [S, Hkv, D] tensors of one shape and dtype");
+              "rope_store: caches must be contiguous float32, float16 or int8 [S, Hkv, D] tensors of one shape "
+              "and dtype");
   const int64_t T = qkv.size(0), S = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
               quant ? "rope_store: an int8 pool needs k_scale and v_scale" : "rope_store: scales only with an int8 pool");
@@ -179,6 +180,11 @@ std::tuple<at::Tensor, at::Tensor> rope_store(const at::Tensor& qkv, const at::T
           quantize_kv_row(kp + (t * Hkv + h) * D, kc + h * D, ks + h, D);
           quantize_kv_row(row + (H + Hkv + h) * D, vc + h * D, vs + h, D);
         }
+      } else if (f16) {  // rounded to nearest even, as torch's .to(torch.float16)
+        at::Half* kc = k_cache.data_ptr<at::Half>() + slots[t] * Hkv * D;
+        at::Half* vc = v_cache.data_ptr<at::Half>() + slots[t] * Hkv * D;
+        const float* vrow = row + (H + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; ++i) kc[i] = at::Half(kp[t * Hkv * D + i]), vc[i] = at::Half(vrow[i]);
       } else {
         std::copy(kp + t * Hkv * D, kp + (t + 1) * Hkv * D, k_cache.data_ptr<float>() + slots[t] * Hkv * D);
         std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, v_cache.data_ptr<float>() + slots[t] * Hkv * D);

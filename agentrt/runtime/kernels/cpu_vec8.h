@@ -4,6 +4,8 @@
 // lanes_sum add 8 lanes as ((0+1)+(2+3))+((4+5)+(6+7)).
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +29,10 @@ AGENTRT_INLINE V8 vload(const float* p) { return _mm256_loadu_ps(p); }
 // 8 int8 values as floats (exact)
 AGENTRT_INLINE V8 vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// 8 float16 values (their bits) as floats (exact: F16C)
+AGENTRT_INLINE V8 vload(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 AGENTRT_INLINE void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
 AGENTRT_INLINE V8 vset1(float x) { return _mm256_set1_ps(x); }
@@ -86,6 +92,11 @@ inline V8 vload(const float* p) {
 inline V8 vload(const int8_t* p) {
   V8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline V8 vload(const uint16_t* p) {
+  V8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = c10::detail::fp16_ieee_to_fp32_value(p[i]);
   return r;
 }
 inline void vstore(float* p, V8 a) {
