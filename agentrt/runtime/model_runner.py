@@ -94,14 +94,14 @@ class MemoryPlan:
 
 
 def kv_tokens_per_gib(arch) -> tuple[tuple[str, int], ...]:
-    """(KV dtype, tokens one GiB of pool holds) for float32, bfloat16 and int8 (scales counted) of a
+    """(KV dtype, tokens one GiB of pool holds) for float32, float16 and int8 (scales counted) of a
     model with `arch`'s layers, KV heads and head size."""
     return tuple(
         (
             kv_dtype_name(d),
             (1 << 30) // KVPool.bytes_per_token_of(arch.num_layers, arch.num_kv_heads, arch.head_dim, d),
         )
-        for d in (torch.float32, torch.bfloat16, torch.int8)
+        for d in (torch.float32, torch.float16, torch.int8)
     )
 
 
@@ -240,7 +240,9 @@ class ModelRunner:
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
         a = self.arch
-        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(
+            cache_config.kv_cache_dtype, self.dtype, self.device, cpu_kernel=backend == "cpu" and not compiled
+        )
         if (
             model_config.deterministic
             and backend == "cpu"

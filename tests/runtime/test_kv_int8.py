@@ -309,15 +309,19 @@ def test_memory_plan_prints_tokens_per_gib_for_each_kv_dtype(tiny_gqa_llama_dir)
     a = r.arch
     assert per_gib["int8"] == (1 << 30) // (2 * a.num_layers * a.num_kv_heads * (a.head_dim + 4))
     assert per_gib["float32"] == (1 << 30) // (2 * a.num_layers * a.num_kv_heads * a.head_dim * 4)
-    assert per_gib["float32"] * 2 == per_gib["bfloat16"] and per_gib["int8"] > 3 * per_gib["float32"]
+    assert per_gib["float32"] * 2 == per_gib["float16"] and per_gib["int8"] > 3 * per_gib["float32"]
     text = plan.describe()
     assert "KV pool int8" in text and f"int8 {per_gib['int8']}" in text
 
 
-def test_default_model_int8_kv_logits_stay_within_tolerance(default_model_dir, tokenizer):
+@pytest.mark.parametrize("kv,bound,agreement", [("int8", 1.0, 0.95), ("float16", 0.05, 0.99)])
+def test_default_model_small_kv_logits_stay_within_tolerance(
+    default_model_dir, tokenizer, kv, bound, agreement
+):
     """Teacher-forced over float32-KV greedy continuations (4 chat prompts, 48 positions each, the CPU
-    kernels): log-probabilities of every token the float32 run gives p > 1e-3 differ by at most 1.0
-    (measured 0.42 on 2026-12-04), top-1 agreement at least 95% (measured 98.4%): docs/benchmarks.md."""
+    kernels): log-probabilities of every token the float32 run gives p > 1e-3 differ by at most
+    `bound`, top-1 agreement at least `agreement` (int8 measured 0.42 and 98.4% on 2026-12-04;
+    float16, the CPU default, docs/benchmarks.md)."""
     from tests.support.models import chat_ids
 
     questions = [
@@ -329,30 +333,30 @@ def test_default_model_int8_kv_logits_stay_within_tolerance(default_model_dir, t
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     cfg = ModelConfig(model=str(default_model_dir), device="cpu", dtype="float32", quantization="none")
     runners = {
-        kv: ModelRunner(cfg, CacheConfig(kv_cache_bytes=32 << 20, kv_cache_dtype=kv))
-        for kv in ("float32", "int8")
+        name: ModelRunner(cfg, CacheConfig(kv_cache_bytes=32 << 20, kv_cache_dtype=name))
+        for name in ("float32", kv)
     }
     n = 48
     worst, agree, total = 0.0, 0, 0
     for p in prompts:
         logprobs = {}
         ids = list(p)
-        for kv, r in runners.items():
+        for name, r in runners.items():
             slots = r.kv.allocate(len(p) + n)
             rows = [r.execute([SeqChunk(p, 0, slots[: len(p)])])[0]]
             for i in range(len(p), len(p) + n - 1):
-                if kv == "float32":
+                if name == "float32":
                     ids.append(int(rows[-1].argmax()))  # the float32 run's greedy tokens, fed to both
                 rows.append(r.execute([SeqChunk(ids[i : i + 1], i, slots[: i + 1])])[0])
             r.kv.free(slots)
-            logprobs[kv] = torch.stack(rows).log_softmax(-1)
-        a, b = logprobs["float32"], logprobs["int8"]
+            logprobs[name] = torch.stack(rows).log_softmax(-1)
+        a, b = logprobs["float32"], logprobs[kv]
         worst = max(worst, (a - b).abs()[a.exp() > 1e-3].max().item())
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0]
-    print(f"int8 KV vs float32 KV: worst |d logprob| {worst:.3f}, top-1 agreement {agree}/{total}")
-    assert 0 < worst < 1.0
-    assert agree >= 0.95 * total
+    print(f"{kv} KV vs float32 KV: worst |d logprob| {worst:.4f}, top-1 agreement {agree}/{total}")
+    assert 0 < worst < bound
+    assert agree >= agreement * total
 
 
 def test_engine_serves_with_int8_kv_and_refuses_a_bad_combination(default_model_dir, tokenizer):
