@@ -96,9 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=["auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3"],
         default="auto",
-        help="how the KV pool stores K and V: auto = float16 where the CPU attention kernel runs at "
-        "float32, else the model's dtype; float16 = half float32's bytes (the CPU attention kernel "
-        "reads it in place); int8 = one float32 scale per "
+        help="how the KV pool stores K and V: auto = the model's dtype; float16 = half float32's bytes "
+        "(the CPU attention kernel reads it in place: faster decode in long contexts); int8 = one "
+        "float32 scale per "
         "token and KV head (about 4x the tokens of float32 per byte); fp8_e4m3 needs CUDA and is not "
         "implemented yet (default %(default)s)",
     )

@@ -107,9 +107,9 @@ class CacheConfig:
     None = automatic: on CUDA, `gpu_memory_utilization` of the device's total memory minus what is
     in use after loading the weights and an activation reserve (see ModelRunner's memory plan); on
     CPU, 1 GiB. `enable_prefix_cache` keeps finished requests' KV in the radix tree for reuse.
-    `kv_cache_dtype`: how the pool stores K and V: `auto` (float16 where the CPU attention kernel
-    runs at float32, else the model's dtype: kv_cache.resolve_kv_dtype), `float32`, `float16` (half
-    the bytes of float32; the CPU attention kernel reads it in place, batch-invariant like float32), `bfloat16`, `int8` (one float32 scale per token and KV head: kv_cache.KVPool; every
+    `kv_cache_dtype`: how the pool stores K and V: `auto` (the model's dtype), `float32`, `float16`
+    (half the bytes of float32; the CPU attention kernel reads it in place, batch-invariant like
+    float32), `bfloat16`, `int8` (one float32 scale per token and KV head: kv_cache.KVPool; every
     attention backend reads it in place) or `fp8_e4m3` (refused at load: it needs CUDA, and no fp8 KV kernel exists yet).
     ValueError on any other value."""
 

@@ -81,12 +81,9 @@ def gather_kv(cache: torch.Tensor | QuantizedKV, slots: torch.Tensor) -> torch.T
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
-def resolve_kv_dtype(
-    name: str, model_dtype: torch.dtype, device: torch.device, cpu_kernel: bool = False
-) -> torch.dtype:
-    """The pool dtype of `--kv-cache-dtype name`: auto = float16 where the CPU attention kernel runs
-    at float32 (`cpu_kernel`: it reads float16 in place, exactly widened, at half float32's bytes, as
-    llama.cpp's default f16 KV cache), else the model's dtype; float32; float16; bfloat16; int8
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool dtype of `--kv-cache-dtype name`: auto = the model's dtype; float32; float16 (the CPU
+    attention kernel reads it in place, each value widened exactly); bfloat16; int8
     (quantized: QuantizedKV). Raises ValueError naming the problem for an unknown name, and for
     fp8_e4m3: it needs a CUDA device, and no kernel stores or reads fp8 yet (int8 is the quantized
     KV cache on every device)."""
@@ -102,9 +99,7 @@ def resolve_kv_dtype(
         "bfloat16": torch.bfloat16,
         "int8": torch.int8,
     }
-    if name == "auto":
-        return torch.float16 if cpu_kernel and model_dtype == torch.float32 else model_dtype
-    return dtypes[name]
+    return model_dtype if name == "auto" else dtypes[name]
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

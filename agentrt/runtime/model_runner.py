@@ -240,9 +240,7 @@ class ModelRunner:
         self.model = model
         self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
         a = self.arch
-        self.kv_dtype = resolve_kv_dtype(
-            cache_config.kv_cache_dtype, self.dtype, self.device, cpu_kernel=backend == "cpu" and not compiled
-        )
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
         if (
             model_config.deterministic
             and backend == "cpu"
