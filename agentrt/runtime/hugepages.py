@@ -1,8 +1,8 @@
 """CPU memory on 2 MiB pages (transparent huge pages) for what a decode step streams: the weights.
 
-A batch-1 decode step reads every weight once, ~112 MB for the default model at int4, in layer
-order. On 4 KiB pages that is ~28,000 pages: the hardware prefetchers stop at each page boundary
-and every page costs a TLB miss, so two threads read well below the machine's bandwidth. Linux
+A batch-1 decode step reads every weight once, in layer order. On 4 KiB pages the hardware
+prefetchers stop at each page boundary and every page costs a TLB miss, so a few threads read below
+the machine's bandwidth (docs/benchmarks.md has the measured difference). Linux
 backs an anonymous mapping with 2 MiB pages when it is advised to (`madvise(MADV_HUGEPAGE)`, the
 kernel's `transparent_hugepage/enabled` set to `madvise` or `always`), which torch's allocator does
 only for single allocations of 2 MiB and more, and only with `THP_MEM_ALLOC_ENABLE=1`. A model's

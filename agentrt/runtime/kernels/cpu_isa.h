@@ -15,6 +15,12 @@
 
 #include <atomic>
 
+// small vector helpers called in the kernels' inner loops: inlined even where GCC's unit-growth
+// limits would stop it (torch's headers make every unit large; sum8 ran as a call through the PLT)
+#ifndef AGENTRT_INLINE
+#define AGENTRT_INLINE inline __attribute__((always_inline))
+#endif
+
 namespace agentrt_cpu {
 
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3 };

@@ -3,6 +3,8 @@
 // them directly instead of through the dispatcher. Shapes, dtypes and errors: each source's header.
 #pragma once
 
+#include "cpu_isa.h"
+
 #include <ATen/ATen.h>
 
 #include <cfloat>
@@ -14,11 +16,6 @@
 #include <immintrin.h>
 #endif
 
-// small vector helpers called in the kernels' inner loops: inlined even where GCC's unit-growth
-// limits would stop it (torch's headers make every unit large; sum8 ran as a call through the PLT)
-#ifndef AGENTRT_INLINE
-#define AGENTRT_INLINE inline __attribute__((always_inline))
-#endif
 
 namespace agentrt_cpu {
 
@@ -133,13 +130,21 @@ AGENTRT_INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// float16 scales (the int4 kernel's): 4 or 8 of them widened to float32, exactly (F16C's vcvtph2ps;
-// every AVX2 CPU has it)
+// float16 scales (the int4 kernel's): 4 or 8 of them widened to float32, exactly (F16C's vcvtph2ps,
+// which AVX2 CPUs have; a value at a time where a VM hides F16C)
 AGENTRT_INLINE __m128 load4h(const uint16_t* p) {
+#ifdef __F16C__
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm_setr_ps(half_float(p[0]), half_float(p[1]), half_float(p[2]), half_float(p[3]));
+#endif
 }
 AGENTRT_INLINE __m256 load8h(const uint16_t* p) {
+#ifdef __F16C__
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm256_set_m128(load4h(p + 4), load4h(p));
+#endif
 }
 
 // 4 rows' sums of 8 int32 partials each -> [4] int32 (horizontal adds: one reduction for 4 rows)

@@ -4,6 +4,8 @@
 // lanes_sum add 8 lanes as ((0+1)+(2+3))+((4+5)+(6+7)).
 #pragma once
 
+#include "cpu_isa.h"
+
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -13,11 +15,6 @@
 #include <immintrin.h>
 #endif
 
-// small vector helpers called in the kernels' inner loops: inlined even where GCC's unit-growth
-// limits would stop it (torch's headers make every unit large; sum8 ran as a call through the PLT)
-#ifndef AGENTRT_INLINE
-#define AGENTRT_INLINE inline __attribute__((always_inline))
-#endif
 
 namespace agentrt_cpu {
 namespace vec8 {
@@ -30,9 +27,15 @@ AGENTRT_INLINE V8 vload(const float* p) { return _mm256_loadu_ps(p); }
 AGENTRT_INLINE V8 vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// 8 float16 values (their bits) as floats (exact: F16C)
+// 8 float16 values (their bits) as floats (exact: F16C, or a value at a time where a VM hides it)
 AGENTRT_INLINE V8 vload(const uint16_t* p) {
+#ifdef __F16C__
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = c10::detail::fp16_ieee_to_fp32_value(p[i]);
+  return _mm256_load_ps(f);
+#endif
 }
 AGENTRT_INLINE void vstore(float* p, V8 v) { _mm256_storeu_ps(p, v); }
 AGENTRT_INLINE V8 vset1(float x) { return _mm256_set1_ps(x); }
