@@ -179,8 +179,14 @@ class DiskTier:
         want = f"{self.fingerprint.hex()}\n{describe}\n"
         have = stamp.read_bytes().decode("utf-8", "replace") if stamp.is_file() else None
         # block files only: not symlinks (a dangling one has no mtime), not directories
-        files = [p for p in self.dir.glob("*.kvb") if p.is_file() and not p.is_symlink()]
-        files.sort(key=lambda p: p.stat().st_mtime_ns)
+        files = []
+        for p in self.dir.glob("*.kvb"):
+            try:  # a file another store deletes meanwhile is skipped, not an error
+                if p.is_file() and not p.is_symlink():
+                    files.append((p.stat().st_mtime_ns, p))
+            except OSError:
+                continue
+        files = [p for _, p in sorted(files)]
         if have is None or have.split("\n", 1)[0] != self.fingerprint.hex():
             if files:
                 lines = (have or "").split("\n")
@@ -323,7 +329,19 @@ class DiskTier:
 
 
 STALE_TMP_SECONDS = 600.0  # a block write takes milliseconds: a temporary file this old is dead
-_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"  # writers on a shared directory's hosts
+
+
+def _host_code() -> str:
+    """8 hex digits naming this host and PID namespace (containers sharing a hostname and a volume
+    have their own PIDs: a PID is only asked about within its own namespace)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{zlib.crc32(f'{socket.gethostname()}/{namespace}'.encode()):08x}"
+
+
+_HOST = _host_code()  # writers on a shared directory's hosts
 
 
 def _stale_tmp(tmp: Path) -> bool:
@@ -340,13 +358,13 @@ def _stale_tmp(tmp: Path) -> bool:
         return True
     host, _, rest = tmp.name.rsplit(".", 2)[-2].partition("-")
     pid = rest.partition("-")[0]
-    if host != _HOST or not pid.isdigit():
+    if host != _HOST or not (pid.isascii() and pid.isdigit()):
         return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except (OSError, OverflowError):  # alive under another user, or not a pid we can ask about
+    except (OSError, OverflowError, ValueError):  # alive under another user, or not a pid to ask about
         return False
     return False
 

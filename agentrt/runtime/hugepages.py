@@ -40,15 +40,17 @@ def thp_mode() -> str:
         return "never"
     for word in text.split():
         if word.startswith("[") and word.endswith("]"):
-            return word[1:-1]
+            return word[1:-1] or "never"
     return "never"
 
 
 def hugepage_buffer(nbytes: int) -> torch.Tensor | None:
     """A zeroed uint8 tensor [nbytes] whose memory is an anonymous mapping advised for 2 MiB pages
     and starting on a 2 MiB boundary; None when the kernel gives no huge pages to an advised mapping
-    (THP `never`, not Linux) or `AGENTRT_HUGEPAGES=0`. The tensor keeps the mapping alive."""
-    if nbytes <= 0 or os.environ.get("AGENTRT_HUGEPAGES", "1") == "0" or thp_mode() == "never":
+    (THP `never`, not Linux) or `AGENTRT_HUGEPAGES=0` (or false/no/off). The tensor keeps the mapping
+    alive."""
+    off = os.environ.get("AGENTRT_HUGEPAGES", "1").strip().lower() in ("0", "false", "no", "off")
+    if nbytes <= 0 or off or thp_mode() == "never":
         return None
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None

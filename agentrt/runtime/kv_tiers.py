@@ -37,6 +37,7 @@ import torch
 from agentrt.prefix_cache.block_keys import chain_keys, root_key, tail_key
 from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
 from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.models.formats import QUANT_CACHE_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +338,8 @@ class KVTiers:
 def kv_fingerprint(runner, block_tokens: int, compress: str) -> tuple[bytes, str]:
     """(16-byte fingerprint, description) of the KV a runner writes: the model directory and its
     weight files (names, sizes, modification times), the architecture, the run dtype and weight
-    format, the pool's per-slot tensor shapes and dtypes, the block size and the codec. Files a
+    format (and the quantized layout's version), the pool's per-slot tensor shapes and dtypes, the
+    block size and the codec. Files a
     disk tier holds are reused only under the same fingerprint."""
     files = []
     model_dir = getattr(runner, "model_dir", None)
@@ -361,6 +363,7 @@ def kv_fingerprint(runner, block_tokens: int, compress: str) -> tuple[bytes, str
             str(fmt.act_dtype),
             fmt.lm_head,
             fmt.act_int8,
+            QUANT_CACHE_VERSION,  # the quantized layout (v5: int4 levels against float16 scales)
         ],
         "kv": [[list(t.shape[1:]), str(t.dtype)] for t in runner.kv.state_tensors()],
         "block_tokens": block_tokens,

@@ -77,6 +77,9 @@ def test_switched_off_leaves_the_weights(monkeypatch):
     ptrs = [p.data_ptr() for p in m.parameters()]
     assert move_to_hugepages(m) == 0 and [p.data_ptr() for p in m.parameters()] == ptrs
     assert hugepage_buffer(100) is None
+    for word in ("false", "OFF", "no"):
+        monkeypatch.setenv("AGENTRT_HUGEPAGES", word)
+        assert hugepage_buffer(100) is None
 
 
 def test_no_transparent_huge_pages_leaves_the_weights(monkeypatch, tmp_path):
@@ -86,6 +89,9 @@ def test_no_transparent_huge_pages_leaves_the_weights(monkeypatch, tmp_path):
     m = _model()
     assert move_to_hugepages(m) == 0
     monkeypatch.setattr(hugepages, "_THP_ENABLED", tmp_path / "absent")
+    assert thp_mode() == "never"
+    (tmp_path / "odd").write_text("always [] never\n")
+    monkeypatch.setattr(hugepages, "_THP_ENABLED", tmp_path / "odd")
     assert thp_mode() == "never"
 
 

@@ -154,8 +154,32 @@ def test_a_disk_tier_opening_leaves_another_stores_write_under_way(tmp_path):
     elsewhere = tmp_path / f"{block.key.hex()}.kvb.00000000-{int(proc.stdout)}-1.tmp"
     for f in (dead, live, elsewhere):
         f.write_bytes(b"partial")
+    odd = tmp_path / f"{block.key.hex()}.kvb.{host}-\u00b2-1.tmp"  # a digit int() does not take
+    odd.write_bytes(b"junk")
     DiskTier(tmp_path, 1 << 20, fp, "test")
-    assert not dead.exists() and live.exists() and elsewhere.exists()
+    assert not dead.exists() and live.exists() and elsewhere.exists() and odd.exists()
+
+
+def test_a_disk_tier_opens_while_another_store_deletes_its_files(tmp_path, monkeypatch):
+    """A block file another store deletes between this store's listing and its stat is skipped (it
+    turned the opening store's tier off)."""
+    fp = b"f" * 16
+    first = DiskTier(tmp_path, 1 << 20, fp, "test")
+    blocks = [Block(bytes([i]) * 16, (i,), bytes(100)) for i in range(3)]
+    for b in blocks:
+        assert first.put(b)
+    gone = tmp_path / f"{blocks[1].key.hex()}.kvb"
+    real_glob = type(tmp_path).glob
+
+    def glob_then_delete(self, pattern):
+        found = list(real_glob(self, pattern))
+        if pattern == "*.kvb":
+            gone.unlink()  # the other store's trim, right after the listing
+        return iter(found)
+
+    monkeypatch.setattr(type(tmp_path), "glob", glob_then_delete)
+    second = DiskTier(tmp_path, 1 << 20, fp, "test")
+    assert second.enabled and len(second) == 2 and second.get(blocks[0].key) == blocks[0]
 
 
 def test_disk_tier_discards_another_fingerprints_files(tmp_path, caplog):
