@@ -49,7 +49,7 @@ CHATS = [
 ]
 
 
-def read_bandwidth() -> tuple[float, float]:
+def read_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[float, float]:
     """Bytes per second read by a sum over a 1 GiB float32 tensor (best of 5): on ordinary 4 KiB
     pages (torch's allocator) and on 2 MiB pages (the mapping the weights live in,
     runtime/hugepages.py; 0 where the kernel gives none). The weight-read bound takes the larger."""
@@ -62,19 +62,26 @@ def read_bandwidth() -> tuple[float, float]:
             times.append(time.perf_counter() - start)
         return t.numel() * 4 / min(times)
 
-    small = best(torch.ones(256 << 20, dtype=torch.float32))
+    small_t, huge_t = buffers or bandwidth_buffers()
+    return best(small_t), 0.0 if huge_t is None else best(huge_t)
+
+
+def bandwidth_buffers() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The two 1 GiB float32 tensors read_bandwidth sums: on 4 KiB pages and on 2 MiB pages (None
+    where the kernel gives none)."""
     buf = hugepage_buffer(1 << 30)
-    huge = 0.0 if buf is None else best(buf.view(torch.float32).fill_(1.0))
-    return small, huge
+    return torch.ones(256 << 20, dtype=torch.float32), None if buf is None else buf.view(torch.float32).fill_(
+        1.0
+    )
 
 
 def step_vs_bound(engine: Engine, rounds: int = 5) -> None:
     """The batch-1 step (400 tokens of context) against its weight-read bound, each round measuring
     the read bandwidth (both page sizes, the larger taken) right before the step, so a moment when
     other tenants slow the machine slows both: the ratio per round, then the median."""
-    ratios = []
+    ratios, buffers = [], bandwidth_buffers()  # allocated and filled once for every round
     for _ in range(rounds):
-        small, huge = read_bandwidth()
+        small, huge = read_bandwidth(buffers)
         step = decode_step_ms(engine)
         bound = step_bytes(engine) / max(small, huge) * 1e3
         ratios.append(step / bound)

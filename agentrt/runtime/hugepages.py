@@ -70,7 +70,7 @@ def zeros_on_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     layer: decode attention streams it like the weights), None where huge pages are not available
     (hugepage_buffer) or when it is smaller than one (nothing to gain, and a whole 2 MiB page would
     back it). Its memory is taken as it is first written, not at allocation."""
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for d in shape:
         n *= d
     buf = hugepage_buffer(n) if n >= HUGE_PAGE else None
