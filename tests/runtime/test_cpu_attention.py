@@ -127,7 +127,7 @@ def test_pool_gives_ascending_runs():
     assert pool.allocate(3) == [9, 3, 7]
 
 
-SCRIPT = """
+NO_COMPILER = """
 import sys, torch
 from pathlib import Path
 from agentrt.runtime.kernels import cpu_kernels as c
@@ -139,40 +139,53 @@ try:
     choose_attention_backend("cpu", torch.device("cpu"), torch.float32, cache / "none")
 except ValueError as e:
     print("explicit", e)
-c._loaded.clear()
-import os
-os.environ.pop("CXX")
-target = c.library_path(cache / "bad")
+"""
+
+DAMAGED = """
+import sys
+from pathlib import Path
+from agentrt.runtime.kernels import cpu_kernels as c
+target = c.library_path(Path(sys.argv[1]) / "bad")
 target.parent.mkdir(parents=True)
 target.write_bytes(b"not a shared library")
-print("damaged", c.load(cache / "bad"), target.stat().st_size > 1000)
+print("damaged", c.load(Path(sys.argv[1]) / "bad"), target.stat().st_size > 1000)
 """
 
 
-@needs_kernel
-def test_no_compiler_falls_back_and_a_damaged_cache_entry_is_rebuilt(tmp_path):
-    """In a fresh process (a loaded op stays loaded): with no compiler the kernel is unavailable,
-    auto takes torch and says why, an explicit `cpu` is refused; a damaged cached library is
-    rebuilt."""
+def run_fresh(script: str, tmp_path, **env) -> str:
+    """stdout of `script` in a fresh process (a loaded op stays loaded), argv[1] = tmp_path."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         check=False,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    return proc.stdout
+
+
+@needs_kernel
+def test_no_compiler_falls_back_to_torch_and_says_why(tmp_path):
+    """With no compiler the kernel is unavailable, auto takes torch and says why, an explicit `cpu`
+    is refused."""
+    out = run_fresh(NO_COMPILER, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
     assert "nocompiler FileNotFoundError" in out or "nocompiler RuntimeError" in out, out
     assert "auto ('torch', " in out and "auto: the C++ kernels are unavailable: " in out
     assert "explicit attention_backend 'cpu': the C++ kernels are unavailable" in out
-    assert "damaged None True" in out, out + proc.stderr
+
+
+@pytest.mark.slow  # a full build of the library (~30 s on 2 cores)
+@needs_kernel
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
+    """A cached library that is not one is rebuilt in its place."""
+    out = run_fresh(DAMAGED, tmp_path)
+    assert "damaged None True" in out, out
 
 
 # --- attention sinks (gpt-oss) and an explicit softmax scale -------------------------------------

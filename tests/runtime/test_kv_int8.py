@@ -287,6 +287,7 @@ def test_backends_agree_on_an_int8_pool(tiny_gqa_llama_dir, monkeypatch):
     assert 0 < (fp32 - ref).abs().max() < 0.05  # quantized, and close
 
 
+@pytest.mark.slow  # torch.compile of the decode step (~30 s)
 def test_compiled_decode_stores_into_an_int8_pool(tiny_gqa_llama_dir, tmp_path):
     """The compiled decode step (torch.compile pieces around the attention) writes an int8 pool through
     the same store as the eager path: identical logits."""
