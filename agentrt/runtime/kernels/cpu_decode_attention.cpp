@@ -92,6 +92,22 @@ constexpr int64_t WIDE_MIN_KEYS = 1024;
 constexpr int64_t WIDE_KEYS = 512;
 constexpr int64_t WIDE_VECTORS = 4;  // 8-float vectors of D per weighted-sum task, at most (128 bytes)
 
+// Rows of keys this many keys ahead are prefetched (_mm_prefetch) while the current ones are worked
+// on: a row of one head is D values out of every Hkv x D, a pattern the hardware prefetcher follows
+// poorly.
+constexpr int64_t PF_KEYS = 16;
+
+// prefetch a row of n bytes (its cache lines)
+template <typename T>
+AGENTRT_INLINE void prefetch_row(const T* row, int64_t n) {
+#ifdef __AVX2__
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+#else
+  (void)row, (void)n;
+#endif
+}
+
 // dots[i] = the 8 keys' scores (before any scale) of query row qp[i], i < NP: per pair and key the
 // lanes by FMA over d in order, then reduce8x8 (the order in the header); K rows loaded once for all.
 template <int NP, int64_t ND, typename KT>
@@ -113,10 +129,11 @@ inline void qk_dots(const float* const* qp, const KT* const* kr, int64_t nd, V8*
 }
 
 // acc[(p + i) * D + 8 (c0 + c)] += sum over l in [l0, end) of e_l v_l[8 (c0 + c) ...], c < nc <= 8,
-// FMA in key order (e_l = the pair's score, times the key's V scale for an int8 pool), i < NP.
+// FMA in key order (e_l = the pair's score, times the key's V scale for an int8 pool), i < NP; n: the
+// pair's keys (rows up to it are prefetched ahead).
 template <int NP, typename KT>
 inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
-                   int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const KT* V) {
+                   int64_t p, int64_t l0, int64_t end, int64_t n, int64_t c0, int64_t nc, float* acc, const KT* V) {
   constexpr bool QUANT = std::is_same<KT, int8_t>::value;
   const int64_t D = P.D;
   V8 a[NP][8];
@@ -125,6 +142,7 @@ inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, cons
   for (int64_t l = l0; l < end; ++l) {
     const int64_t row = srow_slots[l] * P.Hkv + hk;
     const KT* vr = V + row * D + c0 * 8;
+    if (l + PF_KEYS < n) prefetch_row(V + (srow_slots[l + PF_KEYS] * P.Hkv + hk) * D + c0 * 8, nc * 8 * sizeof(KT));
     V8 e[NP];
     for (int i = 0; i < NP; ++i) {
       const float s = scores[(p + i) * npad + l];
@@ -157,13 +175,14 @@ AGENTRT_INLINE __m512 load16(const uint16_t* p) {  // 16 float16 values as float
 
 template <int NP, typename VT>
 inline void pv_acc16(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
-                     int64_t p, int64_t l0, int64_t end, int64_t c0, int64_t nc, float* acc, const VT* V) {
+                     int64_t p, int64_t l0, int64_t end, int64_t n, int64_t c0, int64_t nc, float* acc, const VT* V) {
   const int64_t D = P.D, nz = nc / 2;
   __m512 a[NP][4];
   for (int i = 0; i < NP; ++i)
     for (int64_t c = 0; c < nz; ++c) a[i][c] = _mm512_loadu_ps(acc + (p + i) * D + c0 * 8 + c * 16);
   for (int64_t l = l0; l < end; ++l) {
     const VT* vr = V + (srow_slots[l] * P.Hkv + hk) * D + c0 * 8;
+    if (l + PF_KEYS < n) prefetch_row(V + (srow_slots[l + PF_KEYS] * P.Hkv + hk) * D + c0 * 8, nc * 8 * sizeof(VT));
     __m512 e[NP];
     for (int i = 0; i < NP; ++i) e[i] = _mm512_set1_ps(scores[(p + i) * npad + l]);
     if (nz == 4) {
@@ -223,7 +242,10 @@ void span_scores(const Problem& P, const Span& s, int64_t k0, int64_t k1) {
       for (int64_t i = 0; i < pb; ++i) qp[i] = P.q + ((s.t0 + (p + i) / G) * P.H + hk * G + (p + i) % G) * D;
       for (int64_t g = l0; g < std::min(l1, s.n[p]); g += 8) {
         const KT* kr[8];
-        for (int j = 0; j < 8; ++j) kr[j] = K + (kslot(g + j) * P.Hkv + hk) * D;
+        for (int j = 0; j < 8; ++j) {
+          kr[j] = K + (kslot(g + j) * P.Hkv + hk) * D;
+          prefetch_row(K + (kslot(g + j + PF_KEYS) * P.Hkv + hk) * D, D * static_cast<int64_t>(sizeof(KT)));
+        }
         V8 dots[PB];
         switch (pb) {
           case 1: qk_dots<1, ND>(qp, kr, nd, dots); break;
@@ -296,18 +318,18 @@ void span_pv(const Problem& P, const Span& s, int64_t k0, int64_t k1, int64_t c0
             using VT = std::conditional_t<QUANT, float, KT>;  // (not taken for int8)
             const VT* Vf = reinterpret_cast<const VT*>(V);
             switch (pb) {
-              case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
-              case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
-              default: pv_acc16<PB>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, Vf); break;
+              case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
+              case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
+              default: pv_acc16<PB>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
             }
             continue;
           }
 #endif
           switch (pb) {
-            case 1: pv_acc<1, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
+            case 1: pv_acc<1, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
 #if PB_MAX >= 2
-            case 2: pv_acc<2, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
-            default: pv_acc<PB, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, cc, nc, s.acc, V); break;
+            case 2: pv_acc<2, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
+            default: pv_acc<PB, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
 #endif
           }
         }
