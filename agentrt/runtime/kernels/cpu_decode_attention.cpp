@@ -129,8 +129,8 @@ inline void qk_dots(const float* const* qp, const KT* const* kr, int64_t nd, V8*
 }
 
 // acc[(p + i) * D + 8 (c0 + c)] += sum over l in [l0, end) of e_l v_l[8 (c0 + c) ...], c < nc <= 8,
-// FMA in key order (e_l = the pair's score, times the key's V scale for an int8 pool), i < NP; n: the
-// pair's keys (rows up to it are prefetched ahead).
+// FMA in key order (e_l = the pair's score, times the key's V scale for an int8 pool), i < NP; rows
+// below n are prefetched ahead (n = 0: none).
 template <int NP, typename KT>
 inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, const float* scores, int64_t npad,
                    int64_t p, int64_t l0, int64_t end, int64_t n, int64_t c0, int64_t nc, float* acc, const KT* V) {
@@ -244,7 +244,8 @@ void span_scores(const Problem& P, const Span& s, int64_t k0, int64_t k1) {
         const KT* kr[8];
         for (int j = 0; j < 8; ++j) {
           kr[j] = K + (kslot(g + j) * P.Hkv + hk) * D;
-          prefetch_row(K + (kslot(g + j + PF_KEYS) * P.Hkv + hk) * D, D * static_cast<int64_t>(sizeof(KT)));
+          // the first pairs prefetch (a prefill block's other pairs find the tile in L1)
+          if (p == 0) prefetch_row(K + (kslot(g + j + PF_KEYS) * P.Hkv + hk) * D, D * static_cast<int64_t>(sizeof(KT)));
         }
         V8 dots[PB];
         switch (pb) {
@@ -310,6 +311,7 @@ void span_pv(const Problem& P, const Span& s, int64_t k0, int64_t k1, int64_t c0
     for (int64_t p = 0; p < s.np;) {
       const int64_t pb = group_at(s, p);
       const int64_t end = std::min(l1, s.n[p]);
+      const int64_t pf = p == 0 ? s.n[p] : 0;  // the first pairs prefetch; the rest find the rows cached
       if (end > l0) {
         for (int64_t cc = c0; cc < c1; cc += 8) {
           const int64_t nc = std::min<int64_t>(8, c1 - cc);
@@ -318,18 +320,18 @@ void span_pv(const Problem& P, const Span& s, int64_t k0, int64_t k1, int64_t c0
             using VT = std::conditional_t<QUANT, float, KT>;  // (not taken for int8)
             const VT* Vf = reinterpret_cast<const VT*>(V);
             switch (pb) {
-              case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
-              case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
-              default: pv_acc16<PB>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, Vf); break;
+              case 1: pv_acc16<1>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, Vf); break;
+              case 2: pv_acc16<2>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, Vf); break;
+              default: pv_acc16<PB>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, Vf); break;
             }
             continue;
           }
 #endif
           switch (pb) {
-            case 1: pv_acc<1, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
+            case 1: pv_acc<1, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, V); break;
 #if PB_MAX >= 2
-            case 2: pv_acc<2, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
-            default: pv_acc<PB, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, s.n[p], cc, nc, s.acc, V); break;
+            case 2: pv_acc<2, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, V); break;
+            default: pv_acc<PB, KT>(P, hk, srow_slots, s.scores, s.npad, p, l0, end, pf, cc, nc, s.acc, V); break;
 #endif
           }
         }
