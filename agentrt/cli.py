@@ -69,7 +69,8 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
         f"{runner.num_threads} threads, attention "
-        f"{runner.attention_backend}, CUDA graphs {graphs or 'off'}; context {runner.max_model_len} tokens, up "
+        f"{runner.attention_backend}, KV {str(runner.kv_dtype).removeprefix('torch.')}, CUDA graphs "
+        f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
         f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
         f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}",
         flush=True,

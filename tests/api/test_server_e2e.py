@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -85,7 +86,8 @@ def _extraction_with_openai_client(server, one_per_schema: bool, max_tokens: int
 
 def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
     """SIGTERM while a stream runs: the stream ends with an error event and [DONE], the process
-    exits 0 within seconds (it used to wait on the open stream until a 10 s join gave up)."""
+    exits 0 within seconds (it used to wait on the open stream until a 10 s join gave up). The start
+    line names the KV dtype."""
     import signal
     import time
 
@@ -113,3 +115,5 @@ def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
         assert "data: [DONE]" in lines
         assert srv.proc.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 15
+    # the start line names the KV pool's dtype beside the attention backend
+    assert re.search(r"attention \w+, KV float32, CUDA graphs off;", (tmp_path / "server.log").read_text())
