@@ -317,8 +317,11 @@ def test_random_walk_soundness_all(tokenizer):
         f"shortest output over 600 tokens for {sorted(too_long)}"
     )
     assert invalid == []
-    # measured 2026-11-29: 8 of 122 compiled schemas are refused for the close policy (a clear 400:
-    # the planner's search passes its 256-fill limit or gives up in a repeating part); no schema's
-    # shortest output is over the budget
-    assert len(no_path) <= 8 and not too_long
-    assert n >= 500  # (122 compiled - 8 without a closing path) x 5 walks = 570 outputs checked
+    # measured 2026-12-05: 16 of the 143 schemas that compile now are refused for the close policy (a
+    # clear 400: the planner's search passes its 256-fill limit or gives up in a repeating part). On
+    # 2026-11-29 it was 8 of 122, the same 8 among these; the 8 others (5 WashingtonPost schemas,
+    # Github_ultra o21312 and o62895, JsonSchemaStore 0.5.2) came with the schemas the JSON Schema
+    # keyword work made compile. More schemas run under the policy (127 against 114). No schema's
+    # shortest output is over the budget.
+    assert len(no_path) <= 16 and not too_long
+    assert n >= 600  # (143 compiled - 16 without a closing path) x 5 walks = 635 outputs checked
