@@ -75,20 +75,23 @@ def bandwidth_buffers() -> tuple[torch.Tensor, torch.Tensor | None]:
     )
 
 
+SETTLE_STEPS = 100  # decode steps after the bandwidth read before the settled step is timed
+
+
 def step_vs_bound(engine: Engine, rounds: int = 5) -> None:
     """The batch-1 step (400 tokens of context) against its weight-read bound, each round measuring
     the read bandwidth (both page sizes, the larger taken) right before the step, so a moment when
-    other tenants slow the machine slows both. The 2 GiB read evicts the weights from the last-level
-    cache and its effect lasts ~100 steps, so the step is taken twice: right after the read, and
-    settled (after 100 more steps, as in a stream of decode steps). The ratios per round, then the
-    medians."""
+    other tenants slow the machine slows both. The read (2 GiB) evicts the weights from the
+    last-level cache, so the step is taken twice: right after the read, and settled (after
+    SETTLE_STEPS more steps, as in a stream of decode steps; docs/benchmarks.md says why that many).
+    The ratios per round, then the medians."""
     ratios: dict[str, list[float]] = {"after the read": [], "settled": []}
     buffers = bandwidth_buffers()  # allocated and filled once for every round
     for _ in range(rounds):
         small, huge = read_bandwidth(buffers)
         bound = step_bytes(engine) / max(small, huge) * 1e3
         cold = decode_step_ms(engine)
-        settled = decode_step_ms(engine, warmup=100)
+        settled = decode_step_ms(engine, warmup=SETTLE_STEPS)
         ratios["after the read"].append(cold / bound)
         ratios["settled"].append(settled / bound)
         print(
