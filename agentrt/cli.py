@@ -14,6 +14,17 @@ from agentrt.engine_args import add_engine_args, engine_config
 from agentrt.server_args import add_serve_args, exposure_warning, server_options
 
 
+def describe_attention(backend: str, kv_dtype) -> tuple[str, str]:
+    """(the attention backend as the start line names it, the KV pool's dtype name): the cpu backend
+    says where a pool's dtype sends attention to torch's path instead (kv_dtype a torch.dtype)."""
+    from agentrt.runtime.attention import KERNEL_POOL_DTYPES
+
+    kv = str(kv_dtype).removeprefix("torch.")
+    if backend == "cpu" and kv_dtype not in KERNEL_POOL_DTYPES:
+        backend += f" (torch's path: the C++ kernel does not read a {kv} pool; not batch-invariant)"
+    return backend, kv
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.replicas != 1 or args.ray_address is not None:
         from agentrt.scaleout.deploy import serve_replicas
@@ -66,10 +77,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     runner = engine.runner
     graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
+    attention, kv = describe_attention(runner.attention_backend, runner.kv_dtype)
     print(
         f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
         f"{runner.num_threads} threads, attention "
-        f"{runner.attention_backend}, KV {str(runner.kv_dtype).removeprefix('torch.')}, CUDA graphs "
+        f"{attention}, KV {kv}, CUDA graphs "
         f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
         f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
         f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}",

@@ -45,10 +45,14 @@ def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
     return gather_kv(cache, slots)
 
 
+# KV pool dtypes the C++ attention kernel reads in place (int8: a QuantizedKV pool with its scales)
+KERNEL_POOL_DTYPES = (torch.float32, torch.float16, torch.int8)
+
+
 def kernel_cache(cache) -> bool:
     """Whether the C++ attention kernel reads this layer cache in place: float32, float16 or an int8
     pool."""
-    return isinstance(cache, QuantizedKV) or cache.dtype in (torch.float32, torch.float16)
+    return isinstance(cache, QuantizedKV) or cache.dtype in KERNEL_POOL_DTYPES[:2]
 
 
 def as_stored(x: torch.Tensor, cache) -> torch.Tensor:

@@ -117,3 +117,17 @@ def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
         assert time.monotonic() - t0 < 15
     # the start line names the KV pool's dtype beside the attention backend
     assert re.search(r"attention \w+, KV float32, CUDA graphs off;", (tmp_path / "server.log").read_text())
+
+
+def test_start_line_says_where_a_kv_dtype_takes_attention_off_the_kernel():
+    """A bfloat16 pool on the cpu backend runs torch's attention (the kernel reads float32, float16
+    and int8 pools): the start line says so; the kernel's own dtypes are named plainly."""
+    import torch
+
+    from agentrt.cli import describe_attention
+
+    assert describe_attention("cpu", torch.float32) == ("cpu", "float32")
+    assert describe_attention("cpu", torch.int8) == ("cpu", "int8")
+    attention, kv = describe_attention("cpu", torch.bfloat16)
+    assert kv == "bfloat16" and attention.startswith("cpu (torch's path") and "bfloat16 pool" in attention
+    assert describe_attention("triton", torch.bfloat16) == ("triton", "bfloat16")

@@ -188,6 +188,58 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
     assert "damaged None True" in out, out
 
 
+GUARDED_SLOTS = """
+import ctypes, mmap, sys, torch
+from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.config import default_cache_dir
+assert cpu_kernels.load(default_cache_dir()) is None
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PAGE = mmap.PAGESIZE
+keep = []
+
+def guarded(t):
+    # a copy of the int64 tensor t whose last element is right before a page that cannot be read
+    nb = t.numel() * 8
+    pages = (nb + PAGE - 1) // PAGE + 1
+    mm = mmap.mmap(-1, pages * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    assert libc.mprotect(base + (pages - 1) * PAGE, PAGE, 0) == 0
+    keep.append(mm)
+    out = torch.frombuffer(mm, dtype=torch.int64, count=t.numel(), offset=(pages - 1) * PAGE - nb)
+    return out.view(t.shape).copy_(t)
+
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+ops = torch.ops.agentrt_cpu
+for H, Hkv, D in [(9, 3, 64), (8, 1, 128), (4, 4, 32)]:
+    S = 2400
+    k, v = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+    for n in (1, 9, 16, 17, 300, 1100, 2300):  # 1,100 and 2,300 keys: the split-phase path
+        slots = torch.randperm(S, generator=g)[:n].view(1, n)
+        q = torch.randn(1, H, D, generator=g)
+        for kk, vv in ((k, v), (k.half(), v.half())):
+            a = ops.decode_attention(q, kk, vv, guarded(slots), torch.tensor([n]), 0.125)
+            assert torch.equal(a, ops.decode_attention(q, kk, vv, slots, torch.tensor([n]), 0.125))
+    # a prefill chunk of 40 rows over 60 cached tokens, its slot row exactly 100 long
+    slots = torch.randperm(S, generator=g)[:100].view(1, 100)
+    q = torch.randn(40, H, D, generator=g)
+    lens = torch.arange(61, 101)
+    a = ops.attention(q, k, v, guarded(slots), torch.zeros(40, dtype=torch.int64), lens, 0.125)
+    assert torch.equal(a, ops.attention(q, k, v, slots, torch.zeros(40, dtype=torch.int64), lens, 0.125))
+print("guarded ok")
+"""
+
+
+@needs_kernel
+def test_no_slot_past_a_rows_length_is_read(tmp_path):
+    """The kernel reads a row's slot table only below its length, prefetching included: slot tables
+    that end right before a page with no access (a read past the end is a segfault, caught here as
+    the fresh process's exit), decode rows of 1-2,300 keys (both paths, float32 and float16 pools)
+    and a prefill chunk; the results equal those on ordinary memory."""
+    assert "guarded ok" in run_fresh(GUARDED_SLOTS, tmp_path)
+
+
 # --- attention sinks (gpt-oss) and an explicit softmax scale -------------------------------------
 
 
