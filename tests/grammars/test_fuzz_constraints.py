@@ -19,6 +19,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -44,8 +45,9 @@ from tests.support.fuzz import (
 
 COMPILE_TIMEOUT_S = 5.0
 """The fuzz engine's compile limit (seconds): a compile past it must come back as a 400."""
-GUARD_S = COMPILE_TIMEOUT_S + 25.0
-"""Wall-clock guard of one case (compile, or compile + a short generation): past it, a hang."""
+GUARD_S = 5 * COMPILE_TIMEOUT_S + 15.0 + 25.0
+"""Wall-clock guard of one case (compile, or compile + a short generation), its 503 retries included
+(STARVED_RETRIES below: 5 compiles and 15 s of waiting at most): past it, a hang."""
 MAX_TOKENS = 12
 PROMPT = list(b"Answer:")
 
@@ -97,9 +99,10 @@ def build_spec(kind: str, value) -> ConstraintSpec:
     return getattr(ConstraintSpec, kind)(value)
 
 
-STARVED_RETRIES = 2
-"""A 503 (the compile got too little CPU within its limit: a busy test machine) is retried, as the
-error tells a client to; the 503 is not cached, so the retry compiles again."""
+STARVED_RETRIES = 4
+"""A 503 (the compile got too little CPU within its limit, or earlier compiles past their limit still
+hold the compile threads: a busy test machine) is retried after 1, 2, 4, 8 s, as the error tells a
+client to ("try again later"); the 503 is not cached, so the retry compiles again."""
 
 
 def compile_outcome(engine, kind: str, value) -> CompiledConstraint | InvalidRequestError:
@@ -119,6 +122,7 @@ def compile_outcome(engine, kind: str, value) -> CompiledConstraint | InvalidReq
         except ServiceUnavailableError:  # starved of CPU on a loaded machine: a client retries a 503
             if attempt == STARVED_RETRIES:
                 raise
+            time.sleep(2**attempt)
         except concurrent.futures.TimeoutError:
             pytest.fail(
                 f"{kind} constraint got no result within {GUARD_S:g} s (limit {COMPILE_TIMEOUT_S:g} s)"
