@@ -17,10 +17,10 @@ from agentrt.server_args import add_serve_args, exposure_warning, server_options
 def describe_attention(backend: str, kv_dtype) -> tuple[str, str]:
     """(the attention backend as the start line names it, the KV pool's dtype name): the cpu backend
     says where a pool's dtype sends attention to torch's path instead (kv_dtype a torch.dtype)."""
-    from agentrt.runtime.attention import KERNEL_POOL_DTYPES
+    from agentrt.runtime.attention import kernel_reads_pool
 
     kv = str(kv_dtype).removeprefix("torch.")
-    if backend == "cpu" and kv_dtype not in KERNEL_POOL_DTYPES:
+    if backend == "cpu" and not kernel_reads_pool(kv_dtype):
         backend += f" (torch's path: the C++ kernel does not read a {kv} pool; not batch-invariant)"
     return backend, kv
 

@@ -45,14 +45,19 @@ def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
     return gather_kv(cache, slots)
 
 
-# KV pool dtypes the C++ attention kernel reads in place (int8: a QuantizedKV pool with its scales)
-KERNEL_POOL_DTYPES = (torch.float32, torch.float16, torch.int8)
+KERNEL_FLOAT_POOLS = (torch.float32, torch.float16)  # float pool dtypes the C++ kernel reads in place
 
 
 def kernel_cache(cache) -> bool:
     """Whether the C++ attention kernel reads this layer cache in place: float32, float16 or an int8
     pool."""
-    return isinstance(cache, QuantizedKV) or cache.dtype in KERNEL_POOL_DTYPES[:2]
+    return isinstance(cache, QuantizedKV) or cache.dtype in KERNEL_FLOAT_POOLS
+
+
+def kernel_reads_pool(dtype: torch.dtype) -> bool:
+    """Whether the C++ attention kernel reads a KV pool of `dtype` (kv_cache.KVPool: an int8 pool
+    is a QuantizedKV) in place."""
+    return dtype == torch.int8 or dtype in KERNEL_FLOAT_POOLS
 
 
 def as_stored(x: torch.Tensor, cache) -> torch.Tensor:

@@ -108,6 +108,13 @@ AGENTRT_INLINE void prefetch_row(const T* row, int64_t n) {
 #endif
 }
 
+// key l + PF_KEYS's V row of head hk, its vectors [c0, c0 + nc) of 8 values, when that key is below n
+template <typename T>
+AGENTRT_INLINE void prefetch_v(const Problem& P, const T* V, const int64_t* srow_slots, int64_t hk, int64_t l,
+                               int64_t n, int64_t c0, int64_t nc) {
+  if (l + PF_KEYS < n) prefetch_row(V + (srow_slots[l + PF_KEYS] * P.Hkv + hk) * P.D + c0 * 8, nc * 8 * sizeof(T));
+}
+
 // dots[i] = the 8 keys' scores (before any scale) of query row qp[i], i < NP: per pair and key the
 // lanes by FMA over d in order, then reduce8x8 (the order in the header); K rows loaded once for all.
 template <int NP, int64_t ND, typename KT>
@@ -142,7 +149,7 @@ inline void pv_acc(const Problem& P, int64_t hk, const int64_t* srow_slots, cons
   for (int64_t l = l0; l < end; ++l) {
     const int64_t row = srow_slots[l] * P.Hkv + hk;
     const KT* vr = V + row * D + c0 * 8;
-    if (l + PF_KEYS < n) prefetch_row(V + (srow_slots[l + PF_KEYS] * P.Hkv + hk) * D + c0 * 8, nc * 8 * sizeof(KT));
+    prefetch_v(P, V, srow_slots, hk, l, n, c0, nc);
     V8 e[NP];
     for (int i = 0; i < NP; ++i) {
       const float s = scores[(p + i) * npad + l];
@@ -182,7 +189,7 @@ inline void pv_acc16(const Problem& P, int64_t hk, const int64_t* srow_slots, co
     for (int64_t c = 0; c < nz; ++c) a[i][c] = _mm512_loadu_ps(acc + (p + i) * D + c0 * 8 + c * 16);
   for (int64_t l = l0; l < end; ++l) {
     const VT* vr = V + (srow_slots[l] * P.Hkv + hk) * D + c0 * 8;
-    if (l + PF_KEYS < n) prefetch_row(V + (srow_slots[l + PF_KEYS] * P.Hkv + hk) * D + c0 * 8, nc * 8 * sizeof(VT));
+    prefetch_v(P, V, srow_slots, hk, l, n, c0, nc);
     __m512 e[NP];
     for (int i = 0; i < NP; ++i) e[i] = _mm512_set1_ps(scores[(p + i) * npad + l]);
     if (nz == 4) {
