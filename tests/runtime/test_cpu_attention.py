@@ -188,6 +188,67 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
     assert "damaged None True" in out, out
 
 
+def test_the_build_flags_take_the_march_from_the_environment(monkeypatch, tmp_path):
+    """$AGENTRT_CPU_MARCH replaces -march=native (`make test-avx2`), the cache key follows it, and a
+    value that is not a plain -march name is refused before any compiler runs."""
+    monkeypatch.delenv("AGENTRT_CPU_MARCH", raising=False)
+    assert "-march=native" in cpu_kernels.flags()
+    native = cpu_kernels.library_path(tmp_path)
+    monkeypatch.setenv("AGENTRT_CPU_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in cpu_kernels.flags() and "-march=native" not in cpu_kernels.flags()
+    assert cpu_kernels.library_path(tmp_path) != native
+    monkeypatch.setenv("AGENTRT_CPU_MARCH", "native -O0")
+    with pytest.raises(ValueError, match="AGENTRT_CPU_MARCH must be a -march name"):
+        cpu_kernels.flags()
+
+
+ISA_OUTPUTS = """
+import sys, torch
+from pathlib import Path
+from agentrt.runtime.attention import KernelRows
+from agentrt.runtime.kernels import cpu_kernels as c
+assert c.load(Path(sys.argv[1]) / "cache") is None, "kernels"
+ops, gen, out = torch.ops.agentrt_cpu, torch.Generator().manual_seed(0), {}
+for heads, kv_heads, dim in ((9, 3, 64), (8, 2, 128), (4, 4, 40)):
+    k, v = torch.randn(2600, kv_heads, dim, generator=gen), torch.randn(2600, kv_heads, dim, generator=gen)
+    for batch, length in ((1, 400), (3, 1300), (2, 2500)):
+        q = torch.randn(batch, heads, dim, generator=gen)
+        slots = torch.randint(0, 2600, (batch, length), generator=gen)
+        lens = torch.randint(1, length + 1, (batch,), generator=gen)
+        lens[0] = length
+        out[f"decode {heads} {kv_heads} {dim} {batch} {length}"] = c.decode_attention(q, k, v, slots, lens)
+    q = torch.randn(70, heads, dim, generator=gen)  # prefill: 70 rows of one sequence after 900 cached keys
+    slots = torch.randint(0, 2600, (1, 970), generator=gen)
+    rows = KernelRows(slots, torch.zeros(70, dtype=torch.int64), torch.arange(901, 971))
+    out[f"prefill {heads} {kv_heads} {dim}"] = c.attention(q, k, v, rows)
+x, w = torch.randn(7, 576, generator=gen), torch.randn(576, generator=gen)
+out["rms_norm"] = ops.rms_norm(x, w, 1e-5)
+out["add_rms_norm"] = torch.cat(ops.add_rms_norm(x, torch.randn(7, 576, generator=gen), w, 1e-5))
+w8 = ops.pack_int8(torch.randint(-127, 128, (96, 576), dtype=torch.int8, generator=gen))
+scales = torch.rand(96, 18, generator=gen)
+out["int8_linear"] = ops.int8_linear(x, w8, scales, None, 96)
+w4 = torch.randint(0, 256, (96, 288), dtype=torch.uint8, generator=gen)
+out["int4_linear"] = ops.int4_linear(x, w4, scales.half(), torch.randn(96, 18, generator=gen).half(), None, 96)
+torch.save(out, Path(sys.argv[1]) / "out.pt")
+"""
+
+
+@pytest.mark.slow  # two full builds of the library (~25 s each on 2 cores)
+@needs_kernel
+def test_the_avx2_build_gives_the_bits_of_the_native_build(tmp_path):
+    """The kernels built for a CPU without AVX-512 (x86-64-v3: 1 (row, head) pair per K/V load,
+    prefill blocks of 4 rows, 8-lane loops, the integer kernels' AVX2 path) give the native build's
+    outputs bit for bit: attention (decode and prefill rows), the norms and both integer matmuls.
+    On an AVX2-only CPU the two builds are the same code."""
+    native, avx2 = tmp_path / "native", tmp_path / "avx2"
+    run_fresh(ISA_OUTPUTS, native, AGENTRT_CPU_MARCH="")
+    run_fresh(ISA_OUTPUTS, avx2, AGENTRT_CPU_MARCH="x86-64-v3", AGENTRT_CPU_ISA="avx2")
+    a, b = torch.load(native / "out.pt"), torch.load(avx2 / "out.pt")
+    assert a.keys() == b.keys() and len(a) == 16
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 GUARDED_SLOTS = """
 import ctypes, mmap, sys, torch
 from agentrt.runtime.kernels import cpu_kernels

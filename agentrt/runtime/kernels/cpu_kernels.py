@@ -15,7 +15,8 @@ each ~5-15 us of dispatch on this CPU, which at batch 1 cost more than the matmu
 makes ~10 (numbers: docs/benchmarks.md).
 
 Built with `$CXX` (else `c++`/`g++`) `-O3 -march=native -fopenmp` and reassociating math flags
-(never -ffast-math: see FLAGS) against torch's
+(never -ffast-math: see FLAGS; `$AGENTRT_CPU_MARCH` replaces `native`, e.g. `x86-64-v3` builds the
+AVX2-only code a CPU without AVX-512 runs: `make test-avx2`) against torch's
 headers and libraries (the same compiler AOTInductor needs) into `<cache_dir>/cpu-kernels/<key>/`,
 key = sha256 of the sources, the flags, torch's version and this CPU's flags; a concurrent build by
 another process is harmless (each writes a temporary file and renames it); a cached library that
@@ -29,6 +30,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -72,10 +74,21 @@ OP_ARGS = {
 # for the whole process when the library loads (hypothesis noticed: subnormal floats vanished).
 # The reassociation flags alone let the reductions vectorize.
 FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-O3", "-march=", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
     "-fno-signed-zeros", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
 )  # fmt: skip
 _lock = threading.Lock()
+_MARCH = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def flags() -> tuple[str, ...]:
+    """FLAGS with -march= $AGENTRT_CPU_MARCH (unset or empty: native); ValueError for a value that is
+    not a plain name."""
+    march = os.environ.get("AGENTRT_CPU_MARCH") or "native"
+    if not _MARCH.fullmatch(march):
+        raise ValueError(f"AGENTRT_CPU_MARCH must be a -march name such as x86-64-v3, got {march!r}")
+    return tuple(f + march if f == "-march=" else f for f in FLAGS)
+
 _loaded: dict[str, str | None] = {}  # library path -> None when loaded, else the failure
 
 
@@ -92,7 +105,7 @@ def _cpu_flags() -> str:
 def library_path(cache_dir: Path) -> Path:
     """Where the built kernels for these sources, torch and CPU live under cache_dir."""
     sources = "\n".join(p.read_text() for p in (*SOURCES, *HEADERS))
-    ident = f"{sources}\n{torch.__version__}\n{_cpu_flags()}\n{FLAGS}"
+    ident = f"{sources}\n{torch.__version__}\n{_cpu_flags()}\n{flags()}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return Path(cache_dir) / "cpu-kernels" / key / "agentrt_cpu_kernels.so"
 
@@ -106,7 +119,8 @@ def _build(target: Path) -> None:
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = [f for f in FLAGS if f != "-shared"]
+    build_flags = flags()
+    compile_flags = [f for f in build_flags if f != "-shared"]
     compile_flags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     compile_flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
@@ -129,7 +143,7 @@ def _build(target: Path) -> None:
                 raise RuntimeError(f"{cxx} failed on {src.name} ({proc.returncode}): {err.strip()[-2000:]}")
         tmp = Path(work) / target.name
         proc = subprocess.run(
-            [cxx, *FLAGS, *map(str, objects), *link, "-o", str(tmp)],
+            [cxx, *build_flags, *map(str, objects), *link, "-o", str(tmp)],
             check=False,
             capture_output=True,
             text=True,
@@ -144,7 +158,7 @@ def load(cache_dir: Path) -> str | None:
     """Build (once per key) and load the kernels; None when the ops `torch.ops.agentrt_cpu.*` (OPS)
     are ready, else why they are not (logged once per process). Selects the integer kernels' ISA
     (hardware.kernel_isa: $AGENTRT_CPU_ISA, else the CPU's best) on every call; raises ValueError
-    for an AGENTRT_CPU_ISA this CPU cannot run."""
+    for an AGENTRT_CPU_ISA this CPU cannot run or an AGENTRT_CPU_MARCH that is not a name."""
     isa = kernel_isa(cpu_info())[0]
     failure = _load(cache_dir)
     if failure is None:
