@@ -89,6 +89,7 @@ def flags() -> tuple[str, ...]:
         raise ValueError(f"AGENTRT_CPU_MARCH must be a -march name such as x86-64-v3, got {march!r}")
     return tuple(f + march if f == "-march=" else f for f in FLAGS)
 
+
 _loaded: dict[str, str | None] = {}  # library path -> None when loaded, else the failure
 
 
