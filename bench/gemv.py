@@ -92,8 +92,8 @@ def weights(fmt: str, n: int, k: int, gen) -> tuple[tuple, int]:
         w = ops.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen))
         return (w, scales, None, n), w.numel() + scales.numel() * 4
     w = torch.randint(0, 256, (n4, k // 2), dtype=torch.uint8, generator=gen)
-    mins = group_major(torch.randn(n, k // 32, generator=gen) / 10)
-    return (w, scales, mins, None, n), w.numel() + 8 * scales.numel()
+    mins = group_major(torch.randn(n, k // 32, generator=gen) / 10).half()
+    return (w, scales.half(), mins, None, n), w.numel() + 4 * scales.numel()  # float16 scales and mins
 
 
 def read(x: torch.Tensor, w: torch.Tensor, *rest) -> torch.Tensor:

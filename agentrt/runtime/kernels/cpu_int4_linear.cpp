@@ -76,29 +76,27 @@ inline __m128i dot4_avx2(__m256i q0, __m256i q1, __m256i q2, __m256i q3, __m256i
   return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
-// The item's M x 4 outputs, a batch row at a time, per block: acc = fma(float(the 4 rows' int32
-// sums), s * d, acc), low = fma(min, xs, low); the output acc + low.
-void item_avx2(const Item& a) {
+// Batch row m of the item, per block: acc = fma(float(the 4 rows' int32 sums), s * d, acc),
+// low = fma(min, xs, low); the output acc + low. Prefetches the weights ahead.
+AGENTRT_INLINE void row_avx2(const Item& a, int64_t m) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t m = 0; m < a.M; ++m) {
-    const int8_t* xm = a.xq + m * a.K;
-    const float* dm = a.xd + m * a.nb;
-    const float* sm = a.xs + m * a.nb;
-    __m128 acc = _mm_setzero_ps(), low = _mm_setzero_ps();
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const uint8_t* wb = a.w0 + b * 64;
-      if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(wb) + PREFETCH_AHEAD, _MM_HINT_T0);
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
-      const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
-      const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32));
-      const __m128i s = dot4_avx2(_mm256_and_si256(w01, nibble), _mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble),
-                                  _mm256_and_si256(w23, nibble), _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble), xv);
-      const __m128 scale = _mm_mul_ps(load4h(a.s0 + b * NR), _mm_set1_ps(dm[b]));
-      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
-      low = _mm_fmadd_ps(load4h(a.m0 + b * NR), _mm_set1_ps(sm[b]), low);
-    }
-    _mm_storeu_ps(a.out + m * NR, _mm_add_ps(acc, low));
+  const int8_t* xm = a.xq + m * a.K;
+  const float* dm = a.xd + m * a.nb;
+  const float* sm = a.xs + m * a.nb;
+  __m128 acc = _mm_setzero_ps(), low = _mm_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = a.w0 + b * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + PREFETCH_AHEAD, _MM_HINT_T0);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * QK));
+    const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
+    const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32));
+    const __m128i s = dot4_avx2(_mm256_and_si256(w01, nibble), _mm256_and_si256(_mm256_srli_epi16(w01, 4), nibble),
+                                _mm256_and_si256(w23, nibble), _mm256_and_si256(_mm256_srli_epi16(w23, 4), nibble), xv);
+    const __m128 scale = _mm_mul_ps(load4h(a.s0 + b * NR), _mm_set1_ps(dm[b]));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc);
+    low = _mm_fmadd_ps(load4h(a.m0 + b * NR), _mm_set1_ps(sm[b]), low);
   }
+  _mm_storeu_ps(a.out + m * NR, _mm_add_ps(acc, low));
 }
 
 // VNNI: vpdpbusd sums 4 byte products (unsigned nibbles x signed activations) straight into int32.
@@ -156,6 +154,18 @@ void item_avx2(const Item& a) {
     }                                                                                                           \
   }                                                                                                             \
   for (int m = 0; m < MB; ++m) _mm_storeu_ps(a.out + (m0 + m) * NR, _mm_add_ps(acc[m], low[m]));
+
+// AVX2's stand-in for vpdpbusd on a zero accumulator: maddubs (pairs of unsigned nibble x int8
+// products, |.| <= 2 * 15 * 127: no saturation) and a madd with ones: the same exact int32 sums of 4
+// products, so the AVX2 path shares the VNNI paths' steps (and their bits).
+#define AGENTRT_DPBUSD_AVX2(zero, u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+template <int MB>
+AGENTRT_INLINE void rows_avx2(const Item& a, int64_t m0) {
+  AGENTRT_INT4_VNNI_ROWS(AGENTRT_DPBUSD_AVX2)
+}
+// AVX2: 2 to 4 batch rows at a time take the VNNI paths' steps (the nibbles unpacked once for them);
+// a single row the 5-multiply dot4_avx2 (faster alone: bench/gemv.py)
+void item_avx2(const Item& a) { AGENTRT_ROWS_BY_4(rows_avx2, row_avx2) }
 
 template <int MB>
 __attribute__((target("avxvnni"), always_inline)) inline void rows_avxvnni(const Item& a, int64_t m0) {
