@@ -185,7 +185,7 @@ def _int8_reference(x, q, scales):
 def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_reference(isa):
     ops = torch.ops.agentrt_cpu
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(20, 320, generator=gen)  # 20 rows: the int4 kernel's GEMM path on AVX-512 VNNI
+    x = torch.randn(20, 320, generator=gen)  # 20 rows: the int4 kernel's GEMM path
     q8 = torch.randint(-127, 128, (37, 320), dtype=torch.int8, generator=gen)
     s8 = (torch.rand(37, 10, generator=gen) / 100).half().float()  # int4 keeps float16 scales and mins
     levels = torch.randint(0, 16, (37, 320), dtype=torch.uint8, generator=gen)
@@ -218,7 +218,7 @@ def test_integer_kernels_agree_bitwise_on_every_isa_and_match_the_integer_refere
 @pytest.mark.parametrize("isa", _available_isas())
 def test_integer_kernel_rows_do_not_depend_on_the_batch(isa):
     """A row's int8 / int4 matmul output is the same bit for bit alone or among 1 to 9 rows, or 16 to
-    40 (the int4 GEMM path on AVX-512 VNNI: 16 output rows a work item, 22 here so the second item is
+    40 (the int4 GEMM path: 16 output rows a work item, 22 here so the second item is
     part padding), first or last (the VNNI paths take batch rows 4 at a time, then the rest, and blocks
     2 at a time, then the rest: 10 blocks here), which the engine's batch invariance with the kernels
     relies on."""

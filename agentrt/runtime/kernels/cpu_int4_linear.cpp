@@ -200,7 +200,7 @@ void item_scalar(const Item& a) {
 }
 #endif
 
-// Many batch rows (a prefill chunk) on AVX-512 VNNI: 16 output rows on the 16 lanes of a register, so
+// Many batch rows (a prefill chunk), AVX-512 VNNI: 16 output rows on the 16 lanes of a register, so
 // a block's integer sums need no horizontal reduction. Per work item the 16 rows' nibbles are laid out
 // once as [block, 8 column quads, 16 rows, 4 bytes] (vpdpbusd's operand: each lane 4 unsigned weights of
 // its row), their scales and mins as [block, 16]; then per batch row and block 8 vpdpbusd with the
@@ -208,7 +208,7 @@ void item_scalar(const Item& a) {
 // paths': acc = fma(float(sum), scale * d, acc), low = fma(min, xs, low) in block order, out = acc +
 // low: bit for bit the same outputs (the int32 sums are exact in any order).
 constexpr int64_t NG = agentrt_cpu::detail::GEMM_ROWS;
-constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int4_linear takes the GEMM path
+constexpr int64_t GEMM_MIN_ROWS = 16;  // batch rows from which int4_linear takes the GEMM path (every ISA)
 
 struct GemmItem {
   const int8_t* xq;  // [M, K]
@@ -279,6 +279,73 @@ __attribute__((target("avx512f,avx512vnni"))) void gemm_avx512vnni(const GemmIte
   for (; m + 4 <= a.M; m += 4) gemm_rows<4>(a, wv, s16, m16, m, out);
   for (; m < a.M; ++m) gemm_rows<1>(a, wv, s16, m16, m, out);
 }
+
+// The GEMM on AVX2 (and AVX-VNNI): the same layout, each column quad's 16 rows as two registers of 8
+// rows on int32 lanes. AVX2: maddubs gives a lane its 4 products as two int16 pair sums; the 8 quads
+// of a block add up in int16 (|.| <= 8 * 2 * 15 * 128 = 30720: no overflow) and one madd with ones
+// widens them: the exact int32 sums, so the float steps after them give the other paths' bits.
+// AVX-VNNI: vpdpbusd into int32 lanes directly.
+#define AGENTRT_INT4_GEMM_ROWS(QUAD, WIDEN)                                                                     \
+  __m256 acc[MB][2], low[MB][2];                                                                                \
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = low[m][0] = low[m][1] = _mm256_setzero_ps();             \
+  for (int64_t b = 0; b < a.nb; ++b) {                                                                          \
+    const uint8_t* wb = wv + b * 8 * NG * 4;                                                                    \
+    __m256i sum[MB][2];                                                                                         \
+    for (int m = 0; m < MB; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();                                \
+    for (int64_t kq = 0; kq < 8; ++kq) {                                                                        \
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kq * NG * 4));                \
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kq * NG * 4 + 32));           \
+      for (int m = 0; m < MB; ++m) {                                                                            \
+        int32_t x4;                                                                                             \
+        std::memcpy(&x4, a.xq + (m0 + m) * a.K + b * QK + kq * 4, 4);                                           \
+        const __m256i xb = _mm256_set1_epi32(x4);                                                               \
+        sum[m][0] = QUAD(sum[m][0], w0, xb);                                                                    \
+        sum[m][1] = QUAD(sum[m][1], w1, xb);                                                                    \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int h = 0; h < 2; ++h) {                                                                               \
+      const __m256 sc = _mm256_loadu_ps(s16 + b * NG + 8 * h), mi = _mm256_loadu_ps(m16 + b * NG + 8 * h);      \
+      for (int m = 0; m < MB; ++m) {                                                                            \
+        const int64_t mb = (m0 + m) * a.nb + b;                                                                 \
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(WIDEN(sum[m][h])), _mm256_mul_ps(sc, _mm256_set1_ps(a.xd[mb])), \
+                                    acc[m][h]);                                                                 \
+        low[m][h] = _mm256_fmadd_ps(mi, _mm256_set1_ps(a.xs[mb]), low[m][h]);                                   \
+      }                                                                                                         \
+    }                                                                                                           \
+  }                                                                                                             \
+  for (int m = 0; m < MB; ++m) {                                                                                \
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + (m0 + m) * NG + 8 * h, _mm256_add_ps(acc[m][h], low[m][h])); \
+  }
+
+#define AGENTRT_QUAD_AVX2(sum, w, x) _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, x))
+#define AGENTRT_WIDEN_AVX2(sum) _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+#define AGENTRT_QUAD_AVXVNNI(sum, w, x) _mm256_dpbusd_avx_epi32(sum, w, x)
+#define AGENTRT_WIDEN_NONE(sum) (sum)
+
+template <int MB>
+AGENTRT_INLINE void gemm_rows_avx2(const GemmItem& a, const uint8_t* wv, const float* s16, const float* m16,
+                                   int64_t m0, float* out) {
+  AGENTRT_INT4_GEMM_ROWS(AGENTRT_QUAD_AVX2, AGENTRT_WIDEN_AVX2)
+}
+template <int MB>
+__attribute__((target("avxvnni"), always_inline)) inline void gemm_rows_avxvnni(const GemmItem& a, const uint8_t* wv,
+                                                                               const float* s16, const float* m16,
+                                                                               int64_t m0, float* out) {
+  AGENTRT_INT4_GEMM_ROWS(AGENTRT_QUAD_AVXVNNI, AGENTRT_WIDEN_NONE)
+}
+
+#define AGENTRT_INT4_GEMM_BY(ROWS)                          \
+  int64_t m = 0;                                            \
+  for (; m + GEMM_MB_AVX2 <= a.M; m += GEMM_MB_AVX2) ROWS<GEMM_MB_AVX2>(a, wv, s16, m16, m, out); \
+  for (; m < a.M; ++m) ROWS<1>(a, wv, s16, m16, m, out);
+constexpr int GEMM_MB_AVX2 = 4;  // batch rows per pass (their int16/int32 sums, acc and low in registers)
+void gemm_avx2(const GemmItem& a, const uint8_t* wv, const float* s16, const float* m16, float* out) {
+  AGENTRT_INT4_GEMM_BY(gemm_rows_avx2)
+}
+__attribute__((target("avxvnni"))) void gemm_avxvnni(const GemmItem& a, const uint8_t* wv, const float* s16,
+                                                     const float* m16, float* out) {
+  AGENTRT_INT4_GEMM_BY(gemm_rows_avxvnni)
+}
 #endif
 
 using ItemFn = void (*)(const Item&);
@@ -343,7 +410,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
 #ifdef __AVX2__
-  if (M >= GEMM_MIN_ROWS && cpu_isa() == agentrt_cpu::ISA_AVX512VNNI) {
+  const int isa = cpu_isa();
+  if (M >= GEMM_MIN_ROWS && isa != agentrt_cpu::ISA_SCALAR) {
     at::parallel_for(0, (N4 + NG - 1) / NG, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> wv(nb * 8 * NG * 4);
       std::vector<float> s16(nb * NG), m16(nb * NG), out(M * NG);
@@ -352,7 +420,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
         const GemmItem g{xq.data(), xd.data(), xs.data(), wp + n0 * (K / 2), sp + n0 * nb, mp + n0 * nb,
                          std::min<int64_t>(4, (N4 - n0) / NR), M, K, nb};
         gemm_layout(g, wv.data(), s16.data(), m16.data());
-        gemm_avx512vnni(g, wv.data(), s16.data(), m16.data(), out.data());
+        if (isa == agentrt_cpu::ISA_AVX512VNNI) {
+          gemm_avx512vnni(g, wv.data(), s16.data(), m16.data(), out.data());
+        } else if (isa == agentrt_cpu::ISA_AVXVNNI) {
+          gemm_avxvnni(g, wv.data(), s16.data(), m16.data(), out.data());
+        } else {
+          gemm_avx2(g, wv.data(), s16.data(), m16.data(), out.data());
+        }
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = out[m * NG + r] + (bp ? bp[n0 + r] : 0.f);
         }
