@@ -76,16 +76,16 @@ struct Problem {
 };
 
 // Pairs of (row, head) taken together by attend_block: 3 where AVX-512 gives 32 vector registers (3
-// pairs x 8 keys of accumulators stay in registers), else 1.
+// pairs x 8 keys of accumulators stay in registers), else 2 (their 16 accumulators spill some of the
+// 16 registers, and still beat 1 pair: docs/benchmarks.md, issue 37).
 #if defined(__AVX512F__)
 #define PB_MAX 3
 #else
-#define PB_MAX 1
+#define PB_MAX 2
 #endif
 constexpr int64_t PB = PB_MAX;
-// query rows per block, at most (K and V read once for all of them): 32 with the 3-pair loops, the 4
-// of the 1-pair loops otherwise (docs/benchmarks.md, issue 37)
-constexpr int64_t RB = PB_MAX > 1 ? 32 : 4;
+// query rows per block, at most (K and V read once for all of them; docs/benchmarks.md, issue 37)
+constexpr int64_t RB = 32;
 // fewer items than 2 per thread and rows of at least WIDE_MIN_KEYS keys: the phases split across the
 // threads, the scores in chunks of WIDE_KEYS keys (multiples of KB)
 constexpr int64_t WIDE_MIN_KEYS = 1024;
