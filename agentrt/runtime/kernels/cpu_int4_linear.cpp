@@ -435,7 +435,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     return y;
   }
 #endif
-  // one batch row: row_avx2 on every ISA (at batch 1 it streamed the weights 10-20% faster than the
+  // one batch row: row_avx2 on every ISA (at batch 1 it streamed the weights 6-17% faster than the
   // VNNI steps on one row: bench/gemv.py, docs/benchmarks.md, issue 37; the same int32 sums and bits)
   const ItemFn fn = item_fn(M == 1 && cpu_isa() != agentrt_cpu::ISA_SCALAR ? agentrt_cpu::ISA_AVX2 : cpu_isa());
   at::parallel_for(0, N4 / NR, 8, [&](int64_t begin, int64_t end) {

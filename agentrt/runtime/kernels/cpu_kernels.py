@@ -78,7 +78,7 @@ FLAGS = (
     "-fno-signed-zeros", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
 )  # fmt: skip
 _lock = threading.Lock()
-_MARCH = re.compile(r"[A-Za-z0-9._-]+")
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def flags() -> tuple[str, ...]:
