@@ -203,6 +203,27 @@ def test_the_build_flags_take_the_march_from_the_environment(monkeypatch, tmp_pa
             cpu_kernels.flags()
 
 
+LOWER_MARCH = """
+import sys, torch
+from pathlib import Path
+from agentrt.runtime.kernels import cpu_kernels as c
+from agentrt.runtime.platform import choose_attention_backend
+cache = Path(sys.argv[1])
+print("load", c.load(cache))
+print("auto", choose_attention_backend("auto", torch.device("cpu"), torch.float32, cache))
+"""
+
+
+@pytest.mark.slow  # a full build of the library (~30 s on 2 cores)
+@needs_kernel
+def test_a_build_without_the_cpus_integer_path_is_a_failure_not_a_crash(tmp_path):
+    """Kernels built for a -march below the integer ISA the CPU selects (x86-64-v2: no AVX2 code)
+    cannot run it: load names why and auto takes the torch path, where it raised before."""
+    out = run_fresh(LOWER_MARCH, tmp_path, AGENTRT_CPU_MARCH="x86-64-v2", AGENTRT_CPU_ISA="")
+    assert "load RuntimeError: set_cpu_isa: this CPU (or this build) cannot run" in out, out
+    assert "(built with -march=x86-64-v2)" in out and "auto ('torch', " in out, out
+
+
 ISA_OUTPUTS = """
 import sys, torch
 from pathlib import Path

@@ -159,11 +159,17 @@ def load(cache_dir: Path) -> str | None:
     """Build (once per key) and load the kernels; None when the ops `torch.ops.agentrt_cpu.*` (OPS)
     are ready, else why they are not (logged once per process). Selects the integer kernels' ISA
     (hardware.kernel_isa: $AGENTRT_CPU_ISA, else the CPU's best) on every call; raises ValueError
-    for an AGENTRT_CPU_ISA this CPU cannot run or an AGENTRT_CPU_MARCH that is not a name."""
+    for an AGENTRT_CPU_ISA this CPU cannot run or an AGENTRT_CPU_MARCH that is not a name. A build for
+    an AGENTRT_CPU_MARCH below that ISA (e.g. x86-64-v2: no AVX2 code) is a failure, not the kernels.
+    AGENTRT_CPU_MARCH decides the compiled code only; the integer kernels' ISA is AGENTRT_CPU_ISA's."""
     isa = kernel_isa(cpu_info())[0]
     failure = _load(cache_dir)
     if failure is None:
-        select_isa(isa)
+        try:
+            select_isa(isa)
+        except RuntimeError as e:  # this build has no code for `isa`
+            failure = f"RuntimeError: {e} (built with -march={os.environ.get('AGENTRT_CPU_MARCH')})"
+            logger.warning("the CPU kernels are unavailable: %s", failure)
     return failure
 
 
