@@ -80,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
     attention, kv = describe_attention(runner.attention_backend, runner.kv_dtype)
     print(
         f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
-        f"{runner.num_threads} threads, attention "
+        f"{runner.num_threads} thread{'' if runner.num_threads == 1 else 's'}, attention "
         f"{attention}, KV {kv}, CUDA graphs "
         f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
         f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
