@@ -37,8 +37,7 @@ test: $(STAMP)
 # The suite as a CPU with AVX2 and no AVX-512 runs it, on a CPU that has AVX-512: the C++ kernels
 # built for x86-64-v3 with their integer AVX2 path, torch's ATen kernels and oneDNN capped at AVX2.
 test-avx2: $(STAMP)
-	AGENTRT_CPU_MARCH=x86-64-v3 AGENTRT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
+	AGENTRT_CPU_MARCH=x86-64-v3 AGENTRT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) test
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -250,7 +250,9 @@ w8 = ops.pack_int8(torch.randint(-127, 128, (96, 576), dtype=torch.int8, generat
 scales = torch.rand(96, 18, generator=gen)
 out["int8_linear"] = ops.int8_linear(x, w8, scales, None, 96)
 w4 = torch.randint(0, 256, (96, 288), dtype=torch.uint8, generator=gen)
-out["int4_linear"] = ops.int4_linear(x, w4, scales.half(), torch.randn(96, 18, generator=gen).half(), None, 96)
+mins = torch.randn(96, 18, generator=gen).half()
+out["int4_linear"] = ops.int4_linear(x, w4, scales.half(), mins, None, 96)
+out["int4_gemm"] = ops.int4_linear(torch.randn(20, 576, generator=gen), w4, scales.half(), mins, None, 96)
 torch.save(out, Path(sys.argv[1]) / "out.pt")
 """
 
@@ -258,15 +260,15 @@ torch.save(out, Path(sys.argv[1]) / "out.pt")
 @pytest.mark.slow  # two full builds of the library (~25 s each on 2 cores)
 @needs_kernel
 def test_the_avx2_build_gives_the_bits_of_the_native_build(tmp_path):
-    """The kernels built for a CPU without AVX-512 (x86-64-v3: 1 (row, head) pair per K/V load,
-    prefill blocks of 4 rows, 8-lane loops, the integer kernels' AVX2 path) give the native build's
-    outputs bit for bit: attention (decode and prefill rows), the norms and both integer matmuls.
-    On an AVX2-only CPU the two builds are the same code."""
+    """The kernels built for a CPU without AVX-512 (x86-64-v3: 2 (row, head) pairs per K/V load where
+    AVX-512 takes 3, 8-lane loops, the integer kernels' AVX2 path and GEMM) give the native build's
+    outputs bit for bit: attention (decode and prefill rows), the norms and both integer matmuls (int4
+    on 7 rows and on 20, its GEMM path). On an AVX2-only CPU the two builds are the same code."""
     native, avx2 = tmp_path / "native", tmp_path / "avx2"
     run_fresh(ISA_OUTPUTS, native, AGENTRT_CPU_MARCH="")
     run_fresh(ISA_OUTPUTS, avx2, AGENTRT_CPU_MARCH="x86-64-v3", AGENTRT_CPU_ISA="avx2")
     a, b = torch.load(native / "out.pt"), torch.load(avx2 / "out.pt")
-    assert a.keys() == b.keys() and len(a) == 16
+    assert a.keys() == b.keys() and len(a) == 17
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
