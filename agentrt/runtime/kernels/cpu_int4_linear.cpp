@@ -155,10 +155,10 @@ AGENTRT_INLINE void row_avx2(const Item& a, int64_t m) {
   }                                                                                                             \
   for (int m = 0; m < MB; ++m) _mm_storeu_ps(a.out + (m0 + m) * NR, _mm_add_ps(acc[m], low[m]));
 
-// AVX2's stand-in for vpdpbusd on a zero accumulator: maddubs (pairs of unsigned nibble x int8
-// products, |.| <= 2 * 15 * 127: no saturation) and a madd with ones: the same exact int32 sums of 4
-// products, so the AVX2 path shares the VNNI paths' steps (and their bits).
-#define AGENTRT_DPBUSD_AVX2(zero, u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+// AVX2's stand-in for vpdpbusd on a zero accumulator (AGENTRT_DOT_AVX2: nibble x int8 pair sums
+// |.| <= 2 * 15 * 128, no saturation): the same exact int32 sums of 4 products, so the AVX2 path
+// shares the VNNI paths' steps (and their bits).
+#define AGENTRT_DPBUSD_AVX2(zero, u, s) AGENTRT_DOT_AVX2(u, s)
 template <int MB>
 AGENTRT_INLINE void rows_avx2(const Item& a, int64_t m0) {
   AGENTRT_INT4_VNNI_ROWS(AGENTRT_DPBUSD_AVX2)
@@ -409,8 +409,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-#ifdef __AVX2__
   const int isa = cpu_isa();
+#ifdef __AVX2__
   if (M >= GEMM_MIN_ROWS && isa != agentrt_cpu::ISA_SCALAR) {
     at::parallel_for(0, (N4 + NG - 1) / NG, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> wv(nb * 8 * NG * 4);
@@ -437,7 +437,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 #endif
   // one batch row: row_avx2 on every ISA (at batch 1 it streamed the weights 6-17% faster than the
   // VNNI steps on one row: bench/gemv.py, docs/benchmarks.md, issue 37; the same int32 sums and bits)
-  const ItemFn fn = item_fn(M == 1 && cpu_isa() != agentrt_cpu::ISA_SCALAR ? agentrt_cpu::ISA_AVX2 : cpu_isa());
+  const ItemFn fn = item_fn(M == 1 && isa != agentrt_cpu::ISA_SCALAR ? agentrt_cpu::ISA_AVX2 : isa);
   at::parallel_for(0, N4 / NR, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> out(M * NR);
     for (int64_t it = begin; it < end; ++it) {

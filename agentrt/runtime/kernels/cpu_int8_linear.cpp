@@ -90,7 +90,6 @@ using agentrt_cpu::detail::sum8;
   }                                                                                                 \
   _mm_storeu_ps(a.out + m * NR, acc);
 
-#define AGENTRT_DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 #define AGENTRT_DOT_AVXVNNI(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 #define AGENTRT_DOT_AVX512VNNI(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
 

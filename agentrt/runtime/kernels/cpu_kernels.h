@@ -147,6 +147,11 @@ AGENTRT_INLINE __m256 load8h(const uint16_t* p) {
 #endif
 }
 
+// AVX2's vpdpbusd on a zero accumulator: unsigned x signed bytes, 4 products summed into each int32
+// lane (maddubs' int16 pair sums, then madd with ones); exact where a pair sum fits int16, which every
+// caller's operands guarantee (int8: |x| x sign(w, x), int4: nibbles x int8).
+#define AGENTRT_DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+
 // 4 rows' sums of 8 int32 partials each -> [4] int32 (horizontal adds: one reduction for 4 rows)
 AGENTRT_INLINE __m128i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));

@@ -81,13 +81,18 @@ _lock = threading.Lock()
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+def march() -> str:
+    """The kernels' -march: $AGENTRT_CPU_MARCH (unset or empty: native); ValueError for a value that
+    is not a plain name."""
+    name = os.environ.get("AGENTRT_CPU_MARCH") or "native"
+    if not _MARCH.fullmatch(name):
+        raise ValueError(f"AGENTRT_CPU_MARCH must be a -march name such as x86-64-v3, got {name!r}")
+    return name
+
+
 def flags() -> tuple[str, ...]:
-    """FLAGS with -march= $AGENTRT_CPU_MARCH (unset or empty: native); ValueError for a value that is
-    not a plain name."""
-    march = os.environ.get("AGENTRT_CPU_MARCH") or "native"
-    if not _MARCH.fullmatch(march):
-        raise ValueError(f"AGENTRT_CPU_MARCH must be a -march name such as x86-64-v3, got {march!r}")
-    return tuple(f + march if f == "-march=" else f for f in FLAGS)
+    """FLAGS with -march= march()."""
+    return tuple(f + march() if f == "-march=" else f for f in FLAGS)
 
 
 _loaded: dict[str, str | None] = {}  # library path -> None when loaded, else the failure
@@ -168,7 +173,7 @@ def load(cache_dir: Path) -> str | None:
         try:
             select_isa(isa)
         except RuntimeError as e:  # this build has no code for `isa`
-            failure = f"RuntimeError: {e} (built with -march={os.environ.get('AGENTRT_CPU_MARCH')})"
+            failure = f"RuntimeError: {e} (built with -march={march()})"
             logger.warning("the CPU kernels are unavailable: %s", failure)
     return failure
 
