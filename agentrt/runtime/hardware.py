@@ -54,17 +54,21 @@ def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
     return CpuInfo(model, flags)
 
 
-def kernel_isa(info: CpuInfo, forced: str | None = None) -> tuple[str, str]:
+def kernel_isa(info: CpuInfo, forced: str | None = None, runs: str | None = None) -> tuple[str, str]:
     """(ISA, reason) of the CPU kernels' integer dot products on this CPU (one of ISAS). forced: a
     value of $AGENTRT_CPU_ISA (None reads it; "" = unset): a lower path than the CPU has is taken, a
-    higher one is a ValueError naming what is missing."""
+    higher one is a ValueError naming what is missing. runs: the best path the built kernels find
+    executable in this process (kernels/cpu_kernels.py: executable_isa; CPUID and the OS's saved
+    register state, as the instructions see them), which caps the flags' VNNI paths: /proc/cpuinfo is
+    the host kernel's view and can list more (an emulator such as qemu-user shows the host's file)."""
     f = info.flags
     have = ["scalar"]  # the kernels' plain C++ path, built only for a CPU without AVX2 (-march=native)
     if {"avx2", "fma"} <= f:
         have = ["avx2"]
-        if "avx_vnni" in f:
+        ceiling = runs if runs in ("avx2", "avxvnni") else None  # below the flags' VNNI paths
+        if "avx_vnni" in f and ceiling != "avx2":
             have.append("avxvnni")
-        if {"avx512_vnni", "avx512vl"} <= f:
+        if {"avx512_vnni", "avx512vl"} <= f and ceiling is None:
             have.append("avx512vnni")
     best = have[-1]
     if forced is None:

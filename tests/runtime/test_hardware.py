@@ -90,6 +90,27 @@ def test_forcing_a_lower_isa_and_refusing_a_missing_one(monkeypatch):
     assert hardware.kernel_isa(hardware.cpu_info(OLD), forced="scalar") == ("scalar", "AGENTRT_CPU_ISA")
 
 
+@pytest.mark.parametrize(
+    ("text", "runs", "isa", "available"),
+    [
+        (ZEN5, "avx2", "avx2", ["avx2"]),  # qemu-user: the host's /proc/cpuinfo, an AVX2 CPUID
+        (ZEN5, "avxvnni", "avxvnni", ["avx2", "avxvnni"]),
+        (ZEN5, "avx512vnni", "avx512vnni", ["avx2", "avxvnni", "avx512vnni"]),
+        (ZEN1, "avx512vnni", "avx2", ["avx2"]),  # the flags' choice when they say less
+        (ZEN5, "scalar", "avx512vnni", ["avx2", "avxvnni", "avx512vnni"]),  # a build without AVX2: load fails
+    ],
+)
+def test_what_executes_caps_the_flags_vnni_paths(text, runs, isa, available):
+    info = hardware.cpu_info(text)
+    assert hardware.kernel_isa(info, forced="", runs=runs)[0] == isa
+    for name in ("avx2", "avxvnni", "avx512vnni"):
+        if name in available:
+            assert hardware.kernel_isa(info, forced=name, runs=runs) == (name, "AGENTRT_CPU_ISA")
+        else:
+            with pytest.raises(ValueError, match=f"AGENTRT_CPU_ISA={name} is not available on this CPU"):
+                hardware.kernel_isa(info, forced=name, runs=runs)
+
+
 def test_cpu_info_reads_the_first_processor_and_describes_it():
     info = hardware.cpu_info(ZEN5)
     assert info.model == "AMD EPYC 9B45"

@@ -26,6 +26,7 @@ fails to load is rebuilt once. Any other failure (no compiler, a build error) is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -167,15 +168,46 @@ def load(cache_dir: Path) -> str | None:
     for an AGENTRT_CPU_ISA this CPU cannot run or an AGENTRT_CPU_MARCH that is not a name. A build for
     an AGENTRT_CPU_MARCH below that ISA (e.g. x86-64-v2: no AVX2 code) is a failure, not the kernels.
     AGENTRT_CPU_MARCH decides the compiled code only; the integer kernels' ISA is AGENTRT_CPU_ISA's."""
-    isa = kernel_isa(cpu_info())[0]
+    kernel_isa(cpu_info())  # a bad $AGENTRT_CPU_ISA fails before any build
     failure = _load(cache_dir)
     if failure is None:
+        isa = isa_here()
         try:
             select_isa(isa)
         except RuntimeError as e:  # this build has no code for `isa`
             failure = f"RuntimeError: {e} (built with -march={march()})"
             logger.warning("the CPU kernels are unavailable: %s", failure)
     return failure
+
+
+def executable_isa() -> str:
+    """The best integer-kernel path the loaded library can run in this process: its build's code and
+    the CPU as CPUID and the OS's saved register state show it (__builtin_cpu_supports), which an
+    emulator can make lower than /proc/cpuinfo's flags."""
+    ops = torch.ops.agentrt_cpu
+    active = ops.get_cpu_isa()
+    best = ops.set_cpu_isa("")
+    ops.set_cpu_isa(active)
+    return best
+
+
+def isa_here(forced: str | None = None) -> str:
+    """hardware.kernel_isa for this CPU, capped by executable_isa (the kernels must be loaded); warns
+    once when the cap lowers the flags' choice. Raises ValueError as kernel_isa does."""
+    info = cpu_info()
+    runs = executable_isa()
+    isa, flagged = kernel_isa(info, forced, runs)[0], kernel_isa(info, forced)[0]
+    if flagged != isa:
+        _warn_capped(flagged, runs, isa)
+    return isa
+
+
+@functools.cache
+def _warn_capped(flagged: str, runs: str, isa: str) -> None:
+    logger.warning(
+        "/proc/cpuinfo lists the %s instructions but this process cannot run them (CPUID: %s at best): "
+        "the integer kernels take %s", flagged, runs, isa,
+    )  # fmt: skip
 
 
 def select_isa(isa: str) -> str:
