@@ -143,6 +143,14 @@ def main() -> None:
             f"{(f'{hits:.1%}' if hits is not None else 'n/a')} | {model_rss:.0f} | {client_rss} | {d['wall_s']:.1f} | "
             f"{sum(first.get(k) == v for k, v in d['outputs'].items())}/{len(d['outputs'])} |"
         )
+    theirs = next((d["valid_docs_per_s"] for mode, d in rows if mode == "llama-server"), None)
+    for mode, d in rows:
+        if theirs and mode != "llama-server":
+            ratio = d["valid_docs_per_s"] / theirs
+            print(
+                f"{mode}: valid docs/s {ratio:.2f}x llama-server's at {args.max_in_flight} in flight (issue "
+                f"37's target at 16: at least 2.5x: {'met' if ratio >= 2.5 else 'NOT MET'})"
+            )
 
 
 if __name__ == "__main__":

@@ -78,13 +78,13 @@ def bandwidth_buffers() -> tuple[torch.Tensor, torch.Tensor | None]:
 SETTLE_STEPS = 100  # decode steps after the bandwidth read before the settled step is timed
 
 
-def step_vs_bound(engine: Engine, rounds: int = 5) -> None:
+def step_vs_bound(engine: Engine, rounds: int = 5) -> float:
     """The batch-1 step (400 tokens of context) against its weight-read bound, each round measuring
     the read bandwidth (both page sizes, the larger taken) right before the step, so a moment when
     other tenants slow the machine slows both. The read (2 GiB) evicts the weights from the
     last-level cache, so the step is taken twice: right after the read, and settled (after
     SETTLE_STEPS more steps, as in a stream of decode steps; docs/benchmarks.md says why that many).
-    The ratios per round, then the medians."""
+    The ratios per round, then the medians; returns the settled median."""
     ratios: dict[str, list[float]] = {"after the read": [], "settled": []}
     buffers = bandwidth_buffers()  # allocated and filled once for every round
     for _ in range(rounds):
@@ -105,6 +105,7 @@ def step_vs_bound(engine: Engine, rounds: int = 5) -> None:
             f"batch-1 step vs its read bound, {name}: median {statistics.median(r):.2f}x, best {min(r):.2f}x",
             flush=True,
         )
+    return statistics.median(ratios["settled"])
 
 
 def step_bytes(engine: Engine) -> int:
@@ -152,9 +153,12 @@ def llama_single_stream(url: str) -> float:
     return httpx.post(f"{url}/completion", json=body, timeout=300).json()["timings"]["predicted_per_second"]
 
 
-def alternate_single_stream(engine: Engine, prompt: list[int], url: str | None, rounds: int = 5) -> None:
+def alternate_single_stream(
+    engine: Engine, prompt: list[int], url: str | None, rounds: int = 5
+) -> float | None:
     """Single stream of agentrt and (with url) llama-server, one try each per round, alternating, so
-    a slow spell of this shared machine hits both; prints best and median of each and their ratio."""
+    a slow spell of this shared machine hits both; prints best and median of each and their ratio;
+    returns the ratio of medians (None without url)."""
     ours, theirs = [], []
     if url:
         llama_single_stream(url)  # warm-up
@@ -170,6 +174,7 @@ def alternate_single_stream(engine: Engine, prompt: list[int], url: str | None, 
             f" of medians {statistics.median(ours) / statistics.median(theirs):.2f}x"
         )
     print(line, flush=True)
+    return statistics.median(ours) / statistics.median(theirs) if theirs else None
 
 
 def ttft(engine: Engine, prompt: list[int]) -> float:
@@ -224,10 +229,12 @@ def llama_server_cmd(path: str, threads: int, model: str, port: int) -> list[str
     ]
 
 
-def llama_ttft(url: str, prompts: dict[int, str]) -> None:
+def llama_ttft(url: str, prompts: dict[int, str]) -> dict[int, float]:
+    """llama-server's TTFT of each prompt (best of 2, s), by agentrt's token count of it."""
     import httpx
 
-    for text in prompts.values():
+    times = {}
+    for n, text in prompts.items():
         best = float("inf")
         for _ in range(2):
             t = time.perf_counter()
@@ -235,6 +242,24 @@ def llama_ttft(url: str, prompts: dict[int, str]) -> None:
             best = min(best, time.perf_counter() - t)
         got = r["timings"]["prompt_n"]
         print(f"llama-server TTFT {got} tokens: {best:.2f} s ({got / best:.0f} tok/s)", flush=True)
+        times[n] = best
+    return times
+
+
+def print_targets(found: dict[str, float]) -> None:
+    """Issue 37's targets against what this run measured (found: see run_all's keys)."""
+    lines = [("batch-1 step / its weight-read bound, settled median", found.get("step"), 1.5, "at most")]
+    lines.append(("single stream / llama-server's, medians", found.get("single"), 1.3, "at least"))
+    for n in sorted(k for k in found if isinstance(k, int) and k >= 4000):
+        lines.append((f"prefill tokens/s at {n} tokens / llama-server's", found[n], 1.5, "at least"))
+    print("targets (issue 37; valid docs/s at 16 in flight: bench/extract_jobs.py):", flush=True)
+    for name, got, target, how in lines:
+        if got is None:
+            verdict = "not measured (no --llama-server)"
+        else:
+            met = got <= target if how == "at most" else got >= target
+            verdict = f"{got:.2f}x, target {how} {target}x: {'met' if met else 'NOT MET'}"
+        print(f"  {name}: {verdict}", flush=True)
 
 
 def isa_paths(engine: Engine, n: int) -> None:
@@ -285,7 +310,7 @@ def main() -> int:
     if args.isa_paths:
         isa_paths(engine, args.prompt_tokens[0])
         return 0
-    step_vs_bound(engine)
+    found: dict = {"step": step_vs_bound(engine)}
     story = chat(tok, "Write a short story about a lighthouse keeper.")
     stack = contextlib.ExitStack()
     url = None
@@ -296,12 +321,15 @@ def main() -> int:
         cmd = llama_server_cmd(args.llama_server, torch.get_num_threads(), args.model, port)
         url = stack.enter_context(launch_server(cmd, port, timeout_s=120)).url
     with stack:
-        run_all(args, engine, tok, story, url)
+        run_all(args, engine, tok, story, url, found)
+    print_targets(found)
     return 0
 
 
-def run_all(args, engine: Engine, tok, story: list[int], url: str | None) -> None:
-    alternate_single_stream(engine, story, url)
+def run_all(args, engine: Engine, tok, story: list[int], url: str | None, found: dict) -> None:
+    """Single stream, TTFT and invariance; fills found: "single" (the single-stream ratio of
+    medians) and, per prompt size n, agentrt's TTFT advantage (llama-server's time / agentrt's)."""
+    found["single"] = alternate_single_stream(engine, story, url)
     rng = random.Random(0)
     words = [
         "the",
@@ -330,6 +358,7 @@ def run_all(args, engine: Engine, tok, story: list[int], url: str | None) -> Non
         "from",
     ]
     texts: dict[int, str] = {}
+    ours: dict[int, float] = {}
     for n in args.prompt_tokens:
         text = " ".join(rng.choice(words) for _ in range(n * 2))
         ids = tok.encode(text, add_special_tokens=False)[:n]
@@ -342,6 +371,7 @@ def run_all(args, engine: Engine, tok, story: list[int], url: str | None) -> Non
                 results.setdefault(mode, []).append(ttft(engine, ids))
             finally:
                 attention.kernel_rows = kernel_rows
+        ours[n] = min(results["invariant kernel"])
         line = ", ".join(f"{m} {min(v):.2f} s ({n / min(v):.0f} tok/s)" for m, v in results.items())
         print(f"agentrt TTFT {n} tokens: {line}", flush=True)
     engine_cached = Engine(
@@ -355,7 +385,8 @@ def run_all(args, engine: Engine, tok, story: list[int], url: str | None) -> Non
         flush=True,
     )
     if url:
-        llama_ttft(url, texts)
+        for n, theirs in llama_ttft(url, texts).items():
+            found[n] = theirs / ours[n]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ follow from these facts (dtype, threads, attention backend, linear kernel) are r
 - kernel ISA: `avx512vnni` (AVX-512 VNNI with VL: vpdpbusd on 256-bit registers), `avxvnni` (the
   VEX-encoded vpdpbusd), `avx2` (maddubs + madd) or `scalar`; the same integers either way and the
   same float accumulation, so the same outputs bit for bit (kernels/cpu_isa.h). $AGENTRT_CPU_ISA
-  (`avx2`) forces the AVX2 path on a CPU that has VNNI.
+  (`avx2`) forces the AVX2 path on a CPU that has VNNI. The flags are the host kernel's; the path
+  that runs is also capped by what the process can execute (kernels/cpu_kernels.py: isa_here).
 """
 
 from __future__ import annotations
