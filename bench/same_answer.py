@@ -250,8 +250,8 @@ def print_targets(found: dict[str, float]) -> None:
     """Issue 37's targets against what this run measured (found: see run_all's keys)."""
     lines = [("batch-1 step / its weight-read bound, settled median", found.get("step"), 1.5, "at most")]
     lines.append(("single stream / llama-server's, medians", found.get("single"), 1.3, "at least"))
-    for n in sorted(k for k in found if isinstance(k, int) and k >= 4000):
-        lines.append((f"prefill tokens/s at {n} tokens / llama-server's", found[n], 1.5, "at least"))
+    for n in sorted(k for k in found if isinstance(k, int) and k >= 4000) or ["4-8k"]:
+        lines.append((f"prefill tokens/s at {n} tokens / llama-server's", found.get(n), 1.5, "at least"))
     print("targets (issue 37; valid docs/s at 16 in flight: bench/extract_jobs.py):", flush=True)
     for name, got, target, how in lines:
         if got is None:
