@@ -13,7 +13,7 @@ from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.model_runner import ModelRunner, SeqChunk
 from agentrt.runtime.platform import choose_attention_backend
-from tests.support.kernels import KERNEL_FAILURE, needs_kernel
+from tests.support.kernels import KERNEL_FAILURE, needs_kernel, run_fresh
 from tests.support.models import make_tiny_model
 
 
@@ -152,24 +152,6 @@ print("damaged", c.load(Path(sys.argv[1]) / "bad"), target.stat().st_size > 1000
 """
 
 
-def run_fresh(script: str, tmp_path, **env) -> str:
-    """stdout of `script` in a fresh process (a loaded op stays loaded), argv[1] = tmp_path."""
-    import os
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
-        check=False,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 @needs_kernel
 def test_no_compiler_falls_back_to_torch_and_says_why(tmp_path):
     """With no compiler the kernel is unavailable, auto takes torch and says why, an explicit `cpu`
@@ -186,91 +168,6 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
     """A cached library that is not one is rebuilt in its place."""
     out = run_fresh(DAMAGED, tmp_path)
     assert "damaged None True" in out, out
-
-
-def test_the_build_flags_take_the_march_from_the_environment(monkeypatch, tmp_path):
-    """$AGENTRT_CPU_MARCH replaces -march=native (`make test-avx2`), the cache key follows it, and a
-    value that is not a plain -march name is refused before any compiler runs."""
-    monkeypatch.delenv("AGENTRT_CPU_MARCH", raising=False)
-    assert "-march=native" in cpu_kernels.flags()
-    native = cpu_kernels.library_path(tmp_path)
-    monkeypatch.setenv("AGENTRT_CPU_MARCH", "x86-64-v3")
-    assert "-march=x86-64-v3" in cpu_kernels.flags() and "-march=native" not in cpu_kernels.flags()
-    assert cpu_kernels.library_path(tmp_path) != native
-    for bad in ("native -O0", "-O0"):
-        monkeypatch.setenv("AGENTRT_CPU_MARCH", bad)
-        with pytest.raises(ValueError, match="AGENTRT_CPU_MARCH must be a -march name"):
-            cpu_kernels.flags()
-
-
-LOWER_MARCH = """
-import sys, torch
-from pathlib import Path
-from agentrt.runtime.kernels import cpu_kernels as c
-from agentrt.runtime.platform import choose_attention_backend
-cache = Path(sys.argv[1])
-print("load", c.load(cache))
-print("auto", choose_attention_backend("auto", torch.device("cpu"), torch.float32, cache))
-"""
-
-
-@pytest.mark.slow  # a full build of the library (~30 s on 2 cores)
-@needs_kernel
-def test_a_build_without_the_cpus_integer_path_is_a_failure_not_a_crash(tmp_path):
-    """Kernels built for a -march below the integer ISA the CPU selects (x86-64-v2: no AVX2 code)
-    cannot run it: load names why and auto takes the torch path, where it raised before."""
-    out = run_fresh(LOWER_MARCH, tmp_path, AGENTRT_CPU_MARCH="x86-64-v2", AGENTRT_CPU_ISA="")
-    assert "load RuntimeError: set_cpu_isa: this CPU (or this build) cannot run" in out, out
-    assert "(built with -march=x86-64-v2)" in out and "auto ('torch', " in out, out
-
-
-ISA_OUTPUTS = """
-import sys, torch
-from pathlib import Path
-from agentrt.runtime.attention import KernelRows
-from agentrt.runtime.kernels import cpu_kernels as c
-assert c.load(Path(sys.argv[1]) / "cache") is None, "kernels"
-ops, gen, out = torch.ops.agentrt_cpu, torch.Generator().manual_seed(0), {}
-for heads, kv_heads, dim in ((9, 3, 64), (8, 2, 128), (4, 4, 40)):
-    k, v = torch.randn(2600, kv_heads, dim, generator=gen), torch.randn(2600, kv_heads, dim, generator=gen)
-    for batch, length in ((1, 400), (3, 1300), (2, 2500)):
-        q = torch.randn(batch, heads, dim, generator=gen)
-        slots = torch.randint(0, 2600, (batch, length), generator=gen)
-        lens = torch.randint(1, length + 1, (batch,), generator=gen)
-        lens[0] = length
-        out[f"decode {heads} {kv_heads} {dim} {batch} {length}"] = c.decode_attention(q, k, v, slots, lens)
-    q = torch.randn(70, heads, dim, generator=gen)  # prefill: 70 rows of one sequence after 900 cached keys
-    slots = torch.randint(0, 2600, (1, 970), generator=gen)
-    rows = KernelRows(slots, torch.zeros(70, dtype=torch.int64), torch.arange(901, 971))
-    out[f"prefill {heads} {kv_heads} {dim}"] = c.attention(q, k, v, rows)
-x, w = torch.randn(7, 576, generator=gen), torch.randn(576, generator=gen)
-out["rms_norm"] = ops.rms_norm(x, w, 1e-5)
-out["add_rms_norm"] = torch.cat(ops.add_rms_norm(x, torch.randn(7, 576, generator=gen), w, 1e-5))
-w8 = ops.pack_int8(torch.randint(-127, 128, (96, 576), dtype=torch.int8, generator=gen))
-scales = torch.rand(96, 18, generator=gen)
-out["int8_linear"] = ops.int8_linear(x, w8, scales, None, 96)
-w4 = torch.randint(0, 256, (96, 288), dtype=torch.uint8, generator=gen)
-mins = torch.randn(96, 18, generator=gen).half()
-out["int4_linear"] = ops.int4_linear(x, w4, scales.half(), mins, None, 96)
-out["int4_gemm"] = ops.int4_linear(torch.randn(20, 576, generator=gen), w4, scales.half(), mins, None, 96)
-torch.save(out, Path(sys.argv[1]) / "out.pt")
-"""
-
-
-@pytest.mark.slow  # two full builds of the library (~25 s each on 2 cores)
-@needs_kernel
-def test_the_avx2_build_gives_the_bits_of_the_native_build(tmp_path):
-    """The kernels built for a CPU without AVX-512 (x86-64-v3: 2 (row, head) pairs per K/V load where
-    AVX-512 takes 3, 8-lane loops, the integer kernels' AVX2 path and GEMM) give the native build's
-    outputs bit for bit: attention (decode and prefill rows), the norms and both integer matmuls (int4
-    on 7 rows and on 20, its GEMM path). On an AVX2-only CPU the two builds are the same code."""
-    native, avx2 = tmp_path / "native", tmp_path / "avx2"
-    run_fresh(ISA_OUTPUTS, native, AGENTRT_CPU_MARCH="")
-    run_fresh(ISA_OUTPUTS, avx2, AGENTRT_CPU_MARCH="x86-64-v3", AGENTRT_CPU_ISA="avx2")
-    a, b = torch.load(native / "out.pt"), torch.load(avx2 / "out.pt")
-    assert a.keys() == b.keys() and len(a) == 17
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 GUARDED_SLOTS = """

@@ -23,9 +23,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "cpu_kernels.h"
+#include "cpu_vec8.h"
 
 namespace {
 
@@ -36,10 +38,26 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
               name, ": weight must be float32 [D] with D = x.size(1)");
 }
 
+// The sum of squares in an order written out, not the compiler's: lane i of 8 takes the FMA chain
+// over d = i, i + 8, ... (a last partial vector zero-padded), then the lanes add as
+// ((0+1)+(2+3))+((4+5)+(6+7)) (vec8::lanes_sum). An `omp simd` reduction left the order to the
+// vectorizer, which chose differently for -march=znver2 than for native or x86-64-v3: another
+// CPU's build gave other bits.
 inline void norm_row(const float* x, const float* w, float* y, int64_t D, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  using namespace agentrt_cpu::vec8;
+  V8 acc = vzero();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const V8 v = vload(x + d);
+    acc = vfma(v, v, acc);
+  }
+  if (d < D) {
+    float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(tail, x + d, (D - d) * sizeof(float));
+    const V8 v = vload(tail);
+    acc = vfma(v, v, acc);
+  }
+  const float ss = lanes_sum(acc);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] = w[d] * (x[d] * r);
