@@ -8,9 +8,9 @@
 #   CPU that lists AMX, where the AVX-512 options are named one by one and AMX left off (a VM can list
 #   AMX and fault on its tiles; the llama-server of docs/benchmarks.md's Xeon runs was built so).
 # avx2: every AVX-512, VNNI and AMX option off: the peer of `make test-avx2`'s path on a CPU that has more.
-# Exits non-zero with cmake's or pip's message on failure. Takes ~10 minutes on 2 cores.
+# Exits non-zero with pip's message, or the end of cmake's log, on failure. Took 5-6 minutes on 2 cores.
 set -euo pipefail
-mode=${1:-native}
+mode=${1-native}
 dir=${2:-/tmp/llama-server}
 version=0.3.36
 case $mode in
@@ -18,10 +18,12 @@ case $mode in
   *) echo "usage: $0 [native|avx2] [DIR]" >&2; exit 2 ;;
 esac
 src=$dir/llama_cpp_python-$version/vendor/llama.cpp
-if [ ! -f "$src/CMakeLists.txt" ]; then
+if [ ! -f "$dir/.extracted-$version" ]; then  # an interrupted extraction is redone, not built from
   mkdir -p "$dir"
   python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$dir" -q
+  rm -rf "$dir/llama_cpp_python-$version"
   tar -xzf "$dir/llama_cpp_python-$version.tar.gz" -C "$dir"
+  touch "$dir/.extracted-$version"
 fi
 flags=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=ON)
@@ -41,6 +43,8 @@ else
   flags+=(-DGGML_NATIVE=ON)
 fi
 build=$src/build-$mode
-cmake -S "$src" -B "$build" "${flags[@]}" >"$dir/cmake-$mode.log"
-cmake --build "$build" --target llama-server -j "$(nproc)" >"$dir/build-$mode.log"
+log() { echo "$0: $1 failed; the last lines of $2:" >&2; tail -n 30 "$2" >&2; exit 1; }
+cmake -S "$src" -B "$build" "${flags[@]}" >"$dir/cmake-$mode.log" 2>&1 || log "cmake" "$dir/cmake-$mode.log"
+cmake --build "$build" --target llama-server -j "$(nproc)" >"$dir/build-$mode.log" 2>&1 ||
+  log "the build" "$dir/build-$mode.log"
 echo "$build/bin/llama-server"

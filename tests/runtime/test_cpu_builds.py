@@ -80,6 +80,17 @@ out["rms_norm"] = ops.rms_norm(x, w, 1e-5)
 out["add_rms_norm"] = torch.cat(ops.add_rms_norm(x, randn(7, 576, generator=gen), w, 1e-5))
 out["rms_norm_tail"] = ops.rms_norm(randn(5, 100, generator=gen), randn(100, generator=gen), 1e-6)
 out["silu_mul"] = ops.silu_mul(randn(7, 2 * 1536, generator=gen))
+# rotary embedding + the KV write into float32 and int8 pools, then decode attention over the int8
+# pool with sinks (cos and sin any values: the op does not need a rotation)
+H, Hkv, D = 9, 3, 64
+qkv, cos, sin = randn(5, (H + 2 * Hkv) * D, generator=gen), randn(5, 32, generator=gen), randn(5, 32, generator=gen)
+kc, vc, k8, v8 = torch.zeros(40, Hkv, D), torch.zeros(40, Hkv, D), torch.zeros(40, Hkv, D, dtype=torch.int8), torch.zeros(40, Hkv, D, dtype=torch.int8)
+ks, vs, slots = torch.zeros(40, Hkv), torch.zeros(40, Hkv), torch.tensor([3, 7, 11, 20, 39])
+qr, kr = ops.rope_store(qkv, cos, sin, kc, vc, slots, H)
+out["rope_store"] = torch.cat([qr.flatten(), kr.flatten(), kc.flatten(), vc.flatten()])
+ops.rope_store(qkv, cos, sin, k8, v8, slots, H, ks, vs)
+out["rope_store_int8"] = torch.cat([k8.flatten().float(), v8.flatten().float(), ks.flatten(), vs.flatten()])
+out["decode_int8_sinks"] = ops.decode_attention(randn(2, H, D, generator=gen), k8, v8, torch.stack([slots, slots.flip(0)]), torch.tensor([5, 3]), 0.125, randn(H, generator=gen), ks, vs)
 w8 = ops.pack_int8(torch.randint(-127, 128, (96, 576), dtype=torch.int8, generator=gen))
 scales = rand(96, 18, generator=gen)
 out["int8_linear"] = ops.int8_linear(x, w8, scales, None, 96)
@@ -96,7 +107,8 @@ print("isa", c.active_isa())
 @needs_kernel
 def test_the_avx2_builds_give_the_bits_of_the_native_build(tmp_path):
     """The kernels built for CPUs without AVX-512 give the native build's outputs bit for bit:
-    attention (decode and prefill rows), the norms (a row of 100: a partial vector), silu_mul and both
+    attention (decode and prefill rows; an int8 pool with sinks), the norms (a row of 100: a partial
+    vector), silu_mul, rotary embedding with the KV write (float32 and int8 pools) and both
     integer matmuls (int4 on 7 rows and on 20, its GEMM path). x86-64-v3: 2 (row, head) pairs per K/V
     load where AVX-512 takes 3, 8-lane loops, the integer kernels' AVX2 path and GEMM; znver2 and
     haswell: the same code under another tuning (what -march=native gives on a Zen 2 or a Haswell),
@@ -104,7 +116,7 @@ def test_the_avx2_builds_give_the_bits_of_the_native_build(tmp_path):
     native = tmp_path / "native"
     run_fresh(ISA_OUTPUTS, native, AGENTRT_CPU_MARCH="")
     a = torch.load(native / "out.pt")
-    assert len(a) == 19
+    assert len(a) == 22
     for march in ("x86-64-v3", "znver2", "haswell"):
         run_fresh(ISA_OUTPUTS, tmp_path / march, AGENTRT_CPU_MARCH=march, AGENTRT_CPU_ISA="avx2")
         b = torch.load(tmp_path / march / "out.pt")
@@ -127,7 +139,8 @@ def test_a_cpu_that_shows_no_avx512_chooses_avx2_and_gives_the_native_bits(tmp_p
     the TCG translator has none, so an AVX-512 instruction left in a path is an illegal
     instruction), the kernels built for it (-march=znver2, what gcc's native gives there; gcc itself
     runs outside the emulator) choose the AVX2 path unforced, though /proc/cpuinfo is the host's and
-    may list VNNI, and give the native build's outputs bit for bit."""
+    may list VNNI, and give the native build's outputs bit for bit; the host's own build (AVX-512
+    here) loaded there is a load failure naming the instructions, not an illegal instruction."""
     native, zen2 = tmp_path / "native", tmp_path / "zen2"
     run_fresh(ISA_OUTPUTS, native, AGENTRT_CPU_MARCH="")
     out = run_fresh(
@@ -135,7 +148,15 @@ def test_a_cpu_that_shows_no_avx512_chooses_avx2_and_gives_the_native_bits(tmp_p
         AGENTRT_CPU_MARCH="znver2", AGENTRT_CPU_ISA="", OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert "isa avx2" in out, out
+    # the host's native build, loaded under the emulator: a failure naming what it lacks, no crash
+    out = run_fresh(
+        LOWER_MARCH, native / "cache", runner=(QEMU, "-cpu", "EPYC-Rome-v2"), timeout=1800,
+        AGENTRT_CPU_MARCH="", AGENTRT_CPU_ISA="", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    if "avx512f" in cpu_kernels.cpu_info().flags:
+        assert "built for instructions this CPU does not show this process (avx512f" in out, out
+        assert "auto ('torch', " in out, out
     a, b = torch.load(native / "out.pt"), torch.load(zen2 / "out.pt")
-    assert a.keys() == b.keys() and len(a) == 19
+    assert a.keys() == b.keys() and len(a) == 22
     for name in a:
         assert torch.equal(a[name], b[name]), name

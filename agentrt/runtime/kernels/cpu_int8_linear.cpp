@@ -303,7 +303,51 @@ namespace agentrt_cpu {
 
 int cpu_isa() { return isa_state().load(std::memory_order_relaxed); }
 
+// The instructions this library was compiled to use (-march) that the CPU, as this process sees it,
+// lacks: "" when it has them all. A library built on a host's -march and loaded under an emulator that
+// shows fewer (qemu-user) would otherwise die of an illegal instruction at its first call.
+std::string missing_instructions() {
+  std::string missing;
+  auto need = [&](bool has, const char* name) {
+    if (!has) missing += missing.empty() ? name : std::string(", ") + name;
+  };
+#ifdef __AVX2__
+  need(__builtin_cpu_supports("avx2"), "avx2");
+#endif
+#ifdef __FMA__
+  need(__builtin_cpu_supports("fma"), "fma");
+#endif
+#ifdef __F16C__
+  need(__builtin_cpu_supports("f16c"), "f16c");
+#endif
+#ifdef __AVX512F__
+  need(__builtin_cpu_supports("avx512f"), "avx512f");
+#endif
+#ifdef __AVX512BW__
+  need(__builtin_cpu_supports("avx512bw"), "avx512bw");
+#endif
+#ifdef __AVX512VL__
+  need(__builtin_cpu_supports("avx512vl"), "avx512vl");
+#endif
+#ifdef __AVX512DQ__
+  need(__builtin_cpu_supports("avx512dq"), "avx512dq");
+#endif
+  return missing;
+}
+
+void check_build_runs_here() {
+  const std::string missing = missing_instructions();
+  TORCH_CHECK(missing.empty(), "this library was built for instructions this CPU does not show this process (",
+              missing, "): rebuild it for this CPU ($AGENTRT_CPU_MARCH)");
+}
+
+std::string best_cpu_isa() {
+  check_build_runs_here();
+  return ISA_NAMES[best_isa()];
+}
+
 std::string set_cpu_isa(const std::string& name) {
+  check_build_runs_here();
   int want = -1;
   for (int i = 0; i < 4; ++i) {
     if (name == ISA_NAMES[i]) want = i;
@@ -412,6 +456,7 @@ TORCH_LIBRARY_FRAGMENT(agentrt_cpu, m) {
   m.def("pack_int8(Tensor q) -> Tensor");
   m.def("set_cpu_isa(str isa) -> str");
   m.def("get_cpu_isa() -> str");
+  m.def("best_cpu_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
@@ -422,4 +467,5 @@ TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(agentrt_cpu, CatchAll, m) {
   m.impl("set_cpu_isa", &agentrt_cpu::set_cpu_isa);
   m.impl("get_cpu_isa", &agentrt_cpu::get_cpu_isa);
+  m.impl("best_cpu_isa", &agentrt_cpu::best_cpu_isa);
 }

@@ -60,7 +60,7 @@ HEADERS = tuple(
 )  # shared declarations
 OPS = (
     "attention", "decode_attention", "rms_norm", "add_rms_norm", "rope_store", "silu_mul", "int8_linear", "pack_int8",
-    "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa",
+    "int4_linear", "decode_layers", "set_cpu_isa", "get_cpu_isa", "best_cpu_isa",
 )  # fmt: skip
 # arguments an op's schema must name (a library built before them registers the op without them)
 OP_ARGS = {
@@ -74,8 +74,12 @@ OP_ARGS = {
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets flush-to-zero
 # for the whole process when the library loads (hypothesis noticed: subnormal floats vanished).
 # The reassociation flags alone let the reductions vectorize.
+# -ffp-contract=off: a multiply and an add fuse only where the source says so (an FMA intrinsic,
+# std::fma). gcc's own contraction follows the -march tuning (znver2 fused less than native or
+# x86-64-v3), so another CPU's build gave other bits; for the same reason every float reduction is
+# written out in its order (tests/runtime/test_cpu_builds.py compares builds for other CPUs).
 FLAGS = (
-    "-O3", "-march=", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-O3", "-march=", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
     "-fno-signed-zeros", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
 )  # fmt: skip
 _lock = threading.Lock()
@@ -171,24 +175,20 @@ def load(cache_dir: Path) -> str | None:
     kernel_isa(cpu_info())  # a bad $AGENTRT_CPU_ISA fails before any build
     failure = _load(cache_dir)
     if failure is None:
-        isa = isa_here()
         try:
-            select_isa(isa)
-        except RuntimeError as e:  # this build has no code for `isa`
+            select_isa(isa_here())
+        except RuntimeError as e:  # this build has no code for the ISA, or cannot run here at all
             failure = f"RuntimeError: {e} (built with -march={march()})"
-            logger.warning("the CPU kernels are unavailable: %s", failure)
+            _warn_once("the CPU kernels are unavailable: %s", failure)
     return failure
 
 
 def executable_isa() -> str:
     """The best integer-kernel path the loaded library can run in this process: its build's code and
     the CPU as CPUID and the OS's saved register state show it (__builtin_cpu_supports), which an
-    emulator can make lower than /proc/cpuinfo's flags."""
-    ops = torch.ops.agentrt_cpu
-    active = ops.get_cpu_isa()
-    best = ops.set_cpu_isa("")
-    ops.set_cpu_isa(active)
-    return best
+    emulator can make lower than /proc/cpuinfo's flags. RuntimeError when the library's own -march
+    uses instructions this process cannot run (a build for the host, loaded under an emulator)."""
+    return torch.ops.agentrt_cpu.best_cpu_isa()
 
 
 def isa_here(forced: str | None = None) -> str:
@@ -202,12 +202,16 @@ def isa_here(forced: str | None = None) -> str:
     return isa
 
 
-@functools.cache
 def _warn_capped(flagged: str, runs: str, isa: str) -> None:
-    logger.warning(
+    _warn_once(
         "/proc/cpuinfo lists the %s instructions but this process cannot run them (CPUID: %s at best): "
         "the integer kernels take %s", flagged, runs, isa,
     )  # fmt: skip
+
+
+@functools.cache
+def _warn_once(message: str, *args: str) -> None:
+    logger.warning(message, *args)
 
 
 def select_isa(isa: str) -> str:
