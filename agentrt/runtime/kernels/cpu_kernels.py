@@ -198,15 +198,11 @@ def isa_here(forced: str | None = None) -> str:
     runs = executable_isa()
     isa, flagged = kernel_isa(info, forced, runs)[0], kernel_isa(info, forced)[0]
     if flagged != isa:
-        _warn_capped(flagged, runs, isa)
+        _warn_once(
+            "/proc/cpuinfo lists the %s instructions but this process cannot run them (CPUID: %s at "
+            "best): the integer kernels take %s", flagged, runs, isa,
+        )  # fmt: skip
     return isa
-
-
-def _warn_capped(flagged: str, runs: str, isa: str) -> None:
-    _warn_once(
-        "/proc/cpuinfo lists the %s instructions but this process cannot run them (CPUID: %s at best): "
-        "the integer kernels take %s", flagged, runs, isa,
-    )  # fmt: skip
 
 
 @functools.cache
