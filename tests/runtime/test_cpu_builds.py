@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from agentrt.runtime import hardware
 from agentrt.runtime.kernels import cpu_kernels
 from tests.support.kernels import needs_kernel, run_fresh
 
@@ -153,7 +154,7 @@ def test_a_cpu_that_shows_no_avx512_chooses_avx2_and_gives_the_native_bits(tmp_p
         LOWER_MARCH, native / "cache", runner=(QEMU, "-cpu", "EPYC-Rome-v2"), timeout=1800,
         AGENTRT_CPU_MARCH="", AGENTRT_CPU_ISA="", OMP_NUM_THREADS="1",
     )  # fmt: skip
-    if "avx512f" in cpu_kernels.cpu_info().flags:
+    if "avx512f" in hardware.cpu_info().flags:
         assert "built for instructions this CPU does not show this process (avx512f" in out, out
         assert "auto ('torch', " in out, out
     a, b = torch.load(native / "out.pt"), torch.load(zen2 / "out.pt")
