@@ -5,6 +5,7 @@ emission in one place)."""
 from __future__ import annotations
 
 from agentrt.runtime.detokenizer import IncrementalDetokenizer
+from agentrt.runtime.reasoning_budget import ReasoningTracker
 from agentrt.runtime.request import Request, RequestOutput
 
 
@@ -24,7 +25,9 @@ class OutputProcessor:
 
         Unconstrained requests stop on the model's EOS ids (unless ignore_eos) and on
         stop_token_ids; a stop token is not part of the text. Stop strings (OpenAI `stop`) cut the
-        text before the first match (ending before `stop_until`, when set); the budget
+        text before the first match (ending before `stop_until`, when set); with a reasoning model
+        they are looked for in the answer only (`answer_start`): never in the reasoning, its end
+        marker (sampled or forced by the thinking budget) or what separates the answer from it. The budget
         (`r.max_tokens`) and the context limit end with "length". Text is decoded incrementally (runtime/detokenizer.py: O(window) per token);
         the final text is one full decode, exactly as the tokenizer says."""
         p = r.params
@@ -38,12 +41,17 @@ class OutputProcessor:
             if r.detokenizer is None:
                 r.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
             text = r.detokenizer.update(self.tokenizer, text_ids)
-            if p.stop and r.reasoning is not None and r.reasoning.state != "answer":
-                r.stop_scanned = len(text)  # stop strings apply to the answer, not the reasoning
-            elif p.stop and r.stop_end is None:
-                cut = self._find_stop(r, text)
-                if cut >= 0:
-                    text, reason = text[:cut], "stop"
+            if p.stop and r.stop_end is None:
+                if r.answer_start is None:  # stop strings apply to the answer, not the reasoning
+                    r.answer_start = answer_start(r.reasoning, text, r.stop_scanned)
+                    if r.answer_start is not None:
+                        r.stop_scanned = r.answer_start
+                    elif r.reasoning.state != "answer":  # the end marker is not in text[:len(text)]
+                        r.stop_scanned = len(text)
+                if r.answer_start is not None:
+                    cut = self._find_stop(r, text)
+                    if cut >= 0:
+                        text, reason = text[:cut], "stop"
             if reason is None and (len(output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len):
                 reason = "length"
         if reason is not None and cut < 0:
@@ -60,12 +68,13 @@ class OutputProcessor:
         p = r.params
         end = len(text)
         if p.stop_until:
-            k = text.find(p.stop_until, max(0, len(r.text) - len(p.stop_until) + 1))
+            k = text.find(p.stop_until, max(r.answer_start or 0, r.stop_scanned - len(p.stop_until) + 1))
             if k >= 0:
                 r.stop_end = end = k
             else:
                 end -= _partial_match(text, end, p.stop_until)
-        starts = [text.find(s, max(0, r.stop_scanned - len(s) + 1), end) for s in p.stop]
+        lo = r.answer_start or 0
+        starts = [text.find(s, max(lo, r.stop_scanned - len(s) + 1), end) for s in p.stop]
         r.stop_scanned = end
         return min((i for i in starts if i >= 0), default=-1)
 
@@ -103,6 +112,38 @@ class OutputProcessor:
             r.reasoning.num_tokens if r.reasoning is not None else 0,
             dict(r.tier_hits),
         )
+
+
+def answer_start(tracker: ReasoningTracker | None, text: str, scanned: int) -> int | None:
+    """Where the answer begins in `text` (a character offset), where stop strings may match: 0
+    without reasoning; for a reasoning model, after its end marker, the whitespace or separator
+    after it and the answer's header (Harmony's "<|start|>assistant<|channel|>final<|message|>"),
+    as the API's ReasoningParser drops them; None while the output is still reasoning or the answer
+    has not begun. `scanned`: text[:scanned] is known to hold no end marker (a marker that the
+    decoded text leaves out, a special token skipped, ends the reasoning there)."""
+    if tracker is None:
+        return 0
+    if tracker.state != "answer":
+        return None
+    p = tracker.params
+    at = 0
+    if tracker.num_tokens:  # the reasoning ran: the answer starts after its end marker
+        k = text.find(p.end, max(0, scanned - len(p.end) + 1))
+        at = k + len(p.end) if k >= 0 else min(scanned, len(text))
+    for prefix in (p.after_end.strip(), p.header):
+        at = _skip_space(text, at)
+        if prefix and text.startswith(prefix, at):
+            at += len(prefix)
+        elif prefix and prefix.startswith(text[at:]):
+            return None  # the separator or header may still be written
+    at = _skip_space(text, at)
+    return at if at < len(text) else None
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def _partial_match(text: str, upto: int, stop: str) -> int:

@@ -279,6 +279,7 @@ class Request:
     sent_len: int = 0
     stop_end: int | None = None  # where params.stop_until first occurs in text (stop strings end there)
     stop_scanned: int = 0  # text[:stop_scanned] has been searched for stop strings
+    answer_start: int | None = None  # where the answer begins in text (after any reasoning), once known
     finish_reason: str | None = None
     error: AgentrtError | None = None
     first_token_time: float | None = None
