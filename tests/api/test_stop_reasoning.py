@@ -17,6 +17,13 @@ THINKING = "thinking " * 40  # a reasoning the model never ends by itself
 ANSWER = "The answer is here."
 QUESTION = [{"role": "user", "content": "hi"}]
 NATURAL = [{"role": "user", "content": "think?"}]  # a reasoning the model ends by itself
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +44,12 @@ def served(default_model_dir):
     runner = FakeModelRunner(tok, max_model_len=4096, num_kv_slots=16384)
     front = AsyncEngine(engine=Engine(runner=runner))
     with TestClient(create_app(front, "m", reasoning_budget_message=CLOSE)) as client:
-        prompt = client.post("/tokenize", json={"model": "m", "messages": QUESTION}).json()["tokens"]
-        reasoning = runner.script(prompt, THINKING)
         forced = tok.encode(CLOSE + "</think>", add_special_tokens=False)
-        runner.script([*prompt, *reasoning[:8], *forced], f"\n\n{ANSWER}<|im_end|>")
+        for tools in (None, [WEATHER]):
+            body = {"model": "m", "messages": QUESTION, "tools": tools}
+            prompt = client.post("/tokenize", json=body).json()["tokens"]
+            reasoning = runner.script(prompt, THINKING)
+            runner.script([*prompt, *reasoning[:8], *forced], f"\n\n{ANSWER}<|im_end|>")
         prompt = client.post("/tokenize", json={"model": "m", "messages": NATURAL}).json()["tokens"]
         runner.script(prompt, "Let me think about it.\n</think>\n\nI think so, yes.<|im_end|>")
         yield client, runner, tok
@@ -71,13 +80,18 @@ def _chat(client, messages, stream=False, **extra) -> tuple[str | None, str | No
     return "".join(reasoning) or None, "".join(content) or None, finish
 
 
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["plain", "tools-auto"])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("stop", ["</think>", "think", "</", ">", "\n"])
-def test_chat_stop_never_matches_the_forced_end_marker(served, stop, stream):
+def test_chat_stop_never_matches_the_forced_end_marker(served, stop, stream, tools):
     """The issue's request: a thinking budget of 8 forces " ok</think>"; stop strings that occur in
-    the reasoning, the forced marker or the newlines after it leave the answer whole."""
+    the reasoning, the forced marker or the newlines after it leave the answer whole (with tools on
+    "auto" too, where stop strings apply to the text before a call)."""
     client, _, _ = served
-    reasoning, content, finish = _chat(client, QUESTION, stream, thinking_token_budget=8, stop=[stop])
+    extra = {"tools": tools} if tools else {}
+    reasoning, content, finish = _chat(
+        client, QUESTION, stream, thinking_token_budget=8, stop=[stop], **extra
+    )
     assert content == ANSWER and finish == "stop"
     assert reasoning.startswith("thinking thinking") and reasoning.endswith("ok"), reasoning
 
