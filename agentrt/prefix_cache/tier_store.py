@@ -12,7 +12,8 @@ Disk layout: one file per block, `<key hex>.kvb`, written to a temporary name an
 count, CRC-32 of the tokens and payload), the block's token ids (uint32) and the payload. A file
 that fails any check is skipped and deleted, never loaded. `FINGERPRINT` in the directory names the
 model, weights and KV layout the files belong to; on a mismatch the files are discarded with a
-warning.
+warning, and a FINGERPRINT that is not one agentrt writes (garbage) is overwritten with a warning,
+whether or not there are files to discard.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
         stamp = self.dir / "FINGERPRINT"
         want = f"{self.fingerprint.hex()}\n{describe}\n"
-        have = stamp.read_bytes().decode("utf-8", "replace") if stamp.is_file() else None
+        raw = stamp.read_bytes() if stamp.is_file() else None
+        have = None if raw is None else raw.decode("utf-8", "replace")
         # block files only: not symlinks (a dangling one has no mtime), not directories
         files = []
         for p in self.dir.glob("*.kvb"):
@@ -187,17 +189,24 @@ class DiskTier:
             except OSError:
                 continue
         files = [p for _, p in sorted(files)]
-        if have is None or have.split("\n", 1)[0] != self.fingerprint.hex():
-            if files:
-                lines = (have or "").split("\n")
+        theirs = _stamp_fingerprint(have)
+        if have is not None and theirs is None:  # not a FINGERPRINT this class writes
+            logger.warning(
+                "KV disk tier %s: its FINGERPRINT file is not one agentrt writes (%s); overwriting it%s",
+                self.dir,
+                _preview(raw),
+                f" and discarding the {len(files)} block file{'s' * (len(files) > 1)} it cannot vouch for"
+                if files
+                else "",
+            )
+        if theirs != self.fingerprint.hex():
+            if files and (theirs is not None or have is None):
                 logger.warning(
                     "KV disk tier %s: %d files belong to another model, weights or KV layout (%s); "
                     "discarding them",
                     self.dir,
                     len(files),
-                    "no FINGERPRINT file"
-                    if have is None
-                    else (lines[1] if len(lines) > 1 and lines[1] else "unreadable FINGERPRINT"),
+                    "no FINGERPRINT file" if have is None else (have.split("\n")[1] or "no description"),
                 )
             for f in files:
                 f.unlink(missing_ok=True)
@@ -326,6 +335,20 @@ class DiskTier:
         if self.enabled:
             logger.warning("KV disk tier off: %s; the tiers above keep serving", why)
         self.enabled = False
+
+
+def _stamp_fingerprint(text: str | None) -> str | None:
+    """The fingerprint (hex digits) a FINGERPRINT file's text names: its first line, when the text has
+    the form DiskTier writes (`<fingerprint hex>\\n<description>\\n`); None otherwise (garbage)."""
+    first, sep, _ = (text or "").partition("\n")
+    if not sep or not first or first.strip("0123456789abcdef"):
+        return None
+    return first
+
+
+def _preview(data: bytes, limit: int = 48) -> str:
+    """The first `limit` bytes of `data` for a log line (repr: other than printable ASCII escaped)."""
+    return repr(data[:limit]) + (f" ... ({len(data):,} bytes)" if len(data) > limit else "")
 
 
 STALE_TMP_SECONDS = 600.0  # a block write takes milliseconds: a temporary file this old is dead

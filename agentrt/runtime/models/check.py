@@ -237,7 +237,12 @@ class _Model:
 
 def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
     """("gguf" | "hf", path) of `model`, or None after adding the error that says why not."""
-    from agentrt.runtime.models.loader import PICKLE_SUFFIXES, REGISTERED_MODELS, find_registered_gguf
+    from agentrt.runtime.models.loader import (
+        PICKLE_SUFFIXES,
+        REGISTERED_MODELS,
+        find_registered_gguf,
+        require_config_json,
+    )
 
     try:
         if model in REGISTERED_MODELS:
@@ -246,8 +251,7 @@ def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
         if path.is_file() and path.suffix == ".gguf":
             return "gguf", path
         if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ValueError(f"model directory '{model}' has no config.json")
+            require_config_json(path, model)
             return "hf", path
         if path.is_file() and path.suffix in PICKLE_SUFFIXES:
             raise ValueError(

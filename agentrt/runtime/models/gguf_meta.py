@@ -58,35 +58,81 @@ class GgufInfo:
 
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32"}
+_TYPE_NAMES |= {7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+# the fewest bytes a value of each type takes in the file: a string is its 8-byte length at least, an
+# array its 4-byte element type and 8-byte length
+_MIN_BYTES = {**{t: struct.calcsize("<" + f) for t, f in _SCALARS.items()}, 8: 8, 9: 12}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dimensions (0 dims), type, offset
 
 
-def _gguf_string(buf, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    if pos + 8 + n > len(buf):
-        raise ValueError(f"a string of {n} bytes runs past the end of the file")
+def _check_count(buf, pos: int, count: int, each: int, field: str) -> None:
+    """Raises ValueError naming `field` when `count` items of at least `each` bytes (each 1: a
+    length in bytes) cannot fit in what is left of the file after byte `pos`: a hostile or corrupt
+    count, refused before it is walked or handed to `struct` (whose error names only a buffer size)."""
+    left = max(len(buf) - pos, 0)
+    if count * each <= left:
+        return
+    room = f"{left:,} bytes left after byte {pos:,} of its {len(buf):,}"
+    if each == 1:
+        raise ValueError(f"{field} is {count:,} bytes, but the file has only {room}")
+    raise ValueError(
+        f"{field} is {count:,}, but the file has only {room}: room for at most {left // each:,} "
+        f"(at least {each} bytes each)"
+    )
+
+
+def _unpack(fmt: str, buf, pos: int, field: str) -> tuple:
+    """struct.unpack_from, with a ValueError naming `field` when it runs past the end of the file."""
+    if pos + struct.calcsize(fmt) > len(buf):
+        raise ValueError(f"{field} at byte {pos:,} runs past the end of the file ({len(buf):,} bytes)")
+    return struct.unpack_from(fmt, buf, pos)
+
+
+def _gguf_string(buf, pos: int, field: str) -> tuple[str, int]:
+    (n,) = _unpack("<Q", buf, pos, f"the length of {field}")
+    _check_count(buf, pos + 8, n, 1, f"the length of {field}")
     return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
 
 
-def _gguf_value(buf, pos: int, vtype: int):
+_MAX_ARRAY_NESTING = 8  # arrays of arrays: gguf-py writes them, llama.cpp reads none
+
+
+def _gguf_value(buf, pos: int, vtype: int, field: str, depth: int = 0):
+    """(value, position after it) of a metadata value of type `vtype` at `pos`; `field` names it in
+    errors ("metadata key 'llama.block_count'")."""
     if vtype in _SCALARS:
         fmt = "<" + _SCALARS[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+        return _unpack(fmt, buf, pos, field)[0], pos + struct.calcsize(fmt)
     if vtype == 8:
-        return _gguf_string(buf, pos)
+        return _gguf_string(buf, pos, field)
     if vtype != 9:
-        raise ValueError(f"unknown metadata value type {vtype}")
-    etype, count = struct.unpack_from("<IQ", buf, pos)
+        raise ValueError(f"{field} has unknown value type {vtype}")
+    etype, count = _unpack("<IQ", buf, pos, f"the array header of {field}")
     pos += 12
+    if etype not in _MIN_BYTES:
+        raise ValueError(f"{field} is an array of unknown value type {etype}")
+    _check_count(buf, pos, count, _MIN_BYTES[etype], f"the array length of {field} ({_TYPE_NAMES[etype]})")
     if etype in _SCALARS:
         fmt = f"<{count}{_SCALARS[etype]}"
         return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
     if etype == 8:  # walked, not decoded: a 262k-token vocabulary costs ~0.1 s this way
-        for _ in range(count):
-            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        try:
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        except struct.error:
+            pos = len(buf) + 1
+        if pos > len(buf):
+            raise ValueError(
+                f"the strings of {field} ({count:,}) run past the end of the file ({len(buf):,} bytes)"
+            )
         return StringArray(count), pos
+    if depth >= _MAX_ARRAY_NESTING:
+        raise ValueError(f"{field} nests arrays more than {_MAX_ARRAY_NESTING} deep")
     values = []
-    for _ in range(count):
-        value, pos = _gguf_value(buf, pos, etype)
+    for i in range(count):
+        value, pos = _gguf_value(buf, pos, etype, f"{field}[{i}]", depth + 1)
         values.append(value)
     return values, pos
 
@@ -104,7 +150,11 @@ def _ggml_type(type_id: int) -> tuple[str, tuple[int, int] | None]:
 
 def read_gguf(path: Path) -> GgufInfo:
     """Metadata and tensor infos of a GGUF file (memory-mapped; tensor data is never touched).
-    Raises ValueError naming the file when it is not a GGUF v2/v3 file or is cut short."""
+
+    Raises ValueError naming the file when it is not a GGUF v2/v3 file, and naming the field when a
+    count, length or offset of the header does not fit in the file (a corrupt or hostile file): the
+    header's tensor_count or metadata_kv_count, a string's or an array's length, a tensor's
+    n_dimensions, or a tensor whose data runs past the end, with the file size (bytes) it had to fit."""
     path = Path(path)
     if path.stat().st_size < 24:
         raise ValueError(f"{path} is not a GGUF file (shorter than a GGUF header)")
@@ -112,33 +162,48 @@ def read_gguf(path: Path) -> GgufInfo:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
         try:
-            version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} (agentrt reads 2 and 3)")
-            pos, metadata = 24, {}
-            for _ in range(n_kv):
-                key, pos = _gguf_string(buf, pos)
-                metadata[key], pos = _gguf_value(buf, pos + 4, struct.unpack_from("<I", buf, pos)[0])
-            infos = []
-            for _ in range(n_tensors):
-                name, pos = _gguf_string(buf, pos)
-                (ndim,) = struct.unpack_from("<I", buf, pos)
-                dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
-                type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
-                pos += 4 + 8 * ndim + 12
-                infos.append((name, dims, type_id, offset))
-            align = int(metadata.get("general.alignment", 32))
-            data_start = -(-pos // align) * align
-            tensors = []
-            for name, dims, type_id, offset in infos:
-                type_name, block = _ggml_type(type_id)
-                nbytes = prod(dims) // block[0] * block[1] if block else None
-                tensors.append(
-                    GgufTensor(name, tuple(reversed(dims)), type_name, nbytes, data_start + offset)
-                )
+            metadata, tensors = _read_header(buf)
         except (struct.error, ValueError, OverflowError) as e:
             raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
-    return GgufInfo(path, metadata, tuple(tensors))
+    return GgufInfo(path, metadata, tensors)
+
+
+def _read_header(buf) -> tuple[dict, tuple[GgufTensor, ...]]:
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (agentrt reads 2 and 3)")
+    _check_count(buf, 24, n_kv, _MIN_KV_BYTES, "the header's metadata_kv_count")
+    _check_count(buf, 24, n_tensors, _MIN_TENSOR_INFO_BYTES, "the header's tensor_count")
+    pos, metadata = 24, {}
+    for i in range(n_kv):
+        key, pos = _gguf_string(buf, pos, f"the key of metadata entry {i}")
+        (vtype,) = _unpack("<I", buf, pos, f"the value type of metadata key '{key}'")
+        metadata[key], pos = _gguf_value(buf, pos + 4, vtype, f"metadata key '{key}'")
+    _check_count(buf, pos, n_tensors, _MIN_TENSOR_INFO_BYTES, "the header's tensor_count")
+    infos = []
+    for i in range(n_tensors):
+        name, pos = _gguf_string(buf, pos, f"the name of tensor {i}")
+        (ndim,) = _unpack("<I", buf, pos, f"n_dimensions of tensor '{name}'")
+        _check_count(buf, pos + 4, ndim, 8, f"n_dimensions of tensor '{name}'")
+        dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
+        type_id, offset = _unpack("<IQ", buf, pos + 4 + 8 * ndim, f"the type and offset of tensor '{name}'")
+        pos += 4 + 8 * ndim + 12
+        infos.append((name, dims, type_id, offset))
+    align = metadata.get("general.alignment", 32)
+    if type(align) is not int or align < 1:
+        raise ValueError(f"metadata key 'general.alignment' is {align!r}, not a positive number of bytes")
+    data_start = -(-pos // align) * align
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        type_name, block = _ggml_type(type_id)
+        nbytes = prod(dims) // block[0] * block[1] if block else None
+        if data_start + offset + (nbytes or 0) > len(buf):
+            raise ValueError(
+                f"the data of tensor '{name}' ({type_name} {list(reversed(dims))}: {nbytes or 0:,} bytes at "
+                f"byte {data_start + offset:,}) runs past the end of the file ({len(buf):,} bytes)"
+            )
+        tensors.append(GgufTensor(name, tuple(reversed(dims)), type_name, nbytes, data_start + offset))
+    return metadata, tuple(tensors)
 
 
 def gguf_model_type(metadata: dict) -> str:

@@ -11,10 +11,12 @@ either (transformers' trust_remote_code is never set).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,34 @@ def check_weight_files(model_dir: Path) -> None:
     if pickles:
         raise _refuse_pickle(pickles[0])
     raise ValueError(f"model directory {model_dir} has no .safetensors weights")
+
+
+def broken_link(path: Path) -> str | None:
+    """Why `path` is a symlink that leads nowhere ("a symlink loop", "a symlink to X, which does not
+    exist"), or None when it is not such a link. `Path.is_file()` says False for both, which would
+    read as "missing"."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop (too many levels of symbolic links)"
+        if os.path.islink(path) and e.errno == errno.ENOENT:
+            return f"a symlink to {os.readlink(path)}, which does not exist"
+    return None
+
+
+def require_config_json(model_dir: Path, model: str) -> None:
+    """Raises ValueError naming `model` when the directory has no readable config.json file: missing,
+    a symlink loop, a dangling symlink, or not a file."""
+    config = Path(model_dir) / "config.json"
+    if config.is_file():
+        return
+    why = broken_link(config)
+    if why is not None:
+        raise ValueError(f"model directory '{model}': its config.json is {why}")
+    if config.exists():
+        raise ValueError(f"model directory '{model}': its config.json is not a file")
+    raise ValueError(f"model directory '{model}' has no config.json")
 
 
 def find_registered_gguf(name: str, cache_dir: Path | None = None) -> Path:
@@ -184,21 +214,23 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     """Map `model` (registered name, HF directory, GGUF file, or locally cached hub id) to a local
     Hugging Face directory with safetensors weights. Raises ValueError naming the model when none
-    of these applies, or naming the file of a pickle checkpoint (refused)."""
+    of these applies (saying so when the path or its config.json is a symlink loop or a dangling
+    symlink), or naming the file of a pickle checkpoint (refused)."""
     if model in REGISTERED_MODELS:
         return convert_gguf(find_registered_gguf(model, cache_dir), cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory '{model}' has no config.json")
+        require_config_json(path, model)
         check_weight_files(path)
         return path
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:
         raise _refuse_pickle(path)
     if path.exists():
         raise ValueError(f"model '{model}' is neither a Hugging Face directory nor a .gguf file")
+    if (why := broken_link(path)) is not None:
+        raise ValueError(f"model '{model}' is {why}")
     from huggingface_hub import snapshot_download
 
     try:
