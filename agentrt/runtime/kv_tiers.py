@@ -4,7 +4,11 @@ instead of away, and a prompt whose prefix is there is loaded back instead of re
 - Blocks: `block_tokens` tokens of KV (every per-slot tensor of the pool, `KVPool.state_tensors`,
   in the pool's dtype: float32, bfloat16 or int8 + scales), keyed by chained hashes of the tokens
   and the cache namespace (prefix_cache/block_keys.py), so `cache_salt` isolation holds in every
-  tier and keys survive a restart. A trailing partial block is not kept below the pool.
+  tier and keys survive a restart. Trailing partial blocks (fewer than `block_tokens` tokens) are
+  kept too, under their own keys (block_keys.tail_key): a finished request's write-through stores
+  the partial block at the end of its tokens and the one ending a token before its prompt's end, so
+  a returning prompt resumes at its last shared token, not at a block boundary. Eviction from the
+  pool stores full blocks only.
 - Going down: when the radix tree evicts a leaf, its full blocks are gathered from the pool (on the
   engine thread: the slots are reused right after) and encoded and stored by a store thread into
   the host tier (an LRU in memory; on CPU, compressed losslessly: prefix_cache/tier_store.py); host
