@@ -251,15 +251,18 @@ class OpenAIServing:
         params = req.sampling_params(max_tokens)
         if reasoning is not None:
             params.reasoning = reasoning.params()
-            if params.reasoning is not None and self.reasoning.keep_special:
-                params.skip_special_tokens = False
         chosen = req.constraint(
             req.response_format, sql.spec if sql is not None else None, self._max_constraint_bytes
         )
         constraint, constraint_param = chosen.spec, chosen.param
         calls = plan if plan is not None and plan.calls else None
-        if calls is not None:
-            params.skip_special_tokens = calls.fmt.skip_special_tokens
+        # one decision: special tokens stay in the text when the reasoning's markers or the call
+        # format's markers are special tokens (each parser needs its own markers)
+        keep_markers = params.reasoning is not None and self.reasoning.keep_special
+        if calls is not None and not calls.fmt.skip_special_tokens:
+            keep_markers = True
+        if keep_markers:
+            params.skip_special_tokens = False
         tool_constraint = plan.constraint() if plan is not None else None
         if tool_constraint is not None and calls is not None:
             if constraint is not None:
