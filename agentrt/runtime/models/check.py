@@ -23,9 +23,29 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
+from agentrt.runtime.models.check_memory import capacity, check_memory, kv_estimate
+from agentrt.runtime.models.check_report import (
+    ERROR,
+    OK,
+    WARNING,
+    Capacity,
+    CheckReport,
+    Finding,
+    KVEstimate,
+)
 from agentrt.runtime.models.gguf_meta import StringArray, gguf_hf_config, read_gguf
 
-OK, WARNING, ERROR = "ok", "warning", "error"
+__all__ = [
+    "Capacity",
+    "CheckReport",
+    "Finding",
+    "KVEstimate",
+    "capacity",
+    "check_model",
+    "kv_estimate",
+    "reasoning_format",
+    "safetensors_headers",
+]
 
 REASONING_FORMATS = (  # (text in the chat template, the reasoning format it implies), first match wins
     ("<|channel|>", "harmony (gpt-oss)"),
@@ -38,137 +58,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 NO_TEMPLATE_ROUTES = "/v1/chat/completions, /v1/messages and /v1/responses"
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One result: `level` ok / warning / error, `topic` what was checked, `message` what was found."""
-
-    level: str
-    topic: str
-    message: str
-
-
-@dataclass(frozen=True)
-class KVEstimate:
-    """KV bytes of a model at a dtype. `layer_bytes`: K + V of one token in one layer (bytes);
-    `full_layers`: layers attending to the whole context; `windows`: ((window tokens, layers), ...)
-    of the sliding-window layers, which hold at most `window` tokens per sequence."""
-
-    dtype: str
-    num_layers: int
-    layer_bytes: int
-    full_layers: int
-    windows: tuple[tuple[int, int], ...]
-
-    @property
-    def full_bytes_per_token(self) -> int:
-        """Bytes per token of the full-attention layers together."""
-        return self.full_layers * self.layer_bytes
-
-    @property
-    def pool_bytes_per_token(self) -> int:
-        """Bytes per token the engine's pool (kv_cache.KVPool) reserves: every layer, window or not."""
-        return self.num_layers * self.layer_bytes
-
-    def sequence_bytes(self, tokens: int) -> int:
-        """KV bytes one sequence of `tokens` tokens needs when a windowed layer keeps only its window:
-        full x tokens + per windowed layer min(tokens, window)."""
-        windowed = sum(n * self.layer_bytes * min(tokens, w) for w, n in self.windows)
-        return self.full_bytes_per_token * tokens + windowed
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Sequences of `max_model_len` tokens a KV budget holds. `budget_bytes` None: not measurable
-    here (`source` says why). `pool_sequences`: with the pool as built (every layer per token);
-    `window_sequences`: if windowed layers kept only their window."""
-
-    device: str
-    budget_bytes: int | None
-    source: str
-    max_model_len: int
-    pool_sequences: int = 0
-    window_sequences: int = 0
-
-
-@dataclass
-class CheckReport:
-    """What `check_model` found. `exit_status` 1 when any finding is an error, else 0."""
-
-    model: str
-    source: str = ""
-    findings: list[Finding] = field(default_factory=list)
-    architecture: str | None = None
-    family: str | None = None
-    weight_bytes: dict[str, int] = field(default_factory=dict)
-    tool_format: str | None = None
-    reasoning_format: str | None = None
-    bos_id: int | None = None
-    eos_id: int | None = None
-    stop_ids: tuple[int, ...] = ()
-    kv: KVEstimate | None = None
-    capacity: Capacity | None = None
-
-    def add(self, level: str, topic: str, message: str) -> None:
-        self.findings.append(Finding(level, topic, message))
-
-    def of(self, topic: str) -> list[Finding]:
-        """The findings about `topic`."""
-        return [f for f in self.findings if f.topic == topic]
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.level == ERROR]
-
-    @property
-    def exit_status(self) -> int:
-        return 1 if self.errors else 0
-
-    def describe(self) -> str:
-        """The report as text: a header line, one line per finding, a summary line."""
-        lines = [f"agentrt check {self.model}: {self.source}"]
-        lines += [f"  [{f.level}] {f.topic}: {f.message}" for f in self.findings]
-        warnings = sum(f.level == WARNING for f in self.findings)
-        lines.append(f"{len(self.errors)} errors, {warnings} warnings: exit {self.exit_status}")
-        return "\n".join(lines)
-
-
 # ---- pure pieces --------------------------------------------------------------------------------
 
 
 def reasoning_format(template: str | None) -> str:
     """The reasoning format a chat template implies (REASONING_FORMATS), or "none"."""
     return next((name for marker, name in REASONING_FORMATS if marker in (template or "")), "none")
-
-
-def kv_estimate(arch, dtype) -> KVEstimate:
-    """KV bytes of `arch` (a ModelArch) at torch dtype `dtype`, windowed layers grouped by window."""
-    from agentrt.runtime.kv_cache import KVPool
-
-    layer = KVPool.bytes_per_token_of(1, arch.num_kv_heads, arch.head_dim, dtype)
-    windows: dict[int, int] = {}
-    for w in arch.layer_windows:
-        if w is not None:
-            windows[int(w)] = windows.get(int(w), 0) + 1
-    full = sum(w is None for w in arch.layer_windows)
-    name = str(dtype).removeprefix("torch.")
-    return KVEstimate(name, arch.num_layers, layer, full, tuple(sorted(windows.items())))
-
-
-def capacity(
-    kv: KVEstimate, max_model_len: int, budget: int | None, device: str, source: str, window_pool=None
-) -> Capacity:
-    """Sequences of `max_model_len` tokens that `budget` KV bytes hold (0 when budget is None).
-    window_pool: (token slots, window rows) of the sliding-window pool the engine builds here
-    (kv_window.plan_window_pool), or None for the plain pool (every layer per token)."""
-    if budget is None:
-        return Capacity(device, None, source, max_model_len)
-    if window_pool is None:
-        pool = budget // (kv.pool_bytes_per_token * max_model_len)
-    else:
-        slots, rows = window_pool
-        window = max(w for w, _ in kv.windows)
-        pool = min(slots // max_model_len, rows // min(max_model_len, window))
-    return Capacity(device, budget, source, max_model_len, pool, budget // kv.sequence_bytes(max_model_len))
 
 
 def safetensors_headers(model_dir: Path) -> tuple[dict[str, dict], list[str]]:
@@ -426,102 +321,6 @@ def _check_tokenizer(report: CheckReport, m: _Model, vocab: int | None) -> None:
     )
 
 
-def _check_memory(report: CheckReport, arch, m: _Model, options: dict) -> None:
-    import torch
-
-    from agentrt.runtime.config import CacheConfig, SchedulerConfig
-    from agentrt.runtime.kv_window import plan_window_pool
-    from agentrt.runtime.platform import choose_dtype
-
-    device = options["device"]
-    try:
-        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-        if dev.type not in ("cpu", "cuda"):
-            raise RuntimeError
-        dtype, why = choose_dtype(dev, options["dtype"])
-    except (RuntimeError, ValueError) as e:
-        report.add(
-            ERROR,
-            "kv cache",
-            str(e) if isinstance(e, ValueError) else f"device '{device}' is not cpu / cuda / cuda:N",
-        )
-        return
-    limit = arch.max_position_embeddings
-    n = options["max_model_len"] or limit
-    if not 1 <= n <= limit:
-        report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
-        return
-    kv = report.kv = kv_estimate(arch, dtype)
-    parts = [f"full-attention layers ({kv.full_layers}): {kv.full_bytes_per_token:,} bytes/token"]
-    parts += [
-        f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
-    ]
-    report.add(
-        OK,
-        "kv cache",
-        f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes",
-    )
-    budget, source = options["kv_cache_bytes"], "--kv-cache-bytes"
-    if budget is None and dev.type == "cpu":
-        budget, source = 1 << 30, "the CPU default, 1 GiB"
-    elif budget is None and not torch.cuda.is_available():
-        budget, source = None, "not measurable here: CUDA is not available (give --kv-cache-bytes)"
-    elif budget is None:  # the runner's rule, with the weights estimated from the headers
-        try:
-            free, total = torch.cuda.mem_get_info(dev)
-        except (RuntimeError, AssertionError, ValueError) as e:
-            report.add(WARNING, "capacity", f"{dev}: not measurable: {e}")
-            return
-        weights = sum(e for _, e in m.tensors.values()) * dtype.itemsize
-        reserve = max(1 << 30, 16 * options["max_num_seqs"] * (arch.vocab_size + 8 * arch.hidden_size))
-        budget = int(CacheConfig.gpu_memory_utilization * total) - (total - free) - weights - reserve
-        source = (
-            f"{CacheConfig.gpu_memory_utilization} x {total / 2**30:.1f} GiB - {(total - free) / 2**30:.1f} GiB in use "
-            f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
-        )
-    window_pool = None
-    if kv.windows and budget is not None and budget > 0:
-        plan = plan_window_pool(
-            arch.layer_windows,
-            kv.layer_bytes,
-            budget,
-            options["max_num_seqs"],
-            SchedulerConfig.max_num_batched_tokens,  # the engine's pool with the default chunk
-            n,
-        )
-        window_pool = None if isinstance(plan, str) else plan
-    cap = report.capacity = capacity(kv, n, budget, str(dev), source, window_pool)
-    if budget is None:
-        report.add(WARNING, "capacity", f"{dev}: {source}")
-        return
-    slots = (
-        (budget // kv.pool_bytes_per_token if window_pool is None else window_pool[0]) if budget > 0 else 0
-    )
-    text = f"{dev} KV budget {budget:,} bytes ({source}): {cap.pool_sequences} sequences of {n:,} tokens"
-    if kv.windows:
-        how = (
-            "every layer per token"
-            if window_pool is None
-            else f"{window_pool[1]:,} windowed-layer rows, shared by the running sequences' windows"
-        )
-        text += f" with the pool as built ({how}; {cap.window_sequences} if each kept exactly its window)"
-    estimated = dev.type == "cuda" and options["kv_cache_bytes"] is None  # the runner refuses it then
-    if slots < 1 or (estimated and cap.pool_sequences < 1):
-        report.add(
-            ERROR,
-            "capacity",
-            f"{text}: the pool cannot hold one sequence; lower --max-model-len or give more memory",
-        )
-    elif cap.pool_sequences < 1:
-        report.add(
-            WARNING, "capacity", f"{text}: the pool holds {slots:,} tokens, so requests are limited to that"
-        )
-    else:
-        fewer = options["max_num_seqs"] > cap.pool_sequences
-        extra = f"; fewer than --max-num-seqs {options['max_num_seqs']} at full context" if fewer else ""
-        report.add(OK, "capacity", text + extra)
-
-
 def check_model(
     model: str,
     max_model_len: int | None = None,
@@ -589,5 +388,5 @@ def check_model(
             "dtype": dtype,
             "kv_cache_bytes": kv_cache_bytes,
         }
-        _check_memory(report, arch, m, options)
+        check_memory(report, arch, m.tensors, options)
     return report

@@ -1,0 +1,138 @@
+"""`agentrt check`'s third layer (runtime/models/check.py): KV bytes per token at the run dtype
+(sliding-window layers counted with their window) and how many --max-model-len sequences the KV
+budget holds, as the engine's pool is built (kv_window.plan_window_pool for windowed models)."""
+
+from __future__ import annotations
+
+from agentrt.runtime.models.check_report import ERROR, OK, WARNING, Capacity, CheckReport, KVEstimate
+
+
+def kv_estimate(arch, dtype) -> KVEstimate:
+    """KV bytes of `arch` (a ModelArch) at torch dtype `dtype`, windowed layers grouped by window."""
+    from agentrt.runtime.kv_cache import KVPool
+
+    layer = KVPool.bytes_per_token_of(1, arch.num_kv_heads, arch.head_dim, dtype)
+    windows: dict[int, int] = {}
+    for w in arch.layer_windows:
+        if w is not None:
+            windows[int(w)] = windows.get(int(w), 0) + 1
+    full = sum(w is None for w in arch.layer_windows)
+    name = str(dtype).removeprefix("torch.")
+    return KVEstimate(name, arch.num_layers, layer, full, tuple(sorted(windows.items())))
+
+
+def capacity(
+    kv: KVEstimate, max_model_len: int, budget: int | None, device: str, source: str, window_pool=None
+) -> Capacity:
+    """Sequences of `max_model_len` tokens that `budget` KV bytes hold (0 when budget is None).
+    window_pool: (token slots, window rows) of the sliding-window pool the engine builds here
+    (kv_window.plan_window_pool), or None for the plain pool (every layer per token)."""
+    if budget is None:
+        return Capacity(device, None, source, max_model_len)
+    if window_pool is None:
+        pool = budget // (kv.pool_bytes_per_token * max_model_len)
+    else:
+        slots, rows = window_pool
+        window = max(w for w, _ in kv.windows)
+        pool = min(slots // max_model_len, rows // min(max_model_len, window))
+    return Capacity(device, budget, source, max_model_len, pool, budget // kv.sequence_bytes(max_model_len))
+
+
+def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> None:
+    """The third layer: the KV dtype and bytes per token of `arch`, and how many sequences of
+    --max-model-len tokens the KV budget holds (the runner's rule on CUDA, the weights estimated from
+    `tensors`: name -> (shape, elements)); `options`: max_model_len, max_num_seqs, device, dtype,
+    kv_cache_bytes. Adds its findings to `report`."""
+    import torch
+
+    from agentrt.runtime.config import CacheConfig, SchedulerConfig
+    from agentrt.runtime.kv_window import plan_window_pool
+    from agentrt.runtime.platform import choose_dtype
+
+    device = options["device"]
+    try:
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        if dev.type not in ("cpu", "cuda"):
+            raise RuntimeError
+        dtype, why = choose_dtype(dev, options["dtype"])
+    except (RuntimeError, ValueError) as e:
+        report.add(
+            ERROR,
+            "kv cache",
+            str(e) if isinstance(e, ValueError) else f"device '{device}' is not cpu / cuda / cuda:N",
+        )
+        return
+    limit = arch.max_position_embeddings
+    n = options["max_model_len"] or limit
+    if not 1 <= n <= limit:
+        report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
+        return
+    kv = report.kv = kv_estimate(arch, dtype)
+    parts = [f"full-attention layers ({kv.full_layers}): {kv.full_bytes_per_token:,} bytes/token"]
+    parts += [
+        f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
+    ]
+    report.add(
+        OK,
+        "kv cache",
+        f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes",
+    )
+    budget, source = options["kv_cache_bytes"], "--kv-cache-bytes"
+    if budget is None and dev.type == "cpu":
+        budget, source = 1 << 30, "the CPU default, 1 GiB"
+    elif budget is None and not torch.cuda.is_available():
+        budget, source = None, "not measurable here: CUDA is not available (give --kv-cache-bytes)"
+    elif budget is None:  # the runner's rule, with the weights estimated from the headers
+        try:
+            free, total = torch.cuda.mem_get_info(dev)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            report.add(WARNING, "capacity", f"{dev}: not measurable: {e}")
+            return
+        weights = sum(e for _, e in tensors.values()) * dtype.itemsize
+        reserve = max(1 << 30, 16 * options["max_num_seqs"] * (arch.vocab_size + 8 * arch.hidden_size))
+        budget = int(CacheConfig.gpu_memory_utilization * total) - (total - free) - weights - reserve
+        source = (
+            f"{CacheConfig.gpu_memory_utilization} x {total / 2**30:.1f} GiB - {(total - free) / 2**30:.1f} GiB in use "
+            f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
+        )
+    window_pool = None
+    if kv.windows and budget is not None and budget > 0:
+        plan = plan_window_pool(
+            arch.layer_windows,
+            kv.layer_bytes,
+            budget,
+            options["max_num_seqs"],
+            SchedulerConfig.max_num_batched_tokens,  # the engine's pool with the default chunk
+            n,
+        )
+        window_pool = None if isinstance(plan, str) else plan
+    cap = report.capacity = capacity(kv, n, budget, str(dev), source, window_pool)
+    if budget is None:
+        report.add(WARNING, "capacity", f"{dev}: {source}")
+        return
+    slots = (
+        (budget // kv.pool_bytes_per_token if window_pool is None else window_pool[0]) if budget > 0 else 0
+    )
+    text = f"{dev} KV budget {budget:,} bytes ({source}): {cap.pool_sequences} sequences of {n:,} tokens"
+    if kv.windows:
+        how = (
+            "every layer per token"
+            if window_pool is None
+            else f"{window_pool[1]:,} windowed-layer rows, shared by the running sequences' windows"
+        )
+        text += f" with the pool as built ({how}; {cap.window_sequences} if each kept exactly its window)"
+    estimated = dev.type == "cuda" and options["kv_cache_bytes"] is None  # the runner refuses it then
+    if slots < 1 or (estimated and cap.pool_sequences < 1):
+        report.add(
+            ERROR,
+            "capacity",
+            f"{text}: the pool cannot hold one sequence; lower --max-model-len or give more memory",
+        )
+    elif cap.pool_sequences < 1:
+        report.add(
+            WARNING, "capacity", f"{text}: the pool holds {slots:,} tokens, so requests are limited to that"
+        )
+    else:
+        fewer = options["max_num_seqs"] > cap.pool_sequences
+        extra = f"; fewer than --max-num-seqs {options['max_num_seqs']} at full context" if fewer else ""
+        report.add(OK, "capacity", text + extra)
