@@ -35,9 +35,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 # The suite as a CPU with AVX2 and no AVX-512 runs it, on a CPU that has AVX-512: the C++ kernels
-# built for x86-64-v3 with their integer AVX2 path, torch's ATen kernels and oneDNN capped at AVX2.
+# built for x86-64-v3 with their integer AVX2 path, torch's ATen kernels and oneDNN capped at AVX2,
+# numpy's OpenBLAS on its Haswell kernels (the Triton interpreter's tl.dot is numpy's matmul).
 test-avx2: $(STAMP)
-	AGENTRT_CPU_MARCH=x86-64-v3 AGENTRT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) test
+	AGENTRT_CPU_MARCH=x86-64-v3 AGENTRT_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell $(MAKE) test
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
