@@ -246,8 +246,9 @@ class OpenAIServing:
         reasoning: RequestReasoning | None = None,
     ) -> Generation:
         """The request's sampling params and its one constraint (response_format / regex / sql /
-        ... or the tool-call grammar), applied after the reasoning of a reasoning model. Raises
-        APIError naming the field."""
+        ... or the tool-call grammar; with tools under tool_choice "auto" and a JSON response
+        schema, tool calls or a final answer valid against it), applied after the reasoning of a
+        reasoning model. Raises APIError naming the field."""
         params = req.sampling_params(max_tokens)
         if reasoning is not None:
             params.reasoning = reasoning.params()
@@ -264,16 +265,24 @@ class OpenAIServing:
         if keep_markers:
             params.skip_special_tokens = False
         tool_constraint = plan.constraint() if plan is not None else None
+        answer_or_calls = False
         if tool_constraint is not None and calls is not None:
-            if constraint is not None:
+            if constraint is not None and constraint.kind not in ("json_schema", "json_object"):
                 raise APIError(
-                    f"{chosen.field} cannot be combined with tools unless tool_choice is 'none'",
+                    f"{chosen.field} cannot be combined with tools unless tool_choice is 'none' (a "
+                    "JSON answer can: response_format json_schema or json_object)",
                     param=chosen.field,
                 )
-            constraint, constraint_param = tool_constraint, "tools"
+            if constraint is not None and calls.mode == "auto":
+                # tool calls or a final answer valid against the schema, one grammar; a compile
+                # error without a tool index is the answer's schema's
+                constraint, answer_or_calls = calls.with_answer(constraint), True
+            else:  # required / named: calls (the schema is for a later turn's answer)
+                constraint, constraint_param = tool_constraint, "tools"
         # `stop` applies to free text only: before the first tool call when calls are optional; a
-        # wholly constrained output (a schema, a regex, required calls) ends where its constraint does
-        if calls is not None and calls.mode == "auto":
+        # wholly constrained output (a schema, a regex, required calls, calls or a schema's answer)
+        # ends where its constraint does
+        if calls is not None and calls.mode == "auto" and not answer_or_calls:
             params.stop_until = calls.fmt.trigger
         elif constraint is not None:
             params.stop = []

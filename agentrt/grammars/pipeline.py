@@ -214,7 +214,11 @@ def answer_grammar(
                 raise _refusal(clean_error(e), e).in_tool(i, t["name"]) from None
             not_enforced.extend(f"{d} (tool '{t['name']}')" for d in dropped)
             args.append(ebnf)
-        return xgr.Grammar.from_structural_tag(json.dumps(structural_tag(plan, args), ensure_ascii=False))
+        if plan.get("answer") is not None:
+            tag = _calls_or_answer(plan, args, spec.reasoning, not_enforced, ws)
+        else:
+            tag = structural_tag(plan, args)
+        return xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
     if spec.kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
     if spec.kind == "lark":
@@ -231,6 +235,34 @@ def answer_grammar(
         alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
         return xgr.Grammar.from_ebnf(f"root ::= {alts}")
     return None
+
+
+def _calls_or_answer(plan: dict, args: list[str], reasoning: str, not_enforced: list[str], ws: dict) -> dict:
+    """The structural tag of tool calls or a final answer (tool_choice "auto" with a response
+    schema, `plan["answer"]`: {"schema", "strict"}): `(calls) | (answer)`, the calls exactly as
+    under tool_choice "required" (each call's arguments valid, `parallel` kept), the answer the
+    schema's JSON through the faithful pipeline (no free text, so the first token picks the branch).
+    `reasoning`: the spec's reasoning value; a format whose plain answer opens with a header
+    (Harmony's final channel) gets it before the answer, not before the calls. Raises
+    ConstraintError "the final answer's schema: ..." (keyword and pointer kept) when the schema
+    cannot be enforced; its uniqueItems over strings is refused (that check reads the whole output)."""
+    from agentrt.grammars.tool_calls import structural_tag
+
+    calls = structural_tag({**plan, "mode": "required"}, args)["format"]
+    answer = plan["answer"]
+    try:
+        ebnf = schema_ebnf(answer["schema"], answer["strict"], not_enforced, ws)
+        check_finite(ebnf, "root")
+    except (RuntimeError, ValueError) as e:
+        raise _refusal(f"the final answer's schema: {clean_error(e)}", e) from None
+    element: dict = {"type": "grammar", "grammar": ebnf}
+    if reasoning:
+        from agentrt.grammars.reasoning import ReasoningFormat
+
+        header = ReasoningFormat.from_json(reasoning)[0].header
+        if header:
+            element = {"type": "sequence", "elements": [{"type": "const_string", "value": header}, element]}
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, element]}}
 
 
 def build_constraint(spec: ConstraintSpec, ws: dict, compiler: xgr.GrammarCompiler) -> Built:

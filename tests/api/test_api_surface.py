@@ -281,11 +281,7 @@ def test_vllm_and_sglang_fields_give_the_native_output(client, native, alias):
         ),
         ({"n": 3, "seed": 2**63 - 2}, "seed", r"seed \+ n - 1 must be below 2\^63"),
         ({"tools": TIME_TOOLS * 65}, "tools", "at most 128 tools"),
-        (
-            {"tools": TIME_TOOLS, "response_format": {"type": "json_object"}},
-            "response_format",
-            "^response_format cannot",
-        ),
+        ({"tools": TIME_TOOLS, "regex": "[a-z]+"}, "regex", "^regex cannot be combined with tools"),
         ({"guided_json": {"type": "nope"}}, "guided_json", "not a valid JSON Schema"),
         ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
         ({"structured_outputs": {"json": PERSON, "bogus": 1}}, "structured_outputs.bogus", "Extra inputs"),
@@ -418,20 +414,35 @@ def test_vllm_and_sglang_schemas_close_objects_as_their_backends_do(fields):
     assert plain.constraint(plain.response_format).spec.strict is None
 
 
-def test_responses_text_format_with_tools_is_a_400_naming_text_format(client):
-    """What the Agents SDK sends for an agent with both an output_type and tools: one output cannot
-    be both a schema-constrained text and a constrained tool call."""
-    resp = client.post(
-        "/v1/responses",
-        json={
-            "model": MODEL,
-            "input": "What time is it in Oslo?",
-            "tools": [{"type": "function", **TIME_TOOLS[0]["function"]}],
-            "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}},
-        },
-    )
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "text.format", resp.json()
+def test_responses_text_format_with_tools_is_a_call_or_a_valid_answer(client):
+    """What the Agents SDK sends for an agent with both an output_type and tools (issue 51 item 5;
+    was a 400 naming text.format): on the real model, the output is calls whose arguments satisfy
+    their tool, or a message valid against the schema (tests/api/test_tools_with_schema.py scripts
+    both)."""
+    tool = TIME_TOOLS[0]["function"]
+    for question in ("What time is it in Oslo?", "Describe a person as JSON."):
+        body = _ok(
+            client.post(
+                "/v1/responses",
+                json={
+                    "model": MODEL,
+                    "input": question,
+                    "tools": [{"type": "function", **tool}],
+                    "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}},
+                    "temperature": 0,
+                    "max_output_tokens": 40,
+                    "max_tokens_policy": "close",
+                },
+            )
+        )
+        assert body["output"], body
+        for item in body["output"]:
+            if item["type"] == "function_call":
+                assert item["name"] == tool["name"]
+                jsonschema.validate(json.loads(item["arguments"]), tool["parameters"])
+            else:
+                assert item["type"] == "message", item
+                jsonschema.validate(json.loads(item["content"][0]["text"]), PERSON)
 
 
 @pytest.mark.parametrize("part", ["image_url", "input_audio", "file"])

@@ -244,19 +244,19 @@ def _tools() -> st.SearchStrategy[dict]:
 
 def _constraint() -> st.SearchStrategy[dict]:
     # lone surrogates in constraint text: test_lone_surrogate_in_a_constraint_field_is_a_400
+    schema = json_schemas(bounded=True, max_leaves=5).map(
+        lambda sc: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": sc}}}
+    )
     return st.one_of(
         st.just({}),
         regexes(bounded=True).map(lambda r: {"regex": r}),
         choices().map(lambda c: {"choice": c}),
         ebnf_grammars(bounded=True).map(lambda g: {"grammar": g}),
         lark_grammars(bounded=True).map(lambda g: {"lark": g}),
-        json_schemas(bounded=True, max_leaves=5).map(
-            lambda sc: {
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": sc}}
-            }
-        ),
+        schema,
         st.just({"response_format": {"type": "json_object"}}),
         _tools(),
+        st.builds(lambda t, f: {**t, **f}, _tools(), schema),  # calls or a schema's answer
     )
 
 

@@ -170,9 +170,9 @@ def test_tool_round_trip_and_errors(client):
     assert resp.status_code == 200, resp.text
     bad = client.post(
         "/v1/chat/completions",
-        json={**_body([WEATHER], "required", True, False), "response_format": {"type": "json_object"}},
-    )
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        json={**_body([WEATHER], "required", True, False), "regex": "[a-z]+"},
+    )  # a JSON response schema can sit beside tools (test_tools_with_schema.py), a regex cannot
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
     bad_schema = {
         "type": "function",
         "function": {

@@ -45,23 +45,33 @@ class ToolPlan:
         """The output may hold tool calls (tool_choice is not "none")."""
         return self.mode != "none"
 
-    def constraint_value(self) -> str:
+    def constraint_value(self, answer: ConstraintSpec | None = None) -> str:
         """The JSON value of the "tool_calls" ConstraintSpec: its keys in a fixed order, each tool's
         parameters in the order the request declares them (never sorted: property order is the order
-        the grammar makes the arguments follow, and the value is the compiled grammar's cache key)."""
-        return json.dumps(
-            {
-                "format": self.fmt.name,
-                "mode": self.mode,
-                "parallel": self.parallel,
-                "tools": [
-                    {"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]}
-                    for t in self.tools
-                ],
-            },
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
+        the grammar makes the arguments follow, and the value is the compiled grammar's cache key).
+        `answer`: the schema of a final answer the output may be instead of calls (`with_answer`),
+        as the key "answer": {"schema", "strict"}."""
+        value: dict[str, Any] = {
+            "format": self.fmt.name,
+            "mode": self.mode,
+            "parallel": self.parallel,
+            "tools": [
+                {"name": t["name"], "parameters": t["parameters"], "strict": t["strict"]} for t in self.tools
+            ],
+        }
+        if answer is not None:
+            schema = json.loads(answer.value) if answer.kind == "json_schema" else {"type": "object"}
+            value["answer"] = {"schema": schema, "strict": answer.strict}
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+    def with_answer(self, answer: ConstraintSpec) -> ConstraintSpec:
+        """The constraint of an output that is tool calls or a final answer valid against `answer`
+        (a "json_schema" or "json_object" spec: the request's response schema), one grammar
+        (grammars/pipeline.py: the calls as under "required", or the answer's JSON). Only under
+        tool_choice "auto" with constrained calls; raises ValueError otherwise."""
+        if self.mode != "auto" or not self.constrained or answer.kind not in ("json_schema", "json_object"):
+            raise ValueError("calls or an answer: tool_choice 'auto', constrained calls, a JSON answer")
+        return ConstraintSpec.tool_calls(self.constraint_value(answer))
 
     def constraint(self) -> ConstraintSpec | None:
         """The "tool_calls" constraint of the output, or None (unconstrained calls). Under
