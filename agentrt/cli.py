@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from agentrt.engine_args import add_engine_args, engine_config
+from agentrt.engine_args import add_engine_args, add_template_budget_args, engine_config, template_budget
 from agentrt.server_args import add_serve_args, exposure_warning, server_options
 
 
@@ -126,6 +126,9 @@ def serve(args: argparse.Namespace) -> int:
         reasoning_format=args.reasoning_format,
         reasoning_budget_message=args.reasoning_budget_message,
     )
+    if not template_ready(engine.tokenizer, engine.model_config.chat_template_budget, app):
+        engine.shutdown()
+        return 2
     # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
     server = uvicorn.Server(
         uvicorn.Config(
@@ -142,10 +145,32 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         # streams in flight end with an error event (the loop no longer runs), then HTTP stops
         engine.fail_pending("the server is shutting down")
+        app.state.serving.stop_renders()  # a chat template still rendering would hold the exit
         server.should_exit = True
         http.join(timeout=10)
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def template_ready(tokenizer, budget, app) -> bool:
+    """serve's start: the chat template rendered on sample conversations as the app renders requests
+    (api/template_check.py); prints its warnings, and its errors, then False: a template that does
+    not compile, fails on one user message or spends its budget would fail every chat request."""
+    from agentrt.api.template_check import ERROR, template_findings
+
+    findings = template_findings(tokenizer, budget, app.state.serving.tool_prompt)
+    for level, message in findings:
+        if level != "ok":
+            print(f"agentrt: {level}: chat template {message}", file=sys.stderr, flush=True)
+    if any(level == ERROR for level, _ in findings):
+        print(
+            "agentrt: error: the chat template cannot serve chat requests (agentrt check MODEL "
+            "--chat-template ... shows the same); fix it or give another with --chat-template",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
 
 
 def add_check_parser(sub) -> None:
@@ -183,6 +208,7 @@ def add_check_parser(sub) -> None:
         default=None,
         help="a Jinja chat template file (or text) to check instead of the tokenizer's own, as serve takes it",
     )
+    add_template_budget_args(c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from agentrt.runtime.models.check import check_model
 
+        try:
+            budget = template_budget(args)
+        except ValueError as e:
+            print(f"agentrt: error: {e}", file=sys.stderr)
+            return 2
         report = check_model(
             args.model,
             args.max_model_len,
@@ -225,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype,
             args.kv_cache_bytes,
             args.chat_template,
+            budget,
         )
         print(report.describe(), flush=True)
         return report.exit_status

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from agentrt.grammars.spec import GrammarConfig
+from agentrt.runtime.chat_template import TemplateBudget
 from agentrt.runtime.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -67,6 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a Jinja chat template file (or the template text) to use instead of the tokenizer's own",
     )
+    add_template_budget_args(p)
     p.add_argument(
         "--quant-group-size",
         type=int,
@@ -296,6 +298,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_template_budget_args(p: argparse.ArgumentParser) -> None:
+    """--chat-template-budget and --chat-template-max-bytes (serve's, and check's to match it)."""
+    budget = TemplateBudget()
+    p.add_argument(
+        "--chat-template-budget",
+        type=float,
+        default=budget.time_s,
+        metavar="SECONDS",
+        help="wall-clock seconds one render of the chat template may take, enforced while it renders "
+        "(every loop iteration, call and output piece checks it); over it the request gets a 400 "
+        "naming this flag (default %(default)s; a real template renders a conversation in milliseconds)",
+    )
+    p.add_argument(
+        "--chat-template-max-bytes",
+        type=byte_size,
+        default=budget.max_bytes,
+        metavar="BYTES",
+        help="bytes one render of the chat template may produce, and the largest string or list it may "
+        "build, refused before it is built (default %(default)s = 16 MiB)",
+    )
+
+
+def template_budget(args: argparse.Namespace) -> TemplateBudget:
+    """The TemplateBudget of the parsed flags. Raises ValueError naming a value that is not positive."""
+    return TemplateBudget(time_s=args.chat_template_budget, max_bytes=args.chat_template_max_bytes)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
@@ -313,6 +342,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             linear_kernel=args.linear_kernel,
             deterministic=args.deterministic,
             chat_template=args.chat_template,
+            chat_template_budget=template_budget(args),
         ),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_bytes,

@@ -9,6 +9,10 @@ raises them as they are. No layer reads another's error text.
     │   ├── ConstraintError                       a constraint cannot be compiled or enforced;
     │   │                                         `keyword`, `pointer` (RFC 6901), `tool_index`
     │   ├── ContextLengthError                    prompt (+ max_tokens) beyond the context limit
+    │   ├── ChatTemplateError                     the chat template refused the messages (its
+    │   │                                         raise_exception, or its code failed on them)
+    │   ├── TemplateBudgetError                   the chat template spent its time or size budget
+    │   │                                         rendering the messages; `limit`, the budget
     │   └── IncompleteOutputError                 the output ended (max_tokens) before the structured
     │                                             result was complete (SDK extract); `finish_reason`
     ├── ServiceUnavailableError                   retryable: shutting down, overloaded, busy compiler;
@@ -80,6 +84,28 @@ class ContextLengthError(InvalidRequestError):
     def __init__(self, message: str, param: str | None = None, *, num_prompt_tokens: int, limit: int):
         super().__init__(message, param)
         self.num_prompt_tokens, self.limit = num_prompt_tokens, limit
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The chat template cannot render the request's messages: the tokenizer has none, or the
+    template refused them (its raise_exception) or its code failed on them. `reason`: what the
+    template (or transformers) said; `param` "messages"."""
+
+    def __init__(self, reason: str, param: str | None = "messages"):
+        super().__init__(f"messages cannot be rendered by the chat template: {reason}", param)
+        self.reason = reason
+
+
+class TemplateBudgetError(InvalidRequestError):
+    """Rendering the chat template spent its budget and was stopped: `limit` "time" (wall-clock
+    seconds, `time_s`) or "size" (bytes built, `max_bytes`); `param` "messages". The message names
+    the budget and the serve flag that sets it."""
+
+    def __init__(
+        self, message: str, param: str | None = "messages", *, limit: str, time_s: float, max_bytes: int
+    ):
+        super().__init__(message, param)
+        self.limit, self.time_s, self.max_bytes = limit, time_s, max_bytes
 
 
 class IncompleteOutputError(InvalidRequestError):

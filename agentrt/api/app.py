@@ -93,3 +93,4 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if app.state.on_ready is not None:
         app.state.on_ready()
     yield
+    app.state.serving.stop_renders()  # a render still running would hold the process's exit

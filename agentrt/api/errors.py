@@ -4,6 +4,7 @@ apply it. No other module chooses a status for an AgentrtError.
 
     AgentrtError subclass        status  type                   code
     ContextLengthError           400     invalid_request_error  context_length_exceeded
+    TemplateBudgetError          400     invalid_request_error  chat_template_budget_exceeded
     ConstraintError              400     invalid_request_error  None
     InvalidRequestError          400     invalid_request_error  None
     QueueFullError               429     requests               queue_full
@@ -36,6 +37,7 @@ from agentrt.errors import (
     QueueFullError,
     RequestTimeoutError,
     ServiceUnavailableError,
+    TemplateBudgetError,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ class ErrorKind(NamedTuple):
 # most specific first: the first class an error is an instance of decides
 _KINDS: tuple[tuple[type[AgentrtError], ErrorKind], ...] = (
     (ContextLengthError, ErrorKind(400, "invalid_request_error", "context_length_exceeded")),
+    (TemplateBudgetError, ErrorKind(400, "invalid_request_error", "chat_template_budget_exceeded")),
     (InvalidRequestError, ErrorKind(400, "invalid_request_error")),
     (QueueFullError, ErrorKind(429, "requests", "queue_full")),
     (ServiceUnavailableError, ErrorKind(503, "server_error")),

@@ -3,8 +3,10 @@ body, or the events of a stream). No HTTP framework here: routes.py makes the re
 errors.py maps the errors raised.
 
 Per request: validate (tools, tool turns), render the chat template and tokenize (off the event
-loop), build a `Generation` (sampling params, the one constraint, the tool plan), submit it to the
-AsyncEngine (which validates, compiles the constraint once and queues), then stream or collect.
+loop; the template within its budget, runtime/chat_template.py, stopped when the client leaves or
+the server shuts down: `stop_renders`), build a `Generation` (sampling params, the one constraint,
+the tool plan), submit it to the AsyncEngine (which validates, compiles the constraint once and
+queues), then stream or collect.
 
 The result is rendered by a ResponseShape (generation.py): chat and text completions by
 chat_shape.py, the Responses and Messages APIs by their own. The client is watched the whole time
@@ -14,6 +16,7 @@ chat_shape.py, the Responses and Messages APIs by their own. The client is watch
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -35,6 +38,7 @@ from agentrt.api.sql_constraint import SQLTarget, add_sql_checks, sql_target
 from agentrt.api.tools import ToolPlan, ToolPrompt, check_tool_messages, check_tool_schemas, plan_tools
 from agentrt.errors import ConstraintError, InvalidRequestError
 from agentrt.runtime.async_engine import AsyncEngine, RequestStream
+from agentrt.runtime.chat_template import ChatRenderer
 from agentrt.runtime.request import RequestOutput
 from agentrt.sql.service import SQLDatabases
 
@@ -43,7 +47,8 @@ class OpenAIServing:
     """OpenAI's completions API over one AsyncEngine. `model_name` is the only accepted `model`;
     `tool_prompt` says how tools are written into prompts and which call format is parsed;
     `databases`: the named databases `sql` constraints may name (agentrt/sql/service.py);
-    `reasoning`: the model's reasoning format (api/reasoning.py; default: none)."""
+    `reasoning`: the model's reasoning format (api/reasoning.py; default: none). The chat template
+    renders within the engine's `ModelConfig.chat_template_budget`."""
 
     def __init__(
         self,
@@ -61,6 +66,59 @@ class OpenAIServing:
         # a JSON Schema over the compile limit is refused before its (costly) meta-schema check
         self._max_constraint_bytes = engine.grammar_config.max_constraint_bytes
         self.chat_shape = ChatShape(model_name, engine)
+        self.renderer = ChatRenderer(engine.tokenizer, engine.model_config.chat_template_budget)
+        self._renders: set[threading.Event] = set()  # the cancel Events of renders in flight
+        self._renders_lock = threading.Lock()
+        self._stopping = False
+
+    def stop_renders(self) -> None:
+        """Stop every chat template render in flight, and any started later, within one loop
+        iteration or output piece (server shutdown: a worker thread still rendering would hold the
+        process's exit). Any thread."""
+        with self._renders_lock:
+            self._stopping = True
+            for cancel in self._renders:
+                cancel.set()
+
+    async def _in_worker(self, fn, *args):
+        """`fn(*args, cancel)` in a worker thread; `cancel` (a threading.Event) is set when this
+        coroutine is cancelled (the client left) or `stop_renders` runs, so a render in `fn` stops."""
+        cancel = threading.Event()
+        with self._renders_lock:
+            self._renders.add(cancel)
+            if self._stopping:
+                cancel.set()
+        try:
+            return await asyncio.to_thread(fn, *args, cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        finally:
+            with self._renders_lock:
+                self._renders.discard(cancel)
+
+    def _render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        cancel: threading.Event,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """`messages` through the chat template within its budget (runtime/chat_template.py), stopped
+        as soon as the text rendered so far cannot fit the context (`prompt_bound`). Raises
+        ChatTemplateError, TemplateBudgetError, ContextLengthError (param "messages"),
+        ServiceUnavailableError (cancelled)."""
+        bound = self.prompt_bound
+        return self.renderer.render(
+            messages,
+            tools,
+            add_generation_prompt,
+            template_kwargs,
+            cancel=cancel,
+            check_prefix=None if bound.tokens is None else (lambda text: bound.check(text, "messages")),
+            check_from=bound.limit,
+        )
 
     def models(self) -> dict:
         """The /v1/models listing: the one served model."""
@@ -100,14 +158,12 @@ class OpenAIServing:
             messages = [m.as_dict() for m in req.messages]
             check_tool_messages(messages)
             rendered, template_tools = self.tool_prompt.render(messages, plan)
-            ids = await asyncio.to_thread(
-                _render_chat,
-                tokenizer,
-                rendered,
-                template_tools,
-                self.prompt_bound,
-                req.add_generation_prompt,
-            )
+
+            def render(cancel: threading.Event) -> list[int]:
+                text = self._render(rendered, template_tools, cancel, req.add_generation_prompt)
+                return _encode(tokenizer, text, "messages", self.prompt_bound)
+
+            ids = await self._in_worker(render)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
@@ -164,7 +220,7 @@ class OpenAIServing:
     async def _chat(self, req: ChatCompletionRequest, shape: ResponseShape) -> ServingResult:
         self.check_model(req.model)
         # tools, tool turns and the template: client-sized work, off the event loop
-        plan, prompt_ids, reasoning = await asyncio.to_thread(self._chat_prompt, req)
+        plan, prompt_ids, reasoning = await self._in_worker(self._chat_prompt, req)
         names = {"prompt": "messages"}
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:
@@ -197,13 +253,14 @@ class OpenAIServing:
         return await add_sql_checks(await self._run(gen, self.chat_shape), target)
 
     def _chat_prompt(
-        self, req: ChatCompletionRequest
+        self, req: ChatCompletionRequest, cancel: threading.Event
     ) -> tuple[ToolPlan | None, list[int], RequestReasoning | None]:
         """The tool plan (tools and tool_choice checked, parameter schemas meta-validated), the
         prompt's token ids (tool turns checked, rendered by the chat template with the request's
         chat_template_kwargs) and, for a reasoning model, the request's reasoning (its thinking
         budget; 0 closes the reasoning in the prompt). Raises APIError naming the field,
-        ContextLengthError. Runs in a worker thread: its work grows with the request."""
+        ContextLengthError, as `_render`. Runs in a worker thread: its work grows with the request;
+        `cancel` stops its render."""
         budget = thinking_budget(
             req.thinking_token_budget, req.reasoning_effort, "thinking_token_budget", "reasoning_effort"
         )
@@ -230,7 +287,7 @@ class OpenAIServing:
         messages = [m.as_dict() for m in req.messages]
         check_tool_messages(messages)
         rendered, template_tools = self.tool_prompt.render(messages, plan)
-        prompt = _render_chat_text(self.engine.tokenizer, rendered, template_tools, template_kwargs=kwargs)
+        prompt = self._render(rendered, template_tools, cancel, template_kwargs=kwargs)
         prompt, reasoning = self.reasoning.for_request(prompt, budget)
         return plan, _encode(self.engine.tokenizer, prompt, "messages", self.prompt_bound), reasoning
 
@@ -390,39 +447,3 @@ def _encode(tokenizer, text: str, param: str, bound: PromptBound | None = None) 
         return tokenizer.encode(text, add_special_tokens=False)
     except (TypeError, UnicodeError):
         raise APIError(f"{param} is not valid Unicode text (e.g. a lone surrogate)", param=param) from None
-
-
-def _render_chat(
-    tokenizer,
-    messages: list[dict],
-    tools: list[dict] | None = None,
-    bound: PromptBound | None = None,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict | None = None,
-) -> list[int]:
-    """Token ids of `messages` through the chat template (`_render_chat_text`). Raises as it, and
-    ContextLengthError as `_encode`."""
-    text = _render_chat_text(tokenizer, messages, tools, add_generation_prompt, template_kwargs)
-    return _encode(tokenizer, text, "messages", bound)
-
-
-def _render_chat_text(
-    tokenizer,
-    messages: list[dict],
-    tools: list[dict] | None = None,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict | None = None,
-) -> str:
-    """`messages` through the chat template (generation prompt added unless told not to;
-    `template_kwargs`: the request's chat_template_kwargs, e.g. enable_thinking). Raises APIError
-    naming "messages" when the template refuses them."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(template_kwargs or {}),
-        )
-    except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
-        raise APIError(f"messages cannot be rendered by the chat template: {e}", param="messages") from None

@@ -28,7 +28,7 @@ from agentrt.errors import (
 )
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
 from agentrt.grammars.xgrammar_backend import CompiledConstraint
-from agentrt.runtime.config import EngineConfig
+from agentrt.runtime.config import EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.metrics import LoadGauges
 from agentrt.runtime.request import Request, RequestOutput, SamplingParams
@@ -144,6 +144,11 @@ class AsyncEngine:
     def runner(self):
         """The engine's ModelRunner (device, dtype, KV pool, memory plan: read-only use)."""
         return self.engine.runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The engine's model settings (its chat template's budget, ...: read-only use)."""
+        return self.engine.config.model
 
     @property
     def grammar_config(self) -> GrammarConfig:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrt.grammars.spec import GrammarConfig
+from agentrt.runtime.chat_template import TemplateBudget
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -58,6 +59,8 @@ class ModelConfig:
         models/triton_linear.py; CUDA, or the CPU under TRITON_INTERPRET=1); see models/cpu_linear.py.
     chat_template: a Jinja chat template file (or the template text itself) used instead of the
         tokenizer's own, as vLLM's --chat-template (a base model's GGUF carries none).
+    chat_template_budget: what one render of the chat template may spend (wall-clock seconds, bytes
+        built), enforced while it renders: over it, the request is a 400 (runtime/chat_template.py).
     deterministic: refuse any configuration whose greedy tokens could depend on the batch, the prefix
         cache or the chunk size (ValueError at start naming it): on the CPU the float32 kernel path
         (what `auto` picks where AVX2 runs) is required; on CUDA the linear layers and norms take the
@@ -81,6 +84,7 @@ class ModelConfig:
     linear_kernel: str = "auto"
     deterministic: bool = False
     chat_template: str | None = None
+    chat_template_budget: TemplateBudget = field(default_factory=TemplateBudget)
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in ("auto", "onednn", "aten", "triton"):

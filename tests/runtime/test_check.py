@@ -355,3 +355,150 @@ def test_cli_check_on_the_gemma3_gguf_converts_nothing(gemma_gguf, tmp_path):
     assert "Q4_K" in out.stdout and "Q6_K" in out.stdout
     assert "0 errors, 1 warnings: exit 0" in out.stdout
     assert not list(cache.glob("gguf-*")) and not cache.exists()
+
+
+# ---- what serve would refuse (issue 56 item 3) ----------------------------------------------------
+HOSTILE_TEMPLATES = {
+    "always raises": (
+        "{{ raise_exception('no conversation is good enough') }}",
+        "renders none of the samples",
+    ),
+    "loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "spends its budget on the plain sample: the chat template ran past its time budget of 0.5 s",
+    ),
+    "syntax error": ("{% for m in messages %}{{ m.content }", "does not compile: unexpected '}'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_chat_template_serve_could_not_render_is_an_error(default_model_dir, tmp_path, name):
+    from agentrt.runtime.chat_template import TemplateBudget
+
+    source, expected = HOSTILE_TEMPLATES[name]
+    path = tmp_path / "t.jinja"
+    path.write_text(source)
+    start = time.monotonic()
+    report = check_model(
+        str(default_model_dir), chat_template=str(path), chat_template_budget=TemplateBudget(0.5), **CPU
+    )
+    assert time.monotonic() - start < 30
+    assert report.exit_status == 1, report.describe()
+    [error] = report.errors
+    assert error.topic == "chat template" and expected in error.message, error.message
+    if name == "always raises":
+        assert error.message.endswith("on the plain sample: no conversation is good enough")
+
+
+def test_a_template_refusing_some_samples_is_a_warning_naming_them(default_model_dir, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    report = check_model(str(default_model_dir), chat_template=str(path), **CPU)
+    assert report.exit_status == 0, report.describe()
+    rendered = [f.message for f in report.of("chat template") if f.message.startswith("renders the samples")]
+    assert rendered and "plain, multi-turn, reasoning" in rendered[0]
+    warnings = {f.message for f in report.of("chat template") if f.level == "warning"}
+    assert warnings == {
+        f"refuses the {name} sample (such requests get a 400): System role not supported"
+        for name in ("system", "tools")  # the generic tool prompt is a system message
+    }
+
+
+def test_real_chat_templates_render_every_sample():
+    from agentrt.api.template_check import template_findings
+    from agentrt.testing import byte_tokenizer
+    from tests.support.paths import shared_path
+
+    tok = byte_tokenizer()
+    for name in ("Qwen-Qwen3-0.6B", "meta-llama-Llama-3.3-70B-Instruct", "openai-gpt-oss-120b"):
+        tok.chat_template = shared_path("chat_templates", f"{name}.jinja").read_text()
+        [finding] = template_findings(tok)
+        assert finding.level == "ok" and "plain, system, multi-turn, tools (" in finding.message, finding
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _serve_refuses(model_dir: Path) -> str:
+    """The ValueError serve's engine raises loading `model_dir` (its message)."""
+    from agentrt.runtime.config import EngineConfig, ModelConfig
+    from agentrt.runtime.engine import Engine
+
+    with pytest.raises(ValueError) as e:
+        Engine(EngineConfig(model=ModelConfig(model=str(model_dir), **CPU)))
+    return str(e.value)
+
+
+def test_zero_attention_heads_is_an_error_as_serve_refuses_it(tiny, tmp_path):
+    d = _copy(tiny["mistral"], tmp_path / "m")  # head_dim given: transformers' config accepts 0 heads
+    _edit_config(d, num_attention_heads=0, head_dim=16)
+    assert "num_attention_heads must be a positive integer, got 0" in _serve_refuses(d)
+    report = check_model(str(d), max_model_len=64, **CPU)
+    assert report.exit_status == 1
+    assert [(e.topic, e.message) for e in report.errors] == [
+        ("architecture", "config num_attention_heads must be a positive integer, got 0")
+    ]
+
+
+def test_every_weight_shape_serve_checks_is_checked(tiny, tmp_path):
+    d = _copy(tiny["llama"], tmp_path / "m")
+    _hollow_weights(d)  # no tensor data is read
+    _edit_config(d, intermediate_size=96)  # the MLP weights hold 128
+    refused = _serve_refuses(d)
+    report = check_model(str(d), max_model_len=64, **CPU)
+    assert report.exit_status == 1
+    [error] = report.errors
+    assert error.topic == "weights" and error.message == f"serve would refuse them at load: {refused}"
+    assert "has shape (64, 128), expected (64, 96)" in refused
+    ok = check_model(str(tiny["llama"]), max_model_len=64, **CPU)
+    assert "all 21 tensors have the names and shapes the model loads" in {f.message for f in ok.of("weights")}
+
+
+def test_cli_check_and_serve_refuse_a_looping_template(default_model_dir, tmp_path):
+    """`agentrt check --chat-template-budget` names the budget; `agentrt serve` refuses to start
+    (exit 2) on the same template instead of answering every chat request with a 400."""
+    from agentrt.testing import free_port
+
+    path = tmp_path / "loop.jinja"
+    path.write_text(HOSTILE_TEMPLATES["loops"][0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = ["--chat-template", str(path), "--chat-template-budget", "0.5", "--device", "cpu"]
+    checked = subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", "check", str(default_model_dir), *flags],
+        check=False,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert "[error] chat template: spends its budget on the plain sample" in checked.stdout
+    served = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "serve",
+            str(default_model_dir),
+            *flags,
+            "--port",
+            str(free_port()),
+        ],
+        check=False,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert served.returncode == 2, served.stdout + served.stderr
+    assert "agentrt: error: chat template spends its budget on the plain sample" in served.stderr
+    assert "serving" not in served.stdout

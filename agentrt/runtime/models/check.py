@@ -4,9 +4,13 @@ Three layers, each a list of findings (ok / warning / error):
 
 1. architecture: the family `registry.arch_from_hf_config` picks, or its ValueError naming what is
    missing;
-2. tokenizer and chat template: the tokenizer loads, its largest id fits the embedding rows, the
-   embedding / LM head shapes in the weight headers agree with the config (tied or not), the call
-   format and reasoning format the template implies, BOS / EOS and every stop id;
+2. weights, tokenizer and chat template: every weight's name and shape as serve's load checks them
+   (a Hugging Face directory's headers through `DecoderModel.load_hf_state_dict` on the meta device:
+   the same code, no data), the tokenizer loads, its largest id fits the embedding rows, the
+   embedding / LM head shapes agree with the config (tied or not), the call format and reasoning
+   format the template implies, the template rendered on sample conversations within its budget
+   as serve renders requests (api/template_check.py: serve refuses to start on its errors),
+   BOS / EOS and every stop id;
 3. weights and memory: bytes per storage format, KV bytes per token at the run dtype (sliding-window
    layers counted with their window) and how many --max-model-len sequences the KV budget holds.
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
+from agentrt.runtime.chat_template import TemplateBudget
 from agentrt.runtime.models.check_memory import capacity, check_memory, kv_estimate
 from agentrt.runtime.models.check_report import (
     ERROR,
@@ -278,7 +283,29 @@ def _check_shapes(report: CheckReport, m: _Model, vocab: int, hidden: int, tied:
     )
 
 
-def _check_tokenizer(report: CheckReport, m: _Model, vocab: int | None) -> None:
+def _check_layout(report: CheckReport, arch, m: _Model) -> None:
+    """The weights of a Hugging Face directory as serve's load checks them: the model built on the
+    meta device, the headers' shapes loaded by `load_hf_state_dict` (renames, q/k/v and gate/up
+    packing, experts, missing and unexpected weights, every shape); no tensor data is read."""
+    import torch
+
+    from agentrt.runtime.models.registry import build_model
+
+    if not m.tensors:
+        return
+    try:
+        with torch.device("meta"):
+            model = build_model(arch, 1)
+            model.load_hf_state_dict({name: torch.empty(shape) for name, (shape, _) in m.tensors.items()})
+    except (ValueError, RuntimeError) as e:
+        report.add(ERROR, "weights", f"serve would refuse them at load: {e}")
+        return
+    report.add(OK, "weights", f"all {len(m.tensors)} tensors have the names and shapes the model loads")
+
+
+def _check_tokenizer(
+    report: CheckReport, m: _Model, vocab: int | None, budget: TemplateBudget | None = None
+) -> None:
     from agentrt.api.tools.rendering import detect_format
     from agentrt.runtime.models.loader import collect_stop_ids
 
@@ -301,7 +328,11 @@ def _check_tokenizer(report: CheckReport, m: _Model, vocab: int | None) -> None:
     how = "the template renders tools" if native else "generic prompt: the template renders no tools"
     formats = f"tool calls {fmt} ({how}); reasoning {report.reasoning_format}"
     if template:
+        from agentrt.api.template_check import template_findings  # the serving path's own samples
+
         report.add(OK, "chat template", f"present ({len(template):,} characters): {formats}")
+        for level, message in template_findings(tok, budget):
+            report.add(level, "chat template", message)
     else:
         report.add(WARNING, "chat template", f"absent: {NO_TEMPLATE_ROUTES} will answer 400; {formats}")
     stop_dir = m.stop_dir or Path("/nonexistent")  # a GGUF's conversion reads no generation_config.json
@@ -329,11 +360,14 @@ def check_model(
     dtype: str = "auto",
     kv_cache_bytes: int | None = None,
     chat_template: str | None = None,
+    chat_template_budget: TemplateBudget | None = None,
 ) -> CheckReport:
     """Diagnose `model` (registered name, HF directory, .gguf file or cached hub id) without
     reading any weight: the findings of the module docstring. Never raises for a broken model: every
     problem is an error finding (exit_status 1). max_model_len None = the model's limit;
-    chat_template: a template file or text used instead of the tokenizer's (serve's --chat-template)."""
+    chat_template: a template file or text used instead of the tokenizer's (serve's --chat-template);
+    chat_template_budget: what each sample render may spend (serve's --chat-template-budget /
+    --chat-template-max-bytes; default TemplateBudget())."""
     from agentrt.runtime.models.registry import ARCHITECTURES, arch_from_hf_config
 
     report = CheckReport(model)
@@ -370,7 +404,10 @@ def check_model(
         report.findings.insert(
             0, Finding(OK, "architecture", f"{arch.architecture} (family {report.family}): {shape}")
         )
+        num_errors = len(report.errors)
         _check_shapes(report, m, arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings)
+        if kind == "hf" and len(report.errors) == num_errors:  # else the embedding said it already
+            _check_layout(report, arch, m)
     if m.tokenizer is not None and chat_template is not None:
         from agentrt.runtime.models.loader import read_chat_template
 
@@ -379,7 +416,7 @@ def check_model(
         except (ValueError, OSError) as e:
             report.add(ERROR, "chat template", str(e))
     if m.tokenizer is not None:
-        _check_tokenizer(report, m, vocab)
+        _check_tokenizer(report, m, vocab, chat_template_budget)
     if arch is not None:
         options = {
             "max_model_len": max_model_len,

@@ -7,6 +7,7 @@ with `base_arch` plus their own fields; the shared layers (runtime/layers/) are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
 
@@ -59,6 +60,26 @@ class ModelArch:
     expert_bias: bool = False
     swiglu_limit: float | None = None
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the config.json field when a count is below 1 or the attention
+        heads are not a multiple of the KV heads: no weight could have the shapes they imply."""
+        for name, value in (
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ):
+            if not isinstance(value, Integral) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"config num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+
     @property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
@@ -105,6 +126,8 @@ def base_arch(cfg, architecture: str, **fields) -> ModelArch:
     """A ModelArch with the fields every family reads the same way; `fields` override or add.
     Raises ValueError for a RoPE scaling transformers does not know."""
     heads = cfg.num_attention_heads
+    if not isinstance(heads, Integral) or heads < 1:
+        raise ValueError(f"config num_attention_heads must be a positive integer, got {heads!r}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     num_layers = cfg.num_hidden_layers
     params = getattr(cfg, "rope_parameters", None) or {}
