@@ -6,13 +6,15 @@ output parser (reasoning then hermes tool calls), and each tool-call format's pa
 after some prose), fed one token's text (the default model's tokenizer) at a time.
 Part 2 (the default model's tokenizer, 49k tokens): mask cost per token (fill_next_token_bitmask,
 p50/p99 us) of each extraction schema plain, and wrapped as `reasoning answer`: inside the
-reasoning (free text) and after the end marker (the schema), walking a valid instance.
+reasoning (free text) and after the end marker (the schema), walking a valid instance; and every
+tool-call format's grammar (3 tools) under auto, before and after the trigger, and under required
+(`--part tools` runs that table alone).
 Part 3 (the scripted fake model): a long-thinking model (it never closes its reasoning by itself)
 over the extraction workload's schemas and documents: the share of valid final answers with a
 thinking budget at tight max_tokens, with the length policy (no reserve) and with
 max_tokens_policy "close" (the reserve for the end marker and the answer's shortest completion).
 
-    python bench/reasoning.py [--part 1|2|3|all]
+    python bench/reasoning.py [--part 1|2|3|tools|all]
 """
 
 from __future__ import annotations
@@ -168,39 +170,78 @@ def part2() -> None:
     backend.shutdown()
 
 
-def _tool_masks(backend, tok, bitmask) -> None:
-    """Mask cost of hermes tool calls: `auto` (the lazy grammar: free text, then the call once the
-    trigger is written) before and after the trigger, vs `required` (the call from the start)."""
+def _tool_masks(backend, tok, bitmask, reps: int = 5) -> None:
+    """Mask cost of every tool-call format's grammar over 3 tools (each format writes one call in its
+    own syntax, `render_calls`): under `auto` (the lazy grammar: free text, then the call once the
+    trigger is written) before and after the trigger, and under `required` (the call from the
+    start). Each text is walked `reps` times; p50 / p99 over all its tokens' fills (us). llama3_json
+    is measured in both call forms: its JSON call and a built-in tool's `<|python_tag|>NAME.call(...)`."""
     from agentrt.api.tools import plan_tools
     from agentrt.grammars.tool_calls import FORMATS as TOOLS
 
-    params = {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-    }
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-    prose = "I will look up the weather in Paris for you now, one moment please. "
-    print("\n| hermes tool call | before the trigger p50 / p99 | the call p50 / p99 |\n|---|---|---|")
-    for mode, text in [("auto", prose + call), ("required", call)]:
-        spec = plan_tools(tools, mode, None, TOOLS["hermes"]).constraint()
-        matcher = backend.new_matcher(backend.compile(spec), [])
-        before, inside, chars = [], [], 0
-        for t in tok.encode(text, add_special_tokens=False):
-            t0 = time.perf_counter_ns()
-            matcher.fill_next_token_bitmask(bitmask, 0)
-            (before if chars < text.index("<tool_call>") else inside).append(
-                (time.perf_counter_ns() - t0) / 1000
-            )
-            if not matcher.accept_token(t):
-                raise SystemExit(f"tool call ({mode}): token {t} rejected at char {chars}")
-            chars += len(tok.decode([t]))
-        head = f"{pct(before, 0.5):.0f} / {pct(before, 0.99):.0f}" if before else "-"
-        print(f"| {mode} | {head} | {pct(inside, 0.5):.0f} / {pct(inside, 0.99):.0f} |")
+    def fn(name: str, props: dict, required: list[str]) -> dict:
+        params = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    tools = [
+        fn(
+            "get_weather",
+            {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            ["city", "unit"],
+        ),
+        fn("get_time", {"timezone": {"type": "string"}}, ["timezone"]),
+        fn("brave_search", {"query": {"type": "string"}, "count": {"type": "integer"}}, ["query"]),
+    ]
+    prose = "I will look up the weather in Paris for you now, one moment please, it will not take long. "
+    weather = ("get_weather", {"city": "Paris", "unit": "celsius"})
+    cases = [(name, fmt, fmt.render_calls([weather])) for name, fmt in TOOLS.items()]
+    builtin = '<|python_tag|>brave_search.call(query="weather in Paris")'
+    cases.insert(2, ("llama3_json (python_tag built-in)", TOOLS["llama3_json"], builtin))
+    print(f"\ntool-call grammars, 3 tools, {reps} walks each: mask cost per token (us)")
+    print(
+        "| format | tokens: prose / call | auto: before the trigger p50 / p99 | auto: the call p50 / p99 "
+        "| required: the call p50 / p99 |"
+    )
+    print("|---|---|---|---|---|")
+    for label, fmt, call in cases:
+        n_call = len(tok.encode(call, add_special_tokens=False))
+        row = [label, f"{len(tok.encode(prose + call, add_special_tokens=False)) - n_call} / {n_call}"]
+        for mode, text in [("auto", prose + call), ("required", call)]:
+            start = len(text) - len(call)
+            compiled = backend.compile(plan_tools(tools, mode, None, fmt).constraint())
+            ids = tok.encode(text, add_special_tokens=False)
+            before, inside, refused = [], [], None
+            for _ in range(reps):
+                matcher = backend.new_matcher(compiled, [])
+                chars = 0
+                for t in ids:
+                    t0 = time.perf_counter_ns()
+                    matcher.fill_next_token_bitmask(bitmask, 0)
+                    (before if chars < start else inside).append((time.perf_counter_ns() - t0) / 1000)
+                    if not matcher.accept_token(t):
+                        refused = f"refused at char {chars}"
+                        break
+                    chars += len(tok.decode([t]))
+            if mode == "auto":
+                row.append(f"{pct(before, 0.5):.1f} / {pct(before, 0.99):.1f}")
+            row.append(refused or f"{pct(inside, 0.5):.1f} / {pct(inside, 0.99):.1f}")
+        print("| " + " | ".join(row) + " |")
+
+
+def tool_masks() -> None:
+    """`_tool_masks` alone (part 2's last table): `--part tools`."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from agentrt.grammars.spec import GrammarConfig
+    from agentrt.grammars.xgrammar_backend import GrammarBackend
+    from agentrt.runtime.config import default_cache_dir
+    from agentrt.runtime.models.loader import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct", default_cache_dir())))
+    backend = GrammarBackend(tok, len(tok), (tok.eos_token_id,), GrammarConfig())
+    _tool_masks(backend, tok, xgr.allocate_token_bitmask(1, len(tok)))
+    backend.shutdown()
 
 
 def part3(max_tokens: int, budget: int) -> None:
@@ -259,7 +300,7 @@ def part3(max_tokens: int, budget: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
+    ap.add_argument("--part", default="all", choices=["1", "2", "3", "tools", "all"])
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--budget", type=int, default=256)
     args = ap.parse_args()
@@ -269,6 +310,8 @@ def main() -> None:
         part2()
     if args.part in ("3", "all"):
         part3(args.max_tokens, args.budget)
+    if args.part == "tools":
+        tool_masks()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ _NAME_CHARS = re.compile(r"[A-Za-z_][\w.\-]*")
 _STRING_ROOT = re.compile(r'^root ::= \(\("\\"" (.*) "\\""\)\)$', re.MULTILINE)
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][\w.\-]*|.', re.DOTALL)
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_JSON_FOLLOW = "[,}\\]:]))"  # the end of the lookahead xgrammar prints after a JSON string
+_KWARG_FOLLOW = "[,}\\]:)]))"
 
 
 def lit(text: str) -> str:
@@ -256,15 +258,20 @@ def pythonic_arguments_ebnf(
         value = b.json_value(extra)
         one = f'[A-Za-z_] [A-Za-z0-9_]* "=" {value}'
         body = f'({one} (", " {one})*)?'
-    return "\n".join([f"root ::= {body}", *b.rules]) + "\n"
+    # xgrammar's JSON strings assert what follows them in JSON (`(=([ \n\r\t]* [,}\]:]))`), a hint its
+    # token masks enforce within a token: here a value may end the call, so `)` follows too (else
+    # the one token `")` of `f(a="x")` is masked and the model must split it)
+    rules = [r.replace(_JSON_FOLLOW, _KWARG_FOLLOW) for r in b.rules]
+    return "\n".join([f"root ::= {body}", *rules]) + "\n"
 
 
-def calls_list_ebnf(calls: list[tuple[str, str]]) -> str:
-    """EBNF (root `root`): `(", " name(args))*`, one alternative per tool (name, its arguments EBNF):
-    the further calls of a pythonic call list."""
+def calls_list_ebnf(calls: list[tuple[str, str]], tail: str = '")"', separator: str = ", ") -> str:
+    """EBNF (root `root`): `(separator head args tail)*`, one alternative per tool (head: the
+    literal text before its arguments, args: its arguments EBNF; tail: an EBNF expression): the
+    further calls of a call list (pythonic: heads `name(`, tail `")"`)."""
     rules, alts = [], []
-    for i, (name, args) in enumerate(calls):
+    for i, (head, args) in enumerate(calls):
         text, root = rename(args, f"t{i}_")
         rules.append(text.strip())
-        alts.append(f"({lit(name + '(')} {root} {lit(')')})")
-    return "\n".join(['root ::= (", " call)*', f"call ::= {' | '.join(alts)}", *rules]) + "\n"
+        alts.append(f"({lit(head)} {root} {tail})")
+    return "\n".join([f"root ::= ({lit(separator)} call)*", f"call ::= {' | '.join(alts)}", *rules]) + "\n"

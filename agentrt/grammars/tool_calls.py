@@ -5,7 +5,9 @@ grammar as content. See agentrt/api/tools/ for the request and response side.
 Styles of format (``ToolCallFormat.style``):
 
 - ``json``: a JSON call object ``{"name": ..., "arguments": {...}}`` after a marker (hermes
-  ``<tool_call>``, phi4_mini ``<|tool_call|>``, mistral ``[TOOL_CALLS][...]``) or alone (llama3_json);
+  ``<tool_call>``, phi4_mini ``<|tool_call|>``, mistral ``[TOOL_CALLS][...]``: one list of every call
+  of the turn, as Mistral's templates write it) or alone (llama3_json, calls separated by ``; ``,
+  optionally after ``<|python_tag|>``; a Llama built-in tool also as ``<|python_tag|>NAME.call(k=v)``);
   mistral's newer ``[TOOL_CALLS]name[ARGS]{...}`` is parsed by the same machine (mistral_v11 is its
   grammar);
 - ``tagged``: the name between special tokens, then the arguments as JSON, inside a section
@@ -37,12 +39,26 @@ from agentrt.grammars.tool_args import (
     QWEN_XML,
     XmlLayout,
     calls_list_ebnf,
+    lit,
     pythonic_arguments_ebnf,
+    rename,
     xml_arguments_ebnf,
 )
 
 HARMONY_CALL = "<|channel|>commentary to=functions."
 """How gpt-oss opens a call (Harmony): the commentary channel, addressed to the function."""
+
+PYTHON_TAG = "<|python_tag|>"
+"""Llama 3.x's tag before a call in its ipython environment (a JSON call or a built-in tool's)."""
+
+LLAMA_BUILTIN_TOOLS = ("brave_search", "wolfram_alpha", "code_interpreter")
+"""Llama 3.1/3.3's built-in tools: its template writes a call to one (named in the template's
+`builtin_tools`) as ``<|python_tag|>NAME.call(key="value", ...)``, every other call as JSON; a tool
+of the request with one of these names may be called either way."""
+
+_BUILTIN_ROOT = "llama_builtin_call_root"
+_MISTRAL_ID = "(" + lit(', "id": "') + " [A-Za-z0-9]{9} " + lit('"') + ")?"
+"""EBNF: the 9-character call id Mistral's templates write after a call's arguments (optional)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +178,7 @@ FORMATS = {
         "parameters",
         separator="; ",
         marker_in_body=True,
-        skip_special_tokens=True,
+        skip_special_tokens=False,  # <|python_tag|> (a special token) opens a built-in call
     ),
     "mistral": ToolCallFormat(
         "mistral", "[TOOL_CALLS]", "", "arguments", list_style=True, separator="", skip_special_tokens=False
@@ -270,7 +286,28 @@ def arguments_ebnf(fmt_name: str, tool: dict, dropped: list[str], ws: dict, sche
         )
     if fmt.style == "pythonic":
         return pythonic_arguments_ebnf(tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, fmt.name)
-    return schema_ebnf(tool["parameters"], tool["strict"], dropped, ws)
+    ebnf = schema_ebnf(tool["parameters"], tool["strict"], dropped, ws)
+    if fmt.name == "llama3_json" and tool["name"] in LLAMA_BUILTIN_TOOLS:
+        ebnf += _builtin_call_rules(tool, dropped, ws, schema_ebnf)
+    return ebnf
+
+
+def _builtin_call_rules(tool: dict, json_dropped: list[str], ws: dict, schema_ebnf) -> str:
+    """The rules (root `_BUILTIN_ROOT`) of a Llama built-in tool's keyword arguments `k=<JSON value>`
+    (its `NAME.call(...)` form), to append to its JSON arguments grammar; "" where they would
+    enforce less than the JSON grammar (a property name that is no identifier, a keyword on the
+    arguments object a keyword list drops): then only the JSON call is offered."""
+    dropped: list[str] = []
+    try:
+        kwargs = pythonic_arguments_ebnf(
+            tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, "llama3_json"
+        )
+    except ValueError:
+        return ""
+    if set(dropped) - set(json_dropped):
+        return ""
+    rules, _ = rename(kwargs, _BUILTIN_ROOT[: -len("root")])  # its root becomes _BUILTIN_ROOT
+    return "\n" + rules
 
 
 def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
@@ -288,6 +325,10 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
     required = plan_value["mode"] == "required"
     if fmt.style == "pythonic":
         return _pythonic_tag(tools, args_grammars, parallel, required)
+    if fmt.name == "llama3_json":
+        return _llama_tag(fmt, tools, args_grammars, parallel, required)
+    if fmt.name == "mistral":
+        return _mistral_tag(fmt, tools, args_grammars, parallel, required)
     tags = [_tag(fmt, t["name"], g) for t, g in zip(tools, args_grammars)]
     if fmt.section is not None:
         inner = {
@@ -336,7 +377,7 @@ def call_markers(fmt: ToolCallFormat, tools: list[dict]) -> list[str]:
     if fmt.section is not None:
         return [fmt.section[0]]
     if fmt.marker_in_body:  # a bare JSON call (llama3_json): an object naming a tool, not any {"name"
-        return [fmt.tag_begin(t["name"]) for t in tools] + ["<|python_tag|>"]
+        return [fmt.tag_begin(t["name"]) for t in tools] + [PYTHON_TAG]
     return [fmt.trigger]
 
 
@@ -354,10 +395,98 @@ def _tag(fmt: ToolCallFormat, name: str, args: str) -> dict:
     return {"type": "tag", "begin": fmt.tag_begin(name), "content": content, "end": fmt.tag_end()}
 
 
+def _llama_tag(
+    fmt: ToolCallFormat, tools: list[dict], args: list[str], parallel: bool, required: bool
+) -> dict:
+    """Llama 3.x: JSON calls `{"name": ..., "parameters": ...}` separated by "; ", the first
+    optionally after `<|python_tag|>`; a built-in tool (LLAMA_BUILTIN_TOOLS, its arguments grammar
+    carrying the keyword rules of `_builtin_call_rules`) also as `<|python_tag|>NAME.call(k=v, ...)`,
+    one call alone (the template ends the message with <|eom_id|> after it). Under "auto" the tag
+    is a trigger too: once written, a call follows."""
+    json_tags = [_tag(fmt, t["name"], g) for t, g in zip(tools, args)]
+    builtin = []
+    for t, g in zip(tools, args):
+        if f"{_BUILTIN_ROOT} ::=" in g:
+            rules, _ = rename(g, "b_")
+            kwargs = f"root ::= b_{_BUILTIN_ROOT}\n{rules}"
+            content = {"type": "grammar", "grammar": kwargs}
+            builtin.append(
+                {"type": "tag", "begin": f"{PYTHON_TAG}{t['name']}.call(", "content": content, "end": ")"}
+            )
+    if required:
+        calls = {
+            "type": "tags_with_separator",
+            "tags": json_tags,
+            "separator": fmt.separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+        tag = {"type": "optional", "content": {"type": "const_string", "value": PYTHON_TAG}}
+        body: dict = {"type": "sequence", "elements": [tag, calls]}
+        if builtin:
+            body = {"type": "or", "elements": [body, *builtin]}
+        return {"type": "structural_tag", "format": body}
+    tagged = [{**t, "begin": PYTHON_TAG + t["begin"]} for t in json_tags]
+    body = {
+        "type": "triggered_tags",
+        "triggers": [fmt.trigger, PYTHON_TAG],
+        "tags": json_tags + tagged + builtin,
+        "at_least_one": False,
+        "stop_after_first": not parallel,
+    }
+    return {"type": "structural_tag", "format": body}
+
+
+def _mistral_tag(
+    fmt: ToolCallFormat, tools: list[dict], args: list[str], parallel: bool, required: bool
+) -> dict:
+    """Mistral (Nemo, Small 3.1): every call of the turn in one list, as the templates write it:
+    `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "<9 characters>"}, ...]` (Small 3.1's
+    template puts a space before the list; the id is optional). A tag per tool for the first call,
+    the further calls (parallel) in its content, the list then ends the output."""
+    end = f'{_MISTRAL_ID} "}}"'
+    more = None
+    if parallel:
+        heads = [(f'{{"name": {_js(t["name"])}, "arguments": ', g) for t, g in zip(tools, args)]
+        more = calls_list_ebnf(heads, tail=end, separator=", ")
+    tags = []
+    for opening in ("[TOOL_CALLS][", "[TOOL_CALLS] ["):
+        for t, g in zip(tools, args):
+            elements = [{"type": "grammar", "grammar": g}, {"type": "grammar", "grammar": f"root ::= {end}"}]
+            if more is not None:
+                elements.append({"type": "grammar", "grammar": more})
+            begin = opening + fmt.tag_begin(t["name"])[len("[TOOL_CALLS][") :]
+            tags.append(
+                {
+                    "type": "tag",
+                    "begin": begin,
+                    "content": {"type": "sequence", "elements": elements},
+                    "end": "]",
+                }
+            )
+    if required:
+        body = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": True,
+        }
+    else:
+        body = {
+            "type": "triggered_tags",
+            "triggers": [fmt.trigger],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": True,
+        }
+    return {"type": "structural_tag", "format": body}
+
+
 def _pythonic_tag(tools: list[dict], args: list[str], parallel: bool, required: bool) -> dict:
     """One list `[f(...), g(...)]`: a tag per tool for the first call (its begin `[f(` is the
     trigger: free text may hold other brackets), the further calls (parallel) in its content."""
-    more = calls_list_ebnf([(t["name"], g) for t, g in zip(tools, args)]) if parallel else None
+    more = calls_list_ebnf([(t["name"] + "(", g) for t, g in zip(tools, args)]) if parallel else None
     tags = []
     for t, g in zip(tools, args):
         elements = [{"type": "grammar", "grammar": g}, {"type": "const_string", "value": ")"}]

@@ -128,6 +128,47 @@ def test_text_cut_by_max_tokens_never_puts_call_markup_in_content(text, want):
         assert (content, calls) == want, chunks
 
 
+@pytest.mark.parametrize(
+    "text,names,want_content,want",
+    [
+        (  # the form Llama 3.3's template writes for a built-in tool
+            '<|python_tag|>brave_search.call(query="rome, \\"old\\" town", count=3)',
+            None,
+            "",
+            [("brave_search", '{"query": "rome, \\"old\\" town", "count": 3}')],
+        ),
+        ("Hi <|python_tag|>wolfram_alpha.call()", {"wolfram_alpha"}, "Hi ", [("wolfram_alpha", "{}")]),
+        (  # a JSON call after the tag, then another after "; "
+            '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+            None,
+            "",
+            [("f", '{"a": 1}'), ("g", "{}")],
+        ),
+        ("<|python_tag|>print(1)", None, "<|python_tag|>print(1)", []),  # code, not a call
+        (  # a name the request does not offer stays content
+            '<|python_tag|>brave_search.call(query="x")',
+            {"f"},
+            '<|python_tag|>brave_search.call(query="x")',
+            [],
+        ),
+    ],
+)
+def test_llama_builtin_calls_after_the_python_tag(text, names, want_content, want):
+    """`<|python_tag|>NAME.call(k=v, ...)` (Llama 3.x's built-in tools, as its template writes them)
+    is a call whose keyword arguments stream as a JSON object, at any chunking; before issue 51 it
+    was content."""
+    for chunks in _chunkings(text):
+        content, calls, _ = _parse("llama3_json", chunks, names=names)
+        assert (content, calls) == (want_content, want), chunks
+
+
+def test_a_llama_builtin_call_cut_by_max_tokens_leaves_no_markup():
+    text = '<|python_tag|>brave_search.call(query="rome")'
+    for n in range(1, len(text)):
+        content, calls, _ = _parse("llama3_json", [text[:n]], cut_off=True)
+        assert content == "" and len(calls) <= 1, text[:n]
+
+
 def test_a_partial_marker_at_a_natural_end_stays_content():
     assert _parse("hermes", ["see <tool_"])[0] == "see <tool_"  # finish_reason "stop": it is text
 

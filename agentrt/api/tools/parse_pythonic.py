@@ -4,7 +4,9 @@ template, Llama 3.2's and 4's pythonic variants): a Python list of calls with ke
 
 A ``[`` starts a call list only when a name and ``(`` follow and then ``)`` or ``key=``; anything else
 is content. Values are JSON literals (what the grammar writes) or Python literals (``True``,
-``None``, ``'x'``); the arguments stream as a JSON object, one keyword at a time.
+``None``, ``'x'``); the arguments stream as a JSON object, one keyword at a time. The keyword
+arguments are read by ``KeywordArgs``, which Llama's built-in calls ``<|python_tag|>NAME.call(k=v)``
+share (parsing.JsonCalls).
 """
 
 from __future__ import annotations
@@ -21,29 +23,18 @@ _NEXT = regex.compile(r"\s*([A-Za-z_][\w.\-]{0,63})\s*\(")
 _KEY = regex.compile(r"\s*([A-Za-z_]\w{0,127})\s*=")
 
 
-class PythonicCalls(Machine):
+class KeywordArgs(Machine):
+    """The keyword arguments of a call, `k=v, ...)`, streamed as a JSON object: `_open_call(ev, name)`
+    with the buffer at the call's `(` starts the call; after its `)` the state is `_after_call`."""
+
+    _after_call = "text"
+
     def __init__(self, fmt, names=None, schemas=None):
         super().__init__(fmt, names, schemas)
         self._key = ""
         self._nparams = 0
         self._val = _ValueScan()
         self._parts: list[str] = []  # a value's text so far
-
-    def _on_text(self, ev, final):
-        if self._scan_text(ev, final, ("[",)) is not None:
-            self._state = "head"
-
-    def _on_head(self, ev, final):
-        """After `[`: a call list when `name(` and then `)` or `key=` follow."""
-        m = _FIRST.match(self._buf[:MAX_HEAD_CHARS], partial=True)
-        if m is not None and m.partial and not final:
-            return
-        if m is None or m.partial or not self._known(m.group(1)):
-            if not (final and self._cut_off and m is not None):
-                self._emit_text(ev, "[")  # not a call list
-                self._state = "text"
-            return
-        self._open_call(ev, m.group(1))
 
     def _open_call(self, ev, name: str) -> None:
         self._start_call(ev, name)
@@ -57,7 +48,7 @@ class PythonicCalls(Machine):
         if s.startswith(")"):
             self._buf = s[1:]
             self._end_args(ev)
-            self._state = "between"
+            self._state = self._after_call
             return
         m = _KEY.match(s[:256], partial=True)
         if m is not None and m.partial and not final:
@@ -95,9 +86,54 @@ class PythonicCalls(Machine):
         elif s[0] == ")":
             self._buf = s[1:]
             self._end_args(ev)
-            self._state = "between"
+            self._state = self._after_call
         else:
             self._broken(ev, final)
+
+    def _broken(self, ev, final) -> None:
+        """Not the format's syntax inside a call: the call ends, the rest is text (cut off: dropped)."""
+        if final and self._cut_off:
+            return
+        self._end_args(ev)
+        self._state = "text"
+
+    def _param(self, ev, text: str) -> None:
+        if not text.strip():
+            return  # `k=` with no value (cut short)
+        ok, value = literal(text.strip())
+        value = value if ok else text.strip()
+        sep = "" if self._nparams == 0 else ", "
+        key = json.dumps(self._key, ensure_ascii=False)
+        self._add_args(ev, f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}")
+        self._nparams += 1
+
+    def _end_args(self, ev) -> None:
+        self._add_args(ev, "}")
+
+    def _at_end(self, ev):
+        if self._state == "kw" and not self._cut_off:
+            self._end_args(ev)
+        super()._at_end(ev)
+
+
+class PythonicCalls(KeywordArgs):
+    _after_call = "between"
+
+    def _on_text(self, ev, final):
+        if self._scan_text(ev, final, ("[",)) is not None:
+            self._state = "head"
+
+    def _on_head(self, ev, final):
+        """After `[`: a call list when `name(` and then `)` or `key=` follow."""
+        m = _FIRST.match(self._buf[:MAX_HEAD_CHARS], partial=True)
+        if m is not None and m.partial and not final:
+            return
+        if m is None or m.partial or not self._known(m.group(1)):
+            if not (final and self._cut_off and m is not None):
+                self._emit_text(ev, "[")  # not a call list
+                self._state = "text"
+            return
+        self._open_call(ev, m.group(1))
 
     def _on_between(self, ev, final):
         s = self._buf.lstrip()
@@ -126,31 +162,6 @@ class PythonicCalls(Machine):
         self._buf = self._buf.lstrip()
         if self._buf:
             self._state = "text"
-
-    def _broken(self, ev, final) -> None:
-        """Not the format's syntax inside a call: the call ends, the rest is text (cut off: dropped)."""
-        if final and self._cut_off:
-            return
-        self._end_args(ev)
-        self._state = "text"
-
-    def _param(self, ev, text: str) -> None:
-        if not text.strip():
-            return  # `k=` with no value (cut short)
-        ok, value = literal(text.strip())
-        value = value if ok else text.strip()
-        sep = "" if self._nparams == 0 else ", "
-        key = json.dumps(self._key, ensure_ascii=False)
-        self._add_args(ev, f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}")
-        self._nparams += 1
-
-    def _end_args(self, ev) -> None:
-        self._add_args(ev, "}")
-
-    def _at_end(self, ev):
-        if self._state == "kw" and not self._cut_off:
-            self._end_args(ev)
-        super()._at_end(ev)
 
 
 class _ValueScan:

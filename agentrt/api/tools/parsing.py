@@ -3,9 +3,9 @@
 ``ToolCallParser`` turns model text into content and calls piece by piece; the same machine serves
 streaming and non-streaming responses, so streamed deltas concatenate to the non-streamed result
 whatever the chunking. One machine per style of format (grammars/tool_calls.py): ``JsonCalls``
-here (hermes, llama3_json with or without ``<|python_tag|>``, mistral's list and ``[ARGS]`` styles,
-phi4_mini), ``TaggedCalls`` (parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls``
-(parse_xml.py: qwen3_coder, glm45), ``DsmlCalls`` (parse_dsml.py: deepseek_v3_2),
+here (hermes, llama3_json with or without ``<|python_tag|>`` and Llama's built-in
+``<|python_tag|>NAME.call(k=v)``, mistral's list and ``[ARGS]`` styles, phi4_mini), ``TaggedCalls``
+(parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls`` (parse_xml.py: qwen3_coder, glm45), ``DsmlCalls`` (parse_dsml.py: deepseek_v3_2),
 ``PythonicCalls`` (parse_pythonic.py). (The request side:
 validation.py and rendering.py beside this module.)
 """
@@ -19,7 +19,7 @@ import regex
 
 from agentrt.api.tools.events import MAX_HEAD_CHARS, JsonScan, Machine, ParseEvent, ToolCall, new_call_id
 from agentrt.api.tools.parse_dsml import DsmlCalls
-from agentrt.api.tools.parse_pythonic import PythonicCalls
+from agentrt.api.tools.parse_pythonic import KeywordArgs, PythonicCalls
 from agentrt.api.tools.parse_tagged import TaggedCalls
 from agentrt.api.tools.parse_xml import XmlCalls
 
@@ -28,6 +28,7 @@ __all__ = ["JsonCalls", "ParseEvent", "ToolCall", "ToolCallParser", "new_call_id
 _MAX_HEAD_CHARS = MAX_HEAD_CHARS  # (the name tests/runtime/test_bounded_work_fake.py reads)
 _HEAD = r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 _PYTHON_TAG = "<|python_tag|>"
+_BUILTIN_HEAD = regex.compile(r"\s*([A-Za-z_][\w\-]{0,63})\.call\(")
 _V11_HEAD = regex.compile(r"\s*([A-Za-z0-9_.:\-]{1,64})\s*(?:\[CALL_ID\][A-Za-z0-9_\-]{0,64})?\[ARGS\]")
 
 
@@ -71,11 +72,15 @@ class ToolCallParser:
         return self._m.content
 
 
-class JsonCalls(Machine):
+class JsonCalls(KeywordArgs):
     """JSON call objects after a marker. A call whose head is not `{"name": ..., "arguments": ...`
     in that order (possible only without constraints) is parsed whole at its end. After the marker
-    a JSON list of calls is read too (mistral's style, tolerated for every format), and for mistral
-    `name[ARGS]{...}` (its newer style, optionally `name[CALL_ID]id[ARGS]`)."""
+    a JSON list of calls is read too (mistral's style, tolerated for every format), for mistral
+    `name[ARGS]{...}` (its newer style, optionally `name[CALL_ID]id[ARGS]`), and after Llama's
+    `<|python_tag|>` a built-in tool's `NAME.call(k=v, ...)` (its template's form; the keyword
+    arguments read as the pythonic format's)."""
+
+    _after_call = "after"
 
     def __init__(self, fmt, names=None, schemas=None):
         super().__init__(fmt, names, schemas)
@@ -130,6 +135,13 @@ class JsonCalls(Machine):
         self._scan, self._state, self._bare_args = JsonScan(), "args", True
 
     def _on_obj(self, ev, final):
+        if self._block == _PYTHON_TAG:  # Llama: a JSON call or a built-in call follows the tag
+            s = self._buf.lstrip()
+            if not s and not final:
+                return
+            if s and s[0] != "{":
+                self._state = "builtin"
+                return
         m = regex.match(_HEAD, self._buf[:MAX_HEAD_CHARS], partial=True)
         if m is not None and m.partial and len(self._buf) >= MAX_HEAD_CHARS:
             m = None  # no tool name is this long: parse the block whole (bounded work per feed)
@@ -152,6 +164,18 @@ class JsonCalls(Machine):
         self._block = ""
         self._scan = JsonScan()
         self._state = "args"
+
+    def _on_builtin(self, ev, final):
+        """Llama `<|python_tag|>NAME.call(`: the name (then `KeywordArgs` reads the arguments)."""
+        m = _BUILTIN_HEAD.match(self._buf[:MAX_HEAD_CHARS], partial=True)
+        if m is not None and m.partial and len(self._buf) < MAX_HEAD_CHARS and not final:
+            return
+        if m is None or m.partial or not self._known(m.group(1)):
+            if not (final and self._cut_off and m is not None):
+                self._state = "raw"  # not a call: the tag and the text are content
+            return
+        self._block = ""
+        self._open_call(ev, m.group(1))
 
     def _on_args(self, ev, final):
         if not self._scan.started:
