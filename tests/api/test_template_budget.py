@@ -161,8 +161,8 @@ def test_many_messages_are_stopped_by_the_time_budget():
     start = time.monotonic()
     with pytest.raises(TemplateBudgetError) as e:
         renderer.render(messages)
-    assert e.value.limit == "time"
-    assert time.monotonic() - start < 1.5
+    assert e.value.limit == "time"  # stopped: the plain render takes 2.8-4.2 s (docs/benchmarks.md)
+    assert time.monotonic() - start < 3.0  # the budget, preparing 100k messages and freeing them
 
 
 def test_a_render_stops_when_its_cancel_event_is_set():
