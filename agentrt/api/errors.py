@@ -18,11 +18,20 @@ errors, with the same status, take Anthropic's shape `{"type": "error", "error":
 (`anthropic_error_type` names the type). An error with `retry_after_s` (ServiceUnavailableError,
 QueueFullError) also sets the `Retry-After` header (seconds). 429's type "requests" and a code are
 what OpenAI sends for a request-count limit (its code there is "rate_limit_exceeded").
+
+One style for every request field an error names, on every API: keys joined by ".", list indices
+in brackets (`messages[1].content[0].text`, `tools[0].function.parameters`), as OpenAI writes
+them; pydantic's validation errors are mapped to it (`field_path`). One rule for a client's value
+quoted in a message: `shown`, its JSON text cut to ECHO_MAX_CHARS characters; and no error body
+carries a message over MAX_MESSAGE_CHARS or a param over MAX_PARAM_CHARS characters (the rest is
+cut, its length said), whatever layer wrote it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from fastapi import FastAPI, Request
@@ -43,6 +52,44 @@ from agentrt.errors import (
 logger = logging.getLogger(__name__)
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "json-or-python"}
+
+ECHO_MAX_CHARS = 64
+"""The most characters of a client's value an error message quotes (`shown`)."""
+MAX_MESSAGE_CHARS = 2000
+"""The longest error message sent; longer ones are cut (a value a layer quoted whole)."""
+MAX_PARAM_CHARS = 256
+"""The longest `param` sent (a path through client-chosen keys can be long)."""
+
+
+def shown(value: object) -> str:
+    """`value`, from the request, as an error message quotes it: its JSON text (a string in double
+    quotes), cut to its first ECHO_MAX_CHARS characters and '...' with the whole length when longer
+    (a 1 MB field is never sent back)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # too deep, or an int past Python's digit limit
+        return f"(a {type(value).__name__})"
+    return _cut(text, ECHO_MAX_CHARS)
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """A request field's path in the API's one style: keys joined by ".", list indices in brackets
+    (("messages", 1, "role") -> "messages[1].role"); a key over ECHO_MAX_CHARS is cut."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            key = str(part) if len(str(part)) <= ECHO_MAX_CHARS else str(part)[:ECHO_MAX_CHARS] + "..."
+            out += f".{key}" if out else key
+    return out
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, '...' and the whole length following when cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
@@ -72,7 +119,7 @@ class APIError(Exception):
         """Anthropic's error body for this error (the Messages API)."""
         return {
             "type": "error",
-            "error": {"type": anthropic_error_type(self.status), "message": _utf8(self.message)},
+            "error": {"type": anthropic_error_type(self.status), "message": _sendable(self.message)},
         }
 
     def response(self, path: str = "") -> JSONResponse:
@@ -158,11 +205,16 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _sendable(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """An error's text as sent: cut to `limit` characters and safe to encode as UTF-8."""
+    return _utf8(_cut(text, limit))
+
+
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
-    """OpenAI's error shape; message and param are made safe to encode as UTF-8."""
-    return {
-        "error": {"message": _utf8(message), "type": type_, "param": param and _utf8(param), "code": code}
-    }
+    """OpenAI's error shape; message and param are cut to MAX_MESSAGE_CHARS / MAX_PARAM_CHARS and
+    made safe to encode as UTF-8."""
+    param = param and _sendable(param, MAX_PARAM_CHARS)
+    return {"error": {"message": _sendable(message), "type": type_, "param": param, "code": code}}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -193,11 +245,13 @@ async def _on_validation_error(request: Request, e: RequestValidationError) -> J
     errors = e.errors()
     # a union's branches each report: our own validators' messages (value_error) say the most
     err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
-    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
-    param = ".".join(loc) or None
+    loc = [p for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    param = field_path(loc) or None
     if err.get("type") == "json_invalid":
         param = None
-        message = f"request body is not valid JSON: {err.get('ctx', {}).get('error') or err.get('msg')}"
+        where = err.get("loc", ())[-1:]  # the character offset json reports
+        at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+        message = f"request body is not valid JSON: {err.get('ctx', {}).get('error') or err.get('msg')}{at}"
     else:
         message = f"{param or 'body'}: {err.get('msg')}"
     return APIError(message, param=param).response(request.url.path)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import regex
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from agentrt.api.errors import APIError
+from agentrt.api.errors import APIError, shown
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import MAX_LOGPROBS, RequestOutput, SamplingParams
 
@@ -40,7 +40,7 @@ class TextPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self) -> TextPart:
         if self.type != "text":
-            raise ValueError(f"{self.type!r} parts are not supported: the served model reads text only")
+            raise ValueError(f"{shown(self.type)} parts are not supported: the served model reads text only")
         if self.text is None:
             raise ValueError("a text part needs a `text` string")
         return self
@@ -140,10 +140,11 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Sampling fields every route that samples takes with the same meaning (chat, completions and
-    the Responses API, whose request passes them through): OpenAI's seed, stop and penalties and
-    agentrt's top_k, min_p, repetition_penalty, cache_salt, max_tokens_policy, speculative and
-    repetition_repair (opt-in: with a JSON constraint, close a string value or array that repeats
-    itself; the closed values' JSON pointers come back as the choice's `agentrt_repaired`)."""
+    the Responses API, whose request passes them through, checked as chat checks them): OpenAI's
+    seed, stop, penalties and logit_bias and agentrt's top_k, min_p, repetition_penalty,
+    ignore_eos, stop_token_ids, cache_salt, max_tokens_policy, speculative and repetition_repair
+    (opt-in: with a JSON constraint, close a string value or array that repeats itself; the closed
+    values' JSON pointers come back as the choice's `agentrt_repaired`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     seed: int | None = None
@@ -153,6 +154,9 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     max_tokens_policy: Literal["length", "close"] = "length"
     speculative: bool = True
@@ -174,11 +178,8 @@ class _CommonRequest(SamplingFields):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
     regex: str | None = None
     grammar: str | None = None
     lark: str | None = None
@@ -434,7 +435,7 @@ class ChatCompletionRequest(_CommonRequest):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None  # checked with or without tools
     # extension: false leaves tool calls unconstrained (parsed only), for A/B benchmarks
     tool_call_constraint: bool = True
     functions: list[dict[str, Any]] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from agentrt.api.errors import APIError
+from agentrt.api.errors import APIError, shown
 from agentrt.grammars.reasoning import (
     ReasoningFormat,
     ReasoningMode,
@@ -118,12 +118,13 @@ def thinking_budget(
         raise APIError(f"give one of {budget_param} and {effort_param}", param=effort_param)
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise APIError(f"{budget_param} must be an integer >= 0, got {budget!r}", param=budget_param)
+            raise APIError(f"{budget_param} must be an integer >= 0, got {shown(budget)}", param=budget_param)
         return budget
     if effort is None:
         return None
     if effort not in EFFORT_BUDGETS:
         raise APIError(
-            f"{effort_param} must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}", param=effort_param
+            f"{effort_param} must be one of {', '.join(EFFORT_BUDGETS)}, got {shown(effort)}",
+            param=effort_param,
         )
     return EFFORT_BUDGETS[effort]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentrt.api.disconnect import client_gone
 from agentrt.api.generation import ServingResult
+from agentrt.api.json_body import JSONBodyRoute
 from agentrt.api.messages import MessagesRequest, create_message
 from agentrt.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from agentrt.api.responses import ResponsesRequest, create_response
@@ -37,8 +38,8 @@ def agentrt_version() -> str:
 def build_router() -> APIRouter:
     """The API's routes: /health (GET, HEAD), /metrics, /v1/models, /v1/chat/completions,
     /v1/completions, /v1/responses, /v1/sql/databases, and vLLM's utility routes /tokenize,
-    /detokenize, /version."""
-    router = APIRouter()
+    /detokenize, /version. Request bodies are read by api/json_body.py (each failure a clear 400)."""
+    router = APIRouter(route_class=JSONBodyRoute)
     router.add_api_route("/health", health, methods=["GET"])
     # load balancers probe with HEAD; one operation per method keeps OpenAPI operation ids unique
     router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

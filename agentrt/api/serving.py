@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from agentrt.api.chat_shape import ChatShape
 from agentrt.api.disconnect import ClientGone, while_connected
-from agentrt.api.errors import APIError, to_api_error
+from agentrt.api.errors import APIError, shown, to_api_error
 from agentrt.api.generation import Generation, ResponseShape, ServingResult, renamed
 from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import (
@@ -189,7 +189,7 @@ class OpenAIServing:
         """Raises APIError (404 model_not_found) unless `model` is the served one."""
         if model != self.model_name:
             raise APIError(
-                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"model {shown(model)} does not exist; this server serves '{self.model_name}'",
                 status=404,
                 param="model",
                 code="model_not_found",

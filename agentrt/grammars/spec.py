@@ -120,7 +120,11 @@ class ConstraintSpec:
             raise ConstraintError("schema is nested too deeply to be checked") from None
         except (TypeError, ValueError) as e:  # (not from JSON: a non-string key, NaN is fine)
             raise ConstraintError(f"schema is not JSON: {e}") from None
-        if max_bytes is not None and (size := len(value.encode())) > max_bytes:
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError:  # JSON's "\ud800" escapes decode to a lone surrogate
+            raise ConstraintError(f"schema is not valid Unicode text: {_lone_surrogate(schema)}") from None
+        if max_bytes is not None and size > max_bytes:
             raise ConstraintError(f"json_schema constraint is {size} bytes, over the {max_bytes}-byte limit")
         validator = validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
@@ -171,6 +175,36 @@ class ConstraintSpec:
         (built by agentrt/api/tools/validation.py; compiled as an xgrammar structural tag, see
         grammars/tool_calls.py)."""
         return cls("tool_calls", plan)
+
+
+def _lone_surrogate(value: Any) -> str:
+    """Where a lone surrogate of a JSON value is, in words: "the key at /properties" or
+    "the string at /enum/0" (RFC 6901 pointers), with the code point."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, child in reversed(list(items)):
+            key = str(k).replace("~", "~0").replace("/", "~1")
+            if isinstance(k, str) and not _encodes(k):
+                return f"the key at {where or '/'} holds a lone surrogate{_code_point(k)}"
+            if isinstance(child, str) and not _encodes(child):
+                return f"the string at {where}/{key} holds a lone surrogate{_code_point(child)}"
+            stack.append((f"{where}/{key}", child))
+    return "it holds a lone surrogate"
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _code_point(text: str) -> str:
+    c = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+    return f" (U+{ord(c):04X}: write the character itself, or a high-low surrogate pair)"
 
 
 def _check_unicode(kind: str, text: str) -> None:

@@ -125,8 +125,8 @@ class IngressCore:
             return None
         try:
             parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None  # the replica answers it with its own 400
+        except (ValueError, RecursionError):  # not UTF-8 or JSON, or nested past the parser
+            return None  # the replica answers it with its own 400 (api/json_body.py)
         return route_key(path, parsed, self.table.config.chunk_chars)
 
     async def forward(self, request: Request) -> Response:

@@ -204,7 +204,7 @@ def test_hostile_input_is_a_clear_400(client):
         "does not exist",
     )
     deep: dict = {"type": "string"}
-    for _ in range(400):
+    for _ in range(200):  # deeper than the meta-schema check reads, within the body's nesting limit
         deep = {"type": "array", "items": deep}
     _assert_error(
         _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}),

@@ -451,4 +451,4 @@ def test_non_text_content_parts_are_a_400_naming_the_part(client, part):
     resp = _chat(client, messages=messages)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["param"] == "messages.0.content.1" and f"'{part}' parts are not supported" in err["message"]
+    assert err["param"] == "messages[0].content[1]" and f'"{part}" parts are not supported' in err["message"]

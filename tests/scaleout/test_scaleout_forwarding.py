@@ -160,6 +160,10 @@ def test_error_shapes_pass_through_unchanged(replicas):
     resp = client.get("/v1/models")
     assert resp.status_code == 200 and resp.json()["data"][0]["id"] == MODEL
     assert client.get("/health").json() == {"status": "ok"}
+    # a body the ingress cannot read for its routing key reaches a replica, which says why
+    for body, why in ((b"[" * 100_000 + b"]" * 100_000, "nests"), (b'{"a": "\xff"}', "UTF-8")):
+        resp = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and why in resp.json()["error"]["message"], resp.text
 
 
 def test_a_replica_that_dies_before_answering_gives_503(replicas):

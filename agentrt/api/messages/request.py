@@ -39,7 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrt.api.disconnect import ClientGone
-from agentrt.api.errors import APIError
+from agentrt.api.errors import APIError, field_path, shown
 from agentrt.api.generation import ServingResult
 from agentrt.api.messages.shape import MessagesShape
 from agentrt.api.protocol import ChatCompletionRequest
@@ -112,7 +112,8 @@ def _check_keys(obj: dict, allowed: Iterable[str], where: str) -> None:
     """Refuse (400) a key of `obj` outside `allowed`, naming it."""
     extra = sorted(set(obj) - set(allowed))
     if extra:
-        raise _bad(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
+        key = field_path([extra[0]])  # a client's key: cut when long
+        raise _bad(f"{where}.{key} is not supported by this server", f"{where}.{key}")
 
 
 def _check_cache_control(value: Any, param: str) -> None:
@@ -148,7 +149,9 @@ def _blocks(content: str | list, where: str) -> list[tuple[str, dict]]:
         if kind in _BLOCK_REASONS:
             raise _bad(f"{w}: {kind} blocks are not supported: {_BLOCK_REASONS[kind]}", f"{w}.type")
         if kind not in ("text", "tool_use", "tool_result", *_THINKING_BLOCKS):
-            raise _bad(f"{w}: content blocks of type '{kind}' are not supported by this server", f"{w}.type")
+            raise _bad(
+                f"{w}: content blocks of type {shown(kind)} are not supported by this server", f"{w}.type"
+            )
         out.append((w, block))
     return out
 
@@ -184,7 +187,7 @@ def _tool_result_text(block: dict, where: str) -> str:
             if not isinstance(b, dict) or b.get("type") != "text":
                 kind = b.get("type") if isinstance(b, dict) and isinstance(b.get("type"), str) else None
                 why = _BLOCK_REASONS.get(kind, "a tool result holds text blocks only here")
-                raise _bad(f"{w}: {kind} blocks are not supported in a tool result: {why}", w)
+                raise _bad(f"{w}: {shown(kind)} blocks are not supported in a tool result: {why}", w)
             texts.append(_text_block(b, w))
         text = "".join(texts)
     else:
@@ -238,8 +241,10 @@ def _assistant_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds) -> dic
 
 
 def _user_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds, turn: str) -> list[tuple[str, dict]]:
-    """(where, chat message) for a user turn (`turn`: where it begins): its text as user messages
-    and each tool_result as a tool message, in the order given."""
+    """(where, chat message) for a user turn (`turn`: where it begins): each tool_result as a tool
+    message, then its text as a user message. As Anthropic requires, the tool_result blocks come
+    first (text before one is refused) and answer every tool_use block of the assistant turn before
+    (`tool_ids`)."""
     out: list[tuple[str, dict]] = []
     texts: list[str] = []
     for w, block in blocks:
@@ -249,10 +254,14 @@ def _user_turn(blocks: list[tuple[str, dict]], tool_ids: ToolUseIds, turn: str) 
             raise _bad(f"{w}: {block['type']} blocks belong in assistant turns", f"{w}.type")
         else:
             if texts:
-                out.append((turn, {"role": "user", "content": _parts(texts)}))
-                texts = []
+                raise _bad(
+                    f"{w}: tool_result blocks come first in a user turn, before any text (as Anthropic "
+                    "requires): move the text after them",
+                    w,
+                )
             tid = tool_ids.answer(block.get("tool_use_id"), f"{w}.tool_use_id")
             out.append((w, {"role": "tool", "tool_call_id": tid, "content": _tool_result_text(block, w)}))
+    tool_ids.check_answered(turn)
     if texts or not out:
         out.append((turn, {"role": "user", "content": _parts(texts)}))
     return out
@@ -266,7 +275,7 @@ def _tool(t: Any, i: int) -> dict:
     kind = t.get("type")
     if kind not in (None, "custom"):
         raise _bad(
-            f"{where}: server tools (type '{kind}') are not supported: only client tools "
+            f"{where}: server tools (type {shown(kind)}) are not supported: only client tools "
             "{name, description, input_schema}",
             f"{where}.type",
         )
@@ -377,7 +386,7 @@ def _thinking(req: MessagesRequest, reasons: bool) -> tuple[int | None, bool]:
         raise _bad('thinking.budget_tokens is required with "type": "enabled"', "thinking.budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise _bad(
-            f"thinking.budget_tokens must be an integer, got {json.dumps(budget)}", "thinking.budget_tokens"
+            f"thinking.budget_tokens must be an integer, got {shown(budget)}", "thinking.budget_tokens"
         )
     if budget < MIN_THINKING_BUDGET:
         raise _bad(
@@ -399,7 +408,7 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
     docstring), or that the Messages API itself refuses."""
     for name in req.model_extra or {}:
         why = _REFUSED.get(name, "it is not a Messages API field agentrt implements")
-        raise _bad(f"{name} is not supported: {why}", name)
+        raise _bad(f"{field_path([name])} is not supported: {why}", field_path([name]))
     budget, _ = _thinking(req, reasons)
     if req.temperature is not None and not 0 <= req.temperature <= 1:
         raise _bad(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
@@ -422,6 +431,11 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
     # consecutive turns of one role are one turn (as Anthropic combines them)
     turns: list[tuple[str, str, list[tuple[str, dict]]]] = []
     for i, m in enumerate(req.messages):
+        if not m.content:  # as Anthropic: only a final assistant turn (not served here) may be empty
+            raise _bad(
+                f"messages[{i}].content is empty: every turn needs content (text or blocks)",
+                f"messages[{i}].content",
+            )
         blocks = _blocks(m.content, f"messages[{i}].content")
         if turns and turns[-1][0] == m.role:
             turns[-1][2].extend(blocks)
@@ -467,7 +481,7 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
         return ChatCompletionRequest.model_validate(chat), where
     except ValidationError as e:  # every field is checked above: this names what slipped through
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        loc = field_path(err.get("loc", ()))
         raise _bad(f"the request cannot be run as a chat completion: {loc}: {err.get('msg')}", None) from None
 
 

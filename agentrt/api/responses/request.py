@@ -21,7 +21,11 @@ The server keeps no state: nothing is stored (`store` is accepted and changes no
 `previous_response_id`, `conversation`, `prompt` and `background: true` are refused with a 400
 naming the field, as is every other field this server cannot honour (`include`, `truncation:
 "auto"`, built-in tools, `reasoning` asking a model that does not reason for reasoning, ...).
-Fields this API does not define are ignored, as in chat completions.
+Chat completions' names for what this API names otherwise (`max_tokens`, `reasoning_effort`, `n`
+other than 1, `logprobs`) are refused naming the field to use; agentrt's sampling extensions
+(`logit_bias`, `stop_token_ids`, `ignore_eos`, `top_k`, ... : protocol.SamplingFields) pass through,
+checked as chat completions checks them. Other fields this API does not define are ignored, as in
+chat completions.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrt.api.disconnect import ClientGone
-from agentrt.api.errors import APIError
+from agentrt.api.errors import APIError, field_path, shown
 from agentrt.api.generation import ServingResult
 from agentrt.api.protocol import ChatCompletionRequest, SamplingFields
 from agentrt.api.reasoning import EFFORT_BUDGETS
 from agentrt.api.responses.shape import ResponsesShape
 from agentrt.api.serving import OpenAIServing
-from agentrt.api.tools.turns import add_function_call, check_function_call_output
+from agentrt.api.tools.turns import CallIds
 
 STATELESS = "needs server-side state; this server keeps none: send the whole conversation in input"
 
@@ -107,6 +111,7 @@ class ResponsesRequest(SamplingFields):
     include: list[str] | None = None
     truncation: str | None = None
     top_logprobs: int | None = None
+    n: int | None = None  # chat's; a response holds one output
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: Any = None
@@ -122,6 +127,11 @@ class ResponsesRequest(SamplingFields):
     ebnf: Any = None
     json_schema: Any = None
     response_format: Any = None
+    # chat completions' names for what this API names otherwise: refused with the name to use
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    reasoning_effort: Any = None
+    logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -131,6 +141,14 @@ class ResponsesRequest(SamplingFields):
     thinking_token_budget: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+
+_CHAT_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
+    "logprobs": "/v1/chat/completions (this server returns no logprobs on /v1/responses)",
+}
+"""Chat completions fields sent to this API, and what to use instead (never silently dropped)."""
 
 _CHAT_CONSTRAINTS = (
     "sql", "regex", "grammar", "lark", "choice", "ebnf", "json_schema", "response_format", "guided_json",
@@ -194,6 +212,15 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                 "/v1/completions, which enforce it",
                 param=name,
             )
+    for name, instead in _CHAT_NAMES.items():
+        if getattr(req, name) is not None:
+            raise APIError(f"{name} is a chat completions field: on /v1/responses use {instead}", param=name)
+    if req.n is not None and req.n != 1:
+        raise APIError(
+            f"n must be 1 on /v1/responses (a response holds one output), got {req.n}: send n requests, or "
+            "use /v1/chat/completions",
+            param="n",
+        )
     for name in ("previous_response_id", "conversation"):
         if getattr(req, name) is not None:
             raise APIError(f"{name} {STATELESS}", param=name)
@@ -212,7 +239,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for i, value in enumerate(req.include or ()):
         if value != "reasoning.encrypted_content":  # nothing is encrypted: reasoning items are plain text
             raise APIError(
-                f"include[{i}] '{value}' is not supported: this server returns no logprobs and runs no "
+                f"include[{i}] {shown(value)} is not supported: this server returns no logprobs and runs no "
                 "built-in tools",
                 param=f"include[{i}]",
             )
@@ -273,23 +300,23 @@ def _reasoning(value: Any, reasons: bool) -> tuple[str | None, str | None]:
         )
     extra = sorted(set(value) - {"effort", "summary", "generate_summary"})
     if extra:
-        raise APIError(f"reasoning.{extra[0]} is not supported by this server", param=f"reasoning.{extra[0]}")
+        key = field_path(["reasoning", extra[0]])
+        raise APIError(f"{key} is not supported by this server", param=key)
     effort = value.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise APIError(
-            f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}",
+            f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {shown(effort)}",
             param="reasoning.effort",
         )
     for key in ("summary", "generate_summary"):
         if value.get(key) is not None and value[key] not in SUMMARIES:
             raise APIError(
-                f"reasoning.{key} must be one of {', '.join(SUMMARIES)} or null, "
-                f"got {json.dumps(value[key])}",
+                f"reasoning.{key} must be one of {', '.join(SUMMARIES)} or null, got {shown(value[key])}",
                 param=f"reasoning.{key}",
             )
     if not reasons and effort not in (None, "none", "minimal"):
         raise APIError(
-            f"reasoning: effort {json.dumps(effort)} is not supported: the served model has no reasoning "
+            f"reasoning: effort {shown(effort)} is not supported: the served model has no reasoning "
             'mode (send null or {"effort": "none"})',
             param="reasoning",
         )
@@ -310,7 +337,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
         return messages, origins
     if not req.input:
         raise APIError("input is empty: give a string or at least one item", param="input")
-    call_ids: set[str] = set()
+    call_ids = CallIds("function_call item")  # each call id once, each call answered at most once
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
@@ -342,10 +369,10 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 origins.append(where)
                 if thought is not None:
                     messages[-1]["reasoning_content"], thought = thought, None
-            add_function_call(call_ids, call_id, arguments, where)
+            call_ids.call(call_id, arguments, f"{where}.call_id", f"{where}.arguments")
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
-            check_function_call_output(call_ids, call_id, where)
+            call_ids.answer(call_id, f"{where}.call_id")
             messages.append(
                 {
                     "role": "tool",
@@ -443,7 +470,7 @@ def _tools(tools: list[Any] | None) -> list[dict] | None:
             raise APIError(f'tools[{i}] must be {{"type": "function", "name": ...}}', param=f"tools[{i}]")
         if t.get("type") != "function":
             raise APIError(
-                f"tools[{i}].type {json.dumps(t.get('type'))} is not supported: this server offers function "
+                f"tools[{i}].type {shown(t.get('type'))} is not supported: this server offers function "
                 "tools only (the client runs them)",
                 param=f"tools[{i}].type",
             )
@@ -474,7 +501,7 @@ def _tool_choice(choice: Any) -> Any:
             param="tool_choice",
         )
     raise APIError(
-        f"tool_choice type {json.dumps(kind)} is not supported: this server offers function tools only",
+        f"tool_choice type {shown(kind)} is not supported: this server offers function tools only",
         param="tool_choice",
     )
 
@@ -527,7 +554,18 @@ def _echo(req: ResponsesRequest, tools: list[dict] | None, fmt: TextFormat | Non
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             field = {"text": "text.format"}.get(name, name)
+            if name == "tools":  # name the tool
+                field = next(f"tools[{i}]" for i, t in enumerate(value) if not _encodes(t))
             raise APIError(
                 f"{field} is not valid Unicode text (e.g. a lone surrogate)", param=field
             ) from None
     return echo
+
+
+def _encodes(value: Any) -> bool:
+    """Whether `value`'s JSON text encodes as UTF-8 (no lone surrogate)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

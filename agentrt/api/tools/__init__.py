@@ -18,9 +18,9 @@ naming the tool). ``required`` / a named tool: the whole output is one call (or 
 
 The package, in request order:
 
-- ``validation``: `tools` / `tool_choice` / tool turns -> ``ToolPlan`` (APIError naming the field);
-- ``turns``: the tool turns of Responses input items and Messages turns (call ids unique, each
-  answer to a call its API allows);
+- ``validation``: `tools` / `tool_choice` -> ``ToolPlan`` (APIError naming the field);
+- ``turns``: the tool turns of chat messages, Responses input items and Messages turns (call ids
+  unique, arguments JSON objects, each answer to a call its API allows);
 - ``rendering``: the call format read from the chat template (``ToolPrompt``), tools and tool turns
   written into the prompt;
 - ``parsing``: ``ToolCallParser``, model text -> content and calls, incrementally (one machine for
@@ -30,7 +30,8 @@ The package, in request order:
 from agentrt.api.tools.detection import Detected, detect
 from agentrt.api.tools.parsing import ParseEvent, ToolCall, ToolCallParser, new_call_id
 from agentrt.api.tools.rendering import TOOLS_PROMPT, ToolPrompt, detect_format, render_messages
-from agentrt.api.tools.validation import ToolPlan, check_tool_messages, check_tool_schemas, plan_tools
+from agentrt.api.tools.turns import check_tool_messages
+from agentrt.api.tools.validation import ToolPlan, check_tool_schemas, plan_tools
 
 __all__ = [
     "TOOLS_PROMPT",

@@ -1,5 +1,5 @@
-"""Tool-call requests: validate OpenAI's `tools`, `tool_choice`, `parallel_tool_calls` and the tool
-turns of `messages`, and turn them into a `ToolPlan` (what the grammar offers, what the prompt shows
+"""Tool-call requests: validate OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (the tool
+turns of `messages`: turns.py), and turn them into a `ToolPlan` (what the grammar offers, what the prompt shows
 and what the parser expects).
 
 Every check raises APIError (400) naming the request field at fault.
@@ -13,7 +13,7 @@ from typing import Any
 
 import regex
 
-from agentrt.api.errors import APIError
+from agentrt.api.errors import APIError, shown
 from agentrt.api.tools.parsing import ToolCallParser
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.grammars.tool_calls import ToolCallFormat
@@ -160,7 +160,7 @@ def _tool_spec(where: str, t: Any, seen: set[str]) -> dict:
         # arguments are a JSON object (OpenAI's contract; frameworks json.loads them into a dict)
         raise APIError(
             f'{where}.function.parameters must describe an object ("type": "object"), got '
-            f"type {json.dumps(params.get('type'))}",
+            f"type {shown(params.get('type'))}",
             param=f"{where}.function.parameters",
         )
     strict = fn.get("strict")
@@ -187,7 +187,7 @@ def _named_tool(choice: dict, specs: list[dict]) -> dict:
         raise APIError(_CHOICE_SHAPES, param="tool_choice")
     chosen = [s for s in specs if s["name"] == name]
     if not chosen:
-        raise APIError(f"tool_choice names '{name}', which is not one of the tools", param="tool_choice")
+        raise APIError(f"tool_choice names {shown(name)}, which is not one of the tools", param="tool_choice")
     return chosen[0]
 
 
@@ -210,29 +210,3 @@ def check_tool_schemas(plan: ToolPlan, max_bytes: int | None = None) -> None:
         except ValueError as e:
             where = f"tools[{i}].function.parameters"
             raise APIError(f"{where}: {e}", param=where) from None
-
-
-def check_tool_messages(messages: list[dict]) -> None:
-    """OpenAI's rules for tool turns: `tool_calls` only on assistant messages, every `tool`
-    message answers (`tool_call_id`) a call of an earlier assistant message. Raises APIError."""
-    ids: set[str] = set()
-    for i, m in enumerate(messages):
-        if m.get("tool_calls") and m["role"] != "assistant":
-            raise APIError(
-                f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
-            )
-        for c in m.get("tool_calls") or []:
-            if c.get("id"):
-                ids.add(c["id"])
-        if m["role"] == "tool":
-            tid = m.get("tool_call_id")
-            if not tid:
-                raise APIError(
-                    f"messages[{i}]: a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id"
-                )
-            if tid not in ids:
-                raise APIError(
-                    f"messages[{i}]: tool_call_id '{tid}' answers no tool call of an earlier assistant "
-                    "message",
-                    param=f"messages[{i}].tool_call_id",
-                )
