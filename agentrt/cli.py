@@ -49,6 +49,8 @@ def serve(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, args.port, options.api_keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    if not checked_before_load(args):
+        return 2
     from agentrt.sql.errors import SchemaError
     from agentrt.sql.service import SQLDatabases, parse_database_args, table_limit_warning
 
@@ -150,6 +152,39 @@ def serve(args: argparse.Namespace) -> int:
         http.join(timeout=10)
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def checked_before_load(args: argparse.Namespace) -> bool:
+    """serve's start: the whole `agentrt check` of the model (architecture, tokenizer, chat
+    template, weight names and shapes, KV capacity) with serve's own options, before any weight is
+    read or a GGUF converted. Prints its warnings and errors; False when it found an error (a model
+    serve would refuse at load, now refused in seconds with check's findings)."""
+    from agentrt.runtime.models.check import check_model
+
+    report = check_model(
+        args.model,
+        args.max_model_len,
+        args.max_num_seqs,
+        args.device,
+        args.dtype,
+        args.kv_cache_bytes,
+        args.chat_template,
+        template_budget(args),
+    )
+    for finding in report.findings:  # the template's warnings: template_ready's, with the app's tool set-up
+        if finding.level == "error" or (finding.level == "warning" and finding.topic != "chat template"):
+            print(
+                f"agentrt: {finding.level}: {finding.topic}: {finding.message}", file=sys.stderr, flush=True
+            )
+    if report.errors:
+        print(
+            f"agentrt: error: {args.model} cannot be served ({len(report.errors)} error"
+            f"{'' if len(report.errors) == 1 else 's'} above; `agentrt check {args.model}` shows the whole report)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
 
 
 def template_ready(tokenizer, budget, app) -> bool:

@@ -500,5 +500,22 @@ def test_cli_check_and_serve_refuse_a_looping_template(default_model_dir, tmp_pa
         timeout=300,
     )
     assert served.returncode == 2, served.stdout + served.stderr
-    assert "agentrt: error: chat template spends its budget on the plain sample" in served.stderr
+    assert "agentrt: error: chat template: spends its budget on the plain sample" in served.stderr
     assert "serving" not in served.stdout
+
+
+def test_serve_runs_the_whole_check_before_reading_weights(tiny, tmp_path, capsys):
+    """A config whose vocabulary does not match the embedding: serve stops with check's findings
+    (exit 2) before reading a weight or building the engine, where it used to fail only once the
+    loader reached the embedding ("weight ... has shape ..."), minutes into a real model's load."""
+    from agentrt import cli
+
+    d = _copy(tiny["llama"], tmp_path / "m")
+    _hollow_weights(d)
+    _edit_config(d, vocab_size=50_000)
+    status = cli.main(["serve", str(d), "--max-model-len", "64", "--device", "cpu", "--port", "1"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "agentrt: error: embedding: model.embed_tokens.weight is [49152, 64] but the config says" in err
+    assert f"agentrt: error: {d} cannot be served (2 errors above" in err
+    assert "has shape" not in err  # the loader never ran
