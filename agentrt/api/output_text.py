@@ -3,12 +3,22 @@ reasoning.py `ReasoningParser`), then the answer as content and tool calls (tool
 `ToolCallParser`), as one stream of ParseEvents. Kind "reasoning" carries reasoning text; the
 answer's events are the tool-call parser's ("content", "call", "args"). The same machine serves
 streamed and non-streamed responses, so streamed deltas concatenate to the non-streamed result
-whatever the chunking."""
+whatever the chunking. A call written inside the reasoning ends it (`call_markers`)."""
 
 from __future__ import annotations
 
 from agentrt.api.tools import ParseEvent, ToolCallParser, ToolPlan
 from agentrt.grammars.reasoning import ReasoningFormat, ReasoningMode, ReasoningParser
+from agentrt.grammars.tool_calls import call_markers as format_call_markers
+
+
+def call_markers(plan: ToolPlan | None) -> tuple[str, ...]:
+    """The texts that open a call of `plan` (none without tools or under tool_choice "none"): a
+    reasoning ends at the first of them (grammars/reasoning.py: a call is never lost in the
+    reasoning; under a tool-call grammar the reasoning cannot hold one)."""
+    if plan is None or not plan.calls:
+        return ()
+    return tuple(format_call_markers(plan.fmt, plan.tools))
 
 
 class OutputParser:
@@ -16,7 +26,7 @@ class OutputParser:
     parsed into tool calls when `plan` is given (else content)."""
 
     def __init__(self, reasoning: tuple[ReasoningFormat, ReasoningMode] | None, plan: ToolPlan | None):
-        self.thinking = ReasoningParser(*reasoning) if reasoning is not None else None
+        self.thinking = ReasoningParser(*reasoning, call_markers(plan)) if reasoning is not None else None
         self.tools: ToolCallParser | None = plan.new_parser() if plan is not None else None
         self._content = ""
 

@@ -39,8 +39,9 @@ class RequestReasoning:
     budget: int | None
     close_text: str
 
-    def params(self) -> ReasoningParams | None:
-        """The engine's side (SamplingParams.reasoning; None when the mode is "off")."""
+    def params(self, call_markers: tuple[str, ...] = ()) -> ReasoningParams | None:
+        """The engine's side (SamplingParams.reasoning; None when the mode is "off"). `call_markers`:
+        the texts that open a call of the request's tools (api/output_text.py `call_markers`)."""
         if self.mode == "off":
             return None
         return ReasoningParams(
@@ -51,6 +52,7 @@ class RequestReasoning:
             self.close_text,
             self.fmt.after_end,
             self.fmt.header,
+            tuple(call_markers),
         )
 
     @property

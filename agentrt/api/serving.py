@@ -25,6 +25,7 @@ from agentrt.api.chat_shape import ChatShape
 from agentrt.api.disconnect import ClientGone, while_connected
 from agentrt.api.errors import APIError, shown, to_api_error
 from agentrt.api.generation import Generation, ResponseShape, ServingResult, renamed
+from agentrt.api.output_text import call_markers
 from agentrt.api.prompt_limit import PromptBound, token_bound
 from agentrt.api.protocol import (
     ChatCompletionRequest,
@@ -308,7 +309,7 @@ class OpenAIServing:
         reasoning model. Raises APIError naming the field."""
         params = req.sampling_params(max_tokens)
         if reasoning is not None:
-            params.reasoning = reasoning.params()
+            params.reasoning = reasoning.params(call_markers(plan))  # a call may end the reasoning
         chosen = req.constraint(
             req.response_format, sql.spec if sql is not None else None, self._max_constraint_bytes
         )

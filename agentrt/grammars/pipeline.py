@@ -178,14 +178,20 @@ def spec_grammar(
     spec: ConstraintSpec, not_enforced: list[str], ws: dict, plans: list | None = None
 ) -> xgr.Grammar | None:
     """`answer_grammar`, after the model's free reasoning when the spec has a reasoning format
-    (grammars/reasoning.py: `reasoning` then the answer, one grammar)."""
+    (grammars/reasoning.py: `reasoning` then the answer, one grammar). Tool calls' markers are
+    excluded from the reasoning (a call comes after it, never inside it)."""
     answer = answer_grammar(spec, not_enforced, ws, plans)
     if answer is None or not spec.reasoning:
         return answer
     from agentrt.grammars.reasoning import ReasoningFormat
 
     fmt, mode = ReasoningFormat.from_json(spec.reasoning)
-    tag = fmt.structural_tag(mode, str(answer), tool_calls=spec.kind == "tool_calls")
+    markers: list[str] = []
+    if spec.kind == "tool_calls" and (plan := json.loads(spec.value)).get("mode") != "none":
+        from agentrt.grammars.tool_calls import FORMATS, call_markers
+
+        markers = call_markers(FORMATS[plan["format"]], plan["tools"])
+    tag = fmt.structural_tag(mode, str(answer), spec.kind == "tool_calls", markers)
     return xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
 
 
@@ -201,6 +207,7 @@ def answer_grammar(
         ebnf = schema_ebnf(json.loads(spec.value), spec.strict, not_enforced, ws, plans)
         return xgr.Grammar.from_ebnf(ebnf)
     if spec.kind == "tool_calls":
+        from agentrt.grammars.reasoning import free_answer
         from agentrt.grammars.tool_calls import arguments_ebnf, structural_tag
 
         plan = json.loads(spec.value)
@@ -218,6 +225,7 @@ def answer_grammar(
             tag = _calls_or_answer(plan, args, spec.reasoning, not_enforced, ws)
         else:
             tag = structural_tag(plan, args)
+        tag = free_answer(spec.reasoning, tag)  # a reasoning's start: no answer
         return xgr.Grammar.from_structural_tag(json.dumps(tag, ensure_ascii=False))
     if spec.kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)

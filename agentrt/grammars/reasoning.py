@@ -13,6 +13,18 @@ reasoning is any text without the end marker, then the end marker, at most a few
 characters, then the constrained answer. The end marker is the only way out of the reasoning, so the
 answer can neither be skipped nor written inside it, and the end-of-sequence token is masked until
 the answer is complete.
+
+A tool call can never be lost in the reasoning (vLLM #39056: a call written inside `<think>` stays
+reasoning there). Under a tool-call grammar (tool_choice "auto", "required" or named) the format's
+call markers (grammars/tool_calls.py `call_markers`) are excluded from the reasoning's free text as
+the end marker is: the model ends its reasoning before it calls, and the call is constrained like
+any other. Without a grammar (`tool_call_constraint` off) nothing can stop the model, so a call
+marker written inside the reasoning ends it there (`call_markers` of `ReasoningParser` and
+`AnswerGate`): the call and what follows are the answer, as vLLM's fix (PR #35687) reads a
+`<tool_call>` inside `<think>`.
+
+What reads the answer (the unique-strings check, runaway repair, stop strings) reads it from where
+`AnswerGate` says it begins, never the reasoning before it.
 """
 
 from __future__ import annotations
@@ -69,13 +81,22 @@ class ReasoningFormat:
             return "open"
         return "optional"
 
-    def structural_tag(self, mode: ReasoningMode, answer_ebnf: str, tool_calls: bool = False) -> dict:
+    def structural_tag(
+        self,
+        mode: ReasoningMode,
+        answer_ebnf: str,
+        tool_calls: bool = False,
+        call_markers: tuple[str, ...] | list[str] = (),
+    ) -> dict:
         """xgrammar's structural tag for "reasoning, then the answer" (`answer_ebnf`: the answer's
         grammar, root rule `root`; `tool_calls`: it is a tool-call grammar, which opens its own
-        channel, so no `header`). Raises ValueError for mode "off" (no reasoning to wrap)."""
+        channel, so no `header`; `call_markers`: the texts that open a call, excluded from the
+        reasoning like the end marker, so that a call comes after the reasoning, never inside it).
+        Raises ValueError for mode "off" (no reasoning to wrap)."""
         if mode == "off":
             raise ValueError("reasoning mode 'off' has no reasoning to constrain around")
-        text = {"type": "any_text", "excludes": [self.end]}
+        excludes = [self.end, *(m for m in call_markers if m and m != self.end)]
+        text = {"type": "any_text", "excludes": excludes}
         block: dict = {
             "type": "tag",
             "begin": "" if mode == "open" else self.start,
@@ -171,10 +192,13 @@ class ReasoningParser:
     reasoning is recognised only at the start of the output (after whitespace); in "off" all text
     is content. The format's separator and answer header (Harmony's "<|start|>assistant" and final
     channel) are dropped where they open the answer. Output cut inside the reasoning leaves content
-    empty."""
+    empty. `call_markers`: texts that open a tool call (tools offered, tool_choice not "none"); one
+    written inside the reasoning ends it there and opens the answer with itself (the module
+    docstring: a call is never lost in the reasoning; under a grammar none can occur there)."""
 
-    def __init__(self, fmt: ReasoningFormat, mode: ReasoningMode):
+    def __init__(self, fmt: ReasoningFormat, mode: ReasoningMode, call_markers: tuple[str, ...] = ()):
         self.fmt = fmt
+        self._markers = tuple(m for m in call_markers if m)
         self._state = {"open": "reasoning", "optional": "before", "off": "head"}[mode]
         self._buf = ""
         self._lead = True  # dropping whitespace at the start of the current part
@@ -226,20 +250,124 @@ class ReasoningParser:
                 self._emit("content", buf, out)
                 self._buf = ""
                 break
-            at = buf.find(self.fmt.end)
+            at, marker = _first_marker(buf, (self.fmt.end, *self._markers))
             if at >= 0:
                 self._emit("reasoning", buf[:at].rstrip(), out)
-                self._buf = buf[at + len(self.fmt.end) :]
-                self._state, self._lead = "sep", True
+                if marker == self.fmt.end:
+                    self._buf = buf[at + len(marker) :]
+                    self._state, self._lead = "sep", True
+                else:  # a call inside the reasoning: it ends the reasoning and opens the answer
+                    self._buf = buf[at:]
+                    self._state, self._lead = "content", True
                 continue
-            # held back: a partial end marker and the whitespace before it (dropped at the marker)
-            body = buf if final else buf[: len(buf) - _partial_suffix(buf, self.fmt.end)]
+            # held back: a partial marker and the whitespace before it (dropped at the marker)
+            held = max(_partial_suffix(buf, m) for m in (self.fmt.end, *self._markers))
+            body = buf if final else buf[: len(buf) - held]
             self._emit("reasoning", body.rstrip(), out)
             self._buf = "" if final else buf[len(body.rstrip()) :]
             break
         self.reasoning += out[0]
         self.content += out[1]
         return out[0], out[1]
+
+
+def free_answer(reasoning: str, tag: dict) -> dict:
+    """A copy of `tag` (an answer's xgrammar structural tag, e.g. tool calls under tool_choice
+    "auto") whose free text (`any_text`, `triggered_tags`) never holds the start marker when the
+    model may open a reasoning (`reasoning`: a ConstraintSpec's value, mode "optional"): an output
+    that opens with it is the reasoning (ReasoningParser reads it so), so the grammar must not take
+    it for an answer that happens to begin that way, nor a call inside it for the answer's call.
+    Otherwise `tag` itself."""
+    if not reasoning:
+        return tag
+    fmt, mode = ReasoningFormat.from_json(reasoning)
+    if mode != "optional":
+        return tag
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        if out.get("type") in ("any_text", "triggered_tags"):
+            out["excludes"] = [*out.get("excludes", []), fmt.start]
+        return out
+
+    return walk(tag)
+
+
+def _first_marker(text, markers):
+    """(index, marker) of the earliest occurrence in `text` (str or bytes) of one of `markers` (the
+    first of them on a tie); (-1, None) when none occurs."""
+    best, found = -1, None
+    for m in markers:
+        at = text.find(m)
+        if at >= 0 and (best < 0 or at < best):
+            best, found = at, m
+    return best, found
+
+
+class AnswerGate:
+    """Where a reasoning model's answer begins in its output, followed token by token on bytes
+    (special tokens as their text): what the per-request checks that read the answer (the
+    unique-strings check, runaway repair, the thinking budget's tracker) use to skip the reasoning.
+    `state`: "before" (mode "optional", nothing decided yet), "reasoning" or "answer". The output
+    opens the reasoning with the start marker (after whitespace) in mode "optional", is inside it
+    from the start in mode "open", and is all answer in mode "off"; the reasoning ends at the first
+    end marker or at the first call marker (`call_markers`: a call written inside the reasoning
+    opens the answer with itself, as ReasoningParser reads it). `ended_by`: the marker that ended
+    the reasoning (None: it did not, or there was none). A value object: `copy` before feeding a
+    gate that is shared."""
+
+    __slots__ = ("_end", "_keep", "_markers", "_start", "_tail", "ended_by", "state")
+
+    def __init__(self, start: bytes, end: bytes, mode: ReasoningMode, call_markers: tuple[bytes, ...] = ()):
+        self._start, self._end = start, end
+        self._markers = (end, *(m for m in call_markers if m and m != end))
+        self._keep = max(len(m) for m in self._markers) - 1  # bytes that may start a marker
+        self.state = {"open": "reasoning", "optional": "before", "off": "answer"}[mode]
+        self._tail = b""  # bytes not decided yet: the start of a marker, or leading whitespace
+        self.ended_by: bytes | None = None
+
+    @classmethod
+    def for_spec(cls, reasoning: str, call_markers: tuple[str, ...] = ()) -> AnswerGate | None:
+        """The gate of a ConstraintSpec's `reasoning` value (None for "": no reasoning)."""
+        if not reasoning:
+            return None
+        fmt, mode = ReasoningFormat.from_json(reasoning)
+        return cls(fmt.start.encode(), fmt.end.encode(), mode, tuple(m.encode() for m in call_markers))
+
+    def copy(self) -> AnswerGate:
+        g = object.__new__(AnswerGate)
+        for name in AnswerGate.__slots__:
+            setattr(g, name, getattr(self, name))
+        return g
+
+    def feed(self, data: bytes) -> bytes:
+        """Advance over one token's bytes; returns the answer's bytes among them: all of `data` in
+        the answer; after the end marker (from a call marker, the marker included) in the token
+        that ends the reasoning; the undecided bytes held back before and `data` when the output
+        turns out to open with its answer (leading whitespace dropped); b"" in the reasoning."""
+        if self.state == "answer":
+            return data
+        tail = self._tail + data
+        if self.state == "before":
+            stripped = tail.lstrip()
+            if stripped.startswith(self._start):
+                self.state, tail = "reasoning", stripped[len(self._start) :]
+            elif self._start.startswith(stripped):
+                self._tail = stripped  # whitespace or a prefix of the start marker: undecided
+                return b""
+            else:
+                self.state, self._tail = "answer", b""
+                return stripped
+        at, marker = _first_marker(tail, self._markers)
+        if at >= 0:
+            self.state, self._tail, self.ended_by = "answer", b"", marker
+            return tail[at + len(marker) :] if marker == self._end else tail[at:]
+        self._tail = tail[-self._keep :] if self._keep else b""
+        return b""
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -20,6 +20,11 @@ equal to an earlier element of the same array (issue 21, "an exact check when a 
   and outside a marked array only those that also open an array can: the check simulates those
   (at most about 1,000 of SmolLM2's 49,152 tokens), not the whole vocabulary.
 
+A reasoning model's output (a spec with `reasoning`) is checked from where its answer begins
+(grammars/reasoning.py `AnswerGate`, fed each token's text): quotes and brackets in the reasoning
+are free text, never the answer's strings (issue 51: a lone `"` in the reasoning let `["a", "a"]`
+through; a reasoning quoting `["x", "x"]` had its closing quote masked).
+
 No dead end follows a refused token: the element is a free string, so when its text so far equals
 an earlier element the grammar still admits any further character, and the mask keeps those; a
 duplicate can only be completed, never forced (jump-forward never forces a free string's text).
@@ -37,6 +42,7 @@ import torch
 from agentrt.grammars.json_lexer import JsonPointerTracker, _Frame
 from agentrt.grammars.json_schema.arrays import UNIQUE_STRINGS
 from agentrt.grammars.json_schema.errors import UnsupportedSchemaError
+from agentrt.grammars.reasoning import AnswerGate
 
 _AMBIGUOUS = (
     "unique strings are checked only where the array's subschema is decided by keys, positions "
@@ -219,7 +225,8 @@ class UniqueStringsTracker(JsonPointerTracker):
 
 class VocabBytes:
     """Per-tokenizer tables for the check (built once per GrammarBackend): each token id's bytes (b""
-    for special tokens) and, as int64 arrays, the ids whose bytes hold a quote (`quote_ids`), two
+    for special tokens; `text_bytes`: with special tokens' text, what a reasoning gate reads) and,
+    as int64 arrays, the ids whose bytes hold a quote (`quote_ids`), two
     or more (`multi_quote_ids`: the only ones that can open and complete a string), one after a
     backslash (`escaped_quote_ids`), and of the multi-quote ones those holding `[`
     (`open_quote_ids`: the only ones that can complete an element of an array they open).
@@ -228,7 +235,8 @@ class VocabBytes:
 
     def __init__(self, decoded_vocab, special_ids):
         special = set(special_ids)
-        self.token_bytes = [b"" if i in special else bytes(b) for i, b in enumerate(decoded_vocab)]
+        self.text_bytes = [bytes(b) for b in decoded_vocab]
+        self.token_bytes = [b"" if i in special else b for i, b in enumerate(self.text_bytes)]
         quote = [i for i, b in enumerate(self.token_bytes) if b'"' in b]
         multi = [i for i in quote if self.token_bytes[i].count(b'"') > 1]
         single = [i for i in quote if self.token_bytes[i].count(b'"') == 1]
@@ -246,29 +254,52 @@ class VocabBytes:
 
 class UniqueItemsMatcher:
     """An xgrammar GrammarMatcher (`inner`) plus the unique-strings check (module docstring). Drop-in
-    for the methods the engine uses; anything else is the inner matcher's."""
+    for the methods the engine uses; anything else is the inner matcher's. `gate`: a reasoning
+    model's AnswerGate (grammars/reasoning.py; None: the whole output is the answer), in its state
+    at the output's start."""
 
-    def __init__(self, inner, plan: list[dict], vocab: VocabBytes):
+    def __init__(self, inner, plan: list[dict], vocab: VocabBytes, gate: AnswerGate | None = None):
         self.inner, self.plan, self.vocab = inner, plan, vocab
         self.tracker = UniqueStringsTracker(plan)
-        self._history: list[UniqueStringsTracker] = []  # the tracker before each accepted token
+        self._gate0 = gate
+        self.gate = None if gate is None else gate.copy()
+        # (tracker, gate) before each accepted token
+        self._history: list[tuple[UniqueStringsTracker, AnswerGate | None]] = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def _after(self, data: bytes) -> UniqueStringsTracker | None:
-        """The tracker after `data`, or None when it completes a duplicate element."""
+    def _after(
+        self, data: bytes, text: bytes | None = None
+    ) -> tuple[UniqueStringsTracker, AnswerGate | None] | None:
+        """The (tracker, gate) after a token whose answer bytes are `data` and whose text is `text`
+        (default `data`; they differ for a special token: b"" and its text), or None when it
+        completes a duplicate element. While the gate is short of the answer it reads `text`, and the tracker only the
+        answer's part of it (none of a special token's)."""
+        gate = self.gate
+        if gate is not None and gate.state != "answer":
+            gate = gate.copy()
+            answer = gate.feed(data if text is None else text)
+            data = answer if data else b""
         t = self.tracker.copy()
         t.feed(data)
-        return None if t.duplicate else t
+        return None if t.duplicate else (t, gate)
+
+    def _after_token(self, token_id: int) -> tuple[UniqueStringsTracker, AnswerGate | None] | None:
+        v = self.vocab
+        if 0 <= token_id < len(v.token_bytes):
+            return self._after(v.token_bytes[token_id], v.text_bytes[token_id])
+        return self._after(b"", b"")
+
+    def _take(self, after) -> None:
+        self._history.append((self.tracker, self.gate))
+        self.tracker, self.gate = after
 
     def accept_token(self, token_id: int, *, debug_print: bool = False) -> bool:
-        data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
-        after = self._after(data)
+        after = self._after_token(token_id)
         if after is None or not self.inner.accept_token(token_id):
             return False
-        self._history.append(self.tracker)
-        self.tracker = after
+        self._take(after)
         return True
 
     def accept_string(self, text: str, *, debug_print: bool = False) -> bool:
@@ -277,18 +308,18 @@ class UniqueItemsMatcher:
         after = self._after(text.encode())
         if after is None or not self.inner.accept_string(text):
             return False
-        self._history.append(self.tracker)
-        self.tracker = after
+        self._take(after)
         return True
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
         for _ in range(num_tokens):
-            self.tracker = self._history.pop()
+            self.tracker, self.gate = self._history.pop()
 
     def reset(self) -> None:
         self.inner.reset()
         self.tracker, self._history = UniqueStringsTracker(self.plan), []
+        self.gate = None if self._gate0 is None else self._gate0.copy()
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0, *, debug_print: bool = False):
         self.inner.fill_next_token_bitmask(bitmask, index)
@@ -340,7 +371,7 @@ class UniqueItemsMatcher:
             return ids[((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)].tolist() if len(ids) else []
 
         out = [x for ids in refuse for x in allowed(ids)]
-        out += [x for x in allowed(sim) if self._after(v.token_bytes[x]) is None]
+        out += [x for x in allowed(sim) if self._after(v.token_bytes[x], v.text_bytes[x]) is None]
         for x in out:
             words[x >> 5] &= np.uint32(~(1 << (x & 31)) & 0xFFFFFFFF)
         return len(out)

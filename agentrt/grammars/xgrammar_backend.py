@@ -45,6 +45,7 @@ class CompiledConstraint:
     compile_s: float = 0.0
     forced_bound: ForcedBound | None = None
     unique_plan: list | None = None  # the matcher's unique-strings check (grammars/unique_items.py)
+    reasoning: str = ""  # the spec's reasoning (grammars/reasoning.py): the check reads the answer only
 
 
 class GrammarBackend:
@@ -143,7 +144,12 @@ class GrammarBackend:
                 ) from None
             built = built._replace(grammar=grammar)
         return CompiledConstraint(
-            built.grammar, built.not_enforced, time.perf_counter() - t0, built.forced_bound, built.unique_plan
+            built.grammar,
+            built.not_enforced,
+            time.perf_counter() - t0,
+            built.forced_bound,
+            built.unique_plan,
+            spec.reasoning,
         )
 
     def new_matcher(
@@ -157,11 +163,13 @@ class GrammarBackend:
         )
         if compiled.unique_plan is None:
             return matcher
+        from agentrt.grammars.reasoning import AnswerGate
         from agentrt.grammars.unique_items import UniqueItemsMatcher, VocabBytes
 
         if self._vocab_bytes is None:
             self._vocab_bytes = VocabBytes(self.info.decoded_vocab, self.info.special_token_ids)
-        return UniqueItemsMatcher(matcher, compiled.unique_plan, self._vocab_bytes)
+        gate = AnswerGate.for_spec(compiled.reasoning)  # the check starts where the answer does
+        return UniqueItemsMatcher(matcher, compiled.unique_plan, self._vocab_bytes, gate)
 
     @property
     def planner(self):

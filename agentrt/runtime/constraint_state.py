@@ -12,6 +12,7 @@ from agentrt.errors import AgentrtError, ConstraintError, InvalidRequestError
 from agentrt.grammars.finite import ForcedBound
 from agentrt.grammars.jump_forward import FAST_MAX_CHARS, ForcedTextFinder, forced_token_ids
 from agentrt.grammars.length_policy import ClosingGuard, ClosingPath
+from agentrt.grammars.reasoning import AnswerGate
 from agentrt.runtime.reasoning_budget import ReasoningTracker
 from agentrt.runtime.repetition import REPAIRABLE_KINDS, RepetitionConfig, RepetitionGuard, vocab_bytes
 
@@ -220,7 +221,10 @@ class ConstraintSteps:
             if self._vocab_bytes is None:
                 info = self.grammar.info
                 self._vocab_bytes = vocab_bytes(info.decoded_vocab, info.special_token_ids)
-            r.repetition = RepetitionGuard(RepetitionConfig(), self._vocab_bytes, self.grammar.planner)
+            gate = AnswerGate.for_spec(r.constraint.reasoning)  # a reasoning model: the answer only
+            r.repetition = RepetitionGuard(
+                RepetitionConfig(), self._vocab_bytes, self.grammar.planner, gate, self.token_bytes
+            )
         return None
 
     def accept(

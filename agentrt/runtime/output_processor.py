@@ -120,13 +120,19 @@ def answer_start(tracker: ReasoningTracker | None, text: str, scanned: int) -> i
     after it and the answer's header (Harmony's "<|start|>assistant<|channel|>final<|message|>"),
     as the API's ReasoningParser drops them; None while the output is still reasoning or the answer
     has not begun. `scanned`: text[:scanned] is known to hold no end marker (a marker that the
-    decoded text leaves out, a special token skipped, ends the reasoning there)."""
+    decoded text leaves out, a special token skipped, ends the reasoning there). A reasoning that a
+    call marker ended (ReasoningParams.call_markers) is followed by its answer at that marker."""
     if tracker is None:
         return 0
     if tracker.state != "answer":
         return None
     p = tracker.params
     at = 0
+    marker = tracker.ended_by
+    if marker is not None and marker != p.end:  # a call inside the reasoning opens the answer
+        k = text.find(marker, max(0, scanned - len(marker) + 1))
+        at = k if k >= 0 else min(scanned, len(text))
+        return at if at < len(text) else None
     if tracker.num_tokens:  # the reasoning ran: the answer starts after its end marker
         k = text.find(p.end, max(0, scanned - len(p.end) + 1))
         at = k + len(p.end) if k >= 0 else min(scanned, len(text))

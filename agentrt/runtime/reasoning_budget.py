@@ -1,9 +1,11 @@
 """Where a reasoning model's output stands (in its reasoning or past it) and its thinking budget.
 
-`ReasoningTracker` follows a request's output tokens as bytes: in mode "optional" the reasoning
-starts when the output opens with the start marker (after whitespace), in mode "open" it starts
-with the output; it ends at the first end marker. Tokens from the start marker (or the output's
-start) through the end marker are reasoning tokens (`usage.completion_tokens_details.
+`ReasoningTracker` follows a request's output tokens as bytes (grammars/reasoning.py
+`AnswerGate`): in mode "optional" the reasoning starts when the output opens with the start marker
+(after whitespace), in mode "open" it starts with the output; it ends at the first end marker, or
+at the first call marker (`ReasoningParams.call_markers`: a tool call written inside the reasoning
+opens the answer). Tokens from the start marker (or the output's start) through the token that
+ends it are reasoning tokens (`usage.completion_tokens_details.
 reasoning_tokens`). When `SamplingParams.reasoning.budget` reasoning tokens are spent, the engine
 appends the tokens of `close_text` + the end marker without sampling them (as llama.cpp's
 `--reasoning-budget` with `--reasoning-budget-message`), through the grammar when the request is
@@ -12,21 +14,32 @@ constrained, so the answer follows within the request's max_tokens.
 
 from __future__ import annotations
 
+from agentrt.grammars.reasoning import AnswerGate
 from agentrt.runtime.request import ReasoningParams
 
 
 class ReasoningTracker:
     """One request's reasoning state (engine thread only). `close_ids`: the tokens forced when the
-    budget is spent (the close text and the end marker)."""
+    budget is spent (the close text and the end marker). `state`: "before" (mode "optional",
+    undecided), "reasoning" or "answer"; `ended_by`: the marker that ended the reasoning (its end
+    marker or a call marker, as text; None while it has not ended or never began)."""
 
     def __init__(self, params: ReasoningParams, close_ids: list[int]):
         self.params = params
         self.close_ids = close_ids
-        self._start, self._end = params.start.encode(), params.end.encode()
-        self.state = "reasoning" if params.mode == "open" else "before"
+        markers = tuple(m.encode() for m in params.call_markers)
+        self.gate = AnswerGate(params.start.encode(), params.end.encode(), params.mode, markers)
         self.num_tokens = 0  # reasoning tokens so far
         self.forced = False  # the budget closed the reasoning
-        self._tail = b""  # output bytes that may still be the start of a marker
+
+    @property
+    def state(self) -> str:
+        return self.gate.state
+
+    @property
+    def ended_by(self) -> str | None:
+        marker = self.gate.ended_by
+        return None if marker is None else marker.decode()
 
     @property
     def in_reasoning(self) -> bool:
@@ -38,22 +51,11 @@ class ReasoningTracker:
         return self.state == "reasoning" and budget is not None and self.num_tokens >= budget
 
     def observe(self, token_bytes: bytes) -> None:
-        """Advance by one output token's bytes (b"" for a special token)."""
-        if self.state == "answer":
+        """Advance by one output token's bytes (a special token's text)."""
+        before = self.gate.state
+        if before == "answer":
             return
-        tail = self._tail + token_bytes
-        if self.state == "before":
-            stripped = tail.lstrip()
-            if stripped.startswith(self._start):
-                self.state, tail = "reasoning", stripped[len(self._start) :]
-            elif self._start.startswith(stripped):
-                self._tail = stripped  # whitespace or a prefix of the start marker: undecided
-                return
-            else:
-                self.state = "answer"
-                return
-        self.num_tokens += 1
-        if self._end in tail:
-            self.state, self._tail = "answer", b""
-        else:
-            self._tail = tail[-(len(self._end) - 1) :] if len(self._end) > 1 else b""
+        self.gate.feed(token_bytes)
+        # a reasoning token: the reasoning was open, opened with it, or opened and ended in it
+        if before == "reasoning" or self.gate.state == "reasoning" or self.gate.ended_by is not None:
+            self.num_tokens += 1

@@ -24,6 +24,10 @@ array elements (`"line_items": [{...}, {...}, {...}, ...`), both measured on the
   past the element boundary (`},` is one token in byte-level BPE vocabularies). The value's pointer
   is recorded (`RequestOutput.repaired`).
 
+A reasoning model's output is watched from where its answer begins (grammars/reasoning.py
+`AnswerGate`): the reasoning's quotes, brackets and loops are free text, neither lexed nor counted
+(issue 51: a lone `"` in the reasoning turned the answer's strings inside out for the lexer).
+
 Each value is repaired at most once (after the close the output is no longer in it). Not repaired:
 loops in arrays of numbers or literals (no safe point to cut: `[1, 1, 1` might go on `11`), in
 object keys, and loops whose items differ (a model inventing new array elements is not a repeat).
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from agentrt.grammars.json_lexer import JsonPointerTracker
 from agentrt.grammars.length_policy import ClosingPlanner
+from agentrt.grammars.reasoning import AnswerGate
 
 if TYPE_CHECKING:
     from agentrt.runtime.constraint_state import ConstraintState
@@ -115,7 +120,10 @@ class RepetitionGuard:
     """Per-request state of runaway repair (engine thread only).
 
     config: thresholds; token_bytes: each token id's bytes (b"" for special tokens); planner: the
-    tokenizer's ClosingPlanner. `repaired`: JSON pointers of the values closed so far, in order.
+    tokenizer's ClosingPlanner. gate: a reasoning model's AnswerGate at the output's start (None:
+    the whole output is the answer), fed `text_bytes` (each token's text, special tokens' too);
+    the tokens before the answer are skipped. `repaired`: JSON pointers of the values closed so
+    far, in order.
 
     Which value is closed: the innermost string value or array that was already open when the
     repeating tail began (so the whole repetition lies inside it). A string is closed at once; an
@@ -123,8 +131,16 @@ class RepetitionGuard:
     (so no element is cut: the loop goes on until then); an array of numbers or literals, or a
     repetition whose innermost container is an object, is left alone."""
 
-    def __init__(self, config: RepetitionConfig, token_bytes: list[bytes], planner: ClosingPlanner):
+    def __init__(
+        self,
+        config: RepetitionConfig,
+        token_bytes: list[bytes],
+        planner: ClosingPlanner,
+        gate: AnswerGate | None = None,
+        text_bytes: list[bytes] | None = None,
+    ):
         self.config, self.token_bytes, self.planner = config, token_bytes, planner
+        self.gate, self.text_bytes = gate, text_bytes if text_bytes is not None else token_bytes
         self.tracker = JsonPointerTracker()
         self.tail = TailRepeats(config)
         self.num_seen = 0  # output tokens fed to the tracker
@@ -138,6 +154,13 @@ class RepetitionGuard:
         else None. Changes no matcher."""
         self._before = self.tracker.copy()
         data = self.token_bytes[token_id] if 0 <= token_id < len(self.token_bytes) else b""
+        if self.gate is not None and self.gate.state != "answer":  # the reasoning is not the answer
+            text = self.text_bytes[token_id] if 0 <= token_id < len(self.text_bytes) else b""
+            answer = self.gate.feed(text)
+            data = answer if data else b""  # a special token's text is never JSON
+            if self.gate.state != "answer":
+                self.num_seen += 1
+                return None
         self.tracker.feed(data, self.num_seen)
         self.num_seen += 1
         self._last = data

@@ -61,7 +61,9 @@ class ReasoningParams:
     `mode` where the reasoning stands when the prompt ends ("open": the prompt opened it,
     "optional": the model may open it); `budget` the most reasoning tokens (None: no limit): when
     spent, `close_text` + `end` are appended without sampling (runtime/reasoning_budget.py); with
-    budget 0 and mode "open" they end the prompt instead."""
+    budget 0 and mode "open" they end the prompt instead. `call_markers`: texts that open a tool
+    call (tools offered, tool_choice not "none"); one written inside the reasoning ends it and
+    opens the answer (grammars/reasoning.py: under a tool-call grammar none can occur there)."""
 
     start: str
     end: str
@@ -70,6 +72,7 @@ class ReasoningParams:
     close_text: str = ""
     after_end: str = "\n\n"  # what the model writes after `end`, before the answer
     header: str = ""  # what opens an answer without reasoning (Harmony's final channel)
+    call_markers: tuple[str, ...] = ()
 
 
 @dataclass

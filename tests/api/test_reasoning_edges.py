@@ -70,30 +70,41 @@ def _chat(client, messages, **extra):
 
 
 def test_whitespace_before_think_still_opens_the_reasoning(hybrid):
-    """A call written inside the reasoning stays reasoning even when the model writes a newline
-    before <think>: the grammar and the parser agree where the reasoning is."""
+    """A newline before <think> still opens the reasoning, and the grammar and the parser agree
+    where it is: a call after it is a call; a call written inside it is never lost there (issue 51
+    item 3). Under the tool-call grammar its marker cannot be written inside the reasoning (nor
+    can the answer's free text open with <think>, which the parser reads as reasoning); without
+    the grammar the marker ends the reasoning and the call is a call."""
     client, runner = hybrid
     messages = [{"role": "user", "content": "weather?"}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    _script(
-        client, runner, messages, f"\n<think>\nI could {call} but\n</think>\n\n{call}<|im_end|>", [WEATHER]
-    )
+    _script(client, runner, messages, f"\n<think>\nI could call\n</think>\n\n{call}<|im_end|>", [WEATHER])
     body = _chat(client, messages, max_tokens=200, tools=[WEATHER])
     message = body["choices"][0]["message"]
     assert body["choices"][0]["finish_reason"] == "tool_calls", body
-    assert message["reasoning_content"] == f"I could {call} but"
+    assert message["reasoning_content"] == "I could call"
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    inside = [{"role": "user", "content": "weather, inside?"}]
+    _script(client, runner, inside, f"\n<think>\nI could {call} but\n</think>\n\n{call}<|im_end|>", [WEATHER])
+    message = _chat(client, inside, max_tokens=60, tools=[WEATHER])["choices"][0]["message"]
+    assert message["reasoning_content"].startswith("I could <tool_call")
+    assert "<tool_call>" not in message["reasoning_content"] and not message.get("tool_calls")
+    body = _chat(client, inside, max_tokens=200, tools=[WEATHER], tool_call_constraint=False)
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls", body
+    assert message["reasoning_content"] == "I could"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_weather"]
 
 
 def test_stop_strings_apply_to_the_answer_only(thinking):
     client, runner = thinking
     messages = [{"role": "user", "content": "stop?"}]
     for tools in (None, [WEATHER]):
-        text = "I might STOP here <tool_call> maybe.\n</think>\n\nAnswer one. STOP more"
+        text = "I might STOP here <tool_call maybe.\n</think>\n\nAnswer one. STOP more"
         _script(client, runner, messages, text, tools)
         body = _chat(client, messages, max_tokens=60, stop=["STOP"], **({"tools": tools} if tools else {}))
         message = body["choices"][0]["message"]
-        assert message["reasoning_content"] == "I might STOP here <tool_call> maybe."
+        assert message["reasoning_content"] == "I might STOP here <tool_call maybe."
         assert message["content"] == "Answer one. "
         assert body["choices"][0]["finish_reason"] == "stop"
 

@@ -491,7 +491,7 @@ def test_messages_thinking_then_a_tool_use(scripted):
 
 # ---- the items and blocks built from model text, at every chunking (no model) ---------------------
 MODEL_TEXT = (
-    "Let me see: the tool <tool_call> stays reasoning here.\n</think>\n\nChecking.\n"
+    "Let me see: a <tool_call without its > stays reasoning here.\n</think>\n\nChecking.\n"
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Hue"}}\n</tool_call>'
 )
 
@@ -521,7 +521,7 @@ def test_responses_items_from_reasoning_text_whatever_the_chunking(size):
     reasoning = out.items[0]
     assert reasoning["id"].startswith("rs_") and reasoning["summary"] == []
     assert reasoning["content"] == [
-        {"type": "reasoning_text", "text": "Let me see: the tool <tool_call> stays reasoning here."}
+        {"type": "reasoning_text", "text": "Let me see: a <tool_call without its > stays reasoning here."}
     ]
     assert out.items[1]["content"][0]["text"] == "Checking.\n"
     delta = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
@@ -560,7 +560,7 @@ def test_messages_blocks_from_reasoning_text_whatever_the_chunking(size):
     assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
     assert blocks[0] == {
         "type": "thinking",
-        "thinking": "Let me see: the tool <tool_call> stays reasoning here.",
+        "thinking": "Let me see: a <tool_call without its > stays reasoning here.",
         "signature": "",
     }
     assert blocks[2]["input"] == {"city": "Hue"}
