@@ -15,7 +15,7 @@ conversion `agentrt serve file.gguf` runs) and:
 
 1. the converted config is the family's architecture;
 2. F32: agentrt's logits equal the original transformers model's within 1e-4 on a 40-token prefill,
-   a 12-token chunk on the cache and 8 decodes (measured 1.6e-6 to 2.7e-6); quantized: agentrt's
+   a 12-token chunk on the cache and 32 decodes (measured 1.8e-6 to 3.3e-6); quantized: agentrt's
    logits at all 60 positions equal transformers' on the same GGUF (its loader de-quantizes) within
    1e-4 (measured 1.9e-6 to 2.9e-6) with every top-1 the same, and the quantization error against
    the float model is printed and bounded (QUANT_BOUNDS);
@@ -123,13 +123,34 @@ FAMILIES = {
     ),
 }
 QUANT_TYPES = ["Q8_0", "Q4_0"]
+DECODE_STEPS = 32  # single-token decodes compared after the prefill and the chunk (issue 35)
 # The quantization error itself, against the float model: (max |logit error| as a fraction of the
-# largest |logit|, top-1 agreement over 60 positions). Measured (logits up to 3.1-3.6): Q8_0
-# 0.026-0.035 and 0.93-1.00 (Qwen3-MoE 0.185: a rounding flips its router's choice between 4
-# near-equal random experts); Q4_0 0.33-0.62 and 0.43-0.63. Random weights at 16 levels per block
-# of 32 are the worst case; the bounds say the file is the model (a wrong layout agrees on ~0
-# positions), not that the formats are lossless. Exactness is the comparison on the same file.
-QUANT_BOUNDS = {"Q8_0": (0.25, 0.9), "Q4_0": (0.8, 0.35)}
+# largest |logit|, top-1 agreement over 60 positions) per family, at the measured level with a small
+# margin. Measured 2026-12-07 (logits up to 3.1-3.6; the same on the AVX2 build): Q8_0 0.026-0.035
+# and 0.93-1.00 (Qwen3-MoE 0.185: a rounding flips its router's choice between 4 near-equal random
+# experts); Q4_0 0.33-0.62 and 0.43-0.63 (per family in docs/benchmarks.md). Random weights at 16
+# levels per block of 32 are the worst case; the bounds say the file is the model (a wrong layout
+# agrees on ~0 positions), not that the formats are lossless. Exactness is the comparison on the
+# same file. A file with 10% of its blocks' scales 10% too large fails every Q8_0 bound (error
+# 0.10-0.28); at Q4_0 that is within the format's own error on 60 positions (top-1 -0.10 to +0.02)
+# and only Qwen3-MoE and llama3-rope fail, while every block's scale off by +-10% fails 6 and 7 of
+# the 7 (two random draws).
+QUANT_BOUNDS = {
+    ("qwen3", "Q8_0"): (0.045, 0.9),
+    ("qwen3_moe", "Q8_0"): (0.22, 0.9),
+    ("phi3", "Q8_0"): (0.045, 0.9),
+    ("mistral", "Q8_0"): (0.045, 0.9),
+    ("llama3_rope", "Q8_0"): (0.045, 0.9),
+    ("qwen3_yarn", "Q8_0"): (0.045, 0.9),
+    ("llama_linear_rope", "Q8_0"): (0.045, 0.9),
+    ("qwen3", "Q4_0"): (0.5, 0.58),
+    ("qwen3_moe", "Q4_0"): (0.7, 0.47),
+    ("phi3", "Q4_0"): (0.4, 0.45),
+    ("mistral", "Q4_0"): (0.5, 0.45),
+    ("llama3_rope", "Q4_0"): (0.55, 0.38),
+    ("qwen3_yarn", "Q4_0"): (0.57, 0.52),
+    ("llama_linear_rope", "Q4_0"): (0.45, 0.55),
+}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +218,7 @@ def test_f32_gguf_converts_to_the_family_and_matches_the_original_model(family, 
     assert arch_from_hf_config(AutoConfig.from_pretrained(str(converted))).architecture == architecture
     runner = _runner(path)
     assert runner.arch.architecture == architecture
-    err = chunked_logits_error(runner, model, _prompt(1), 40, 52)
+    err = chunked_logits_error(runner, model, _prompt(1, 52 + DECODE_STEPS), 40, 52)
     print(f"{name} F32: max logit error {err:.2e}")
     assert err < 1e-4, f"{name}: F32 GGUF max logit error {err}"
 
@@ -238,7 +259,7 @@ def test_quantized_gguf_matches_transformers_on_the_same_file(family, vocab, nam
         f"{q_err:.4f} of logits up to {scale:.2f} (top-1 {q_agree:.2f})"
     )
     assert err < 1e-4 and agree == 1.0, f"{name} {qtype}: {err} / {agree} against transformers on the file"
-    max_frac, min_agree = QUANT_BOUNDS[qtype]
+    max_frac, min_agree = QUANT_BOUNDS[name, qtype]
     assert q_err < max_frac * scale and q_agree >= min_agree, f"{name} {qtype}: {q_err} / {q_agree}"
 
 

@@ -1,9 +1,9 @@
 """Every supported family against transformers on the same random weights (float32, eager).
 
 A tiny model per architecture is built in the test from transformers' own config and model classes
-(3 layers, hidden 64, sliding windows of 24 tokens under 150-token prompts, 4 experts top-2) and
+(3 layers, hidden 64, sliding windows of 24 tokens under 172-token prompts, 4 experts top-2) and
 saved as a Hugging Face directory with the default model's tokenizer. agentrt's logits must match
-transformers' within 1e-4 on a 100-token prefill, a 40-token chunk on top of the cache and 10
+transformers' within 1e-4 on a 100-token prefill, a 40-token chunk on top of the cache and 32
 single-token decodes, on the torch attention path and the C++ CPU kernels; greedy tokens over 32
 decode steps must be identical batched with other prompts, again with the prompt in the prefix
 cache, with 16-token prefill chunks, and under n-gram speculation.
@@ -22,6 +22,7 @@ from tests.support.families import save_family
 from tests.support.models import chunked_logits_error
 
 FAMILY_NAMES = ["qwen3", "qwen3_moe", "mixtral", "mistral_window", "gemma3", "gpt_oss", "phi3"]
+DECODE_STEPS = 32  # single-token decodes compared after the prefill and the chunk (issue 35)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_logits_match_transformers(family_dirs, family, backend):
     )
     assert runner.attention_backend == backend
     torch.manual_seed(1)
-    ids = torch.randint(0, 49152, (150,)).tolist()
+    ids = torch.randint(0, 49152, (140 + DECODE_STEPS,)).tolist()
     err = chunked_logits_error(runner, hf, ids, 100, 140)
     assert err < 1e-4, f"{family} ({backend}): max logit error {err}"
 
@@ -95,10 +96,12 @@ def test_greedy_tokens_match_transformers_batched_cached_chunked_speculated(fami
     assert run(spec, prompts) == refs, f"{family}: n-gram speculation changed the tokens"
 
 
+@pytest.mark.parametrize("decode_steps", [4, pytest.param(DECODE_STEPS, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen3_moe", "phi3"])
-def test_triton_path_logits_match_transformers(family_dirs, family):
+def test_triton_path_logits_match_transformers(family_dirs, family, decode_steps):
     """The Triton attention kernels (the interpreter on a CPU) with windows, sinks, per-layer RoPE and
-    partial rotary (phi3)."""
+    partial rotary (phi3): a 40-token prefill, a 20-token chunk and `decode_steps` decodes (32 in the
+    slow variant: each interpreted decode step costs ~0.7 s here)."""
     from agentrt.runtime.kernels import triton_usable
 
     if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
@@ -110,16 +113,49 @@ def test_triton_path_logits_match_transformers(family_dirs, family):
         CacheConfig(kv_cache_bytes=8 << 20),
     )
     torch.manual_seed(3)
-    ids = torch.randint(0, 49152, (64,)).tolist()
+    ids = torch.randint(0, 49152, (60 + decode_steps,)).tolist()
     err = chunked_logits_error(runner, hf, ids, 40, 60, seq_key="a")
     assert err < 1e-4, f"{family} (triton): max logit error {err}"
+
+
+# (max logit error as a fraction of the largest |logit|, top-1 agreement over 80 positions) per
+# family and format: the measured level with a small margin. Measured 2026-12-07 (bench/
+# quant_families.py; the same on the AVX2 build): int8 0.231 / 0.90, 0.026 / 1.00, 0.576 / 0.925;
+# int4 0.365 / 0.4625, 0.284 / 0.60, 0.728 / 0.5375 (Qwen3-MoE, Gemma 3, gpt-oss). Random weights are
+# the worst case for 16 levels per block of 32 and for a router choosing 2 of 4 near-equal experts (a
+# rounding flips the choice at some positions; a trained checkpoint loses far less): the bounds say
+# the formats compute what they should, not that they are lossless.
+INT_KERNEL_BOUNDS = {
+    ("qwen3_moe", "int8"): (0.28, 0.85),
+    ("gemma3", "int8"): (0.035, 0.95),
+    ("gpt_oss", "int8"): (0.68, 0.875),
+    ("qwen3_moe", "int4"): (0.45, 0.45),
+    ("gemma3", "int4"): (0.35, 0.55),
+    ("gpt_oss", "int4"): (0.85, 0.50),
+}
+
+
+def corrupt_scales(model: torch.nn.Module, share: float = 0.1, factor: float = 1.1) -> int:
+    """Multiply `share` of the quantized layers' scales (every buffer named `scales`), chosen at
+    random with a fixed seed, by `factor`, in place; returns how many were changed."""
+    gen = torch.Generator().manual_seed(0)
+    changed = 0
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("scales"):
+                pick = torch.rand(buf.shape, generator=gen) < share
+                buf[pick] = buf[pick] * factor
+                changed += int(pick.sum())
+    return changed
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "gpt_oss"])
 def test_cpu_int_kernels_stay_close_to_transformers(family_dirs, family, quantization):
     """Every linear layer (experts included, routers dense) on the C++ int8 / int4 kernels: the max logit
-    error and top-1 agreement against transformers' float32 forward, bounded."""
+    error and top-1 agreement against transformers' float32 forward within INT_KERNEL_BOUNDS; and the
+    bounds can fail: with 10% of the scales 10% too large the same forward falls outside them
+    (measured: int4 top-1 0.31 / 0.425 / 0.25, int8 0.81 / 0.85 / 0.69)."""
     path = family_dirs[family]
     hf = _hf(path)
     runner = ModelRunner(
@@ -137,22 +173,26 @@ def test_cpu_int_kernels_stay_close_to_transformers(family_dirs, family, quantiz
     assert runner.weight_format.act_int8, "the C++ integer kernels did not take the layers"
     torch.manual_seed(4)
     ids = torch.randint(0, 49152, (80,)).tolist()
-    slots = runner.kv.allocate(80)
-    ours = runner.execute([SeqChunk(ids, 0, slots, num_logits=80)])  # every position's logits
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    err = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(
-        f"{family} {quantization}: max logit error {err:.4f} (logits up to {scale:.2f}), top-1 agreement {agree:.2f}"
-    )
-    # random weights are the worst case for 16 levels per block of 32 and for a router choosing 2 of
-    # 4 near-equal experts (a rounding flips the choice at some positions; a trained checkpoint
-    # loses far less): the bounds say the layout is right (a wrong one agrees on ~0 of 80
-    # positions), not that the formats are lossless. Measured: docs/benchmarks.md
-    assert err < (0.75 if quantization == "int8" else 1.0) * scale
-    assert agree >= (0.85 if quantization == "int8" else 0.35)
+    max_frac, min_agree = INT_KERNEL_BOUNDS[family, quantization]
+
+    def measure() -> tuple[float, float]:
+        slots = runner.kv.allocate(80)
+        ours = runner.execute([SeqChunk(ids, 0, slots, num_logits=80)])  # every position's logits
+        runner.kv.free(slots)
+        return (ours - ref).abs().max().item() / scale, (
+            ours.argmax(-1) == ref.argmax(-1)
+        ).float().mean().item()
+
+    frac, agree = measure()
+    print(f"{family} {quantization}: max logit error {frac:.3f} of {scale:.2f}, top-1 agreement {agree:.4f}")
+    assert frac < max_frac and agree >= min_agree, f"{family} {quantization}: {frac} / {agree}"
+    assert corrupt_scales(runner.model) > 0
+    frac, agree = measure()
+    print(f"  10% of the scales x1.1: {frac:.3f}, top-1 {agree:.4f}")
+    assert not (frac < max_frac and agree >= min_agree), "the bounds pass a model with corrupted scales"
 
 
 def test_expert_load_is_exported_on_metrics(family_dirs):
