@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ from agentrt.runtime.attention import build_torch_metadata
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
 from agentrt.runtime.kv_cache import KVPool, kv_dtype_name, resolve_kv_dtype
 from agentrt.runtime.kv_window import SlidingWindowKVPool, plan_window_pool
+from agentrt.runtime.models.config import check_config_counts
 from agentrt.runtime.models.formats import four_bit_layers, load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
@@ -163,6 +165,7 @@ class ModelRunner:
         from transformers import AutoConfig
 
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
+        check_config_counts(json.loads((self.model_dir / "config.json").read_text()))
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.arch = arch_from_hf_config(hf_config)
         self.device, self.dtype = resolve_device_dtype(model_config.device, model_config.dtype)

@@ -423,6 +423,7 @@ ECHOES = [
     (RESPONSES, {"include": [BIG]}, "include[0]", 400),
     (RESPONSES, {"tools": [{"type": BIG}]}, "tools[0].type", 400),
     (RESPONSES, {"input": [*HI, _fco(BIG)]}, "input[1].call_id", 400),
+    (RESPONSES, {"input": [*HI, {"type": BIG}]}, "input[1].type", 400),
     (MESSAGES, {"model": BIG}, "model", 404),
     (MESSAGES, {"tools": [{"type": BIG, "name": "f", "input_schema": {}}]}, "tools[0]", 400),
     (MESSAGES, {"messages": [{"role": "user", "content": [{"type": BIG}]}]}, "messages[0].content[0]", 400),

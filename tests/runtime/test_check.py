@@ -519,3 +519,26 @@ def test_serve_runs_the_whole_check_before_reading_weights(tiny, tmp_path, capsy
     assert "agentrt: error: embedding: model.embed_tokens.weight is [49152, 64] but the config says" in err
     assert f"agentrt: error: {d} cannot be served (2 errors above" in err
     assert "has shape" not in err  # the loader never ran
+
+
+@pytest.mark.parametrize("heads", [0, -2, 1.5, True, "x" * 500])
+def test_a_count_transformers_divides_by_is_named_not_a_zero_division(tiny, tmp_path, heads):
+    """num_attention_heads 0 without head_dim: transformers' config class divides by it
+    ("integer modulo by zero", and the tokenizer then fails the same way); check and the engine
+    name the field instead, a long value cut."""
+    d = _copy(tiny["llama"], tmp_path / "m")
+    _edit_config(d, num_attention_heads=heads)
+    report = check_model(str(d), max_model_len=64, **CPU)
+    [error] = report.errors
+    assert error.topic == "architecture", error
+    assert error.message.startswith("config num_attention_heads must be a positive integer, got ")
+    assert len(error.message) < 200
+    assert "config num_attention_heads must be a positive integer" in _serve_refuses(d)
+
+
+def test_a_huge_architecture_name_is_cut_in_the_error(tiny, tmp_path):
+    d = _copy(tiny["llama"], tmp_path / "m")
+    _edit_config(d, architectures=["X" * 100_000])
+    report = check_model(str(d), max_model_len=64, **CPU)
+    assert report.errors and all(len(e.message) < 1000 for e in report.errors)
+    assert any("(100000 characters)" in e.message for e in report.errors)

@@ -387,7 +387,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
             raise APIError(f"{where}: item_reference {STATELESS}", param=f"{where}.type")
         else:
             raise APIError(
-                f"{where}.type '{kind}' is not supported: this server takes message, reasoning, "
+                f"{where}.type {shown(kind)} is not supported: this server takes message, reasoning, "
                 "function_call and function_call_output items",
                 param=f"{where}.type",
             )

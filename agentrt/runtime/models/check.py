@@ -38,6 +38,7 @@ from agentrt.runtime.models.check_report import (
     Finding,
     KVEstimate,
 )
+from agentrt.runtime.models.config import check_config_counts
 from agentrt.runtime.models.gguf_meta import StringArray, gguf_hf_config, read_gguf
 
 __all__ = [
@@ -233,6 +234,14 @@ def _read_hf_model(path: Path, report: CheckReport, m: _Model) -> None:
     heads = sorted((k for k in m.tensors if k.endswith("lm_head.weight")), key=len)
     m.embed, m.head = (embeds or [None])[0], (heads or [None])[0]
     m.stop_dir = path
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        check_config_counts(raw)
+    except (OSError, json.JSONDecodeError):
+        pass  # transformers says what is wrong (below)
+    except ValueError as e:  # a count transformers would divide by (its own error says only "modulo by zero")
+        report.add(ERROR, "architecture", str(e))
+        return
     try:
         m.config = AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - an unreadable config is the finding

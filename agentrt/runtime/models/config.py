@@ -11,6 +11,33 @@ from numbers import Integral
 
 from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
 
+CONFIG_COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+"""config.json counts that must be positive integers where present (transformers divides by some
+before any check of ours: `num_attention_heads: 0` is a ZeroDivisionError inside its config class)."""
+
+
+def check_config_counts(raw: object) -> None:
+    """Raises ValueError naming the first count of CONFIG_COUNTS in config.json's object `raw` (or
+    its `text_config`) that is not a positive integer (null is left to the family's default)."""
+    if not isinstance(raw, dict):
+        return  # not an object: transformers' own error names it
+    for where, cfg in (("", raw), ("text_config.", raw.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for name in CONFIG_COUNTS:
+            value = cfg.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:64] + "..."
+                raise ValueError(f"config {where}{name} must be a positive integer, got {shown}")
+
 
 @dataclass(frozen=True)
 class ModelArch:

@@ -48,8 +48,13 @@ def architecture_of(cfg) -> str:
 def model_class(architecture: str):
     """The DecoderModel subclass of `architecture`. Raises ValueError naming it when unsupported."""
     if architecture not in ARCHITECTURES:
+        shown = (
+            architecture
+            if len(architecture) <= 64
+            else f"{architecture[:64]}... ({len(architecture)} characters)"
+        )
         raise ValueError(
-            f"unsupported architecture '{architecture}': agentrt runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture '{shown}': agentrt runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     module, name = ARCHITECTURES[architecture]
     return getattr(importlib.import_module(f"agentrt.runtime.models.{module}"), name)
