@@ -90,6 +90,7 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    app.state.serving.start_renders()  # an app started again after a shutdown renders again
     if app.state.on_ready is not None:
         app.state.on_ready()
     yield

@@ -81,6 +81,12 @@ class OpenAIServing:
             for cancel in self._renders:
                 cancel.set()
 
+    def start_renders(self) -> None:
+        """Renders run again after `stop_renders` (the app started again: its lifespan, as a test
+        client re-entering the same app does). Any thread."""
+        with self._renders_lock:
+            self._stopping = False
+
     async def _in_worker(self, fn, *args):
         """`fn(*args, cancel)` in a worker thread; `cancel` (a threading.Event) is set when this
         coroutine is cancelled (the client left) or `stop_renders` runs, so a render in `fn` stops."""

@@ -192,7 +192,8 @@ class ReasoningParser:
     reasoning is recognised only at the start of the output (after whitespace); in "off" all text
     is content. The format's separator and answer header (Harmony's "<|start|>assistant" and final
     channel) are dropped where they open the answer. Output cut inside the reasoning leaves content
-    empty. `call_markers`: texts that open a tool call (tools offered, tool_choice not "none"); one
+    empty, and a piece of the end marker it was cut in ("</thi", two characters or more) out of the
+    reasoning. `call_markers`: texts that open a tool call (tools offered, tool_choice not "none"); one
     written inside the reasoning ends it there and opens the answer with itself (the module
     docstring: a call is never lost in the reasoning; under a grammar none can occur there)."""
 
@@ -262,7 +263,10 @@ class ReasoningParser:
                 continue
             # held back: a partial marker and the whitespace before it (dropped at the marker)
             held = max(_partial_suffix(buf, m) for m in (self.fmt.end, *self._markers))
-            body = buf if final else buf[: len(buf) - held]
+            if final:  # cut inside the end marker (max_tokens): its piece ("</thi") is not reasoning
+                cut = _partial_suffix(buf, self.fmt.end)
+                held = cut if cut >= 2 else 0
+            body = buf[: len(buf) - held]
             self._emit("reasoning", body.rstrip(), out)
             self._buf = "" if final else buf[len(body.rstrip()) :]
             break

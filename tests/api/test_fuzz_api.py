@@ -303,9 +303,11 @@ def check_response(r) -> None:
 
 @pytest.fixture(scope="module")
 def http():
+    """The app started (its lifespan: renders run again after schemathesis' runs shut it down)."""
     from fastapi.testclient import TestClient
 
-    return TestClient(_APP, raise_server_exceptions=False)
+    with TestClient(_APP, raise_server_exceptions=False) as client:
+        yield client
 
 
 def _post(http, path: str, body: dict):

@@ -463,3 +463,31 @@ def test_json_depth_matches_the_parsed_value(value, ascii_only, indent):
     a body's nesting gives the depth of the value json.loads reads."""
     text = json.dumps(value, ensure_ascii=ascii_only, indent=indent).encode()
     assert json_depth(text) == _depth(value), text
+
+
+# ---- a call left unanswered, and a call without a name (the adversary's) --------------------------
+
+
+def test_a_call_left_unanswered_is_refused_on_every_api(client):
+    """OpenAI refuses a conversation that goes on after calls without answering them; Messages
+    always did (tool_use ids without tool_result blocks). A conversation may end with the calls."""
+    later = {"role": "user", "content": "and?"}
+    cases = {
+        CHAT: (_chat_turns(later), "messages[2]"),
+        RESPONSES: ([*HI, _fc("c1"), later], "input[2]"),
+        MESSAGES: ([*HI, {"role": "assistant", "content": [_use("t1")]}, later], "tool_result"),
+    }
+    for path, (turns, param) in cases.items():
+        message = _names(client.post(path, json=_with_turns(path, turns)), param)
+        assert "c1" in message or "t1" in message, message
+    # answered, or the conversation ends with them: fine
+    assert client.post(CHAT, json=_with_turns(CHAT, _chat_turns())).status_code == 200
+    assert client.post(RESPONSES, json=_with_turns(RESPONSES, [*HI, _fc("c1")])).status_code == 200
+    answered = _chat_turns({"role": "tool", "tool_call_id": "c1", "content": "1"}, later)
+    assert client.post(CHAT, json=_with_turns(CHAT, answered)).status_code == 200
+
+
+def test_an_assistant_call_without_a_name_is_refused(client):
+    call = {"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}
+    turns = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    _names(client.post(CHAT, json=_with_turns(CHAT, turns)), "messages[1].tool_calls[0].function.name")

@@ -235,3 +235,17 @@ def test_the_issue_request_on_the_real_model(thinking_client, stop):
         content,
         choice["finish_reason"],
     )
+
+
+def test_a_cut_inside_the_end_marker_leaves_no_piece_of_it():
+    """max_tokens ending the output inside "</think>": the piece is in neither field, whatever the
+    chunking (one character alone stays: it may be the reasoning's own)."""
+    from agentrt.grammars.reasoning import FORMATS, ReasoningParser
+
+    for text, reasoning in (("hm </thi", "hm"), ("hm </", "hm"), ("a <", "a <"), ("x </think", "x")):
+        for step in (1, 2, len(text)):
+            parser = ReasoningParser(FORMATS["think"], "open")
+            for i in range(0, len(text), step):
+                parser.feed(text[i : i + step])
+            parser.finish()
+            assert (parser.reasoning, parser.content) == (reasoning, ""), (text, step)

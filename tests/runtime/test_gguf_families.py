@@ -290,6 +290,7 @@ def test_check_reports_the_family_from_the_header_alone(family, vocab, name, tmp
     assert report.kv.windows == (((24, 2),) if name == "phi3" else ())
     hollow = _hollow_copy(path, tmp_path / path.name)
     assert not any(hollow.read_bytes()[min(t.offset for t in read_gguf(path).tensors) :])
+
     # the same findings, but for the chat template's render time ("... in 8 ms (budget 1 s ...")
     def timeless(findings):
         return [re.sub(r" in \d+ ms \(budget", " in _ ms (budget", str(f)) for f in findings]

@@ -354,6 +354,8 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                     f"{where}.role must be 'user', 'system', 'developer' or 'assistant'",
                     param=f"{where}.role",
                 )
+            if role != "assistant":  # the model's own items may sit among its calls
+                call_ids.check_answered(where)
             messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
             origins.append(where)
             if role == "assistant" and thought is not None:

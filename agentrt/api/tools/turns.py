@@ -27,6 +27,7 @@ class CallIds:
     def __init__(self, noun: str):
         self.noun = noun
         self.calls: set[str] = set()  # every call id so far
+        self.order: list[str] = []  # the same, in conversation order
         self.answered: set[str] = set()
 
     def call(self, call_id: str | None, arguments: object, id_param: str, arguments_param: str) -> None:
@@ -52,6 +53,20 @@ class CallIds:
                 param=id_param,
             )
         self.calls.add(call_id)
+        self.order.append(call_id)
+
+    def check_answered(self, param: str) -> None:
+        """Every call so far has its answer: called at each turn that must come after the answers
+        (`param`: that turn's field; a conversation may end with calls, answered by the client
+        later). Raises APIError naming the first call left unanswered (OpenAI: calls are followed by
+        an answer to each)."""
+        pending = [c for c in self.order if c not in self.answered]
+        if pending:
+            raise APIError(
+                f"{param}: the {self.noun} {shown(pending[0])} has no answer before it "
+                f"({len(pending)} unanswered): answer each call before the conversation goes on",
+                param=param,
+            )
 
     def answer(self, call_id: str, param: str) -> None:
         """An answer to call `call_id` (`param`: the field of the id)."""
@@ -72,12 +87,18 @@ def check_tool_messages(messages: list[dict]) -> None:
     assistant message that no other tool message answered. Raises APIError naming the field."""
     ids = CallIds("tool call")
     for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            ids.check_answered(f"messages[{i}]")
         if m.get("tool_calls") and m["role"] != "assistant":
             raise APIError(
                 f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls"
             )
         for j, c in enumerate(m.get("tool_calls") or []):
             where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(c["function"].get("name"), str) or not c["function"]["name"]:
+                raise APIError(
+                    f"{where}.function.name must name the tool called", param=f"{where}.function.name"
+                )
             ids.call(
                 c.get("id") or None, c["function"]["arguments"], f"{where}.id", f"{where}.function.arguments"
             )
