@@ -176,3 +176,26 @@ def time_limit():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+HEAVY_FIRST = (
+    "tests/runtime/test_engine.py",
+    "tests/sql/test_sql_grammar.py",
+    "tests/runtime/test_kv_int8.py",
+    "tests/runtime/test_kv_window.py",
+    "tests/grammars/test_json_schema.py",
+    "tests/api/test_api_surface.py",
+    "tests/runtime/test_speculation.py",
+    "tests/runtime/test_model_families.py",
+    "tests/api/test_server_e2e.py",
+    "tests/runtime/test_check.py",
+    "tests/api/test_template_budget_server.py",
+    "tests/runtime/test_triton_backend.py",
+)
+"""Files whose tests take longest (`make test ARGS=--durations=60`, 2026-12-07, 2 cores): scheduled
+first, so that under `--dist loadfile` no worker starts one of them while the other is nearly done."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole

@@ -72,6 +72,7 @@ def test_llm_sql_bad_database_is_a_clear_error(engine, tmp_path):
         LLM.from_engine(engine).sql(QUESTION, f"sqlite:///{tmp_path / 'missing' / 'x.db'}")
 
 
+@pytest.mark.slow  # a CLI process loading the model, ~21 s; LLM.sql below is the same path in-process
 def test_agentrt_sql_cli_prints_the_query_and_rows(music_db):
     proc = subprocess.run(
         [

@@ -166,6 +166,7 @@ def test_openai_agents_sdk_tool_round_trip(server):
     assert isinstance(result.final_output, str)
 
 
+@pytest.mark.slow  # a real server under a thinking template, ~18 s; the SDK's other tests stay in the suite
 def test_openai_agents_sdk_with_a_thinking_model(tmp_path):
     """`agentrt serve --chat-template` with Qwen3-Thinking's real template and a budget message:
     the Agents SDK sees the model's reasoning as a ReasoningItem, then its tool call (constrained

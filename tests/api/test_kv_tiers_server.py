@@ -62,6 +62,7 @@ def _first_life(disk, tmp_path, question: str) -> tuple[dict, list]:
     return first, files
 
 
+@pytest.mark.slow  # two real servers, ~27 s on 2 cores; the disk tier's restart is covered in test_kv_tiers_fake
 def test_a_killed_server_finds_its_agents_prefixes_on_disk(tmp_path, default_model_dir):
     disk, question = tmp_path / "kv", "Pallets of rice arrived damaged in aisle 4. What now?"
     try:

@@ -294,6 +294,7 @@ def test_train_medusa_reclaims_the_caches_rows(window_dirs, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~19 s under the Triton interpreter
 def test_triton_medusa_tree_with_windows_matches_plain_decoding(window_dirs, tmp_path):
     """A branching Medusa tree verified by the Triton extend kernel: a node's window is counted from
     its position (the prefix + its depth), not its index in the tree; with the sliding-window pool
