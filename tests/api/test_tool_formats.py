@@ -14,9 +14,24 @@ import xgrammar as xgr
 
 from agentrt.api.tools import ToolCallParser, ToolPrompt, detect, plan_tools
 from agentrt.grammars.pipeline import build_constraint, whitespace_options
-from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.grammars.spec import GrammarConfig
 from agentrt.grammars.tool_calls import FORMATS
-from tests.support.paths import SHARED, shared_path
+from tests.support.paths import SHARED
+from tests.support.tool_formats import (
+    CONVERSATION,
+    SCHEMAS,
+    TOOLS,
+    grammar,
+    make_compiler,
+    parse,
+    template_text,
+)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return make_compiler(tokenizer)
+
 
 # template file -> (format, the unparsed call syntax it uses: warned about, generic prompt)
 TEMPLATES = {
@@ -64,30 +79,6 @@ NEW = [
     "pythonic",
 ]
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "Weather.",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string"},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            "unit": {"type": "string", "enum": ["C", "F"]},
-            "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}}},
-        },
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-TIME = {"name": "get_time", "description": "Time.", "parameters": {"type": "object", "properties": {}}}
-TOOLS = [{"type": "function", "function": t} for t in (WEATHER, TIME)]
-SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
-
-
-def _template(name: str) -> str:
-    return shared_path("chat_templates", f"{name}.jinja").read_text()
-
-
 # ---- detection ------------------------------------------------------------------------------
 
 
@@ -101,7 +92,7 @@ def test_every_template_is_classified():
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_detection_from_the_real_template(name, caplog):
     fmt, unsupported = TEMPLATES[name]
-    text = _template(name)
+    text = template_text(name)
     d = detect(text)
     assert d.name == fmt
     assert (d.unsupported or "").split(" ")[0] == (unsupported or "")
@@ -121,32 +112,11 @@ def test_detection_of_mistral_args_style_and_forced_formats(caplog):
         detect("{{ '[TOOL_CALLS]' + name + '[ARGS]' + args }}{% if tools %}{% endif %}").name == "mistral_v11"
     )
     with caplog.at_level(logging.WARNING):  # a format chosen by the flag: no warning about the template
-        p = ToolPrompt.for_template(_template("openai-gpt-oss-120b"), "qwen3_coder")
+        p = ToolPrompt.for_template(template_text("openai-gpt-oss-120b"), "qwen3_coder")
     assert p.fmt.name == "qwen3_coder" and not p.native and not caplog.records
 
 
 # ---- rendering through each template --------------------------------------------------------
-
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "weather and time?"},
-    {
-        "role": "assistant",
-        "content": "Checking.",
-        "tool_calls": [
-            {
-                "id": "call_aaa",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
-            },
-            {"id": "call_bbb", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_aaa", "content": "sunny"},
-    {"role": "tool", "tool_call_id": "call_bbb", "content": "noon"},
-    {"role": "assistant", "content": "Sunny at noon."},
-    {"role": "user", "content": "and tomorrow?"},
-]
 
 # what each format's template must show of the earlier calls
 RENDERED_CALL = {
@@ -171,7 +141,7 @@ RENDERED_CALL = {
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_tools_and_tool_turns_render_through_the_template(name, tokenizer):
-    text = _template(name)
+    text = template_text(name)
     prompt = ToolPrompt.for_template(text)
     plan = plan_tools(TOOLS, "auto", None, prompt.fmt)
     messages, tools = prompt.render(CONVERSATION, plan)
@@ -315,24 +285,6 @@ SCRIPTS = {
 }
 
 
-def _parse(fmt: str, chunks: list[str], cut_off: bool = False) -> tuple[str, list[tuple[str, str]]]:
-    """(content, [(name, arguments JSON)]) from the events, checked against the parser's own totals."""
-    p = ToolCallParser(FORMATS[fmt], names=set(SCHEMAS), schemas=SCHEMAS)
-    events = [e for c in chunks for e in p.feed(c)] + p.finish(cut_off=cut_off)
-    content = "".join(e.text for e in events if e.kind == "content")
-    calls: dict[int, list[str]] = {}
-    for e in events:
-        if e.kind == "call":
-            assert e.index == len(calls)
-            calls[e.index] = [e.name, ""]
-        elif e.kind == "args":
-            calls[e.index][1] += e.text
-    assert content == p.content
-    got = [tuple(v) for v in calls.values()]
-    assert got == [(c.name, c.arguments) for c in p.calls]
-    return content, got
-
-
 def _chunkings(text: str, seed: int = 36):
     yield [text]
     yield list(text)  # one character at a time
@@ -356,11 +308,11 @@ def _cases():
 
 @pytest.mark.parametrize("fmt,text,want_content,want_calls", list(_cases()))
 def test_streamed_parse_equals_whole_parse_at_any_chunking(fmt, text, want_content, want_calls):
-    content, calls = _parse(fmt, [text])
+    content, calls = parse(fmt, [text])
     assert content == want_content
     assert [(n, json.loads(a)) for n, a in calls] == [(n, a) for n, a in want_calls]
     for chunks in _chunkings(text):
-        assert _parse(fmt, chunks) == (content, calls), chunks
+        assert parse(fmt, chunks) == (content, calls), chunks
 
 
 @pytest.mark.parametrize("fmt", NEW)
@@ -368,7 +320,7 @@ def test_cut_off_call_markup_never_reaches_content(fmt):
     full = "Hi " + FORMATS[fmt].render_calls([W])
     for n in range(len("Hi "), len(full)):
         for chunks in ([full[:n]], list(full[:n])):
-            content, _ = _parse(fmt, chunks, cut_off=True)
+            content, _ = parse(fmt, chunks, cut_off=True)
             assert content == "Hi ", (fmt, full[:n])
 
 
@@ -387,30 +339,12 @@ def test_xml_values_are_typed_by_the_schema():
 # ---- grammars -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-
-def _grammar(compiler, fmt, mode="required", parallel=True, tools=TOOLS):
-    plan = plan_tools(tools, mode, parallel, FORMATS[fmt])
-    spec = ConstraintSpec.tool_calls(plan.constraint_value())
-    built = build_constraint(spec, whitespace_options(GrammarConfig()), compiler)
-
-    def accepts(text: str) -> bool:
-        m = xgr.GrammarMatcher(built.grammar)
-        return m.accept_string(text) and m.is_completed()
-
-    return accepts
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_grammar_of_each_format(compiler, fmt):
     f = FORMATS[fmt]
     one = f.render_calls([("get_weather", {"city": "Rome", "days": 2})])
     two = f.render_calls([("get_weather", {"city": "Rome\n<b>", "unit": "C"}), T])
-    required = _grammar(compiler, fmt)
+    required = grammar(compiler, fmt)
     assert required(one) and required(f.render_calls([T]))
     if fmt == "harmony":  # a call ends the turn: one per output
         assert not required(two)
@@ -422,213 +356,20 @@ def test_grammar_of_each_format(compiler, fmt):
     assert not required(f.render_calls([("get_weather", {"city": "Rome", "days": 9})]))  # maximum 7
     assert not required(f.render_calls([("get_weather", {"city": "Rome", "unit": "K"})]))  # enum
     assert not required(f.render_calls([("get_weather", {"city": "Rome", "zone": "x"})]))  # closed object
-    single = _grammar(compiler, fmt, parallel=False)
+    single = grammar(compiler, fmt, parallel=False)
     assert single(one) and not single(f.render_calls([W, T])) and not single(two)
-    named = _grammar(compiler, fmt, {"type": "function", "function": {"name": "get_time"}})
+    named = grammar(compiler, fmt, {"type": "function", "function": {"name": "get_time"}})
     assert named(f.render_calls([T])) and not named(one)
-    auto = _grammar(compiler, fmt, "auto")
+    auto = grammar(compiler, fmt, "auto")
     assert auto('It is sunny [probably] {"really": yes}.')
     assert auto("No tools needed.") and auto("")
     assert auto("Let me check. " + one)
     assert not auto("Let me check. " + f.render_calls([("get_weather", {"city": "Rome", "days": 0})]))
-    auto_single = _grammar(compiler, fmt, "auto", parallel=False)
+    auto_single = grammar(compiler, fmt, "auto", parallel=False)
     assert auto_single("Ok. " + one) and not auto_single("Ok. " + f.render_calls([W, T]))
     for text in (one, two):  # what the grammar takes, the parser reads back
-        _, calls = _parse(fmt, [text])
+        _, calls = parse(fmt, [text])
         assert calls and all(n in SCHEMAS for n, _ in calls)
-
-
-BRAVE = {
-    "type": "function",
-    "function": {
-        "name": "brave_search",
-        "description": "Web search.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}, "count": {"type": "integer", "maximum": 20}},
-            "required": ["query"],
-        },
-    },
-}
-LLAMA_TOOLS = [*TOOLS, BRAVE]
-LLAMA_CONVERSATION = [
-    {"role": "user", "content": "search?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "c1",
-                "type": "function",
-                "function": {"name": "brave_search", "arguments": '{"query": "rome"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-]
-
-
-def _written_calls(tokenizer, template: str, messages: list[dict], begin: str, end: str, **kwargs):
-    """The calls of `messages` as the real `template` writes them: each text from `begin` to just
-    before `end`, in order (the template's own bytes, compared against the grammar and the parser)."""
-    text = _template(template)
-    prompt = ToolPrompt.for_template(text)
-    plan = plan_tools(LLAMA_TOOLS, "auto", None, prompt.fmt)
-    msgs, tools = prompt.render(messages, plan)
-    out = tokenizer.apply_chat_template(msgs, tools=tools, chat_template=text, tokenize=False, **kwargs)
-    found, at = [], 0
-    while (i := out.find(begin, at)) >= 0:
-        j = out.index(end, i)
-        found.append(out[i:j])
-        at = j
-    return found
-
-
-def test_mistral_parallel_calls_are_the_templates_one_list(compiler, tokenizer):
-    """Both Mistral templates write a turn's calls as one list, `[TOOL_CALLS][{...}, {...}]` (Small
-    3.1 with a space before it, each call with its 9-character id): the grammar takes exactly that,
-    under required, named and auto, and the parser reads the calls back. Before issue 51 the
-    grammar wrote parallel calls as repeated `[TOOL_CALLS][...]` blocks and refused the list."""
-    eos = tokenizer.eos_token
-    required, auto = _grammar(compiler, "mistral"), _grammar(compiler, "mistral", "auto")
-    single = _grammar(compiler, "mistral", parallel=False)
-    for template in ("mistralai-Mistral-Nemo-Instruct-2407", "mistralai-Mistral-Small-3.1-24B-Instruct-2503"):
-        [written] = _written_calls(tokenizer, template, CONVERSATION, "[TOOL_CALLS]", eos)
-        assert written.count("[TOOL_CALLS]") == 1 and written.count('"id": "') == 2, written
-        assert required(written) and auto("Checking. " + written), written
-        assert not single(written)  # parallel_tool_calls false: one call
-        _, calls = _parse("mistral", [written])
-        assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "days": 2}), T]
-    call = '{"name": "get_time", "arguments": {}'  # open: the id may follow
-    one = f"[TOOL_CALLS][{call}}}]"
-    assert required(one) and single(one) and single(f'[TOOL_CALLS] [{call}, "id": "abcDEF123"}}]')
-    assert not required(one + one)  # repeated blocks
-    assert not required(f'[TOOL_CALLS][{call}, "id": "abc"}}]')  # an id is 9 letters and digits
-    assert not auto(f"Ok. {one} and more text")  # the list ends the turn
-    named = _grammar(compiler, "mistral", {"type": "function", "function": {"name": "get_time"}})
-    assert named(one) and not named(f"[TOOL_CALLS][{call}}}, {call}}}]")  # a named tool: one call
-    assert not named('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')
-
-
-def test_llama3_python_tag_calls_in_the_grammar(compiler, tokenizer):
-    """Llama 3.x under required / named: a JSON call optionally after `<|python_tag|>`, and a
-    built-in tool (brave_search, wolfram_alpha, code_interpreter) also as the template writes it
-    when the request names it in `builtin_tools`: `<|python_tag|>brave_search.call(query="...")`,
-    alone, its keyword arguments checked against the tool's parameters; under auto the tag opens
-    a call (no free text after it). Before issue 51 required refused the tag (parsed only) and
-    the built-in form was neither constrained nor parsed."""
-    [written] = _written_calls(
-        tokenizer,
-        "meta-llama-Llama-3.3-70B-Instruct",
-        LLAMA_CONVERSATION,
-        "<|python_tag|>",
-        "<|eom_id|>",
-        builtin_tools=["brave_search"],
-    )
-    assert written == '<|python_tag|>brave_search.call(query="rome")', written
-    json_call = '{"name": "get_time", "parameters": {}}'
-    weather = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
-    required = _grammar(compiler, "llama3_json", tools=LLAMA_TOOLS)
-    single = _grammar(compiler, "llama3_json", parallel=False, tools=LLAMA_TOOLS)
-    for ok in (written, f"<|python_tag|>{json_call}", f"<|python_tag|>{json_call}; {weather}", json_call):
-        assert required(ok), ok
-    assert single(written) and single(f"<|python_tag|>{json_call}")
-    assert not single(f"<|python_tag|>{json_call}; {weather}")
-    assert required('<|python_tag|>brave_search.call(query="x", count=3)')
-    for bad in (
-        "<|python_tag|>brave_search.call(count=3)",  # query is required
-        '<|python_tag|>brave_search.call(query="x", count=30)',  # maximum 20
-        '<|python_tag|>brave_search.call(query="x", lang="en")',  # an undeclared keyword
-        '<|python_tag|>get_weather.call(city="Rome")',  # not a built-in tool: JSON only
-        f'<|python_tag|>brave_search.call(query="x"); {json_call}',  # a built-in call stands alone
-        "<|python_tag|>print(1)",
-        f"<|python_tag|><|python_tag|>{json_call}",
-    ):
-        assert not required(bad), bad
-    named = _grammar(
-        compiler, "llama3_json", {"type": "function", "function": {"name": "brave_search"}}, tools=LLAMA_TOOLS
-    )
-    assert named(written) and named('{"name": "brave_search", "parameters": {"query": "x"}}')
-    assert not named(f"<|python_tag|>{json_call}")
-    named_time = _grammar(
-        compiler, "llama3_json", {"type": "function", "function": {"name": "get_time"}}, tools=LLAMA_TOOLS
-    )
-    assert named_time(f"<|python_tag|>{json_call}") and not named_time(written)
-    auto = _grammar(compiler, "llama3_json", "auto", tools=LLAMA_TOOLS)
-    assert auto("Let me search. " + written) and auto(f"Ok <|python_tag|>{json_call}") and auto("No call.")
-    assert not auto("Ok <|python_tag|>print(1)")  # the tag opens a call
-    assert not auto('Ok <|python_tag|>brave_search.call(q="x")')
-    for text, want in ((written, ("brave_search", {"query": "rome"})), (f"<|python_tag|>{json_call}", T)):
-        p = ToolCallParser(FORMATS["llama3_json"], names={"brave_search", *SCHEMAS})
-        p.feed(text)
-        p.finish()
-        assert p.content == "" and [(c.name, json.loads(c.arguments)) for c in p.calls] == [want]
-
-
-def test_a_builtin_tool_whose_arguments_are_not_keywords_is_called_as_json(compiler):
-    """A built-in tool whose parameters a keyword list cannot hold (a property name that is not an
-    identifier) is offered as a JSON call only: never a weaker `.call(...)` form."""
-    odd = {
-        "type": "function",
-        "function": {
-            "name": "wolfram_alpha",
-            "parameters": {
-                "type": "object",
-                "properties": {"the-query": {"type": "string"}},
-                "required": ["the-query"],
-            },
-        },
-    }
-    required = _grammar(compiler, "llama3_json", tools=[odd])
-    assert required('{"name": "wolfram_alpha", "parameters": {"the-query": "x"}}')
-    assert not required('<|python_tag|>wolfram_alpha.call(the-query="x")')
-
-
-@pytest.mark.parametrize(
-    "fmt,text",
-    [
-        ("pythonic", '[get_weather(city="Rome")]'),
-        ("llama3_json", '<|python_tag|>brave_search.call(query="rome weather")'),
-    ],
-)
-def test_a_keyword_value_may_end_in_the_token_that_closes_the_call(compiler, tokenizer, fmt, text):
-    """Token by token, each of the call's own tokens is in the mask: `")` (or `")]`) closes the last
-    string value and the call in one token. Before issue 51 xgrammar's JSON lookahead after a string
-    (`,` `}` `]` `:` only) masked that token, so the model had to split it (the scripted model lost
-    its way)."""
-    plan = plan_tools(LLAMA_TOOLS, "required", True, FORMATS[fmt])
-    built = build_constraint(plan.constraint(), whitespace_options(GrammarConfig()), compiler)
-    matcher = xgr.GrammarMatcher(built.grammar)
-    mask = xgr.allocate_token_bitmask(1, 49152)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert any(tokenizer.decode([t]).startswith('")') for t in ids)
-    for t in ids:
-        matcher.fill_next_token_bitmask(mask)
-        assert (int(mask[0, t // 32]) >> (t % 32)) & 1, (tokenizer.decode([t]), text)
-        assert matcher.accept_token(t)
-    assert matcher.is_completed()
-
-
-def test_xml_raw_strings_cannot_close_their_parameter_early(compiler):
-    f = FORMATS["qwen3_coder"]
-    required = _grammar(compiler, "qwen3_coder")
-    assert required(f.render_calls([("get_weather", {"city": "a </param b\n\nc"})]))
-    assert not required(f.render_calls([("get_weather", {"city": "a </parameter> b"})]))
-    glm = _grammar(compiler, "glm45")
-    assert not glm(FORMATS["glm45"].render_calls([("get_weather", {"city": "a </arg_value> b"})]))
-
-
-def test_xml_refuses_what_a_parameter_list_cannot_enforce(compiler):
-    tool = {
-        "type": "function",
-        "function": {"name": "f", "parameters": {"type": "object", "minProperties": 1}},
-    }
-    with pytest.raises(ValueError, match="minProperties"):
-        _grammar(compiler, "qwen3_coder", tools=[tool])
-    lax = {**tool, "function": {**tool["function"], "strict": False}}
-    assert _grammar(compiler, "qwen3_coder", tools=[lax])(
-        FORMATS["qwen3_coder"].render_calls([("f", {"a": "x"})])
-    )
 
 
 def test_every_format_is_a_choice_of_the_flag():
@@ -675,12 +416,12 @@ def test_generic_prompt_of_a_chosen_format_shows_its_own_syntax():
 def test_named_templates_are_read_from_their_tool_use_template():
     named = [
         {"name": "default", "template": "{{ messages }}"},
-        {"name": "tool_use", "template": _template("deepseek-ai-DeepSeek-V3.1")},
+        {"name": "tool_use", "template": template_text("deepseek-ai-DeepSeek-V3.1")},
     ]
     assert ToolPrompt.for_template(named).fmt.name == "deepseek_v3_1"
-    assert ToolPrompt.for_template([{"name": "default", "template": _template("Qwen3-Coder")}]).fmt.name == (
-        "qwen3_coder"
-    )
+    assert ToolPrompt.for_template(
+        [{"name": "default", "template": template_text("Qwen3-Coder")}]
+    ).fmt.name == ("qwen3_coder")
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

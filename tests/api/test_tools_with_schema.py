@@ -9,87 +9,23 @@ script is picked by what the prompt holds (`Scripts`)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import pytest
 
-from tests.support.paths import shared_path
-
-REPORT = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "temp_c": {"type": "integer"}},
-    "required": ["city", "temp_c"],
-    "additionalProperties": False,
-}
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city.",
-            "parameters": WEATHER_PARAMS,
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "get_time", "description": "Time in a city.", "parameters": WEATHER_PARAMS},
-    },
-]
-FORMAT = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
-ANSWER = '{"city": "Oslo", "temp_c": 7}'
-
-
-def _call(name: str, args: str) -> str:
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
-
-
-CALL = _call("get_weather", '{"city": "Oslo"}')
-
-
-class Scripts:
-    """The fake model's scripts, picked per request by what its prompt holds: `when(needle, text)`
-    makes the model write `text` after a prompt holding `needle`; of several, the needle found
-    latest in the prompt wins (a tool result after the question). Wraps the AsyncEngine's submit."""
-
-    def __init__(self, front, runner):
-        self.rules: dict[str, str] = {}
-        submit, tokenizer = front.submit, runner.tokenizer
-
-        async def scripted_submit(prompt_ids, *args, **kwargs):
-            prompt = tokenizer.decode(prompt_ids)
-            found = [(prompt.rfind(n), text) for n, text in self.rules.items() if n in prompt]
-            if found:
-                runner.script(prompt_ids, max(found)[1])
-            return await submit(prompt_ids, *args, **kwargs)
-
-        front.submit = scripted_submit
-
-    def when(self, needle: str, text: str) -> None:
-        self.rules[needle] = text
-
-
-def _serve(tokenizer, template: str | None):
-    """(context manager yielding the base URL, Scripts, AsyncEngine) of a real HTTP server over the
-    fake model with `tokenizer` and `template` (a shared chat template; None: the tokenizer's)."""
-    from agentrt.api.app import create_app
-    from agentrt.runtime.async_engine import AsyncEngine
-    from agentrt.runtime.engine import Engine
-    from agentrt.testing import FakeModelRunner
-    from agentrt.testing.server import serve_in_thread
-
-    if template is not None:
-        tokenizer.chat_template = shared_path("chat_templates", f"{template}.jinja").read_text()
-    runner = FakeModelRunner(tokenizer, max_model_len=8192, num_kv_slots=32768)
-    front = AsyncEngine(engine=Engine(runner=runner))
-    return serve_in_thread(create_app(front, "m")), Scripts(front, runner), front
+from tests.support.tools_schema import (
+    ANSWER,
+    CALL,
+    REPORT,
+    TOOLS,
+    WEATHER_PARAMS,
+    call_text,
+    chat,
+    openai_client,
+    serve,
+    valid_calls,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +34,7 @@ def plain(default_model_dir):
     hermes format)."""
     from transformers import AutoTokenizer
 
-    served, scripts, front = _serve(AutoTokenizer.from_pretrained(str(default_model_dir)), None)
+    served, scripts, front = serve(AutoTokenizer.from_pretrained(str(default_model_dir)), None)
     with served as url:
         yield url, scripts
     front.shutdown()
@@ -110,60 +46,10 @@ def thinking(default_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    served, scripts, front = _serve(tok, "Qwen3-4B-Thinking-2507")
+    served, scripts, front = serve(tok, "Qwen3-4B-Thinking-2507")
     with served as url:
         yield url, scripts
     front.shutdown()
-
-
-def _openai(url: str):
-    import openai
-
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-
-
-def _chat(url: str, question: str, stream: bool = False, **extra) -> dict:
-    """One chat request through the openai client: {"content", "reasoning", "calls" [(name, args
-    text)], "finish"}, the streamed chunks joined when `stream`."""
-    kw = {
-        "model": "m",
-        "messages": extra.pop("messages", [{"role": "user", "content": question}]),
-        "temperature": 0,
-        "max_tokens": extra.pop("max_tokens", 120),
-        "tools": extra.pop("tools", TOOLS),
-        "response_format": extra.pop("response_format", FORMAT),
-        **extra,
-    }
-    client = _openai(url)
-    if not stream:
-        choice = client.chat.completions.create(**kw).choices[0]
-        m = choice.message
-        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-        reasoning = (m.model_extra or {}).get("reasoning_content")
-        return {"content": m.content, "reasoning": reasoning, "calls": calls, "finish": choice.finish_reason}
-    content, reasoning, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        for choice in chunk.choices:
-            d = choice.delta
-            content += d.content or ""
-            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
-            for c in d.tool_calls or []:
-                name, args = calls.get(c.index, ("", ""))
-                calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
-            finish = choice.finish_reason or finish
-    return {
-        "content": content or None,
-        "reasoning": reasoning or None,
-        "calls": [calls[i] for i in sorted(calls)],
-        "finish": finish,
-    }
-
-
-def _valid_calls(calls) -> None:
-    names = {t["function"]["name"] for t in TOOLS}
-    for name, args in calls:
-        assert name in names
-        jsonschema.validate(json.loads(args), WEATHER_PARAMS)
 
 
 # ---- chat completions ------------------------------------------------------------------------------
@@ -175,7 +61,7 @@ def test_chat_calls_a_tool_then_answers_valid_against_the_schema(plain, stream):
     question = f"Weather in Oslo, as a report? ({stream})"
     scripts.when(question, CALL + "<|im_end|>")
     scripts.when("RESULT-chat", ANSWER + "<|im_end|>")
-    first = _chat(url, question, stream)
+    first = chat(url, question, stream)
     assert first["finish"] == "tool_calls" and first["content"] is None, first
     assert first["calls"] == [("get_weather", '{"city": "Oslo"}')]
     messages = [
@@ -192,7 +78,7 @@ def test_chat_calls_a_tool_then_answers_valid_against_the_schema(plain, stream):
         },
         {"role": "tool", "tool_call_id": "c1", "content": "RESULT-chat: 7 C, rain"},
     ]
-    second = _chat(url, question, stream, messages=messages)
+    second = chat(url, question, stream, messages=messages)
     assert second["finish"] == "stop" and second["calls"] == [], second
     assert json.loads(second["content"]) == json.loads(ANSWER)
 
@@ -215,9 +101,9 @@ def test_an_answer_that_violates_the_schema_is_masked(plain, script):
     question = f"Report for Oslo? ({script})"
     scripts.when(question, script + "<|im_end|>")
     for stream in (False, True):
-        out = _chat(url, question, stream, max_tokens=60, extra_body={"max_tokens_policy": "close"})
+        out = chat(url, question, stream, max_tokens=60, extra_body={"max_tokens_policy": "close"})
         if out["calls"]:
-            _valid_calls(out["calls"])
+            valid_calls(out["calls"])
             assert out["content"] is None
         else:
             jsonschema.validate(json.loads(out["content"]), REPORT)
@@ -227,9 +113,9 @@ def test_an_answer_that_violates_the_schema_is_masked(plain, script):
 @pytest.mark.parametrize(
     "call",
     [
-        _call("get_weather", '{"city": 42}'),  # an argument of the wrong type
-        _call("get_weather", '{"town": "Oslo"}'),  # an unknown argument
-        _call("get_news", '{"city": "Oslo"}'),  # a tool that is not offered
+        call_text("get_weather", '{"city": 42}'),  # an argument of the wrong type
+        call_text("get_weather", '{"town": "Oslo"}'),  # an unknown argument
+        call_text("get_news", '{"city": "Oslo"}'),  # a tool that is not offered
     ],
     ids=["wrong-type", "unknown-argument", "unknown-tool"],
 )
@@ -237,10 +123,10 @@ def test_a_call_with_bad_arguments_is_masked(plain, call):
     url, scripts = plain
     question = f"Weather call? ({call})"
     scripts.when(question, call + "<|im_end|>")
-    out = _chat(url, question, max_tokens=60, extra_body={"max_tokens_policy": "close"})
+    out = chat(url, question, max_tokens=60, extra_body={"max_tokens_policy": "close"})
     assert out["calls"] or out["content"], out
     if out["calls"]:
-        _valid_calls(out["calls"])
+        valid_calls(out["calls"])
         assert out["finish"] == "tool_calls"
     else:
         jsonschema.validate(json.loads(out["content"]), REPORT)
@@ -250,12 +136,12 @@ def test_a_call_with_bad_arguments_is_masked(plain, call):
 def test_parallel_tool_calls_is_kept(plain, parallel):
     url, scripts = plain
     question = f"Weather and time in Oslo? ({parallel})"
-    two = CALL + "\n" + _call("get_time", '{"city": "Oslo"}')
+    two = CALL + "\n" + call_text("get_time", '{"city": "Oslo"}')
     scripts.when(question, two + "<|im_end|>")
-    out = _chat(url, question, max_tokens=80, parallel_tool_calls=parallel)
+    out = chat(url, question, max_tokens=80, parallel_tool_calls=parallel)
     assert out["finish"] == "tool_calls"
     assert [n for n, _ in out["calls"]] == (["get_weather", "get_time"] if parallel else ["get_weather"])
-    _valid_calls(out["calls"])
+    valid_calls(out["calls"])
 
 
 @pytest.mark.parametrize(
@@ -270,7 +156,7 @@ def test_required_and_named_keep_meaning_calls(plain, tool_choice):
     question = f"Report now? ({tool_choice})"
     scripts.when(question, ANSWER + "<|im_end|>")
     for stream in (False, True):
-        out = _chat(
+        out = chat(
             url,
             question,
             stream,
@@ -279,7 +165,7 @@ def test_required_and_named_keep_meaning_calls(plain, tool_choice):
             extra_body={"max_tokens_policy": "close"},
         )
         assert out["finish"] == "tool_calls" and out["content"] is None, out
-        _valid_calls(out["calls"])
+        valid_calls(out["calls"])
         if isinstance(tool_choice, dict):
             assert [n for n, _ in out["calls"]] == ["get_time"]
 
@@ -289,7 +175,7 @@ def test_tool_choice_none_with_a_schema_is_the_schema_alone(plain):
     url, scripts = plain
     question = "Report, no tools?"
     scripts.when(question, CALL + "<|im_end|>")
-    out = _chat(url, question, max_tokens=60, tool_choice="none", extra_body={"max_tokens_policy": "close"})
+    out = chat(url, question, max_tokens=60, tool_choice="none", extra_body={"max_tokens_policy": "close"})
     assert out["calls"] == [] and out["finish"] == "stop"
     jsonschema.validate(json.loads(out["content"]), REPORT)
 
@@ -300,10 +186,10 @@ def test_stop_has_no_effect_on_calls_or_the_answer(plain):
     question = "Report with a stop string?"
     scripts.when(question, ANSWER + "<|im_end|>")
     for stream in (False, True):
-        out = _chat(url, question, stream, stop=["Oslo", "<tool_call>"])
+        out = chat(url, question, stream, stop=["Oslo", "<tool_call>"])
         assert json.loads(out["content"]) == json.loads(ANSWER) and out["finish"] == "stop"
     scripts.when("Call with a stop string?", CALL + "<|im_end|>")
-    out = _chat(url, "Call with a stop string?", stop=["Oslo", "<tool_call>"])
+    out = chat(url, "Call with a stop string?", stop=["Oslo", "<tool_call>"])
     assert out["calls"] == [("get_weather", '{"city": "Oslo"}')]
 
 
@@ -311,7 +197,7 @@ def test_json_object_with_tools(plain):
     url, scripts = plain
     question = "Any JSON object?"
     scripts.when(question, '{"any": [1, 2]}<|im_end|>')
-    out = _chat(url, question, response_format={"type": "json_object"})
+    out = chat(url, question, response_format={"type": "json_object"})
     assert json.loads(out["content"]) == {"any": [1, 2]}
 
 
@@ -363,7 +249,7 @@ def test_an_answer_that_cannot_be_enforced_is_a_400_naming_the_field(plain, extr
     if extra.get("response_format"):
         kw["response_format"] = extra["response_format"]
     with pytest.raises(openai.BadRequestError) as e:
-        _openai(url).chat.completions.create(**kw, extra_body=extra.get("extra_body"))
+        openai_client(url).chat.completions.create(**kw, extra_body=extra.get("extra_body"))
     err = e.value.body
     assert err["param"] == param and words in err["message"], err
 
@@ -378,7 +264,7 @@ def test_responses_text_format_with_tools(plain):
     scripts.when("RESULT-responses", ANSWER + "<|im_end|>")
     tools = [{"type": "function", **{k: v for k, v in t["function"].items()}} for t in TOOLS]
     text = {"format": {"type": "json_schema", "name": "report", "schema": REPORT, "strict": True}}
-    client = _openai(url)
+    client = openai_client(url)
     kw = {"model": "m", "tools": tools, "text": text, "temperature": 0, "max_output_tokens": 120}
     first = client.responses.create(input=question, **kw)
     (call,) = [i for i in first.output if i.type == "function_call"]
@@ -444,178 +330,6 @@ def test_messages_output_config_format_with_tools(plain):
     assert [(b.type, b.input) for b in streamed.content if b.type == "tool_use"] == [("tool_use", use.input)]
 
 
-# ---- the OpenAI Agents SDK: an output_type and tools -----------------------------------------------
-
-
-@pytest.mark.parametrize("api", ["responses", "chat"])
-def test_openai_agents_sdk_output_type_with_tools(plain, api):
-    """An agent with an `output_type` and a tool, on the SDK's default Responses model and on its
-    chat completions model: the model calls the tool, the SDK runs it, and the final answer is
-    parsed into the output type (run and streamed run)."""
-    pytest.importorskip("agents", reason="openai-agents is not installed (it is in the test extra)")
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        ToolCallItem,
-        ToolCallOutputItem,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
-    from pydantic import BaseModel
-
-    set_tracing_disabled(True)  # no exporter: this machine has no internet
-    url, scripts = plain
-
-    class Report(BaseModel):
-        city: str
-        temp_c: int
-
-    seen = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Weather in a city."""
-        seen.append(city)
-        return f"RESULT-agents-{api}: 7 C"
-
-    question = f"Agents ({api}): the weather report for Oslo?"
-    # the SDK's own function schema ({"city"} required, closed): the script's call satisfies it
-    scripts.when(question, CALL + "<|im_end|>")
-    scripts.when(f"RESULT-agents-{api}", ANSWER + "<|im_end|>")
-
-    def agent() -> Agent:
-        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
-        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        return Agent(
-            name="weather",
-            instructions="Report the weather.",
-            tools=[get_weather],
-            output_type=Report,
-            model=model_class(model="m", openai_client=client),
-            model_settings=ModelSettings(temperature=0, max_tokens=120),
-        )
-
-    result = Runner.run_sync(agent(), question, max_turns=3)
-    kinds = [type(i) for i in result.new_items]
-    assert ToolCallItem in kinds and ToolCallOutputItem in kinds and seen == ["Oslo"], kinds
-    assert result.final_output == Report(city="Oslo", temp_c=7)
-
-    async def streamed():
-        run = Runner.run_streamed(agent(), question, max_turns=3)
-        async for _ in run.stream_events():
-            pass
-        return run
-
-    run = asyncio.run(streamed())
-    assert run.final_output == result.final_output and [type(i) for i in run.new_items] == kinds
-
-
-# ---- the other client libraries of docs/compatibility.md that send both -----------------------------
-
-
-def test_pydantic_ai_native_output_with_a_tool(plain):
-    """pydantic-ai's `NativeOutput` (response_format json_schema) beside a function tool."""
-    pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim is not installed (it is in the test extra)")
-    from pydantic import BaseModel
-    from pydantic_ai import Agent, NativeOutput
-    from pydantic_ai.messages import ToolCallPart
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-
-    url, scripts = plain
-
-    class Report(BaseModel):
-        city: str
-        temp_c: int
-
-    question = "pydantic-ai: the weather report for Oslo?"
-    scripts.when(question, CALL + "<|im_end|>")
-    scripts.when("RESULT-pydantic", ANSWER + "<|im_end|>")
-    model = OpenAIChatModel("m", provider=OpenAIProvider(base_url=f"{url}/v1", api_key="none"))
-    agent = Agent(
-        model, output_type=NativeOutput(Report), model_settings={"temperature": 0, "max_tokens": 120}
-    )
-
-    @agent.tool_plain
-    def get_weather(city: str) -> str:
-        """Weather in a city."""
-        return f"RESULT-pydantic: 7 C in {city}"
-
-    result = agent.run_sync(question)
-    assert result.output == Report(city="Oslo", temp_c=7)
-    calls = [p for m in result.all_messages() for p in m.parts if isinstance(p, ToolCallPart)]
-    assert [(c.tool_name, c.args_as_dict()) for c in calls] == [("get_weather", {"city": "Oslo"})]
-
-
-def test_langchain_bind_tools_with_response_format(plain):
-    pytest.importorskip(
-        "langchain_openai", reason="langchain-openai is not installed (it is in the test extra)"
-    )
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    url, scripts = plain
-
-    class Report(BaseModel):
-        city: str
-        temp_c: int
-
-    @tool
-    def get_weather(city: str) -> str:
-        """Weather in a city."""
-        return "RESULT-langchain: 7 C"
-
-    question = "LangChain: the weather report for Oslo?"
-    scripts.when(question, CALL + "<|im_end|>")
-    scripts.when("RESULT-langchain", ANSWER + "<|im_end|>")
-    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="m", temperature=0, max_tokens=120)
-    bound = llm.bind_tools([get_weather], response_format=Report, strict=True)
-    messages = [HumanMessage(question)]
-    first = bound.invoke(messages)
-    assert [(c["name"], c["args"]) for c in first.tool_calls] == [("get_weather", {"city": "Oslo"})]
-    messages += [
-        first,
-        ToolMessage(get_weather.invoke(first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"]),
-    ]
-    second = bound.invoke(messages)
-    assert not second.tool_calls and second.additional_kwargs["parsed"] == Report(city="Oslo", temp_c=7)
-
-
-def test_litellm_tools_with_response_format(plain, monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network
-    monkeypatch.setenv("LITELLM_OFFLINE_MODE", "true")
-    litellm = pytest.importorskip("litellm", reason="litellm is not installed (it is in the test extra)")
-    url, scripts = plain
-    question = "LiteLLM: the weather report for Oslo?"
-    scripts.when(question, CALL + "<|im_end|>")
-    kw = {
-        "model": "openai/m",
-        "api_base": f"{url}/v1",
-        "api_key": "none",
-        "temperature": 0,
-        "max_tokens": 120,
-    }
-    resp = litellm.completion(
-        messages=[{"role": "user", "content": question}], tools=TOOLS, response_format=FORMAT, **kw
-    )
-    (call,) = resp.choices[0].message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
-    scripts.when("LiteLLM: answer now?", ANSWER + "<|im_end|>")
-    resp = litellm.completion(
-        messages=[{"role": "user", "content": "LiteLLM: answer now?"}],
-        tools=TOOLS,
-        response_format=FORMAT,
-        **kw,
-    )
-    assert json.loads(resp.choices[0].message.content) == json.loads(ANSWER)
-
-
 # ---- reasoning first ------------------------------------------------------------------------------
 
 
@@ -628,21 +342,21 @@ def test_thinking_template_reasons_first_then_calls_or_answers(thinking):
     question = "Thinking: report for Oslo?"
     scripts.when(question, f"{thought}.\n</think>\n\n{CALL}<|im_end|>")
     for stream in (False, True):
-        out = _chat(url, question, stream)
+        out = chat(url, question, stream)
         assert out["reasoning"] == f"{thought}." and out["finish"] == "tool_calls", out
         assert out["calls"] == [("get_weather", '{"city": "Oslo"}')] and not out["content"]
     question = "Thinking: report for Oslo, answer now?"
     scripts.when(question, f"{thought}, no: answer.\n</think>\n\n{ANSWER}<|im_end|>")
     for stream in (False, True):
-        out = _chat(url, question, stream)
+        out = chat(url, question, stream)
         assert out["reasoning"] == f"{thought}, no: answer." and out["calls"] == [], out
         assert json.loads(out["content"]) == json.loads(ANSWER) and out["finish"] == "stop"
     question = "Thinking: report for Oslo, in prose?"
     scripts.when(question, "Prose it is.\n</think>\n\nIt is 7 C in Oslo.<|im_end|>")
-    out = _chat(url, question, max_tokens=80, extra_body={"max_tokens_policy": "close"})
+    out = chat(url, question, max_tokens=80, extra_body={"max_tokens_policy": "close"})
     assert out["reasoning"] == "Prose it is."
     if out["calls"]:
-        _valid_calls(out["calls"])
+        valid_calls(out["calls"])
     else:
         jsonschema.validate(json.loads(out["content"]), REPORT)
 
@@ -665,7 +379,7 @@ def test_harmony_answer_on_the_final_channel_or_a_call(default_model_dir):
 
     tok = byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
-    served, scripts, front = _serve(tok, "openai-gpt-oss-120b")
+    served, scripts, front = serve(tok, "openai-gpt-oss-120b")
     front.engine.runner.stop_ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>"))
     analysis = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
     try:
@@ -680,9 +394,9 @@ def test_harmony_answer_on_the_final_channel_or_a_call(default_model_dir):
                 '{"city": "Oslo"}<|call|>',
             )
             for stream in (False, True):
-                out = _chat(url, "Harmony report?", stream)
+                out = chat(url, "Harmony report?", stream)
                 assert out["reasoning"] == "Think." and json.loads(out["content"]) == json.loads(ANSWER), out
-                out = _chat(url, "Harmony call?", stream)
+                out = chat(url, "Harmony call?", stream)
                 assert out["reasoning"] == "Think." and out["calls"] == [("get_weather", '{"city": "Oslo"}')]
     finally:
         front.shutdown()
