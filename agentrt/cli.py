@@ -154,14 +154,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def checked_before_load(args: argparse.Namespace) -> bool:
-    """serve's start: the whole `agentrt check` of the model (architecture, tokenizer, chat
-    template, weight names and shapes, KV capacity) with serve's own options, before any weight is
-    read or a GGUF converted. Prints its warnings and errors; False when it found an error (a model
-    serve would refuse at load, now refused in seconds with check's findings)."""
+def _check(args: argparse.Namespace):
+    """`agentrt check` of args.model with the options check and serve share (CheckReport). Raises
+    ValueError for bad --chat-template-budget / --chat-template-max-bytes values."""
     from agentrt.runtime.models.check import check_model
 
-    report = check_model(
+    budget = template_budget(args)
+    return check_model(
         args.model,
         args.max_model_len,
         args.max_num_seqs,
@@ -169,8 +168,16 @@ def checked_before_load(args: argparse.Namespace) -> bool:
         args.dtype,
         args.kv_cache_bytes,
         args.chat_template,
-        template_budget(args),
+        budget,
     )
+
+
+def checked_before_load(args: argparse.Namespace) -> bool:
+    """serve's start: the whole `agentrt check` of the model (architecture, tokenizer, chat
+    template, weight names and shapes, KV capacity) with serve's own options, before any weight is
+    read or a GGUF converted. Prints its warnings and errors; False when it found an error (a model
+    serve would refuse at load, now refused in seconds with check's findings)."""
+    report = _check(args)
     for finding in report.findings:  # the template's warnings: template_ready's, with the app's tool set-up
         if finding.level == "error" or (finding.level == "warning" and finding.topic != "chat template"):
             print(
@@ -276,23 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     add_check_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "check":
-        from agentrt.runtime.models.check import check_model
-
         try:
-            budget = template_budget(args)
-        except ValueError as e:
+            report = _check(args)
+        except ValueError as e:  # the template budget's flags
             print(f"agentrt: error: {e}", file=sys.stderr)
             return 2
-        report = check_model(
-            args.model,
-            args.max_model_len,
-            args.max_num_seqs,
-            args.device,
-            args.dtype,
-            args.kv_cache_bytes,
-            args.chat_template,
-            budget,
-        )
         print(report.describe(), flush=True)
         return report.exit_status
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

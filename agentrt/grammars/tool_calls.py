@@ -464,23 +464,7 @@ def _mistral_tag(
                     "end": "]",
                 }
             )
-    if required:
-        body = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "",
-            "at_least_one": True,
-            "stop_after_first": True,
-        }
-    else:
-        body = {
-            "type": "triggered_tags",
-            "triggers": [fmt.trigger],
-            "tags": tags,
-            "at_least_one": False,
-            "stop_after_first": True,
-        }
-    return {"type": "structural_tag", "format": body}
+    return _one_list(tags, [fmt.trigger], required)
 
 
 def _pythonic_tag(tools: list[dict], args: list[str], parallel: bool, required: bool) -> dict:
@@ -500,20 +484,15 @@ def _pythonic_tag(tools: list[dict], args: list[str], parallel: bool, required: 
                 "end": "]",
             }
         )
+    return _one_list(tags, [f"[{t['name']}(" for t in tools], required)
+
+
+def _one_list(tags: list[dict], triggers: list[str], required: bool) -> dict:
+    """The structural tag of a format whose calls are one list (one of `tags` opens it, its content
+    holds the further calls): exactly one list when `required`, else free text in which one of
+    `triggers` opens it."""
     if required:
-        body = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "",
-            "at_least_one": True,
-            "stop_after_first": True,
-        }
+        body = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True}
     else:
-        body = {
-            "type": "triggered_tags",
-            "triggers": [f"[{t['name']}(" for t in tools],
-            "tags": tags,
-            "at_least_one": False,
-            "stop_after_first": True,
-        }
-    return {"type": "structural_tag", "format": body}
+        body = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "at_least_one": False}
+    return {"type": "structural_tag", "format": {**body, "stop_after_first": True}}

@@ -34,3 +34,31 @@ def thinking_client(default_model_dir):
     with TestClient(create_app(front, MODEL, reasoning_budget_message="\nTime to answer.")) as c:
         yield c
     front.shutdown()
+
+
+@pytest.fixture(scope="module")
+def schema_server(default_model_dir):
+    """tests/api/test_tools_with_schema*.py: (URL, Scripts) of a real server over the fake model; the default model's tokenizer and template (no tool support: the generic
+    hermes format)."""
+    from transformers import AutoTokenizer
+
+    from tests.support.tools_schema import serve
+
+    served, scripts, front = serve(AutoTokenizer.from_pretrained(str(default_model_dir)), None)
+    with served as url:
+        yield url, scripts
+    front.shutdown()
+
+
+@pytest.fixture(scope="module")
+def schema_thinking_server(default_model_dir):
+    """As schema_server, with Qwen3-4B-Thinking-2507's template (the prompt opens <think>; hermes calls)."""
+    from transformers import AutoTokenizer
+
+    from tests.support.tools_schema import serve
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    served, scripts, front = serve(tok, "Qwen3-4B-Thinking-2507")
+    with served as url:
+        yield url, scripts
+    front.shutdown()

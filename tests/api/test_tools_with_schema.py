@@ -27,37 +27,12 @@ from tests.support.tools_schema import (
     valid_calls,
 )
 
-
-@pytest.fixture(scope="module")
-def plain(default_model_dir):
-    """(URL, Scripts): the default model's tokenizer and template (no tool support: the generic
-    hermes format)."""
-    from transformers import AutoTokenizer
-
-    served, scripts, front = serve(AutoTokenizer.from_pretrained(str(default_model_dir)), None)
-    with served as url:
-        yield url, scripts
-    front.shutdown()
-
-
-@pytest.fixture(scope="module")
-def thinking(default_model_dir):
-    """(URL, Scripts): Qwen3-4B-Thinking-2507's template (the prompt opens <think>; hermes calls)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    served, scripts, front = serve(tok, "Qwen3-4B-Thinking-2507")
-    with served as url:
-        yield url, scripts
-    front.shutdown()
-
-
 # ---- chat completions ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_chat_calls_a_tool_then_answers_valid_against_the_schema(plain, stream):
-    url, scripts = plain
+def test_chat_calls_a_tool_then_answers_valid_against_the_schema(schema_server, stream):
+    url, scripts = schema_server
     question = f"Weather in Oslo, as a report? ({stream})"
     scripts.when(question, CALL + "<|im_end|>")
     scripts.when("RESULT-chat", ANSWER + "<|im_end|>")
@@ -93,11 +68,11 @@ def test_chat_calls_a_tool_then_answers_valid_against_the_schema(plain, stream):
     ],
     ids=["wrong-type", "extra-key", "prose", "missing-key"],
 )
-def test_an_answer_that_violates_the_schema_is_masked(plain, script):
+def test_an_answer_that_violates_the_schema_is_masked(schema_server, script):
     """The model writes an answer the schema forbids: the grammar masks it at the first token it
     cannot take (the output is then the schema's JSON or calls, never free text); max_tokens_policy
     "close" ends it valid."""
-    url, scripts = plain
+    url, scripts = schema_server
     question = f"Report for Oslo? ({script})"
     scripts.when(question, script + "<|im_end|>")
     for stream in (False, True):
@@ -119,8 +94,8 @@ def test_an_answer_that_violates_the_schema_is_masked(plain, script):
     ],
     ids=["wrong-type", "unknown-argument", "unknown-tool"],
 )
-def test_a_call_with_bad_arguments_is_masked(plain, call):
-    url, scripts = plain
+def test_a_call_with_bad_arguments_is_masked(schema_server, call):
+    url, scripts = schema_server
     question = f"Weather call? ({call})"
     scripts.when(question, call + "<|im_end|>")
     out = chat(url, question, max_tokens=60, extra_body={"max_tokens_policy": "close"})
@@ -133,8 +108,8 @@ def test_a_call_with_bad_arguments_is_masked(plain, call):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_parallel_tool_calls_is_kept(plain, parallel):
-    url, scripts = plain
+def test_parallel_tool_calls_is_kept(schema_server, parallel):
+    url, scripts = schema_server
     question = f"Weather and time in Oslo? ({parallel})"
     two = CALL + "\n" + call_text("get_time", '{"city": "Oslo"}')
     scripts.when(question, two + "<|im_end|>")
@@ -149,10 +124,10 @@ def test_parallel_tool_calls_is_kept(plain, parallel):
     ["required", {"type": "function", "function": {"name": "get_time"}}],
     ids=["required", "named"],
 )
-def test_required_and_named_keep_meaning_calls(plain, tool_choice):
+def test_required_and_named_keep_meaning_calls(schema_server, tool_choice):
     """A schema beside tool_choice "required" or a named tool: the output is still calls (the
     schema is for a later turn's answer); the model's attempt at an answer is masked."""
-    url, scripts = plain
+    url, scripts = schema_server
     question = f"Report now? ({tool_choice})"
     scripts.when(question, ANSWER + "<|im_end|>")
     for stream in (False, True):
@@ -170,9 +145,9 @@ def test_required_and_named_keep_meaning_calls(plain, tool_choice):
             assert [n for n, _ in out["calls"]] == ["get_time"]
 
 
-def test_tool_choice_none_with_a_schema_is_the_schema_alone(plain):
+def test_tool_choice_none_with_a_schema_is_the_schema_alone(schema_server):
     """Before this change too: tool_choice "none" and a schema is the schema (no call opens)."""
-    url, scripts = plain
+    url, scripts = schema_server
     question = "Report, no tools?"
     scripts.when(question, CALL + "<|im_end|>")
     out = chat(url, question, max_tokens=60, tool_choice="none", extra_body={"max_tokens_policy": "close"})
@@ -180,9 +155,9 @@ def test_tool_choice_none_with_a_schema_is_the_schema_alone(plain):
     jsonschema.validate(json.loads(out["content"]), REPORT)
 
 
-def test_stop_has_no_effect_on_calls_or_the_answer(plain):
+def test_stop_has_no_effect_on_calls_or_the_answer(schema_server):
     """The whole output is constrained (calls or the schema's JSON), so `stop` cuts neither."""
-    url, scripts = plain
+    url, scripts = schema_server
     question = "Report with a stop string?"
     scripts.when(question, ANSWER + "<|im_end|>")
     for stream in (False, True):
@@ -193,8 +168,8 @@ def test_stop_has_no_effect_on_calls_or_the_answer(plain):
     assert out["calls"] == [("get_weather", '{"city": "Oslo"}')]
 
 
-def test_json_object_with_tools(plain):
-    url, scripts = plain
+def test_json_object_with_tools(schema_server):
+    url, scripts = schema_server
     question = "Any JSON object?"
     scripts.when(question, '{"any": [1, 2]}<|im_end|>')
     out = chat(url, question, response_format={"type": "json_object"})
@@ -238,13 +213,13 @@ def test_json_object_with_tools(plain):
     ],
     ids=["unique-strings", "unsatisfiable", "regex"],
 )
-def test_an_answer_that_cannot_be_enforced_is_a_400_naming_the_field(plain, extra, param, words):
+def test_an_answer_that_cannot_be_enforced_is_a_400_naming_the_field(schema_server, extra, param, words):
     """Never silently calls only: an answer schema the grammar cannot hold (here uniqueItems over
     strings, whose check would read the calls too, or one no value satisfies) is refused naming
     the schema; other constraints than a JSON answer still cannot be combined with tools."""
     import openai
 
-    url, _ = plain
+    url, _ = schema_server
     kw = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "max_tokens": 5}
     if extra.get("response_format"):
         kw["response_format"] = extra["response_format"]
@@ -257,8 +232,8 @@ def test_an_answer_that_cannot_be_enforced_is_a_400_naming_the_field(plain, extr
 # ---- Responses and Messages ------------------------------------------------------------------------
 
 
-def test_responses_text_format_with_tools(plain):
-    url, scripts = plain
+def test_responses_text_format_with_tools(schema_server):
+    url, scripts = schema_server
     question = "Responses: weather report for Oslo?"
     scripts.when(question, CALL + "<|im_end|>")
     scripts.when("RESULT-responses", ANSWER + "<|im_end|>")
@@ -286,10 +261,10 @@ def test_responses_text_format_with_tools(plain):
     assert json.loads(args) == {"city": "Oslo"}
 
 
-def test_messages_output_config_format_with_tools(plain):
+def test_messages_output_config_format_with_tools(schema_server):
     import anthropic
 
-    url, scripts = plain
+    url, scripts = schema_server
     question = "Messages: weather report for Oslo?"
     scripts.when(question, CALL + "<|im_end|>")
     scripts.when("RESULT-messages", ANSWER + "<|im_end|>")
@@ -333,11 +308,11 @@ def test_messages_output_config_format_with_tools(plain):
 # ---- reasoning first ------------------------------------------------------------------------------
 
 
-def test_thinking_template_reasons_first_then_calls_or_answers(thinking):
+def test_thinking_template_reasons_first_then_calls_or_answers(schema_thinking_server):
     """Qwen3-Thinking (the prompt opens <think>): the reasoning is free text, JSON-like syntax and
     the call trigger included; then a call, or the schema's answer; an answer that violates the
     schema after the reasoning is masked."""
-    url, scripts = thinking
+    url, scripts = schema_thinking_server
     thought = 'Maybe {"city": 1} or "x"; check the weather tool'
     question = "Thinking: report for Oslo?"
     scripts.when(question, f"{thought}.\n</think>\n\n{CALL}<|im_end|>")

@@ -20,39 +20,13 @@ from tests.support.tools_schema import (
     CALL,
     FORMAT,
     TOOLS,
-    serve,
 )
-
-
-@pytest.fixture(scope="module")
-def plain(default_model_dir):
-    """(URL, Scripts): the default model's tokenizer and template (no tool support: the generic
-    hermes format)."""
-    from transformers import AutoTokenizer
-
-    served, scripts, front = serve(AutoTokenizer.from_pretrained(str(default_model_dir)), None)
-    with served as url:
-        yield url, scripts
-    front.shutdown()
-
-
-@pytest.fixture(scope="module")
-def thinking(default_model_dir):
-    """(URL, Scripts): Qwen3-4B-Thinking-2507's template (the prompt opens <think>; hermes calls)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    served, scripts, front = serve(tok, "Qwen3-4B-Thinking-2507")
-    with served as url:
-        yield url, scripts
-    front.shutdown()
-
 
 # ---- the OpenAI Agents SDK: an output_type and tools -----------------------------------------------
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])
-def test_openai_agents_sdk_output_type_with_tools(plain, api):
+def test_openai_agents_sdk_output_type_with_tools(schema_server, api):
     """An agent with an `output_type` and a tool, on the SDK's default Responses model and on its
     chat completions model: the model calls the tool, the SDK runs it, and the final answer is
     parsed into the output type (run and streamed run)."""
@@ -72,7 +46,7 @@ def test_openai_agents_sdk_output_type_with_tools(plain, api):
     from pydantic import BaseModel
 
     set_tracing_disabled(True)  # no exporter: this machine has no internet
-    url, scripts = plain
+    url, scripts = schema_server
 
     class Report(BaseModel):
         city: str
@@ -121,7 +95,7 @@ def test_openai_agents_sdk_output_type_with_tools(plain, api):
 # ---- the other client libraries of docs/compatibility.md that send both -----------------------------
 
 
-def test_pydantic_ai_native_output_with_a_tool(plain):
+def test_pydantic_ai_native_output_with_a_tool(schema_server):
     """pydantic-ai's `NativeOutput` (response_format json_schema) beside a function tool."""
     pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim is not installed (it is in the test extra)")
     from pydantic import BaseModel
@@ -130,7 +104,7 @@ def test_pydantic_ai_native_output_with_a_tool(plain):
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    url, scripts = plain
+    url, scripts = schema_server
 
     class Report(BaseModel):
         city: str
@@ -155,7 +129,7 @@ def test_pydantic_ai_native_output_with_a_tool(plain):
     assert [(c.tool_name, c.args_as_dict()) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
-def test_langchain_bind_tools_with_response_format(plain):
+def test_langchain_bind_tools_with_response_format(schema_server):
     pytest.importorskip(
         "langchain_openai", reason="langchain-openai is not installed (it is in the test extra)"
     )
@@ -164,7 +138,7 @@ def test_langchain_bind_tools_with_response_format(plain):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
 
-    url, scripts = plain
+    url, scripts = schema_server
 
     class Report(BaseModel):
         city: str
@@ -191,11 +165,11 @@ def test_langchain_bind_tools_with_response_format(plain):
     assert not second.tool_calls and second.additional_kwargs["parsed"] == Report(city="Oslo", temp_c=7)
 
 
-def test_litellm_tools_with_response_format(plain, monkeypatch):
+def test_litellm_tools_with_response_format(schema_server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network
     monkeypatch.setenv("LITELLM_OFFLINE_MODE", "true")
     litellm = pytest.importorskip("litellm", reason="litellm is not installed (it is in the test extra)")
-    url, scripts = plain
+    url, scripts = schema_server
     question = "LiteLLM: the weather report for Oslo?"
     scripts.when(question, CALL + "<|im_end|>")
     kw = {
