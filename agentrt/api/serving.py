@@ -347,7 +347,7 @@ class OpenAIServing:
         # wholly constrained output (a schema, a regex, required calls, calls or a schema's answer)
         # ends where its constraint does
         if calls is not None and calls.mode == "auto" and not answer_or_calls:
-            params.stop_until = calls.fmt.trigger
+            params.stop_until = call_markers(plan)  # each text that opens a call (Llama's python tag too)
         elif constraint is not None:
             params.stop = []
         if tool_constraint is not None and calls is None and constraint is None:

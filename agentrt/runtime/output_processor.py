@@ -67,13 +67,13 @@ class OutputProcessor:
         more scans), and a possible start of it at the end of the text is not scanned yet."""
         p = r.params
         end = len(text)
-        if p.stop_until:
-            k = text.find(p.stop_until, max(r.answer_start or 0, r.stop_scanned - len(p.stop_until) + 1))
-            if k >= 0:
-                r.stop_end = end = k
-            else:
-                end -= _partial_match(text, end, p.stop_until)
         lo = r.answer_start or 0
+        if p.stop_until:
+            found = [text.find(u, max(lo, r.stop_scanned - len(u) + 1)) for u in p.stop_until]
+            if any(k >= 0 for k in found):
+                r.stop_end = end = min(k for k in found if k >= 0)
+            else:
+                end -= max(_partial_match(text, end, u) for u in p.stop_until)
         starts = [text.find(s, max(lo, r.stop_scanned - len(s) + 1), end) for s in p.stop]
         r.stop_scanned = end
         return min((i for i in starts if i >= 0), default=-1)

@@ -85,8 +85,9 @@ class SamplingParams:
     repetition_penalty in [0.01, 10] on prompt and generated tokens (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias in [-100, 100] added to the logit.
     stop: strings that end the output (not included in it); stop_token_ids: extra stop ids.
-    stop_until: stop strings are looked for only in the text before the first occurrence of this
-    string (a tool-call format's trigger), so a stop string never cuts a constrained call.
+    stop_until: stop strings are looked for only in the text before the first occurrence of one of
+    these strings (the texts that open a tool call: a format's trigger, Llama 3's <|python_tag|>
+    too), so a stop string never cuts a constrained call.
     max_tokens_policy: "length" (default, OpenAI: stop at max_tokens, finish_reason "length") or
     "close": with a constraint, keep enough budget to finish it and close it validly
     (grammars/length_policy.py); no effect without a constraint.
@@ -114,7 +115,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    stop_until: str | None = None
+    stop_until: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True

@@ -154,6 +154,24 @@ def test_llama_builtin_call_as_the_template_writes_it(llama, tool_choice):
     _same_stream(choice, streamed)
 
 
+def test_a_stop_string_never_cuts_a_python_tag_call(llama):
+    """Under auto, stop strings apply to the text before a call: a call opened by <|python_tag|>
+    (not only by a tool's JSON) ends their scan, so "rome" inside the call's arguments cuts
+    nothing, while the prose before it is still scanned."""
+    client, runner, tok = llama
+    messages = [{"role": "user", "content": "search the web for rome, stopping"}]
+    kwargs = {"builtin_tools": ["brave_search"]}
+    text = f'Searching. <|python_tag|>brave_search.call(query="rome weather"){END}'
+    runner.script(_prompt(client, tok, messages, [WEATHER, BRAVE], kwargs), text)
+    extra = {"tool_choice": "auto", "chat_template_kwargs": kwargs}
+    choice, streamed = _chat(client, messages, [WEATHER, BRAVE], stop=["rome"], **extra)
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert _calls(choice) == [("brave_search", {"query": "rome weather"})]
+    _same_stream(choice, streamed)
+    choice, _ = _chat(client, messages, [WEATHER, BRAVE], stop=["arch"], **extra)
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "Se")
+
+
 def test_llama_tag_never_opens_anything_but_a_call(llama):
     """Under required the model that would write code (or a non-built-in tool's `.call`) after the
     tag is held to a call of an offered tool with valid arguments (closed within max_tokens: the

@@ -130,11 +130,13 @@ def test_stop_until_limits_stop_strings_to_the_text_before_it():
     at = full.index(trigger)
     after = _first_new(full, at + 6, 2)  # occurs only after the trigger
     for stop in (after, trigger[:2], trigger):
-        outs, final = _stream(engine, prompt, _greedy(40, stop=[stop], stop_until=trigger))
-        assert (final.finish_reason, final.text) == ("length", full), stop
-        assert "".join(o.delta_text for o in outs) == full
+        # one trigger, or several (Llama 3's calls open with a tool's JSON or <|python_tag|>): the first
+        for until in ((trigger,), ("\x00never", trigger), (trigger, full[-3:])):
+            outs, final = _stream(engine, prompt, _greedy(40, stop=[stop], stop_until=until))
+            assert (final.finish_reason, final.text) == ("length", full), (stop, until)
+            assert "".join(o.delta_text for o in outs) == full
     before = full[at - 3 : at - 1]
-    outs, final = _stream(engine, prompt, _greedy(40, stop=[before], stop_until=trigger))
+    outs, final = _stream(engine, prompt, _greedy(40, stop=[before], stop_until=(trigger,)))
     assert final.finish_reason == "stop" and final.text == full[: full.index(before)]
     assert "".join(o.delta_text for o in outs) == final.text
 
