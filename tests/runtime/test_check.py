@@ -461,6 +461,7 @@ def test_every_weight_shape_serve_checks_is_checked(tiny, tmp_path):
     assert "all 21 tensors have the names and shapes the model loads" in {f.message for f in ok.of("weights")}
 
 
+@pytest.mark.slow  # two processes loading the model, 11-19 s; in-process: test_serve_runs_the_whole_check_...
 def test_cli_check_and_serve_refuse_a_looping_template(default_model_dir, tmp_path):
     """`agentrt check --chat-template-budget` names the budget; `agentrt serve` refuses to start
     (exit 2) on the same template instead of answering every chat request with a 400."""

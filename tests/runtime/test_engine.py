@@ -74,15 +74,14 @@ FORMATS = ["none", "int8", "int4"]  # the formats `auto` picks on a CPU (float32
 @pytest.mark.parametrize(
     "quantization,kv_cache_dtype",
     [
-        ("none", "auto"),
         ("int4", "auto"),  # make run's configuration
         *(
             pytest.param(q, kv, marks=pytest.mark.slow)
-            for q, kv in (("int8", "auto"), ("int4", "int8"), ("int4", "float16"))
+            for q, kv in (("none", "auto"), ("int8", "auto"), ("int4", "int8"), ("int4", "float16"))
         ),
     ],
-)  # int4 + int8 or float16 KV: make run's weights with a smaller KV cache; int8 and the KV variants
-# are slow tests (13-15 s each on 2 cores; the suite's 10 minutes)
+)  # int4 + int8 or float16 KV: make run's weights with a smaller KV cache; all but make run's
+# configuration are slow tests (13-25 s each on 2 cores; the suite's 10 minutes)
 def test_greedy_identical_cache_on_off_cold_warm_any_batch(
     default_model_dir, tokenizer, quantization, kv_cache_dtype
 ):

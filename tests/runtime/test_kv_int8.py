@@ -316,7 +316,8 @@ def test_memory_plan_prints_tokens_per_gib_for_each_kv_dtype(tiny_gqa_llama_dir)
 
 
 @pytest.mark.parametrize(
-    "kv,bound,agreement", [("int8", 1.0, 0.95), pytest.param("float16", 0.05, 0.99, marks=pytest.mark.slow)]
+    "kv,bound,agreement",
+    [pytest.param(*case, marks=pytest.mark.slow) for case in (("int8", 1.0, 0.95), ("float16", 0.05, 0.99))],
 )
 def test_default_model_small_kv_logits_stay_within_tolerance(
     default_model_dir, tokenizer, kv, bound, agreement
@@ -385,6 +386,7 @@ def test_engine_serves_with_int8_kv_and_refuses_a_bad_combination(default_model_
     assert len(out[0].token_ids) == 6
 
 
+@pytest.mark.slow  # ~15 s on 2 cores; the tiers' own moves are in test_kv_tiers_fake.py
 def test_tiers_move_int8_pages_with_their_scales(default_model_dir, tokenizer, tmp_path):
     """An int8 pool far smaller than the working set, with a host tier and a disk tier: prompts
     evicted from the pool come back from the lower tiers (K/V data and scales) and give the greedy
