@@ -77,45 +77,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"agentrt: error: {e}", file=sys.stderr)
         return 2
-    runner = engine.runner
-    graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
-    attention, kv = describe_attention(runner.attention_backend, runner.kv_dtype)
-    print(
-        f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
-        f"{runner.num_threads} thread{'' if runner.num_threads == 1 else 's'}, attention "
-        f"{attention}, KV {kv}, CUDA graphs "
-        f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
-        f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
-        f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}",
-        flush=True,
-    )
-    url = f"http://{args.host}:{args.port}"
-
-    example = json.dumps(
-        {
-            "model": args.model,
-            "messages": [{"role": "user", "content": "Name a city in France."}],
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "city",
-                    "schema": {
-                        "type": "object",
-                        "properties": {"city": {"type": "string"}},
-                        "required": ["city"],
-                    },
-                },
-            },
-        }
-    )
+    print(start_line(args, engine.runner), flush=True)
+    message = ready_message(args, bool(options.api_keys))
 
     def ready() -> None:
-        print(
-            f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
-            + ('-H "Authorization: Bearer $AGENTRT_API_KEY" ' if options.api_keys else "")
-            + f"-H 'Content-Type: application/json' -d '{example}'",
-            flush=True,
-        )
+        print(message, flush=True)
 
     app = create_app(
         engine,
@@ -152,6 +118,48 @@ def serve(args: argparse.Namespace) -> int:
         http.join(timeout=10)
         engine.shutdown()
     return 0 if server.started else 1
+
+
+def ready_message(args: argparse.Namespace, api_keys: bool) -> str:
+    """What serve prints once it listens: its URL and a curl request to try (a json_schema one)."""
+    url = f"http://{args.host}:{args.port}"
+    example = json.dumps(
+        {
+            "model": args.model,
+            "messages": [{"role": "user", "content": "Name a city in France."}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    },
+                },
+            },
+        }
+    )
+    return (
+        f"agentrt: serving {args.model} at {url}/v1\ntry:\n  curl {url}/v1/chat/completions "
+        + ('-H "Authorization: Bearer $AGENTRT_API_KEY" ' if api_keys else "")
+        + f"-H 'Content-Type: application/json' -d '{example}'"
+    )
+
+
+def start_line(args: argparse.Namespace, runner) -> str:
+    """serve's start line: the model on its device, weight format, threads, attention and KV,
+    CUDA graphs, context and full-context sequences, then the memory plan."""
+    graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
+    attention, kv = describe_attention(runner.attention_backend, runner.kv_dtype)
+    return (
+        f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
+        f"{runner.num_threads} thread{'' if runner.num_threads == 1 else 's'}, attention "
+        f"{attention}, KV {kv}, CUDA graphs "
+        f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
+        f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
+        f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}"
+    )
 
 
 def _check(args: argparse.Namespace):

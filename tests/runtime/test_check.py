@@ -469,37 +469,19 @@ def test_cli_check_and_serve_refuse_a_looping_template(default_model_dir, tmp_pa
 
     path = tmp_path / "loop.jinja"
     path.write_text(HOSTILE_TEMPLATES["loops"][0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--chat-template", str(path), "--chat-template-budget", "0.5", "--device", "cpu"]
-    checked = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "check", str(default_model_dir), *flags],
-        check=False,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "agentrt.cli", argv[0], str(default_model_dir), *flags, *argv[1:]]
+        return subprocess.run(
+            cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+
+    checked = cli("check")
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert "[error] chat template: spends its budget on the plain sample" in checked.stdout
-    served = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "serve",
-            str(default_model_dir),
-            *flags,
-            "--port",
-            str(free_port()),
-        ],
-        check=False,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    served = cli("serve", "--port", str(free_port()))
     assert served.returncode == 2, served.stdout + served.stderr
     assert "agentrt: error: chat template: spends its budget on the plain sample" in served.stderr
     assert "serving" not in served.stdout
