@@ -280,7 +280,7 @@ class Engine:
             if not r.prompt_counted:
                 r.prompt_counted = True
                 self.stats.num_prompt_tokens += r.num_prompt_tokens
-                self.stats.num_cached_prompt_tokens += r.num_cached_tokens or 0
+                self.stats.num_cached_prompt_tokens += r.cache.num_cached_tokens or 0
             slots = r.slots[: c.context_len + c.num_new]
             tree = r.spec.draft
             if c.sample and tree is not None:

@@ -18,7 +18,7 @@ instead of away, and a prompt whose prefix is there is loaded back instead of re
 - Coming back: a waiting request whose prompt continues past the pool's match in a lower tier waits
   while a load thread reads and decodes those blocks (other requests keep stepping); the scheduler
   then copies them into fresh pool slots and inserts them into the radix tree, and admits the
-  request with them as cached tokens (`Request.tier_hits` counts them per tier).
+  request with them as cached tokens (`Request.cache.tier_hits` counts them per tier).
 - Bounded: each tier has a byte limit; blocks waiting to be stored are bounded by
   `max_pending_bytes` (beyond it a store is dropped and counted); a disk that fails turns its tier
   off with a warning. No request fails because of a tier.

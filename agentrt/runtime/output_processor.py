@@ -105,12 +105,12 @@ class OutputProcessor:
             final,
             r.finish_reason,
             r.error,
-            r.num_cached_tokens or 0,
+            r.cache.num_cached_tokens or 0,
             list(r.logprobs) if r.logprobs is not None else None,
             list(r.repetition.repaired) if r.repetition is not None else [],
             r.closed_by_budget,
             r.reasoning.num_tokens if r.reasoning is not None else 0,
-            dict(r.tier_hits),
+            dict(r.cache.tier_hits),
         )
 
 

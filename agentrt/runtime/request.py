@@ -252,6 +252,34 @@ class SpecState:
     draft_fed: list[int] = field(default_factory=list)
 
 
+@dataclass
+class CacheState:
+    """A request's prefix-cache and KV-tier state (runtime/scheduler.py, runtime/kv_tiers.py), as
+    mini-sglang's `Req.cache_handle`. Counts are tokens (one KV slot each, `Request.slots`).
+
+    node: the radix-tree node locked (lock_ref) for the shared prefix, `slots[:num_shared]` being
+    the tree's; window_demoted: leading slots out of every attention window, demoted in the KV
+    pool's LRU; hit_node: the node where the first admission's cache hit ended; num_cached_tokens:
+    prompt tokens served from the cache at the first admission (None: not admitted yet), of which
+    `tier_hits` came from each lower tier ("host" / "disk"). tier_load: lower-tier blocks loading
+    before admission (kv_tiers.TierLoad); tier_checked: the lower tiers were looked up for this
+    admission; tier_relooked: looked up again once (the pool's part of the prefix was evicted
+    meanwhile); tier_node: the node locked for blocks loaded from a lower tier until admission;
+    prefilled_since_insert: computed prefill KV not yet inserted into the radix tree."""
+
+    node: TreeNode | None = None
+    num_shared: int = 0
+    window_demoted: int = 0
+    hit_node: TreeNode | None = None
+    num_cached_tokens: int | None = None
+    tier_load: TierLoad | None = None
+    tier_checked: bool = False
+    tier_relooked: bool = False
+    tier_node: TreeNode | None = None
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    prefilled_since_insert: bool = False
+
+
 @dataclass(eq=False)
 class Request:
     """A generation request and its mutable per-request state (owned by the engine thread).
@@ -259,7 +287,8 @@ class Request:
 
     `token_ids` is the one token list of the sequence: the prompt (the constructor's argument),
     then every output token; `prompt_ids` / `output_ids` are views of it (copies). `slots[i]` is
-    the KV slot of token_ids[i]."""
+    the KV slot of token_ids[i]. Per-subsystem state is grouped in records: `cache` (CacheState:
+    prefix cache and KV tiers), `spec` (SpecState: speculative decoding)."""
 
     request_id: str
     token_ids: list[int]
@@ -288,18 +317,8 @@ class Request:
     error: AgentrtError | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    cache_node: TreeNode | None = None  # radix-tree node locked for this request's shared prefix
-    num_shared: int = 0  # leading slots that belong to the radix tree
-    window_demoted: int = 0  # leading slots out of every window, demoted in the KV pool's LRU
-    hit_node: TreeNode | None = None  # radix-tree node where the first admission's cache hit ended
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-    prompt_counted: bool = False
-    tier_load: TierLoad | None = None  # runtime/kv_tiers.TierLoad: lower-tier blocks loading before admission
-    tier_checked: bool = False  # lower tiers were looked up for this admission
-    tier_relooked: bool = False  # looked up again once: the pool's part of the prefix was evicted meanwhile
-    tier_node: TreeNode | None = None  # radix-tree node locked for blocks loaded from a lower tier
-    tier_hits: dict[str, int] = field(default_factory=dict)  # cached prompt tokens per lower tier
-    prefilled_since_insert: bool = False  # computed prefill KV not yet in the radix tree
+    prompt_counted: bool = False  # the prompt's tokens are in the engine's stats
+    cache: CacheState = field(default_factory=CacheState)
     spec: SpecState = field(default_factory=SpecState)
     repetition: RepetitionGuard | None = None  # runaway-value repair (SamplingParams.repetition_repair)
     reasoning: ReasoningTracker | None = None  # a reasoning model's state and budget (params.reasoning)

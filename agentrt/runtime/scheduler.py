@@ -76,7 +76,7 @@ class Scheduler:
         self._live: set[int] | None = None  # _live_window_slots of this step
         if self.cache is not None:
             for r in self.running:
-                if r.prefilled_since_insert:
+                if r.cache.prefilled_since_insert:
                     self._cache_computed_prefix(r)
         if self.tiers is not None:
             self._promote_loaded()
@@ -120,7 +120,7 @@ class Scheduler:
         chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens))
         self._step_context[r] = len(r.slots) - n
         if n > 1 and r.spec.draft is None:
-            r.prefilled_since_insert = True
+            r.cache.prefilled_since_insert = True
         if self.kv.window:
             self._demote_passed(r, len(r.slots) - n)
 
@@ -133,37 +133,37 @@ class Scheduler:
         alone, is demoted)."""
         w = self.kv.window
         dead = context_len - w
-        if dead <= r.window_demoted:
+        if dead <= r.cache.window_demoted:
             return
         ends = {r.num_prompt_tokens}
-        if r.num_cached_tokens and r.hit_node is not None and len(r.hit_node.children) > 1:
-            ends.add(r.num_cached_tokens)
+        if r.cache.num_cached_tokens and r.cache.hit_node is not None and len(r.cache.hit_node.children) > 1:
+            ends.add(r.cache.num_cached_tokens)
         keep = sorted((end - w - 1, end) for end in ends)
-        lo = r.window_demoted
+        lo = r.cache.window_demoted
         for keep_lo, keep_hi in keep:
             if min(dead, keep_lo) > lo:
                 self.kv.demote(r.slots[lo : min(dead, keep_lo)])
             lo = max(lo, keep_hi)
         if dead > lo:
             self.kv.demote(r.slots[lo:dead])
-        r.window_demoted = dead
+        r.cache.window_demoted = dead
 
     def _cache_computed_prefix(self, r: Request) -> None:
         """Insert a running request's computed prefix (after a prefill chunk) into the radix tree,
         so requests arriving while it still runs share it (as SGLang caches unfinished requests).
         r then reads the tree's slots for that prefix; duplicates of ours are freed."""
-        r.prefilled_since_insert = False
+        r.cache.prefilled_since_insert = False
         tokens = r.token_ids[: len(r.slots)]
         present = self.cache.insert(tokens, r.slots, r.cache_salt)
         match = self.cache.match_prefix(tokens, r.cache_salt, split=True)
         tree_slots = match.slots
-        self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
+        self.kv.adopt(r.slots[r.cache.num_shared : present], tree_slots[r.cache.num_shared : present])
         r.slots[: len(tree_slots)] = tree_slots
         self.cache.lock(match.node)
-        if r.cache_node is not None:
-            self.cache.unlock(r.cache_node)
-        r.cache_node = match.node
-        r.num_shared = len(tree_slots)
+        if r.cache.node is not None:
+            self.cache.unlock(r.cache.node)
+        r.cache.node = match.node
+        r.cache.num_shared = len(tree_slots)
 
     def _admission_order(self):
         """Waiting requests, longest cached prefix first; those past the reorder window first."""
@@ -190,17 +190,17 @@ class Scheduler:
             self.kv.touch(match.slots[-self.kv.window :] if self.kv.window else ())
             self.cache.lock(match.node)
             self.cache.touch(match.node)
-            if r.tier_node is not None:  # blocks loaded from a lower tier: now held by r's own lock
-                self.cache.unlock(r.tier_node)
-                r.tier_node = None
-            r.cache_node = match.node
+            if r.cache.tier_node is not None:  # blocks loaded from a lower tier: now held by r's own lock
+                self.cache.unlock(r.cache.tier_node)
+                r.cache.tier_node = None
+            r.cache.node = match.node
             r.slots = list(match.slots)
-            r.num_shared = len(match.slots)
-            if r.num_cached_tokens is None:  # first admission: prompt tokens served from cache
-                r.num_cached_tokens = len(match.slots)
-                r.hit_node = match.node
-        elif r.num_cached_tokens is None:
-            r.num_cached_tokens = 0
+            r.cache.num_shared = len(match.slots)
+            if r.cache.num_cached_tokens is None:  # first admission: prompt tokens served from cache
+                r.cache.num_cached_tokens = len(match.slots)
+                r.cache.hit_node = match.node
+        elif r.cache.num_cached_tokens is None:
+            r.cache.num_cached_tokens = 0
         r.status = RequestStatus.RUNNING
         self.running.append(r)
         return True
@@ -262,27 +262,27 @@ class Scheduler:
     # ---- lower KV tiers -------------------------------------------------------------------------
     def _loading(self, r: Request) -> bool:
         """True while r waits for blocks from a lower tier (a lookup starts at its first try)."""
-        if r.tier_load is not None:
+        if r.cache.tier_load is not None:
             return True
-        if r.tier_checked:
+        if r.cache.tier_checked:
             return False
-        r.tier_checked = True
+        r.cache.tier_checked = True
         key = r.cached_key()
         device_len = len(self.cache.match_prefix(key, r.cache_salt).slots)
-        r.tier_load = self.tiers.lookup(key, r.cache_salt, device_len)
-        return r.tier_load is not None
+        r.cache.tier_load = self.tiers.lookup(key, r.cache_salt, device_len)
+        return r.cache.tier_load is not None
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to `timeout` seconds until a waiting request's lower-tier load is done (when
         the engine has nothing else to run); returns at once when none is loading."""
-        loads = [r.tier_load.future for r in self.waiting if r.tier_load is not None]
+        loads = [r.cache.tier_load.future for r in self.waiting if r.cache.tier_load is not None]
         if loads:
             futures_wait(loads, timeout, return_when=FIRST_COMPLETED)
 
     def _promote_loaded(self) -> None:
         for r in self.waiting:
-            if r.tier_load is not None and r.tier_load.future.done():
-                load, r.tier_load = r.tier_load, None
+            if r.cache.tier_load is not None and r.cache.tier_load.future.done():
+                load, r.cache.tier_load = r.cache.tier_load, None
                 try:
                     loaded = load.future.result()
                 except Exception:
@@ -308,8 +308,8 @@ class Scheduler:
         end = bounds[-1]
         match = self.cache.match_prefix(key[:end], r.cache_salt, split=True)
         have = len(match.slots)
-        if have < start and not r.tier_relooked:
-            r.tier_relooked, r.tier_checked = True, False
+        if have < start and not r.cache.tier_relooked:
+            r.cache.tier_relooked, r.cache.tier_checked = True, False
             return
         if have < start or have >= end:
             self._count_load(loaded)
@@ -320,7 +320,7 @@ class Scheduler:
             slots = self.kv.allocate(end - have)
         self.cache.unlock(match.node)
         if slots is None:
-            r.tier_load = load  # done: tried again at the next step
+            r.cache.tier_load = load  # done: tried again at the next step
             return
         self._count_load(loaded)
         tiers.write_rows(slots, loaded, have - start)
@@ -329,14 +329,14 @@ class Scheduler:
             self.kv.free(slots[: present - have])
         node = self.cache.match_prefix(key[:end], r.cache_salt, split=True).node
         self.cache.lock(node)
-        r.tier_node = node
+        r.cache.tier_node = node
         for j in range(len(bounds) - 1):
             lo, hi = max(have, bounds[j]), bounds[j + 1]
             if hi > lo:
                 tier = loaded.tiers[j]
                 tiers.stats.hit_tokens[tier] += hi - lo
-                if r.num_cached_tokens is None:  # first admission: the request's usage counts it
-                    r.tier_hits[tier] = r.tier_hits.get(tier, 0) + hi - lo
+                if r.cache.num_cached_tokens is None:  # first admission: the request's usage counts it
+                    r.cache.tier_hits[tier] = r.cache.tier_hits.get(tier, 0) + hi - lo
 
     def _count_load(self, loaded) -> None:
         self.tiers.stats.num_loads += 1
@@ -345,7 +345,7 @@ class Scheduler:
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
         self._live = None  # r's window is no longer live
-        r.tier_checked = r.tier_relooked = False
+        r.cache.tier_checked = r.cache.tier_relooked = False
         r.pending_jump_forward = 0  # recomputed with the rest, as prefill
         self._release(r, insert=True)
         r.status = RequestStatus.WAITING
@@ -360,11 +360,11 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        r.tier_load = None
-        r.hit_node = None
-        if r.tier_node is not None:
-            self.cache.unlock(r.tier_node)
-            r.tier_node = None
+        r.cache.tier_load = None
+        r.cache.hit_node = None
+        if r.cache.tier_node is not None:
+            self.cache.unlock(r.cache.tier_node)
+            r.cache.tier_node = None
         self._release(r, insert=insert)
 
     def _release(self, r: Request, insert: bool) -> None:
@@ -375,14 +375,16 @@ class Scheduler:
         if self.cache is None:
             self.kv.free(r.slots)
         else:
-            if insert and len(r.slots) > r.num_shared:
+            if insert and len(r.slots) > r.cache.num_shared:
                 tokens = r.token_ids[: len(r.slots)]
                 present = self.cache.insert(tokens, r.slots, r.cache_salt)
                 if self.kv.window:  # duplicates of the tree's: their window rows go to the tree's slots
                     tree_slots = self.cache.match_prefix(tokens[:present], r.cache_salt).slots
-                    self.kv.adopt(r.slots[r.num_shared : present], tree_slots[r.num_shared : present])
+                    self.kv.adopt(
+                        r.slots[r.cache.num_shared : present], tree_slots[r.cache.num_shared : present]
+                    )
                 else:
-                    self.kv.free(r.slots[r.num_shared : present])  # duplicates of what the tree holds
+                    self.kv.free(r.slots[r.cache.num_shared : present])  # duplicates of what the tree holds
                 if self.tiers is not None:
                     self.tiers.write_through(
                         tokens,
@@ -391,10 +393,10 @@ class Scheduler:
                         r.num_prompt_tokens,
                     )
             else:
-                self.kv.free(r.slots[r.num_shared :])
-            if r.cache_node is not None:
-                self.cache.unlock(r.cache_node)
+                self.kv.free(r.slots[r.cache.num_shared :])
+            if r.cache.node is not None:
+                self.cache.unlock(r.cache.node)
         r.slots = []
-        r.num_shared = 0
-        r.window_demoted = 0
-        r.cache_node = None
+        r.cache.num_shared = 0
+        r.cache.window_demoted = 0
+        r.cache.node = None

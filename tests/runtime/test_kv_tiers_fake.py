@@ -300,9 +300,9 @@ def test_a_request_aborted_while_its_blocks_load_leaks_nothing():
     e.tiers.flush()
     req = e.add_request(prompts[0] + [33], _params())  # agent 0's prefix was evicted to the host tier
     e.step()
-    assert req.tier_load is not None  # waiting for its blocks
+    assert req.cache.tier_load is not None  # waiting for its blocks
     assert e.abort(req.request_id).finish_reason == "abort"
-    assert req.tier_load is None and req.tier_node is None
+    assert req.cache.tier_load is None and req.cache.tier_node is None
     while e.has_work():
         e.step()
     e.tiers.flush()
@@ -386,7 +386,7 @@ def test_corrupt_disk_files_are_all_dropped_and_rewritten_by_the_first_request(t
     salted = e.add_request(prompt, _params(), cache_salt="\ud800")
     while e.has_work():
         e.step()
-    assert salted.num_cached_tokens == 0
+    assert salted.cache.num_cached_tokens == 0
     e.close()
 
 

@@ -269,7 +269,7 @@ def test_a_shared_system_prompt_keeps_its_window_under_row_pressure(window_dirs)
             engine.enqueue(r)
         while engine.has_work():
             engine.step()
-        hits += [r.num_cached_tokens for r in requests]
+        hits += [r.cache.num_cached_tokens for r in requests]
     assert engine.runner.kv.num_reclaimed > 0
     assert hits == [0] + [100] * (len(prompts) - 1)
 
