@@ -271,8 +271,25 @@ def decode_attention(
     Raises ValueError on mismatched shapes, num_splits / split_tokens < 1, a window that is not a
     positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
+    pool = pool_args(k_cache, v_cache)
+    _check_decode_args(q, pool[0], pool[1], page_table, seq_lens, page_rows, num_splits, split_tokens)
+    window = check_window_sinks(window, sinks, q)
+    require_contiguous_heads(q=q, k_cache=pool[0], v_cache=pool[1])
+    out = _out_like(q, out)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    part_out, part_lse = _split_pass(
+        q, pool, page_table, page_rows, seq_lens, sm_scale, num_splits, split_tokens, window, page_size
+    )
+    _merge_pass(part_out, part_lse, out, sinks, num_splits)
+    return out
+
+
+def _check_decode_args(
+    q, k_cache, v_cache, page_table, seq_lens, page_rows, num_splits, split_tokens
+) -> None:
+    """Raises ValueError when q [B, H, D], the caches [S, Hkv, D], page_table / seq_lens (one row per
+    query) or num_splits / split_tokens (>= 1) do not fit together."""
     batch, num_heads, head_dim = q.shape
-    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
@@ -280,17 +297,30 @@ def decode_attention(
         raise ValueError("page_table and seq_lens need one row per query")
     if num_splits < 1 or split_tokens < 1:
         raise ValueError(f"num_splits and split_tokens must be >= 1, got {num_splits} and {split_tokens}")
-    window = check_window_sinks(window, sinks, q)
-    require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
+
+
+def _out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out`, or a new tensor like q. Raises ValueError when `out` is not q's shape, dtype and device
+    with a contiguous last dimension."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
+    return out
+
+
+def _split_pass(
+    q, pool, page_table, page_rows, seq_lens, sm_scale, num_splits, split_tokens, window, page_size
+):
+    """First pass: each (sequence, KV head, split) program's partial output and log-sum-exp over its
+    keys. Returns part_out float32 [B, H, num_splits, D] and part_lse float32 [B, H, num_splits]."""
+    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     block_d = triton.next_power_of_2(head_dim)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -333,6 +363,14 @@ def decode_attention(
         MAX_SPLITS=MAX_SPLITS,
         HAS_WINDOW=window > 0,
     )
+    return part_out, part_lse
+
+
+def _merge_pass(part_out, part_lse, out, sinks, num_splits) -> None:
+    """Second pass: merges each head's splits (and its sink, if any) into out [B, H, D] over a fixed
+    MAX_SPLITS-wide vector, so the sum order does not depend on the batch."""
+    batch, num_heads, _, head_dim = part_out.shape
+    block_d = triton.next_power_of_2(head_dim)
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
         part_lse,
@@ -352,7 +390,6 @@ def decode_attention(
         BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),  # a fixed width: batch-invariant
         HAS_SINKS=sinks is not None,
     )
-    return out
 
 
 def gather_kv_ref(cache, page_table: torch.Tensor, b: int, length: int, page_size: int) -> torch.Tensor:

@@ -225,19 +225,41 @@ def extend_attention(
     Returns out [T, H, D] in q's dtype. Raises ValueError on mismatched shapes, a window that is
     not a positive int (or None / 0) and sinks that are not float32 [H] on q's device.
     """
+    pool = pool_args(k_cache, v_cache)
+    _check_extend_args(q, pool[0], pool[1], tree_mask, tree_offsets)
+    window = check_window_sinks(window, sinks, q)
+    require_contiguous_heads(q=q, k_cache=pool[0], v_cache=pool[1])
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    if out is None:
+        out = torch.empty_like(q)
+    _launch_extend(
+        q, pool, out, q_starts, q_lens, prefix_lens, page_table, page_rows, tree_mask, tree_offsets, sinks,
+        sm_scale, window, page_size, max_q_len,
+    )  # fmt: skip
+    return out
+
+
+def _check_extend_args(q, k_cache, v_cache, tree_mask, tree_offsets) -> None:
+    """Raises ValueError when q [T, H, D] does not fit the caches [S, Hkv, D] or only one of
+    tree_mask and tree_offsets is given."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache {tuple(k_cache.shape)}")
-    batch = q_lens.shape[0]
     if (tree_mask is None) != (tree_offsets is None):
         raise ValueError("tree_mask and tree_offsets go together")
-    window = check_window_sinks(window, sinks, q)
-    require_contiguous_heads(q=q, k_cache=k_cache, v_cache=v_cache)
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    if out is None:
-        out = torch.empty_like(q)
+
+
+def _launch_extend(
+    q, pool, out, q_starts, q_lens, prefix_lens, page_table, page_rows, tree_mask, tree_offsets, sinks,
+    sm_scale, window, page_size, max_q_len,
+) -> None:  # fmt: skip
+    """Picks the block sizes for head_dim and launches one program per (sequence, query head, block
+    of max_q_len new tokens), writing out [T, H, D]; absent options pass a placeholder tensor."""
+    k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool
+    batch = q_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
     block_d = triton.next_power_of_2(head_dim)
     block_m = 32 if block_d <= 64 else 16
     has_tree = tree_mask is not None
@@ -285,7 +307,6 @@ def extend_attention(
         HAS_WINDOW=window > 0,
         HAS_SINKS=sinks is not None,
     )
-    return out
 
 
 def extend_attention_ref(

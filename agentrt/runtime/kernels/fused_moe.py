@@ -329,7 +329,7 @@ def fused_moe(
     activation, or swiglu_limit with activation="silu".
     Algorithm: vLLM's fused_moe (sort pairs by expert, pad to BLOCK_M, grouped GEMM), see module doc.
     """
-    tokens, hidden, experts, inter, top_k = _check_inputs(
+    tokens, hidden, experts, _inter, top_k = _check_inputs(
         x,
         w_gate_up,
         w_down,
@@ -349,13 +349,42 @@ def fused_moe(
     down_bias = down_bias.contiguous() if down_bias is not None else None
     block_m = _block_m(num_pairs, experts)
     sorted_ids, block_expert, _ = _align(topk_ids, experts, block_m)
-    num_blocks = block_expert.numel()
+    h = _gate_up_pass(
+        x,
+        w_gate_up,
+        gate_up_bias,
+        sorted_ids,
+        block_expert,
+        top_k,
+        activation,
+        swiglu_limit,
+        interleaved,
+        block_m,
+    )
     route = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    partial = _down_pass(h, w_down, down_bias, route, sorted_ids, block_expert, block_m)
+    return partial.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def _gate_up_pass(
+    x,
+    w_gate_up,
+    gate_up_bias,
+    sorted_ids,
+    block_expert,
+    top_k,
+    activation,
+    swiglu_limit,
+    interleaved,
+    block_m,
+) -> torch.Tensor:
+    """Kernel 1: each sorted pair's x row @ W_gate_up[e]^T (+ bias), activated in registers.
+    Returns h [T*k, I] in x's dtype, one row per (token, expert) pair."""
+    num_pairs, hidden, inter = x.shape[0] * top_k, x.shape[1], w_gate_up.shape[1] // 2
+    num_blocks = block_expert.numel()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    partial = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     upcast, precision = upcast_dot(x.dtype), dot_precision(x.dtype)
     block_n1 = min(64, max(16, triton.next_power_of_2(inter)))
-    block_n2 = min(64, max(16, triton.next_power_of_2(hidden)))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n1))](
         x,
         w_gate_up,
@@ -387,6 +416,18 @@ def fused_moe(
         UPCAST=upcast,
         PRECISION=precision,
     )
+    return h
+
+
+def _down_pass(h, w_down, down_bias, route, sorted_ids, block_expert, block_m) -> torch.Tensor:
+    """Kernel 2: each pair's h row @ W_down[e]^T (+ bias) times its routing weight (route: [T*k]
+    fp32). Returns partial [T*k, H] fp32, summed over each token's k pairs by the caller."""
+    num_pairs, inter = h.shape
+    hidden = w_down.shape[1]
+    num_blocks = block_expert.numel()
+    partial = torch.empty(num_pairs, hidden, dtype=torch.float32, device=h.device)
+    upcast, precision = upcast_dot(h.dtype), dot_precision(h.dtype)
+    block_n2 = min(64, max(16, triton.next_power_of_2(hidden)))
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n2))](
         h,
         w_down,
@@ -411,7 +452,7 @@ def fused_moe(
         UPCAST=upcast,
         PRECISION=precision,
     )
-    return partial.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    return partial
 
 
 def _activate(gate_up: torch.Tensor, activation: str, swiglu_limit, interleaved: bool) -> torch.Tensor:
