@@ -1,5 +1,5 @@
 """The `agentrt` command: `agentrt serve [MODEL] --host --port ...` (flags: engine_args.py, server_args.py), `agentrt sql`, `agentrt extract`
-(agentrt/extract/cli.py), `agentrt train-medusa`, `agentrt check` (runtime/models/check.py)."""
+(agentrt/commands/sql.py, extract.py), `agentrt train-medusa`, `agentrt check` (agentrt/commands/check.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import signal
 import sys
 import threading
 
-from agentrt.engine_args import add_engine_args, add_template_budget_args, engine_config, template_budget
+from agentrt.commands.check import add_check_parser, check_command, checked_before_load
+from agentrt.engine_args import add_engine_args, engine_config
 from agentrt.server_args import add_serve_args, exposure_warning, server_options
 
 
@@ -162,46 +163,6 @@ def start_line(args: argparse.Namespace, runner) -> str:
     )
 
 
-def _check(args: argparse.Namespace):
-    """`agentrt check` of args.model with the options check and serve share (CheckReport). Raises
-    ValueError for bad --chat-template-budget / --chat-template-max-bytes values."""
-    from agentrt.runtime.models.check import check_model
-
-    budget = template_budget(args)
-    return check_model(
-        args.model,
-        args.max_model_len,
-        args.max_num_seqs,
-        args.device,
-        args.dtype,
-        args.kv_cache_bytes,
-        args.chat_template,
-        budget,
-    )
-
-
-def checked_before_load(args: argparse.Namespace) -> bool:
-    """serve's start: the whole `agentrt check` of the model (architecture, tokenizer, chat
-    template, weight names and shapes, KV capacity) with serve's own options, before any weight is
-    read or a GGUF converted. Prints its warnings and errors; False when it found an error (a model
-    serve would refuse at load, now refused in seconds with check's findings)."""
-    report = _check(args)
-    for finding in report.findings:  # the template's warnings: template_ready's, with the app's tool set-up
-        if finding.level == "error" or (finding.level == "warning" and finding.topic != "chat template"):
-            print(
-                f"agentrt: {finding.level}: {finding.topic}: {finding.message}", file=sys.stderr, flush=True
-            )
-    if report.errors:
-        print(
-            f"agentrt: error: {args.model} cannot be served ({len(report.errors)} error"
-            f"{'' if len(report.errors) == 1 else 's'} above; `agentrt check {args.model}` shows the whole report)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
-    return True
-
-
 def template_ready(tokenizer, budget, app) -> bool:
     """serve's start: the chat template rendered on sample conversations as the app renders requests
     (api/template_check.py); prints its warnings, and its errors, then False: a template that does
@@ -223,44 +184,6 @@ def template_ready(tokenizer, budget, app) -> bool:
     return True
 
 
-def add_check_parser(sub) -> None:
-    """`agentrt check MODEL`: the diagnosis of runtime/models/check.py; exit 1 when it finds an error."""
-    from agentrt.runtime.config import DEFAULT_MODEL
-
-    c = sub.add_parser(
-        "check",
-        help="diagnose a model without reading its weights: architecture, tokenizer and chat template, "
-        "weight formats, KV bytes and how many sequences fit; exit 1 on any error",
-    )
-    c.add_argument(
-        "model",
-        nargs="?",
-        default=DEFAULT_MODEL,
-        help=f"registered name, HF directory, .gguf file or locally cached hub id (default {DEFAULT_MODEL}); "
-        "a GGUF is read, not converted",
-    )
-    c.add_argument(
-        "--max-model-len", type=int, default=None, help="context in tokens (default: the model's limit)"
-    )
-    c.add_argument("--max-num-seqs", type=int, default=16, help="sequences at once (default %(default)s)")
-    c.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    c.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="run dtype"
-    )
-    c.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=None,
-        help="KV budget in bytes (default: 1 GiB on CPU, free memory on CUDA)",
-    )
-    c.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template file (or text) to check instead of the tokenizer's own, as serve takes it",
-    )
-    add_template_budget_args(c)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agentrt", description="Serving runtime for agents and structured output"
@@ -268,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(p)
-    from agentrt.sql.cli import add_sql_parser, sql_command
+    from agentrt.commands.sql import add_sql_parser, sql_command
 
     add_sql_parser(sub, add_engine_args)
     t = sub.add_parser("train-medusa", help="self-distil Medusa heads for a model from a prompt file")
@@ -285,19 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
     t.add_argument("--seed", type=int, default=0)
-    from agentrt.extract.cli import add_extract_parser
+    from agentrt.commands.extract import add_extract_parser
 
     add_extract_parser(sub, add_engine_args)
     add_check_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "check":
-        try:
-            report = _check(args)
-        except ValueError as e:  # the template budget's flags
-            print(f"agentrt: error: {e}", file=sys.stderr)
-            return 2
-        print(report.describe(), flush=True)
-        return report.exit_status
+        return check_command(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
@@ -309,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sql":
         return sql_command(config, args)
     if args.command == "extract":
-        from agentrt.extract.cli import extract_command
+        from agentrt.commands.extract import extract_command
 
         return extract_command(config, args)
     if args.command == "train-medusa":

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrt.extract.cli import run_extract
+from agentrt.commands.extract import run_extract
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "extraction"
 

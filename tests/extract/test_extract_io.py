@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from agentrt.extract.cli import run_extract
+from agentrt.commands.extract import run_extract
 from agentrt.extract.prompt import PromptTemplate, extraction_messages
 from agentrt.extract.reader import InputReader
 from agentrt.extract.summary import JobSummary, gold_leaves

@@ -14,9 +14,9 @@ import time
 import jsonschema
 import pytest
 
+from agentrt.commands.extract import run_extract
 from agentrt.errors import ConstraintError
 from agentrt.extract import ExtractInput
-from agentrt.extract.cli import run_extract
 from agentrt.runtime.request import SamplingParams
 from tests.support.paths import ROOT, shared_path
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from agentrt.extract.cli import run_extract
+from agentrt.commands.extract import run_extract
 from agentrt.extract.ray_job import RAY_INSTALL_HINT, blocks, decode_result, encode_result
 from agentrt.extract.types import ExtractResult, Usage
 from tests.extract.test_extract_jobs import PERSON, people_docs, read_rows, write_jsonl

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from agentrt.extract.cli import run_extract
+from agentrt.commands.extract import run_extract
 from agentrt.extract.prompt import prompt_messages
 from agentrt.grammars.spec import ConstraintSpec
 from agentrt.runtime.request import SamplingParams

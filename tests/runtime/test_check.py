@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from agentrt.commands.check import check_model
 from agentrt.runtime.kv_window import plan_window_pool
-from agentrt.runtime.models.check import check_model, reasoning_format, safetensors_headers
+from agentrt.runtime.models.check import reasoning_format, safetensors_headers
 from agentrt.runtime.models.gguf_meta import gguf_hf_config, read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
 from tests.support.models import make_tiny_model

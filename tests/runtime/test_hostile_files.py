@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agentrt.cli import main as cli_main
+from agentrt.commands.check import check_model
 from agentrt.prefix_cache.tier_store import Block, DiskTier
-from agentrt.runtime.models.check import check_model
 from agentrt.runtime.models.gguf_meta import read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
 

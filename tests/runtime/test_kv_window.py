@@ -213,7 +213,7 @@ def test_window_pool_saves_memory_and_says_so(window_dirs):
     assert "plain pool: the windowed layers keep every token too (disable_hybrid_swa_memory)" in (
         plain.memory_plan.describe()
     )
-    from agentrt.runtime.models.check import check_model
+    from agentrt.commands.check import check_model
 
     report = check_model(str(path), kv_cache_bytes=16 << 20, device="cpu", dtype="float32")
     kv = hybrid.kv  # `agentrt check` counts the pool the engine builds

@@ -1,4 +1,6 @@
-"""`agentrt check MODEL`: what serving a model would run into, found before any weight is read.
+"""What serving a model would run into, found before any weight is read: the library of
+`agentrt check MODEL`, whose command (agentrt/commands/check.py) composes these pieces with the
+chat template's check as the API renders requests (this module never imports agentrt.api).
 
 Three layers, each a list of findings (ok / warning / error):
 
@@ -9,8 +11,8 @@ Three layers, each a list of findings (ok / warning / error):
    the same code, no data), the tokenizer loads, its largest id fits the embedding rows, the
    embedding / LM head shapes agree with the config (tied or not), the call format and reasoning
    format the template implies, the template rendered on sample conversations within its budget
-   as serve renders requests (api/template_check.py: serve refuses to start on its errors),
-   BOS / EOS and every stop id;
+   as serve renders requests (agentrt/commands/check.py over api/template_check.py: serve refuses
+   to start on its errors), BOS / EOS and every stop id;
 3. weights and memory: bytes per storage format, KV bytes per token at the run dtype (sliding-window
    layers counted with their window) and how many --max-model-len sequences the KV budget holds.
 
@@ -27,8 +29,7 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
-from agentrt.runtime.chat_template import TemplateBudget
-from agentrt.runtime.models.check_memory import capacity, check_memory, kv_estimate
+from agentrt.runtime.models.check_memory import capacity, kv_estimate
 from agentrt.runtime.models.check_report import (
     ERROR,
     OK,
@@ -46,11 +47,15 @@ __all__ = [
     "CheckReport",
     "Finding",
     "KVEstimate",
+    "ModelFiles",
     "capacity",
-    "check_model",
+    "check_special_tokens",
+    "check_tokenizer",
     "kv_estimate",
+    "read_model",
     "reasoning_format",
     "safetensors_headers",
+    "template_text",
 ]
 
 REASONING_FORMATS = (  # (text in the chat template, the reasoning format it implies), first match wins
@@ -60,8 +65,6 @@ REASONING_FORMATS = (  # (text in the chat template, the reasoning format it imp
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
-
-NO_TEMPLATE_ROUTES = "/v1/chat/completions, /v1/messages and /v1/responses"
 
 
 # ---- pure pieces --------------------------------------------------------------------------------
@@ -115,7 +118,8 @@ def _formats(bytes_by_format: dict[str, int]) -> str:
     return ", ".join(f"{k} {_mb(v)}" for k, v in sorted(bytes_by_format.items(), key=lambda kv: -kv[1]))
 
 
-def _template_text(template) -> str | None:
+def template_text(template) -> str | None:
+    """A tokenizer's chat_template as one text: itself, None, or the JSON of several named ones."""
     if template is None or isinstance(template, str):
         return template
     return json.dumps(template)  # several named templates
@@ -125,8 +129,9 @@ def _template_text(template) -> str | None:
 
 
 @dataclass
-class _Model:
-    """What check_model reads before the layers: the config, the tokenizer, the weight headers."""
+class ModelFiles:
+    """What `read_model` read: the config, the tokenizer, the weight headers, and the family
+    (`arch`, a ModelArch, None when it could not be told) with the config's vocab size."""
 
     config: object = None
     tokenizer: object = None
@@ -134,6 +139,8 @@ class _Model:
     tensors: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # name -> (shape, elements)
     embed: str | None = None
     head: str | None = None
+    arch: object = None
+    vocab: int | None = None
 
 
 def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
@@ -168,7 +175,7 @@ def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
         return None
 
 
-def _read_gguf_model(path: Path, report: CheckReport, m: _Model) -> None:
+def _read_gguf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
     from transformers import PreTrainedTokenizerFast
 
     info = read_gguf(path)
@@ -204,7 +211,7 @@ def _read_gguf_model(path: Path, report: CheckReport, m: _Model) -> None:
         report.add(ERROR, "tokenizer", f"the tokenizer of {path.name} does not load: {type(e).__name__}: {e}")
 
 
-def _read_hf_model(path: Path, report: CheckReport, m: _Model) -> None:
+def _read_hf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from agentrt.runtime.models.loader import check_weight_files
@@ -260,7 +267,7 @@ def _read_hf_model(path: Path, report: CheckReport, m: _Model) -> None:
         report.add(ERROR, "tokenizer", f"the tokenizer in {path} does not load: {type(e).__name__}: {e}")
 
 
-def _check_shapes(report: CheckReport, m: _Model, vocab: int, hidden: int, tied: bool) -> None:
+def _check_shapes(report: CheckReport, m: ModelFiles, vocab: int, hidden: int, tied: bool) -> None:
     if not m.tensors:
         return
     if m.embed is None:
@@ -292,7 +299,7 @@ def _check_shapes(report: CheckReport, m: _Model, vocab: int, hidden: int, tied:
     )
 
 
-def _check_layout(report: CheckReport, arch, m: _Model) -> None:
+def _check_layout(report: CheckReport, arch, m: ModelFiles) -> None:
     """The weights of a Hugging Face directory as serve's load checks them: the model built on the
     meta device, the headers' shapes loaded by `load_hf_state_dict` (renames, q/k/v and gate/up
     packing, experts, missing and unexpected weights, every shape); no tensor data is read."""
@@ -312,38 +319,30 @@ def _check_layout(report: CheckReport, arch, m: _Model) -> None:
     report.add(OK, "weights", f"all {len(m.tensors)} tensors have the names and shapes the model loads")
 
 
-def _check_tokenizer(
-    report: CheckReport, m: _Model, vocab: int | None, budget: TemplateBudget | None = None
-) -> None:
-    from agentrt.api.tools.rendering import detect_format
-    from agentrt.runtime.models.loader import collect_stop_ids
-
+def check_tokenizer(report: CheckReport, m: ModelFiles) -> None:
+    """The tokenizer's finding: it loads, and its largest id fits the embedding's m.vocab rows
+    (an error finding when not). m.tokenizer must be loaded."""
     tok = m.tokenizer
     max_id = max(tok.get_vocab().values())
-    if vocab is not None and max_id >= vocab:
+    if m.vocab is not None and max_id >= m.vocab:
         report.add(
             ERROR,
             "tokenizer",
-            f"token id {max_id} but the embedding has only {vocab} rows: tokenizer and model do not match",
+            f"token id {max_id} but the embedding has only {m.vocab} rows: tokenizer and model do not match",
         )
     else:
-        rows = f" < {vocab:,} embedding rows" if vocab is not None else ""
+        rows = f" < {m.vocab:,} embedding rows" if m.vocab is not None else ""
         report.add(
             OK, "tokenizer", f"loads ({type(tok).__name__}, {len(tok):,} tokens, largest id {max_id:,}{rows})"
         )
-    template = _template_text(getattr(tok, "chat_template", None))
-    fmt, native = detect_format(template)
-    report.tool_format, report.reasoning_format = fmt, reasoning_format(template)
-    how = "the template renders tools" if native else "generic prompt: the template renders no tools"
-    formats = f"tool calls {fmt} ({how}); reasoning {report.reasoning_format}"
-    if template:
-        from agentrt.api.template_check import template_findings  # the serving path's own samples
 
-        report.add(OK, "chat template", f"present ({len(template):,} characters): {formats}")
-        for level, message in template_findings(tok, budget):
-            report.add(level, "chat template", message)
-    else:
-        report.add(WARNING, "chat template", f"absent: {NO_TEMPLATE_ROUTES} will answer 400; {formats}")
+
+def check_special_tokens(report: CheckReport, m: ModelFiles) -> None:
+    """BOS, EOS and every stop id as serve collects them (loader.collect_stop_ids); a warning when
+    there is no stop id. m.tokenizer must be loaded."""
+    from agentrt.runtime.models.loader import collect_stop_ids
+
+    tok = m.tokenizer
     stop_dir = m.stop_dir or Path("/nonexistent")  # a GGUF's conversion reads no generation_config.json
     report.stop_ids = collect_stop_ids(tok, stop_dir, m.config) if m.config is not None else ()
     report.bos_id, report.eos_id = tok.bos_token_id, tok.eos_token_id
@@ -361,47 +360,39 @@ def _check_tokenizer(
     )
 
 
-def check_model(
-    model: str,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 16,
-    device: str = "auto",
-    dtype: str = "auto",
-    kv_cache_bytes: int | None = None,
-    chat_template: str | None = None,
-    chat_template_budget: TemplateBudget | None = None,
-) -> CheckReport:
-    """Diagnose `model` (registered name, HF directory, .gguf file or cached hub id) without
-    reading any weight: the findings of the module docstring. Never raises for a broken model: every
-    problem is an error finding (exit_status 1). max_model_len None = the model's limit;
-    chat_template: a template file or text used instead of the tokenizer's (serve's --chat-template);
-    chat_template_budget: what each sample render may spend (serve's --chat-template-budget /
-    --chat-template-max-bytes; default TemplateBudget())."""
+def read_model(model: str, chat_template: str | None = None) -> tuple[CheckReport, ModelFiles]:
+    """The first layers of the check of `model` (registered name, HF directory, .gguf file or
+    cached hub id), no weight data read: where it is, its weights' headers and formats, its
+    architecture and shapes (and, for a directory, every weight's name and shape as the load
+    checks them), its tokenizer loaded, `chat_template` (a file or text, serve's --chat-template)
+    set on it. Never raises for a broken model: every problem is an error finding of the report.
+    Returns (the report so far, what was read); the tokenizer, template and memory findings follow
+    (agentrt/commands/check.py `check_model`)."""
     from agentrt.runtime.models.registry import ARCHITECTURES, arch_from_hf_config
 
     report = CheckReport(model)
+    m = ModelFiles()
     located = _locate(model, report)
     if located is None:
-        return report
+        return report, m
     kind, path = located
     report.source = (
         f"GGUF file {path} (metadata only, not converted)"
         if kind == "gguf"
         else f"Hugging Face directory {path}"
     )
-    m = _Model()
     try:
         (_read_gguf_model if kind == "gguf" else _read_hf_model)(path, report, m)
     except ValueError as e:
         report.add(ERROR, "model", str(e))
-    arch = None
     if m.config is not None:
         try:
-            arch = arch_from_hf_config(m.config)
+            m.arch = arch_from_hf_config(m.config)
         except ValueError as e:
             report.add(ERROR, "architecture", str(e))
     text = getattr(m.config, "text_config", None) or m.config
-    vocab = getattr(text, "vocab_size", None)
+    m.vocab = getattr(text, "vocab_size", None)
+    arch = m.arch
     if arch is not None:
         report.architecture, report.family = arch.architecture, ARCHITECTURES[arch.architecture][0]
         moe = f", {arch.num_experts} experts (top {arch.num_experts_per_tok})" if arch.num_experts else ""
@@ -424,15 +415,4 @@ def check_model(
             m.tokenizer.chat_template = read_chat_template(chat_template)
         except (ValueError, OSError) as e:
             report.add(ERROR, "chat template", str(e))
-    if m.tokenizer is not None:
-        _check_tokenizer(report, m, vocab, chat_template_budget)
-    if arch is not None:
-        options = {
-            "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs,
-            "device": device,
-            "dtype": dtype,
-            "kv_cache_bytes": kv_cache_bytes,
-        }
-        check_memory(report, arch, m.tensors, options)
-    return report
+    return report, m

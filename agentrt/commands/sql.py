@@ -1,5 +1,6 @@
 """`agentrt sql`: a question over a database -> one read-only query (schema-aware grammar), printed,
-and with --execute its rows. The subcommand's parser and its run, beside the package they drive."""
+and with --execute its rows. The subcommand's parser and its run, over the SDK's `LLM.sql` (the
+command sits above agentrt/sql/, which never imports the SDK)."""
 
 from __future__ import annotations
 

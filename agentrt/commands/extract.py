@@ -22,6 +22,114 @@ from pathlib import Path
 from agentrt.extract.job import EXIT_USAGE, JobPlan, run_job
 from agentrt.extract.types import DEFAULT_MAX_TOKENS
 
+# The flags after the engine's, in the order `agentrt extract --help` lists them: (flags, keywords).
+_IO_OPTIONS = (
+    (("--input",), {"required": True, "help": "documents: .jsonl, .csv or .parquet (pyarrow)"}),
+    (
+        ("--input-format",),
+        {"choices": ["jsonl", "csv", "parquet"], "default": None, "help": "default: by suffix"},
+    ),
+    (("--output",), {"required": True, "help": "JSON Lines output; an existing file is resumed"}),
+)
+_SCHEMA_SOURCES = (  # exactly one of these (a required mutually exclusive group)
+    (("--schema",), {"help": "a JSON Schema file"}),
+    (("--pydantic",), {"metavar": "MODULE:CLASS", "help": "a pydantic model class whose schema to use"}),
+    (("--schemas",), {"metavar": "DIR", "help": "with --schema-field: NAME.json schema files"}),
+)
+_JOB_OPTIONS = (
+    (("--schema-field",), {"help": "the row field naming its schema (a file NAME.json in --schemas)"}),
+    (("--id-field",), {"default": "id", "help": "the row's id field (default %(default)s)"}),
+    (("--text-field",), {"default": "text", "help": "the row's document field (default %(default)s)"}),
+    (("--gold-field",), {"default": None, "help": "expected outputs: adds field accuracy to the summary"}),
+    (
+        ("--prompt",),
+        {
+            "metavar": "FILE",
+            "help": "prompt template with {text} and {schema}; a line '---' splits system (above) from user "
+            "(below) message, else it is all the user message (default: the schema in a system message)",
+        },
+    ),
+    (
+        ("--min-confidence",),
+        {
+            "type": float,
+            "default": None,
+            "help": "mark rows with a field below this confidence (in [0, 1]) needs_review",
+        },
+    ),
+    (("--allow-failures",), {"action": "store_true", "help": "exit 0 even when some rows failed"}),
+    (
+        ("--max-in-flight",),
+        {"type": int, "default": None, "help": "documents in flight (default 2 x --max-num-seqs)"},
+    ),
+    (
+        ("--max-tokens",),
+        {
+            "type": int,
+            "default": DEFAULT_MAX_TOKENS,
+            "help": "output tokens per document (default %(default)s)",
+        },
+    ),
+    (("--temperature",), {"type": float, "default": 0.0, "help": "default 0 (greedy)"}),
+    (
+        ("--no-repair",),
+        {
+            "action": "store_true",
+            "help": "do not close values that repeat themselves (runaway repair is on by default; the "
+            "closed values are listed in the row's 'repaired')",
+        },
+    ),
+    (
+        ("--max-tokens-policy",),
+        {
+            "choices": ["close", "length"],
+            "default": "close",
+            "help": "close (default): keep enough of --max-tokens to finish the JSON and, when the budget "
+            "runs short, end it on the shortest valid completion (the row says closed_by_budget: true); "
+            "length: cut at --max-tokens (the row is then invalid). A schema the closer cannot close "
+            "(e.g. a long minLength) runs under length, with a warning",
+        },
+    ),
+    (("--no-progress",), {"action": "store_true", "help": "no progress bar"}),
+)
+_WHERE_OPTIONS = (  # where the job runs: in process (default), on a server, on Ray
+    (
+        ("--server",),
+        {"metavar": "URL", "help": "an OpenAI-compatible server (base URL, e.g. http://HOST:8000/v1)"},
+    ),
+    (("--api-key",), {"default": None, "help": "the server's API key (default $OPENAI_API_KEY)"}),
+    (
+        ("--model",),
+        {"dest": "model_name", "default": None, "help": "model name: with --server, the server's"},
+    ),
+    (
+        ("--ray",),
+        {"action": "store_true", "help": "run on Ray Data, one engine actor per worker (agentrt[ray])"},
+    ),
+    (
+        ("--ray-address",),
+        {"default": None, "help": "with --ray: the cluster (default: RAY_ADDRESS or local)"},
+    ),
+    (
+        ("--num-workers",),
+        {"type": int, "default": 1, "help": "with --ray: engine actors (default %(default)s)"},
+    ),
+    (
+        ("--cpus-per-worker",),
+        {
+            "type": int,
+            "default": None,
+            "help": "with --ray on CPUs: CPUs (and torch threads) per actor (default: cluster CPUs / workers)",
+        },
+    ),
+)
+
+
+def _add_options(parser, options) -> None:
+    """Add each (flags, keywords) of `options` to `parser` (an ArgumentParser or a group), in order."""
+    for flags, keywords in options:
+        parser.add_argument(*flags, **keywords)
+
 
 def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
     """Register the `extract` subcommand (engine flags from `add_engine_args`, as `agentrt serve`)."""
@@ -32,78 +140,10 @@ def add_extract_parser(sub, add_engine_args) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(e)
-    e.add_argument("--input", required=True, help="documents: .jsonl, .csv or .parquet (pyarrow)")
-    e.add_argument(
-        "--input-format", choices=["jsonl", "csv", "parquet"], default=None, help="default: by suffix"
-    )
-    e.add_argument("--output", required=True, help="JSON Lines output; an existing file is resumed")
-    g = e.add_mutually_exclusive_group(required=True)
-    g.add_argument("--schema", help="a JSON Schema file")
-    g.add_argument("--pydantic", metavar="MODULE:CLASS", help="a pydantic model class whose schema to use")
-    g.add_argument("--schemas", metavar="DIR", help="with --schema-field: NAME.json schema files")
-    e.add_argument("--schema-field", help="the row field naming its schema (a file NAME.json in --schemas)")
-    e.add_argument("--id-field", default="id", help="the row's id field (default %(default)s)")
-    e.add_argument("--text-field", default="text", help="the row's document field (default %(default)s)")
-    e.add_argument("--gold-field", default=None, help="expected outputs: adds field accuracy to the summary")
-    e.add_argument(
-        "--prompt",
-        metavar="FILE",
-        help="prompt template with {text} and {schema}; a line '---' splits system (above) from user "
-        "(below) message, else it is all the user message (default: the schema in a system message)",
-    )
-    e.add_argument(
-        "--min-confidence",
-        type=float,
-        default=None,
-        help="mark rows with a field below this confidence (in [0, 1]) needs_review",
-    )
-    e.add_argument("--allow-failures", action="store_true", help="exit 0 even when some rows failed")
-    e.add_argument(
-        "--max-in-flight", type=int, default=None, help="documents in flight (default 2 x --max-num-seqs)"
-    )
-    e.add_argument(
-        "--max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="output tokens per document (default %(default)s)",
-    )
-    e.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    e.add_argument(
-        "--no-repair",
-        action="store_true",
-        help="do not close values that repeat themselves (runaway repair is on by default; the "
-        "closed values are listed in the row's 'repaired')",
-    )
-    e.add_argument(
-        "--max-tokens-policy",
-        choices=["close", "length"],
-        default="close",
-        help="close (default): keep enough of --max-tokens to finish the JSON and, when the budget "
-        "runs short, end it on the shortest valid completion (the row says closed_by_budget: true); "
-        "length: cut at --max-tokens (the row is then invalid). A schema the closer cannot close "
-        "(e.g. a long minLength) runs under length, with a warning",
-    )
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e.add_argument(
-        "--server", metavar="URL", help="an OpenAI-compatible server (base URL, e.g. http://HOST:8000/v1)"
-    )
-    e.add_argument("--api-key", default=None, help="the server's API key (default $OPENAI_API_KEY)")
-    e.add_argument("--model", dest="model_name", default=None, help="model name: with --server, the server's")
-    e.add_argument(
-        "--ray", action="store_true", help="run on Ray Data, one engine actor per worker (agentrt[ray])"
-    )
-    e.add_argument(
-        "--ray-address", default=None, help="with --ray: the cluster (default: RAY_ADDRESS or local)"
-    )
-    e.add_argument(
-        "--num-workers", type=int, default=1, help="with --ray: engine actors (default %(default)s)"
-    )
-    e.add_argument(
-        "--cpus-per-worker",
-        type=int,
-        default=None,
-        help="with --ray on CPUs: CPUs (and torch threads) per actor (default: cluster CPUs / workers)",
-    )
+    _add_options(e, _IO_OPTIONS)
+    _add_options(e.add_mutually_exclusive_group(required=True), _SCHEMA_SOURCES)
+    _add_options(e, _JOB_OPTIONS)
+    _add_options(e, _WHERE_OPTIONS)
     # one job, not a server: its compiles need not yield to other requests, and may take longer
     e.set_defaults(compile_nice=0, compile_timeout=120.0)
     return e
