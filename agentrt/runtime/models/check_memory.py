@@ -43,18 +43,9 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
     --max-model-len tokens the KV budget holds (the runner's rule on CUDA, the weights estimated from
     `tensors`: name -> (shape, elements)); `options`: max_model_len, max_num_seqs, device, dtype,
     kv_cache_bytes. Adds its findings to `report`."""
-    import torch
-
-    from agentrt.runtime.config import CacheConfig, SchedulerConfig
-    from agentrt.runtime.kv_window import plan_window_pool
-    from agentrt.runtime.platform import choose_dtype
-
     device = options["device"]
     try:
-        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-        if dev.type not in ("cpu", "cuda"):
-            raise RuntimeError
-        dtype, why = choose_dtype(dev, options["dtype"])
+        dev, dtype, why = _device_and_dtype(device, options["dtype"])
     except (RuntimeError, ValueError) as e:
         report.add(
             ERROR,
@@ -67,6 +58,32 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
     if not 1 <= n <= limit:
         report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
         return
+    kv = _report_kv(report, arch, dtype, why, n)
+    found = _kv_budget(report, dev, dtype, arch, kv, tensors, options)
+    if found is None:
+        return
+    budget, source = found
+    window_pool = _window_pool(arch, kv, budget, options["max_num_seqs"], n)
+    _report_capacity(report, kv, n, dev, budget, source, window_pool, options)
+
+
+def _device_and_dtype(device: str, dtype: str):
+    """(torch.device, run torch dtype, the reason for it) of --device and --dtype, as the runner picks
+    them. Raises RuntimeError for a device that is not cpu / cuda / cuda:N, ValueError (choose_dtype's)
+    for a dtype the device cannot run."""
+    import torch
+
+    from agentrt.runtime.platform import choose_dtype
+
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type not in ("cpu", "cuda"):
+        raise RuntimeError
+    run_dtype, why = choose_dtype(dev, dtype)
+    return dev, run_dtype, why
+
+
+def _report_kv(report: CheckReport, arch, dtype, why: str, n: int) -> KVEstimate:
+    """Sets report.kv and adds the finding of its bytes per token (and of one n-token sequence)."""
     kv = report.kv = kv_estimate(arch, dtype)
     parts = [f"full-attention layers ({kv.full_layers}): {kv.full_bytes_per_token:,} bytes/token"]
     parts += [
@@ -77,6 +94,17 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
         "kv cache",
         f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes",
     )
+    return kv
+
+
+def _kv_budget(report: CheckReport, dev, dtype, arch, kv: KVEstimate, tensors: dict, options: dict):
+    """(KV budget in bytes or None when not measurable here, where it comes from), as the engine sizes
+    its pool: --kv-cache-bytes, 1 GiB on a CPU, else the runner's CUDA rule with the weights estimated
+    from `tensors`. None (after a WARNING) when the CUDA device's memory cannot be read."""
+    import torch
+
+    from agentrt.runtime.config import CacheConfig
+
     budget, source = options["kv_cache_bytes"], "--kv-cache-bytes"
     if budget is None and dev.type == "cpu":
         budget, source = 1 << 30, "the CPU default, 1 GiB"
@@ -87,7 +115,7 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
             free, total = torch.cuda.mem_get_info(dev)
         except (RuntimeError, AssertionError, ValueError) as e:
             report.add(WARNING, "capacity", f"{dev}: not measurable: {e}")
-            return
+            return None
         weights = sum(e for _, e in tensors.values()) * dtype.itemsize
         reserve = max(1 << 30, 16 * options["max_num_seqs"] * (arch.vocab_size + 8 * arch.hidden_size))
         budget = int(CacheConfig.gpu_memory_utilization * total) - (total - free) - weights - reserve
@@ -95,17 +123,33 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
             f"{CacheConfig.gpu_memory_utilization} x {total / 2**30:.1f} GiB - {(total - free) / 2**30:.1f} GiB in use "
             f"- {weights / 2**30:.2f} GiB weights ({kv.dtype}, estimated) - {reserve / 2**30:.2f} GiB reserve"
         )
-    window_pool = None
-    if kv.windows and budget is not None and budget > 0:
-        plan = plan_window_pool(
-            arch.layer_windows,
-            kv.layer_bytes,
-            budget,
-            options["max_num_seqs"],
-            SchedulerConfig.max_num_batched_tokens,  # the engine's pool with the default chunk
-            n,
-        )
-        window_pool = None if isinstance(plan, str) else plan
+    return budget, source
+
+
+def _window_pool(arch, kv: KVEstimate, budget: int | None, max_num_seqs: int, n: int):
+    """(token slots, window rows) of the sliding-window pool the engine would build from `budget`
+    bytes (kv_window.plan_window_pool with the default chunk), or None for the plain pool."""
+    from agentrt.runtime.config import SchedulerConfig
+    from agentrt.runtime.kv_window import plan_window_pool
+
+    if not (kv.windows and budget is not None and budget > 0):
+        return None
+    plan = plan_window_pool(
+        arch.layer_windows,
+        kv.layer_bytes,
+        budget,
+        max_num_seqs,
+        SchedulerConfig.max_num_batched_tokens,  # the engine's pool with the default chunk
+        n,
+    )
+    return None if isinstance(plan, str) else plan
+
+
+def _report_capacity(
+    report: CheckReport, kv: KVEstimate, n: int, dev, budget, source: str, window_pool, options
+) -> None:
+    """Sets report.capacity and adds its finding: an ERROR when the pool cannot hold one n-token
+    sequence (or, estimated on CUDA, not one at full length), a WARNING when requests are limited."""
     cap = report.capacity = capacity(kv, n, budget, str(dev), source, window_pool)
     if budget is None:
         report.add(WARNING, "capacity", f"{dev}: {source}")
