@@ -49,101 +49,118 @@ class FaultInjector:
         self._undo.append((owner, name, real, had or isinstance(owner, (type, types.ModuleType))))
 
     def __enter__(self):  # -> FaultInjector
+        patches = {
+            "matcher": self._patch_matcher,
+            "accept": self._patch_constraint_state,
+            "jump_forward": self._patch_constraint_state,
+            "forward": self._patch_forward,
+            "nan": self._patch_nan,
+            "penalties": self._patch_penalties,
+            "detokenizer": self._patch_detokenizer,
+        }
+        patches[self.kind]()
+        return self
+
+    def _patch_matcher(self) -> None:
+        """The victim's bitmask fill raises, batched (a failed future) and per row."""
         import concurrent.futures
 
-        from agentrt.runtime import sampler
+        def batch_fill(real):
+            def fill(matchers, rows, batch):
+                v = self._victim()
+                if self._due(v) and v.grammar is not None and any(m is v.grammar.matcher for m in matchers):
+                    fut = concurrent.futures.Future()
+                    fut.set_exception(InjectedFault("injected batched bitmask fault"))
+                    return fut
+                return real(matchers, rows, batch)
+
+            return fill
+
+        def row_fill(real):
+            def fill(matcher, bitmask, row):
+                v = self._victim()
+                if self._due(v) and v.grammar is not None and matcher is v.grammar.matcher:
+                    self._raise("matcher")
+                return real(matcher, bitmask, row)
+
+            return fill
+
+        self._patch(self.engine.grammar, "fill_bitmasks_async", batch_fill)
+        self._patch(self.engine.grammar, "fill_bitmask", row_fill)
+
+    def _patch_constraint_state(self) -> None:
+        """ConstraintState.accept or .jump_forward (self.kind) raises for the victim's state."""
         from agentrt.runtime.constraint_state import ConstraintState
 
-        e, kind = self.engine, self.kind
-        if kind == "matcher":
+        kind = self.kind
 
-            def batch_fill(real):
-                def fill(matchers, rows, batch):
-                    v = self._victim()
-                    if (
-                        self._due(v)
-                        and v.grammar is not None
-                        and any(m is v.grammar.matcher for m in matchers)
-                    ):
-                        fut = concurrent.futures.Future()
-                        fut.set_exception(InjectedFault("injected batched bitmask fault"))
-                        return fut
-                    return real(matchers, rows, batch)
+        def method(real):
+            def call(state, *args, **kwargs):
+                v = self._victim()
+                if self._due(v) and v.grammar is state:
+                    self._raise(kind)
+                return real(state, *args, **kwargs)
 
-                return fill
+            return call
 
-            def row_fill(real):
-                def fill(matcher, bitmask, row):
-                    v = self._victim()
-                    if self._due(v) and v.grammar is not None and matcher is v.grammar.matcher:
-                        self._raise("matcher")
-                    return real(matcher, bitmask, row)
+        self._patch(ConstraintState, kind, method)
 
-                return fill
+    def _patch_forward(self) -> None:
+        """The runner's forward raises for a batch holding one of the victim's chunks."""
 
-            self._patch(e.grammar, "fill_bitmasks_async", batch_fill)
-            self._patch(e.grammar, "fill_bitmask", row_fill)
-        elif kind in ("accept", "jump_forward"):
+        def execute(real):
+            def run(chunks, *args, **kwargs):
+                v = self._victim()
+                if self._due(v) and any(c.seq_key == id(v) for c in chunks):
+                    self._raise("forward")
+                return real(chunks, *args, **kwargs)
 
-            def method(real):
-                def call(state, *args, **kwargs):
-                    v = self._victim()
-                    if self._due(v) and v.grammar is state:
-                        self._raise(kind)
-                    return real(state, *args, **kwargs)
+            return run
 
-                return call
+        self._patch(self.engine.runner, "execute", execute)
 
-            self._patch(ConstraintState, kind, method)
-        elif kind == "forward":
+    def _patch_nan(self) -> None:
+        """The victim's logits rows come out of the engine's forward as NaN."""
 
-            def execute(real):
-                def run(chunks, *args, **kwargs):
-                    v = self._victim()
-                    if self._due(v) and any(c.seq_key == id(v) for c in chunks):
-                        self._raise("forward")
-                    return real(chunks, *args, **kwargs)
+        def forward(real):
+            def run(plan):
+                out = real(plan)
+                for s in plan.rows:
+                    if self._due(s.request):
+                        self.num_raised += 1
+                        out.logits[s.row : s.row + s.num_rows] = float("nan")
+                return out
 
-                return run
+            return run
 
-            self._patch(e.runner, "execute", execute)
-        elif kind == "nan":
+        self._patch(self.engine, "_forward", forward)
 
-            def forward(real):
-                def run(plan):
-                    out = real(plan)
-                    for s in plan.rows:
-                        if self._due(s.request):
-                            self.num_raised += 1
-                            out.logits[s.row : s.row + s.num_rows] = float("nan")
-                    return out
+    def _patch_penalties(self) -> None:
+        """The sampler's logit penalties raise for the victim."""
+        from agentrt.runtime import sampler
 
-                return run
+        def penalize(real):
+            def run(logits, i, r):
+                if self._due(r):
+                    self._raise("penalties")
+                return real(logits, i, r)
 
-            self._patch(e, "_forward", forward)
-        elif kind == "penalties":
+            return run
 
-            def penalize(real):
-                def run(logits, i, r):
-                    if self._due(r):
-                        self._raise("penalties")
-                    return real(logits, i, r)
+        self._patch(sampler, "_penalize", penalize)
 
-                return run
+    def _patch_detokenizer(self) -> None:
+        """The output processor's detokenizer / stop-string update raises for the victim."""
 
-            self._patch(sampler, "_penalize", penalize)
-        else:  # detokenizer
+        def update(real):
+            def run(r, reason):
+                if self._due(r):
+                    self._raise("detokenizer")
+                return real(r, reason)
 
-            def update(real):
-                def run(r, reason):
-                    if self._due(r):
-                        self._raise("detokenizer")
-                    return real(r, reason)
+            return run
 
-                return run
-
-            self._patch(e.output, "update", update)
-        return self
+        self._patch(self.engine.output, "update", update)
 
     def __exit__(self, *exc) -> None:
         for owner, name, real, restore in reversed(self._undo):
