@@ -1,6 +1,6 @@
 """The package's layering: no import cycle among agentrt's modules (every import counts, lazy ones
-inside functions included; only those under `if TYPE_CHECKING:` do not), and no module over 600
-lines (split at the seam first)."""
+inside functions included, and those under `if TYPE_CHECKING:` too), and no module over 600 lines
+(split at the seam first)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,15 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """agentrt modules `name` imports (the named module, else its package), type-only ones left out."""
+def _imports(path: Path, name: str, modules: dict[str, Path], type_only: bool = False) -> set[str]:
+    """agentrt modules `name` imports (the named module, else its package); those under
+    `if TYPE_CHECKING:` only with `type_only`."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -82,6 +83,16 @@ def test_no_import_cycles():
     graph = {name: _imports(path, name, modules) for name, path in modules.items()}
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles_counting_type_only_imports():
+    """Type-only imports point one way too (issue 52): a Request and the per-request checkers it
+    holds (runtime/constraint_state.py, repetition.py, reasoning_budget.py) no longer type each other
+    in a circle, and no module pair hides one under `if TYPE_CHECKING:`."""
+    modules = _modules()
+    graph = {name: _imports(path, name, modules, type_only=True) for name, path in modules.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle (type-only imports counted): " + " -> ".join(cycle)
 
 
 def test_no_module_over_600_lines():

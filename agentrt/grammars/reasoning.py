@@ -67,7 +67,7 @@ class ReasoningFormat:
     @property
     def after_end(self) -> str:
         """What follows the end marker before the answer, as a model writes it (a closing path's
-        bridge, runtime/constraint_state.py)."""
+        bridge, runtime/constraint_steps.py)."""
         return self.separator or "\n\n"
 
     def mode(self, prompt: str) -> ReasoningMode:

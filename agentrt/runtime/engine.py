@@ -34,7 +34,7 @@ from agentrt.grammars.xgrammar_backend import CompiledConstraint, GrammarBackend
 from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.batch import BatchPlan, ForwardOutput, SampleOutput, SampleRow
 from agentrt.runtime.config import EngineConfig
-from agentrt.runtime.constraint_state import ConstraintSteps
+from agentrt.runtime.constraint_steps import ConstraintSteps
 from agentrt.runtime.isolation import (
     fill_rows_one_by_one,
     find_forward_culprits,

@@ -14,8 +14,29 @@ constrained, so the answer follows within the request's max_tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from agentrt.grammars.reasoning import AnswerGate
-from agentrt.runtime.request import ReasoningParams
+
+
+@dataclass(frozen=True)
+class ReasoningParams:
+    """A reasoning model's request (grammars/reasoning.py): `start` / `end` the format's markers;
+    `mode` where the reasoning stands when the prompt ends ("open": the prompt opened it,
+    "optional": the model may open it); `budget` the most reasoning tokens (None: no limit): when
+    spent, `close_text` + `end` are appended without sampling (ReasoningTracker below); with
+    budget 0 and mode "open" they end the prompt instead. `call_markers`: texts that open a tool
+    call (tools offered, tool_choice not "none"); one written inside the reasoning ends it and
+    opens the answer (grammars/reasoning.py: under a tool-call grammar none can occur there)."""
+
+    start: str
+    end: str
+    mode: str = "optional"
+    budget: int | None = None
+    close_text: str = ""
+    after_end: str = "\n\n"  # what the model writes after `end`, before the answer
+    header: str = ""  # what opens an answer without reasoning (Harmony's final channel)
+    call_markers: tuple[str, ...] = ()
 
 
 class ReasoningTracker:

@@ -1,4 +1,9 @@
-"""Request state and sampling parameters."""
+"""Request state and sampling parameters.
+
+The per-request checkers a `Request` holds (ConstraintState, RepetitionGuard, ReasoningTracker and
+its ReasoningParams, importable from here too) live in modules below this one that never import it
+(tests/test_import_graph.py counts type-only imports too); what acts on a whole Request sits above
+(runtime/constraint_steps.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from agentrt.errors import AgentrtError, InvalidRequestError
 from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.reasoning_budget import ReasoningParams, ReasoningTracker
 
 if TYPE_CHECKING:
     import torch
@@ -18,9 +24,9 @@ if TYPE_CHECKING:
     from agentrt.runtime.constraint_state import ConstraintState
     from agentrt.runtime.detokenizer import IncrementalDetokenizer
     from agentrt.runtime.kv_tiers import TierLoad
-    from agentrt.runtime.reasoning_budget import ReasoningTracker
     from agentrt.runtime.repetition import RepetitionGuard
     from agentrt.speculative.tree import DraftTree
+
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy decoding (argmax): 0, or a value too small for fp32 division."""
@@ -53,26 +59,6 @@ class TokenLogprob(NamedTuple):
         """A token the runtime forced (not sampled): logprob 0.0, top = that token alone (none when
         num_top is 0)."""
         return cls(token_id, 0.0, ((token_id, 0.0),) if num_top > 0 else ())
-
-
-@dataclass(frozen=True)
-class ReasoningParams:
-    """A reasoning model's request (grammars/reasoning.py): `start` / `end` the format's markers;
-    `mode` where the reasoning stands when the prompt ends ("open": the prompt opened it,
-    "optional": the model may open it); `budget` the most reasoning tokens (None: no limit): when
-    spent, `close_text` + `end` are appended without sampling (runtime/reasoning_budget.py); with
-    budget 0 and mode "open" they end the prompt instead. `call_markers`: texts that open a tool
-    call (tools offered, tool_choice not "none"); one written inside the reasoning ends it and
-    opens the answer (grammars/reasoning.py: under a tool-call grammar none can occur there)."""
-
-    start: str
-    end: str
-    mode: str = "optional"
-    budget: int | None = None
-    close_text: str = ""
-    after_end: str = "\n\n"  # what the model writes after `end`, before the answer
-    header: str = ""  # what opens an answer without reasoning (Harmony's final channel)
-    call_markers: tuple[str, ...] = ()
 
 
 @dataclass
