@@ -139,6 +139,13 @@ def number_dfa(
     if qf <= 0:
         raise AutomatonError("multipleOf must be greater than 0")
     big_q, scale = scale_of(qf)
+    signs = _signs(minimum, maximum, exclusive_minimum, exclusive_maximum)
+    return _explore(_NumberStates(signs, big_q, scale, integer), f"multipleOf {q} and these bounds")
+
+
+def _signs(minimum, maximum, exclusive_minimum, exclusive_maximum) -> dict:
+    """{negative: the bound comparisons of that sign's magnitude} for the signs the tightest bounds
+    allow (a strict bound wins a tie)."""
     lows = [(as_fraction(v), x) for v, x in ((minimum, False), (exclusive_minimum, True)) if v is not None]
     highs = [(as_fraction(v), x) for v, x in ((maximum, False), (exclusive_maximum, True)) if v is not None]
     lo, lo_x = max(lows, key=lambda t: (t[0], t[1])) if lows else (None, False)
@@ -148,11 +155,22 @@ def number_dfa(
         checks, ok = _sign_bounds(lo, lo_x, hi, hi_x, negative)
         if ok:
             signs[negative] = checks
+    return signs
 
-    # a state: (phase, sign, comparison states, residue, fraction digits read capped at scale + 1)
-    # phase: "s" start, "m" after "-", "z" integer part "0", "i" integer digits, "p" after ".",
-    # "f" fraction digits
-    def step(st, ch: str):
+
+class _NumberStates:
+    """The states of the number automaton and their moves. A state: (phase, sign, comparison states,
+    residue mod Q, fraction digits read capped at scale + 1); phase: "s" start, "m" after "-", "z"
+    integer part "0", "i" integer digits, "p" after ".", "f" fraction digits."""
+
+    start = ("s", False, (), 0, 0)
+
+    def __init__(self, signs: dict, big_q: int, scale: int, integer: bool):
+        self.signs, self.big_q, self.scale, self.integer = signs, big_q, scale, integer
+
+    def step(self, st, ch: str):
+        """The state after character ch, or _DEAD."""
+        signs, big_q, scale = self.signs, self.big_q, self.scale
         phase, neg, cmps, r, f = st
         checks = signs.get(neg)
         if phase == "s" and ch == "-":
@@ -175,7 +193,7 @@ def number_dfa(
                 (10 * r + int(ch)) % big_q,
                 0,
             )
-        if ch == "." and phase in ("z", "i") and not integer:
+        if ch == "." and phase in ("z", "i") and not self.integer:
             return ("p", neg, tuple(c.point(x) for (c, _), x in zip(checks, cmps)), r, 0)
         if ch.isdigit() and phase in ("p", "f"):
             if f >= scale:
@@ -187,16 +205,21 @@ def number_dfa(
             return ("f", neg, tuple(c.frac_digit(x, ch) for (c, _), x in zip(checks, cmps)), r2, f2)
         return _DEAD
 
-    def accepting(st) -> bool:
+    def accepting(self, st) -> bool:
+        """Whether a text may end in st: a whole number read, a multiple of q, within the bounds."""
         phase, neg, cmps, r, f = st
         if phase not in ("z", "i", "f"):
             return False
-        used = min(f, scale)
-        if (r * 10 ** (scale - used)) % big_q:
+        used = min(f, self.scale)
+        if (r * 10 ** (self.scale - used)) % self.big_q:
             return False
-        return all(c.result(x) in allowed for (c, allowed), x in zip(signs[neg], cmps))
+        return all(c.result(x) in allowed for (c, allowed), x in zip(self.signs[neg], cmps))
 
-    start = ("s", False, (), 0, 0)
+
+def _explore(states: _NumberStates, what: str) -> DFA:
+    """The DFA of the states reachable from states.start (breadth first; state 0 starts, 1 is dead).
+    Raises AutomatonError naming `what` past MAX_NUMBER_STATES states."""
+    start = states.start
     index = {start: 0, _DEAD: 1}
     order = [start, _DEAD]
     trans: list[list[int]] = []
@@ -206,19 +229,18 @@ def number_dfa(
         i += 1
         row = []
         for ch in _CHARS:
-            t = _DEAD if st == _DEAD else step(st, ch)
+            t = _DEAD if st == _DEAD else states.step(st, ch)
             j = index.get(t)
             if j is None:
                 if len(order) >= MAX_NUMBER_STATES:
                     raise AutomatonError(
-                        f"the number automaton for multipleOf {q} and these bounds would exceed "
-                        f"{MAX_NUMBER_STATES} states"
+                        f"the number automaton for {what} would exceed {MAX_NUMBER_STATES} states"
                     )
                 j = index[t] = len(order)
                 order.append(t)
             row.append(j)
         trans.append(row)
-    labels = [frozenset({0}) if st != _DEAD and accepting(st) else frozenset() for st in order]
+    labels = [frozenset({0}) if st != _DEAD and states.accepting(st) else frozenset() for st in order]
     return DFA([list(c) for c in _CLASSES], trans, labels)
 
 
