@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentrt.errors import IncompleteOutputError, InternalError
 from agentrt.grammars.spec import ConstraintSpec, GrammarConfig
+from agentrt.runtime.chat_template import chat_prompt_ids
 from agentrt.runtime.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
 from agentrt.runtime.request import RequestOutput, SamplingParams
@@ -279,5 +280,4 @@ class LLM:
         return outs
 
     def _chat_ids(self, messages: Messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)

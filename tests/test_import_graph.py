@@ -102,3 +102,57 @@ def test_no_module_over_600_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split at the seam): {long}"
+
+
+# The floors (docs/architecture.md): a package never imports the packages above it. Commands (and
+# the `agentrt` entry point) sit on top; the SDK drives extract and sql from above; api drives the
+# runtime; the runtime drives the three leaf packages.
+TOP = ("agentrt.commands", "agentrt.cli")
+NEVER_IMPORTS = {
+    "agentrt.runtime": (
+        "agentrt.api",
+        "agentrt.sdk",
+        "agentrt.sql",
+        "agentrt.extract",
+        "agentrt.scaleout",
+        *TOP,
+    ),
+    "agentrt.sql": ("agentrt.sdk", "agentrt.api", "agentrt.extract", *TOP),
+    "agentrt.extract": ("agentrt.sdk", "agentrt.api", *TOP),
+    "agentrt.prefix_cache": ("agentrt.runtime", "agentrt.api", "agentrt.sdk", *TOP),
+    "agentrt.grammars": ("agentrt.runtime", "agentrt.api", "agentrt.sdk", *TOP),
+    "agentrt.speculative": ("agentrt.runtime", "agentrt.api", "agentrt.sdk", *TOP),
+    "agentrt.api": ("agentrt.sdk", *TOP),
+    "agentrt.sdk": TOP,
+}
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_package_imports_a_floor_above_it():
+    """e.g. agentrt.runtime.* never imports agentrt.api.*, agentrt.sql.* and agentrt.extract.* never
+    import agentrt.sdk, and no library module imports a command (only agentrt.cli does)."""
+    modules = _modules()
+    upward = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        for package, above in NEVER_IMPORTS.items()
+        if _under(name, package)
+        for dep in _imports(path, name, modules)
+        if any(_under(dep, a) for a in above)
+    )
+    assert not upward, "imports that run back up the floors: " + ", ".join(upward)
+
+
+def test_only_the_entry_point_imports_the_commands():
+    modules = _modules()
+    importers = sorted(
+        name
+        for name, path in modules.items()
+        if not _under(name, "agentrt.commands") and name != "agentrt.cli"
+        for dep in _imports(path, name, modules)
+        if _under(dep, "agentrt.commands")
+    )
+    assert not importers, f"library modules importing agentrt.commands: {importers}"

@@ -14,7 +14,7 @@ The pipeline (Ray Data, https://docs.ray.io/en/latest/data/api/doc/ray.data.Data
   holds one block in memory; the object store holds the pending documents' text (spilling to disk
   beyond its size).
 - map_batches: a fixed pool of `num_workers` `EngineWorker` actors (`concurrency=num_workers`), each
-  holding an in-process engine (`LLM.from_config`) and running each block through
+  holding an in-process engine (`Engine(config)`, as `LLM.from_config` builds it) and running each block through
   agentrt/extract/batch.py's `run_batch`, the driver of `LLM.extract_batch`, so a row is the row
   the in-process job writes (greedy outputs are token-identical in any batch composition). CPU
   actors reserve `num_cpus=cpus_per_worker` each and run torch with that many threads
@@ -36,6 +36,7 @@ import os
 import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from agentrt.extract.types import ExtractInput, ExtractResult, Usage
@@ -96,23 +97,24 @@ class EngineWorker:
             os.environ["OMP_NUM_THREADS"] = str(plan.num_threads)
             torch.set_num_threads(plan.num_threads)
         from agentrt.extract.batch import SchemaRegistry
-        from agentrt.sdk import LLM
+        from agentrt.runtime.engine import Engine
 
         self.plan = plan
-        self.llm = LLM.from_config(plan.config)
-        self.registry = SchemaRegistry(self.llm.engine)
+        self.engine = Engine(plan.config)
+        self.registry = SchemaRegistry(self.engine)
         for schema in plan.schemas.values():
             self.registry.require(schema)
         self.params = plan.params
 
     def __call__(self, block: dict) -> dict[str, list[str]]:
         from agentrt.extract.batch import run_batch
+        from agentrt.runtime.chat_template import chat_prompt_ids
 
         indices = [int(i) for i in block["index"]]
         inputs = [decode_input(s, self.plan.schemas) for s in block["input"]]
         results = run_batch(
-            self.llm.engine,
-            self.llm._chat_ids,
+            self.engine,
+            partial(chat_prompt_ids, self.engine.tokenizer),
             inputs,
             None,
             sampling_params=self.params,

@@ -184,6 +184,14 @@ class ChatRenderer:
         return TemplateBudgetError(message, limit=e.kind, time_s=b.time_s, max_bytes=b.max_bytes)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `messages` rendered by the tokenizer's own chat template (transformers'
+    apply_chat_template, no budget: in-process callers, the SDK and extraction workers) with the
+    generation prompt, encoded without added special tokens (the template writes them)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _transformers_environment():
     """The jinja2 environment the installed transformers renders chat templates in (its sandbox
     class, options, globals such as raise_exception / strftime_now, filters such as tojson,
