@@ -9,7 +9,8 @@ confidence.py  per-field confidence from token logprobs
 batch.py       the in-process driver (bounded in-flight window over the engine)
 server.py      the same job against an OpenAI-compatible server (--server)
 summary.py     the end-of-job summary (failures by reason, tokens/s, field accuracy)
-job.py / cli.py  the job loop (progress, Ctrl-C, exit status) and the `agentrt extract` command
+job.py         the job loop (progress, Ctrl-C, exit status); the `agentrt extract` command over it is
+               agentrt/commands/extract.py (this package never imports the SDK or a command)
 """
 
 from agentrt.extract.prompt import SYSTEM_PROMPT, PromptTemplate, extraction_messages
