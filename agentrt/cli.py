@@ -37,8 +37,6 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    import uvicorn
-
     from agentrt.api.app import create_app
     from agentrt.runtime.async_engine import AdmissionConfig, AsyncEngine
 
@@ -52,24 +50,9 @@ def serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     if not checked_before_load(args):
         return 2
-    from agentrt.sql.errors import SchemaError
-    from agentrt.sql.service import SQLDatabases, parse_database_args, table_limit_warning
-
-    try:
-        databases = SQLDatabases(parse_database_args(args.database))
-        databases.load()
-    except (ValueError, SchemaError) as e:
-        print(f"agentrt: error: {e}", file=sys.stderr)
+    databases = load_databases(args)
+    if databases is None:
         return 2
-    for name in databases.names:
-        db = databases.get(name)
-        print(
-            f"agentrt: database {name}: {db.dialect}, {len(db.schema.tables)} tables, "
-            f"{db.schema.num_columns} columns",
-            flush=True,
-        )
-        if table_limit_warning(db):
-            print(table_limit_warning(db), file=sys.stderr, flush=True)
     try:
         admission = AdmissionConfig(
             max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout
@@ -98,7 +81,39 @@ def serve(args: argparse.Namespace) -> int:
     if not template_ready(engine.tokenizer, engine.model_config.chat_template_budget, app):
         engine.shutdown()
         return 2
-    # the engine loop runs on the main thread (faster torch CPU kernels), HTTP on another
+    return run_server(args, engine, app)
+
+
+def load_databases(args: argparse.Namespace):
+    """serve's --database catalogs, loaded and announced (a warning for one past the table limit);
+    None after printing the error when one cannot be read (a ValueError or SchemaError)."""
+    from agentrt.sql.errors import SchemaError
+    from agentrt.sql.service import SQLDatabases, parse_database_args, table_limit_warning
+
+    try:
+        databases = SQLDatabases(parse_database_args(args.database))
+        databases.load()
+    except (ValueError, SchemaError) as e:
+        print(f"agentrt: error: {e}", file=sys.stderr)
+        return None
+    for name in databases.names:
+        db = databases.get(name)
+        print(
+            f"agentrt: database {name}: {db.dialect}, {len(db.schema.tables)} tables, "
+            f"{db.schema.num_columns} columns",
+            flush=True,
+        )
+        if table_limit_warning(db):
+            print(table_limit_warning(db), file=sys.stderr, flush=True)
+    return databases
+
+
+def run_server(args: argparse.Namespace, engine, app) -> int:
+    """Runs the engine loop on this (the main) thread, faster for torch's CPU kernels, and HTTP on
+    another until SIGTERM, Ctrl-C or the HTTP thread's end; then fails the streams in flight and
+    shuts both down. Returns the exit status: 0, or 1 when HTTP never started (e.g. the port is taken)."""
+    import uvicorn
+
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
