@@ -327,7 +327,6 @@ def _run(engine, sql: str, timeout_s: float, max_rows: int | None) -> QueryResul
 
     d = dialect_of(engine)
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
     timed_out = threading.Event()
     try:
         conn_cm = engine.connect()
@@ -343,71 +342,104 @@ def _run(engine, sql: str, timeout_s: float, max_rows: int | None) -> QueryResul
             raise DatabaseConnectionError(
                 f"cannot connect to {describe(engine)}: {_first_line(getattr(e, 'orig', None) or e)}"
             ) from None
-        timer = None
-        restore = None
-        explicit = False  # a transaction we began ourselves (an autocommit connection)
+        guards = _Guards()
         try:
             cur = raw.cursor()
-            if d == "sqlite":
-                restore = cur.execute("PRAGMA query_only").fetchone()[0]
-                cur.execute("PRAGMA query_only = ON")
-
-                def progress():
-                    if time.monotonic() > deadline:
-                        timed_out.set()
-                        return 1
-                    return 0
-
-                raw.set_progress_handler(progress, 1000)
-            elif d == "postgres":
-                explicit = bool(getattr(raw, "autocommit", False))
-                cur.execute("BEGIN READ ONLY" if explicit else "SET TRANSACTION READ ONLY")
-                cur.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
-            elif d == "duckdb":
-                cur.execute("BEGIN TRANSACTION")
-
-                def stop():
-                    timed_out.set()
-                    raw.interrupt()
-
-                timer = threading.Timer(timeout_s, stop)
-                timer.daemon = True
-                timer.start()
+            _guard(d, raw, cur, guards, timeout_s, t0 + timeout_s, timed_out)
             cur.execute(sql)
-            rows: list[tuple] = []
-            truncated = False
-            columns: list[str] = []
-            if max_rows is not None and cur.description is not None:
-                columns = [c[0] for c in cur.description]
-                got = cur.fetchmany(max_rows + 1) if max_rows else []
-                truncated = len(got) > max_rows
-                rows = [tuple(r) for r in got[:max_rows]]
+            columns, rows, truncated = _fetch(cur, max_rows)
             return QueryResult(columns, rows, truncated, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 (each driver has its own error classes)
-            if timed_out.is_set() or _is_timeout(e):
-                raise QueryTimeoutError(
-                    f"the query ran past its {timeout_s:g} s limit and was stopped", "database"
-                ) from None
-            if _is_disconnect(engine, e, raw):
-                raise DatabaseConnectionError(
-                    f"lost the connection to {describe(engine)}: {_first_line(e)}"
-                ) from None
-            raise QueryError(f"the database refused the query: {_first_line(e)}", "database") from None
+            raise _driver_error(engine, e, raw, timed_out.is_set(), timeout_s) from None
         finally:
-            if timer is not None:
-                timer.cancel()
-            try:
-                if d == "sqlite":
-                    raw.set_progress_handler(None, 0)
-                    if restore is not None:
-                        raw.cursor().execute(f"PRAGMA query_only = {int(restore)}")
-                else:
-                    if explicit:
-                        raw.cursor().execute("ROLLBACK")
-                    else:
-                        raw.rollback()
-            except Exception:  # noqa: BLE001 (a broken connection: dropped from the pool)
-                conn.invalidate()
+            _unguard(d, raw, conn, guards)
+
+
+@dataclass
+class _Guards:
+    """What the read-only guards of one query changed, for `_unguard` to undo (filled in as each is
+    set, so a guard that fails half-way is undone as far as it went)."""
+
+    timer: threading.Timer | None = None  # duckdb's time limit
+    restore: Any = None  # SQLite's query_only before the query
+    explicit: bool = False  # a transaction we began ourselves (an autocommit connection)
+
+
+def _guard(d: str, raw, cur, guards: _Guards, timeout_s: float, deadline: float, timed_out) -> None:
+    """Makes the transaction of dialect `d` read-only and limits it to timeout_s seconds (deadline:
+    time.monotonic() value): SQLite query_only + a progress handler, Postgres a read-only transaction
+    + statement_timeout, duckdb a transaction + a timer that interrupts it; `timed_out` is set when
+    a limit stops the query."""
+    if d == "sqlite":
+        guards.restore = cur.execute("PRAGMA query_only").fetchone()[0]
+        cur.execute("PRAGMA query_only = ON")
+
+        def progress():
+            if time.monotonic() > deadline:
+                timed_out.set()
+                return 1
+            return 0
+
+        raw.set_progress_handler(progress, 1000)
+    elif d == "postgres":
+        guards.explicit = bool(getattr(raw, "autocommit", False))
+        cur.execute("BEGIN READ ONLY" if guards.explicit else "SET TRANSACTION READ ONLY")
+        cur.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
+    elif d == "duckdb":
+        cur.execute("BEGIN TRANSACTION")
+
+        def stop():
+            timed_out.set()
+            raw.interrupt()
+
+        guards.timer = threading.Timer(timeout_s, stop)
+        guards.timer.daemon = True
+        guards.timer.start()
+
+
+def _fetch(cur, max_rows: int | None) -> tuple[list[str], list[tuple], bool]:
+    """(column names, at most max_rows rows, whether more were there) of an executed cursor;
+    nothing when max_rows is None or the statement returns no rows."""
+    rows: list[tuple] = []
+    truncated = False
+    columns: list[str] = []
+    if max_rows is not None and cur.description is not None:
+        columns = [c[0] for c in cur.description]
+        got = cur.fetchmany(max_rows + 1) if max_rows else []
+        truncated = len(got) > max_rows
+        rows = [tuple(r) for r in got[:max_rows]]
+    return columns, rows, truncated
+
+
+def _driver_error(engine, e: Exception, raw, timed_out: bool, timeout_s: float) -> Exception:
+    """The typed error of a driver's exception: QueryTimeoutError past the limit,
+    DatabaseConnectionError when the connection is gone, else QueryError (stage "database")."""
+    from agentrt.sql.introspect import describe
+
+    if timed_out or _is_timeout(e):
+        return QueryTimeoutError(f"the query ran past its {timeout_s:g} s limit and was stopped", "database")
+    if _is_disconnect(engine, e, raw):
+        return DatabaseConnectionError(f"lost the connection to {describe(engine)}: {_first_line(e)}")
+    return QueryError(f"the database refused the query: {_first_line(e)}", "database")
+
+
+def _unguard(d: str, raw, conn, guards: _Guards) -> None:
+    """Stops the timer and undoes the guards: SQLite's handler and query_only, else a rollback;
+    a connection that fails it is invalidated (dropped from the pool)."""
+    if guards.timer is not None:
+        guards.timer.cancel()
+    try:
+        if d == "sqlite":
+            raw.set_progress_handler(None, 0)
+            if guards.restore is not None:
+                raw.cursor().execute(f"PRAGMA query_only = {int(guards.restore)}")
+        else:
+            if guards.explicit:
+                raw.cursor().execute("ROLLBACK")
+            else:
+                raw.rollback()
+    except Exception:  # noqa: BLE001 (a broken connection: dropped from the pool)
+        conn.invalidate()
 
 
 def _is_disconnect(engine, e: BaseException, raw) -> bool:
