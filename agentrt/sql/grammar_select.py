@@ -90,6 +90,13 @@ class SelectGen(ExprGen):
     def strict_blocks(self, P: str) -> None:
         """Blocks of a strictly typed, strictly grouped dialect: plain (no aggregates), DISTINCT
         (ORDER BY position only), aggregate-only, or grouped by position (keys first)."""
+        self._strict_lists(P)
+        self._strict_any_block(P)
+        for sig in self.sigs:
+            self._strict_sig_block(P, sig)
+
+    def _strict_lists(self, P: str) -> None:
+        """The item, ORDER BY and GROUP BY lists and the optional tails the strict blocks share."""
         r, keys, n = self.r, self.opts.max_keys, self.opts.max_items
         keyk = [P + "v_p_" + k for k in self.kinds]
         r.add(P + "key", [[x] for x in keyk])
@@ -107,7 +114,6 @@ class SelectGen(ExprGen):
             P + "gbx",
             [[Lit(" GROUP BY "), P + "gl"], [Lit(" GROUP BY "), P + "gl", Lit(" HAVING "), P + "c_u"]],
         )
-        fw = P + "fw"
         # optional tails as rules of their own (every combination spelled out would triple the size)
         r.add(P + "tp", [o for o in optional([Lit(" ORDER BY "), P + "ol"], ["limit"]) if o])
         r.add(P + "ta", [o for o in optional([Lit(" ORDER BY "), P + "oa"], ["limit"]) if o])
@@ -122,58 +128,69 @@ class SelectGen(ExprGen):
                 ],
             )
 
-        def kinds_of_block(plain, distinct, pure, grouped):
-            """(core alternatives, blk alternatives). grouped: [(keys, rest, g)]."""
-            core = [[*plain, fw], ["distinct", *distinct, fw]]
-            blk = [
-                [*plain, fw],
-                [*plain, fw, P + "tp"],
-                ["distinct", *distinct, fw],
-                ["distinct", *distinct, fw, "tpos"],
+    def _strict_kinds_of_block(self, P: str, plain, distinct, pure, grouped):
+        """(core alternatives, blk alternatives) of one select list: plain, DISTINCT (ORDER BY position
+        only), aggregate-only (pure, or None) and grouped by position; grouped: [(keys, rest, g)]."""
+        fw = P + "fw"
+        core = [[*plain, fw], ["distinct", *distinct, fw]]
+        blk = [
+            [*plain, fw],
+            [*plain, fw, P + "tp"],
+            ["distinct", *distinct, fw],
+            ["distinct", *distinct, fw, "tpos"],
+        ]
+        if pure:
+            core += [[*pure, fw], [*pure, fw, P + "gbx"]]
+            blk += [
+                [*pure, fw],
+                [*pure, fw, P + "ta"],
+                [*pure, fw, P + "gbx"],
+                [*pure, fw, P + "gbx", P + "ta"],
             ]
-            if pure:
-                core += [[*pure, fw], [*pure, fw, P + "gbx"]]
-                blk += [
-                    [*pure, fw],
-                    [*pure, fw, P + "ta"],
-                    [*pure, fw, P + "gbx"],
-                    [*pure, fw, P + "gbx", P + "ta"],
-                ]
-            for keys, rest, g in grouped:
-                gbp = Lit(" GROUP BY " + ", ".join(str(i) for i in range(1, g + 1)))
-                core += [[*keys, *rest, fw, gbp], [*keys, *rest, fw, gbp, Lit(" HAVING "), P + "c_u"]]
-                blk += [[*keys, *rest, fw, gbp], [*keys, *rest, fw, gbp, P + "th"]]
-            return core, blk
+        for keys, rest, g in grouped:
+            gbp = Lit(" GROUP BY " + ", ".join(str(i) for i in range(1, g + 1)))
+            core += [[*keys, *rest, fw, gbp], [*keys, *rest, fw, gbp, Lit(" HAVING "), P + "c_u"]]
+            blk += [[*keys, *rest, fw, gbp], [*keys, *rest, fw, gbp, P + "th"]]
+        return core, blk
 
+    def _strict_any_block(self, P: str) -> None:
+        """The core and block rules of the untyped select lists (key "any"): items, `*`, grouped by
+        the first 1-3 items."""
+        r, fw = self.r, P + "fw"
         grouped = []
         for g in (1, 2, 3):
             keys = joined([P + "key"] * g)
             grouped += [(keys, [], g), (keys, [Lit(", "), P + "pitems"], g)]
-        core, blk = kinds_of_block([P + "items"] + [], [P + "ditems"], [P + "pitems"], grouped)
+        core, blk = self._strict_kinds_of_block(
+            P, [P + "items"] + [], [P + "ditems"], [P + "pitems"], grouped
+        )
         core.append([Lit("*"), fw])
         blk += [[Lit("*"), fw], [Lit("*"), fw, P + "tp"]]
         r.add(P + "core_any", core)
         r.add(P + "blk_any", blk)
         self.cores["any"].append(P + "core_any")
         self.blks["any"].append(P + "blk_any")
-        for sig in self.sigs:
-            key = "__".join(sig)
-            plain = joined([P + "v_p_" + k for k in sig])
-            pure = joined([P + ("v_u_" if k in self.pure_kinds else "v_p_") + k for k in sig])
-            if any(k not in self.pure_kinds for k in sig):
-                pure = None
-            grouped = []
-            for g in range(1, len(sig) + 1):
-                if all(k in self.pure_kinds for k in sig[g:]):
-                    grouped.append(
-                        (
-                            joined([P + "v_p_" + k for k in sig[:g]]),
-                            [Lit(", ")] * (g < len(sig)) + joined([P + "v_u_" + k for k in sig[g:]]),
-                            g,
-                        )
+
+    def _strict_sig_block(self, P: str, sig) -> None:
+        """The core and block rules of one typed signature (its columns' kinds, in order)."""
+        r = self.r
+        key = "__".join(sig)
+        plain = joined([P + "v_p_" + k for k in sig])
+        pure = joined([P + ("v_u_" if k in self.pure_kinds else "v_p_") + k for k in sig])
+        if any(k not in self.pure_kinds for k in sig):
+            pure = None
+        grouped = []
+        for g in range(1, len(sig) + 1):
+            if all(k in self.pure_kinds for k in sig[g:]):
+                grouped.append(
+                    (
+                        joined([P + "v_p_" + k for k in sig[:g]]),
+                        [Lit(", ")] * (g < len(sig)) + joined([P + "v_u_" + k for k in sig[g:]]),
+                        g,
                     )
-            core, blk = kinds_of_block(plain, plain, pure, grouped)
-            r.add(f"{P}core_{key}", core)
-            r.add(f"{P}blk_{key}", blk)
-            self.cores[key].append(f"{P}core_{key}")
-            self.blks[key].append(f"{P}blk_{key}")
+                )
+        core, blk = self._strict_kinds_of_block(P, plain, plain, pure, grouped)
+        r.add(f"{P}core_{key}", core)
+        r.add(f"{P}blk_{key}", blk)
+        self.cores[key].append(f"{P}core_{key}")
+        self.blks[key].append(f"{P}blk_{key}")
