@@ -28,12 +28,29 @@ def schema_from_ddl(text: str, dialect: str = "sqlite", *, max_bytes: int = MAX_
     as one (named, e.g. PostgreSQL's `CREATE TABLE t OF type`) or without a column list (`AS
     SELECT`, `CREATE VIRTUAL TABLE`: the module decides its columns), holds no CREATE TABLE, or
     breaks a limit."""
-    import sqlglot
     from sqlglot import exp
-    from sqlglot.errors import SqlglotError
-    from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
     d = dialect_name(dialect)
+    tables = []
+    for st in _parse_statements(text, d, max_bytes):
+        if not isinstance(st, exp.Create) or str(st.args.get("kind", "")).upper() != "TABLE":
+            continue
+        tables.append(_table_of(st, d))
+        if len(tables) > MAX_TABLES:
+            raise SchemaError(f"the DDL creates more than {MAX_TABLES} tables (the limit)")
+    if not tables:
+        raise SchemaError("the DDL holds no CREATE TABLE statement")
+    tables = _resolve_fk_columns(tables)
+    return Schema(tuple(tables), d)
+
+
+def _parse_statements(text: str, d: str, max_bytes: int) -> list:
+    """The sqlglot statements of `text` in dialect d (CREATE TABLEs with SQLite's table options read
+    again without them). Raises SchemaError when text is not a string, is over max_bytes, does not
+    parse or nests too deeply."""
+    import sqlglot
+    from sqlglot.errors import SqlglotError
+
     if not isinstance(text, str):
         raise SchemaError(f"DDL must be a string, got {type(text).__name__}")
     size = len(text.encode(errors="surrogatepass"))
@@ -45,60 +62,64 @@ def schema_from_ddl(text: str, dialect: str = "sqlite", *, max_bytes: int = MAX_
         )
     try:
         statements = sqlglot.parse(text, read=d)
-        statements = [_reparse_create_table(st, d) for st in statements if st is not None]
+        return [_reparse_create_table(st, d) for st in statements if st is not None]
     except SqlglotError as e:
         raise SchemaError(f"the DDL does not parse as {d}: {_first_line(e)}") from None
     except RecursionError:
         raise SchemaError("the DDL is nested too deeply to parse") from None
-    tables = []
+
+
+def _table_of(st, d: str) -> Table:
+    """The Table of one CREATE TABLE statement (sqlglot exp.Create) in dialect d: its columns,
+    primary key and foreign keys (foreign key columns not yet resolved). Raises SchemaError for a
+    CREATE TABLE without a column list (AS SELECT, CREATE VIRTUAL TABLE)."""
+    from sqlglot import exp
+    from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
+
+    target = st.this
+    if not isinstance(target, exp.Schema) or not isinstance(target.this, exp.Table):
+        what = "CREATE VIRTUAL TABLE" if _is_virtual(st) else "CREATE TABLE without a column list"
+        raise SchemaError(
+            f"{what} is not supported in DDL: {st.sql(d)[:80]!r}; give its columns as a CREATE "
+            "TABLE or JSON, or name a database the server was started with (introspected)"
+        )
+    if d == "postgres":  # unquoted names fold to lower case, as PostgreSQL does
+        target = normalize_identifiers(target.copy(), dialect=d)
+    columns, pk, fks = [], [], []
+    for item in target.expressions:
+        if isinstance(item, exp.ColumnDef):
+            columns.append(_column(item, d, pk, fks))
+        elif isinstance(item, exp.Identifier):  # SQLite: a column declared without a type
+            columns.append(Column(item.name, "", "other"))
+        elif isinstance(item, exp.PrimaryKey):
+            pk.extend(_names(item.expressions))
+        elif isinstance(item, exp.ForeignKey):
+            fks.append(_reference(item.args["reference"], tuple(_names(item.expressions))))
+        elif isinstance(item, exp.Constraint):
+            for sub in item.expressions:
+                if isinstance(sub, exp.PrimaryKey):
+                    pk.extend(_names(sub.expressions))
+                elif isinstance(sub, exp.ForeignKey):
+                    fks.append(_reference(sub.args["reference"], tuple(_names(sub.expressions))))
     cs = d == "postgres"
-    for st in statements:
-        if not isinstance(st, exp.Create) or str(st.args.get("kind", "")).upper() != "TABLE":
-            continue
-        target = st.this
-        if not isinstance(target, exp.Schema) or not isinstance(target.this, exp.Table):
-            what = "CREATE VIRTUAL TABLE" if _is_virtual(st) else "CREATE TABLE without a column list"
-            raise SchemaError(
-                f"{what} is not supported in DDL: {st.sql(d)[:80]!r}; give its columns as a CREATE "
-                "TABLE or JSON, or name a database the server was started with (introspected)"
-            )
-        if d == "postgres":  # unquoted names fold to lower case, as PostgreSQL does
-            target = normalize_identifiers(target.copy(), dialect=d)
-        name = target.this.name
-        columns, pk, fks = [], [], []
-        for item in target.expressions:
-            if isinstance(item, exp.ColumnDef):
-                kind = item.args.get("kind")
-                # the dialect's spelling, except SQLite's (it writes affinities: BOOLEAN -> INTEGER)
-                type_text = "" if kind is None else kind.sql() if d == "sqlite" else kind.sql(d)
-                columns.append(
-                    Column(item.name, type_text, kind_of_datatype(kind) if kind is not None else "other")
-                )
-                for cons in item.args.get("constraints") or []:
-                    ck = cons.args.get("kind")
-                    if isinstance(ck, exp.PrimaryKeyColumnConstraint):
-                        pk.append(item.name)
-                    elif isinstance(ck, exp.Reference):
-                        fks.append(_reference(ck, (item.name,)))
-            elif isinstance(item, exp.Identifier):  # SQLite: a column declared without a type
-                columns.append(Column(item.name, "", "other"))
-            elif isinstance(item, exp.PrimaryKey):
-                pk.extend(_names(item.expressions))
-            elif isinstance(item, exp.ForeignKey):
-                fks.append(_reference(item.args["reference"], tuple(_names(item.expressions))))
-            elif isinstance(item, exp.Constraint):
-                for sub in item.expressions:
-                    if isinstance(sub, exp.PrimaryKey):
-                        pk.extend(_names(sub.expressions))
-                    elif isinstance(sub, exp.ForeignKey):
-                        fks.append(_reference(sub.args["reference"], tuple(_names(sub.expressions))))
-        tables.append(Table(name, tuple(columns), tuple(pk), tuple(f for f in fks if f is not None), cs))
-        if len(tables) > MAX_TABLES:
-            raise SchemaError(f"the DDL creates more than {MAX_TABLES} tables (the limit)")
-    if not tables:
-        raise SchemaError("the DDL holds no CREATE TABLE statement")
-    tables = _resolve_fk_columns(tables)
-    return Schema(tuple(tables), d)
+    return Table(target.this.name, tuple(columns), tuple(pk), tuple(f for f in fks if f is not None), cs)
+
+
+def _column(item, d: str, pk: list, fks: list) -> Column:
+    """The Column of one column definition (sqlglot exp.ColumnDef); its PRIMARY KEY and REFERENCES
+    constraints are appended to pk and fks."""
+    from sqlglot import exp
+
+    kind = item.args.get("kind")
+    # the dialect's spelling, except SQLite's (it writes affinities: BOOLEAN -> INTEGER)
+    type_text = "" if kind is None else kind.sql() if d == "sqlite" else kind.sql(d)
+    for cons in item.args.get("constraints") or []:
+        ck = cons.args.get("kind")
+        if isinstance(ck, exp.PrimaryKeyColumnConstraint):
+            pk.append(item.name)
+        elif isinstance(ck, exp.Reference):
+            fks.append(_reference(ck, (item.name,)))
+    return Column(item.name, type_text, kind_of_datatype(kind) if kind is not None else "other")
 
 
 _CREATE_TABLE = re.compile(
