@@ -204,6 +204,14 @@ def to_chat_request(
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     """400 naming the first field that asks for what this server cannot do."""
+    _refuse_chat_fields(req)
+    _refuse_state(req)
+    _refuse_options(req)
+    _check_metadata(req.metadata or {})
+
+
+def _refuse_chat_fields(req: ResponsesRequest) -> None:
+    """400 for a field of the chat API (a constraint, a chat-only name, n other than 1)."""
     for name in _CHAT_CONSTRAINTS:
         if getattr(req, name) is not None:
             hint = "text.format (json_schema) on this API, or " if name != "sql" else ""
@@ -221,6 +229,10 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "use /v1/chat/completions",
             param="n",
         )
+
+
+def _refuse_state(req: ResponsesRequest) -> None:
+    """400 for what needs server-side state: a stored response, conversation or prompt, background."""
     for name in ("previous_response_id", "conversation"):
         if getattr(req, name) is not None:
             raise APIError(f"{name} {STATELESS}", param=name)
@@ -236,6 +248,36 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "send the request without it (stream to see progress)",
             param="background",
         )
+
+
+# (field, the values that ask for nothing this server lacks, the 400's message when another is given)
+_NOOP_ONLY = (
+    (
+        "truncation",
+        (None, "disabled"),
+        (
+            "truncation 'auto' (dropping earlier input to fit the context) is not supported: input "
+            "beyond the context is a 400 context_length_exceeded"
+        ),
+    ),
+    ("top_logprobs", (None, 0), "top_logprobs is not supported: this server returns no logprobs"),
+    ("service_tier", (None, "auto", "default"), "service_tier: this server has one tier ('default')"),
+    (
+        "prompt_cache_retention",
+        (None, "in_memory"),
+        (
+            "prompt_cache_retention: only 'in_memory' (the prefix cache lives in memory, least "
+            "recently used out; no retention time is promised)"
+        ),
+    ),
+    ("prompt_cache_options", (None,), "prompt_cache_options is not supported by this server"),
+    ("context_management", (None, []), "context_management (server-side compaction) is not supported"),
+    ("moderation", (None,), "moderation is not supported by this server"),
+)
+
+
+def _refuse_options(req: ResponsesRequest) -> None:
+    """400 for an include, a _NOOP_ONLY field or a text.verbosity asking for what this server lacks."""
     for i, value in enumerate(req.include or ()):
         if value != "reasoning.encrypted_content":  # nothing is encrypted: reasoning items are plain text
             raise APIError(
@@ -243,30 +285,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                 "built-in tools",
                 param=f"include[{i}]",
             )
-    refusals = (
-        (
-            "truncation",
-            (None, "disabled"),
-            (
-                "truncation 'auto' (dropping earlier input to fit the context) is not supported: input "
-                "beyond the context is a 400 context_length_exceeded"
-            ),
-        ),
-        ("top_logprobs", (None, 0), "top_logprobs is not supported: this server returns no logprobs"),
-        ("service_tier", (None, "auto", "default"), "service_tier: this server has one tier ('default')"),
-        (
-            "prompt_cache_retention",
-            (None, "in_memory"),
-            (
-                "prompt_cache_retention: only 'in_memory' (the prefix cache lives in memory, least "
-                "recently used out; no retention time is promised)"
-            ),
-        ),
-        ("prompt_cache_options", (None,), "prompt_cache_options is not supported by this server"),
-        ("context_management", (None, []), "context_management (server-side compaction) is not supported"),
-        ("moderation", (None,), "moderation is not supported by this server"),
-    )
-    for name, noop, why in refusals:
+    for name, noop, why in _NOOP_ONLY:
         value = getattr(req, name)
         if not any(value == v and type(value) is type(v) for v in noop):
             raise APIError(why, param=name)
@@ -275,7 +294,10 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "text.verbosity: only 'medium' (the model's own verbosity cannot be steered)",
             param="text.verbosity",
         )
-    metadata = req.metadata or {}
+
+
+def _check_metadata(metadata: dict) -> None:
+    """400 (param metadata) past METADATA_MAX_KEYS pairs or a key or value over its length limit."""
     if len(metadata) > METADATA_MAX_KEYS:
         raise APIError(f"metadata: at most {METADATA_MAX_KEYS} pairs, got {len(metadata)}", param="metadata")
     for k, v in metadata.items():
