@@ -406,10 +406,36 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
     model reasons (else enabled / adaptive thinking is refused). Raises APIError (400) naming the
     field for anything the Messages API allows that agentrt cannot honour (see the module
     docstring), or that the Messages API itself refuses."""
+    _refuse_extra_fields(req)
+    budget, _ = _thinking(req, reasons)
+    _check_options(req)
+    messages: list[dict] = []
+    where: list[str] = []
+    if req.system is not None:
+        messages.append(_system_message(req.system))
+        where.append("system")
+    for w, message in _turn_messages(_turns(req)):
+        messages.append(message)
+        where.append(w)
+    chat = _chat_fields(req, messages, budget)
+    try:
+        return ChatCompletionRequest.model_validate(chat), where
+    except ValidationError as e:  # every field is checked above: this names what slipped through
+        err = e.errors()[0]
+        loc = field_path(err.get("loc", ()))
+        raise _bad(f"the request cannot be run as a chat completion: {loc}: {err.get('msg')}", None) from None
+
+
+def _refuse_extra_fields(req: MessagesRequest) -> None:
+    """400 naming the first field that is not a Messages API field agentrt implements."""
     for name in req.model_extra or {}:
         why = _REFUSED.get(name, "it is not a Messages API field agentrt implements")
         raise _bad(f"{field_path([name])} is not supported: {why}", field_path([name]))
-    budget, _ = _thinking(req, reasons)
+
+
+def _check_options(req: MessagesRequest) -> None:
+    """400 for a temperature outside [0, 1], metadata other than a string user_id, or a bad
+    cache_control."""
     if req.temperature is not None and not 0 <= req.temperature <= 1:
         raise _bad(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
     if req.metadata is not None:
@@ -418,16 +444,21 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
             raise _bad("metadata.user_id must be a string", "metadata.user_id")
     _check_cache_control(req.cache_control, "cache_control")
 
-    messages: list[dict] = []
-    where: list[str] = []
-    if req.system is not None:
-        blocks = _blocks(req.system, "system")
-        for w, b in blocks:
-            if b["type"] != "text":
-                raise _bad(f"{w}: the system prompt holds text blocks only", f"{w}.type")
-        texts = [_text_block(b, w) for w, b in blocks]
-        messages.append({"role": "system", "content": _parts(texts)})
-        where.append("system")
+
+def _system_message(system) -> dict:
+    """The chat system message of the Messages `system` (a string or text blocks). Raises APIError
+    for a block that is not text."""
+    blocks = _blocks(system, "system")
+    for w, b in blocks:
+        if b["type"] != "text":
+            raise _bad(f"{w}: the system prompt holds text blocks only", f"{w}.type")
+    texts = [_text_block(b, w) for w, b in blocks]
+    return {"role": "system", "content": _parts(texts)}
+
+
+def _turns(req: MessagesRequest) -> list[tuple[str, str, list[tuple[str, dict]]]]:
+    """[(role, the field "messages[i]", its (field, block) pairs)], consecutive turns of one role
+    merged. Raises APIError for an empty turn or a final assistant turn (prefill)."""
     # consecutive turns of one role are one turn (as Anthropic combines them)
     turns: list[tuple[str, str, list[tuple[str, dict]]]] = []
     for i, m in enumerate(req.messages):
@@ -448,16 +479,24 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
             "supported: end with a user turn",
             f"messages[{last}]",
         )
+    return turns
+
+
+def _turn_messages(turns) -> list[tuple[str, dict]]:
+    """[(the Messages field it came from, chat message)] of the turns: an assistant turn is one
+    message, a user turn one per tool result plus its other content."""
+    out: list[tuple[str, dict]] = []
     tool_ids = ToolUseIds()  # unique; a user turn's results answer the assistant turn before it
     for role, w, blocks in turns:
         if role == "assistant":
-            messages.append(_assistant_turn(blocks, tool_ids.new_turn()))
-            where.append(w)
+            out.append((w, _assistant_turn(blocks, tool_ids.new_turn())))
         else:
-            for bw, message in _user_turn(blocks, tool_ids, w):
-                messages.append(message)
-                where.append(bw)
+            out.extend(_user_turn(blocks, tool_ids, w))
+    return out
 
+
+def _chat_fields(req: MessagesRequest, messages: list[dict], budget: int | None) -> dict[str, Any]:
+    """The chat completions request body of `req` with these messages and thinking budget."""
     chat: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
@@ -477,12 +516,7 @@ def to_chat(req: MessagesRequest, reasons: bool = False) -> tuple[ChatCompletion
     chat["response_format"] = _response_format(req.output_config)
     if budget is not None:
         chat["thinking_token_budget"] = budget
-    try:
-        return ChatCompletionRequest.model_validate(chat), where
-    except ValidationError as e:  # every field is checked above: this names what slipped through
-        err = e.errors()[0]
-        loc = field_path(err.get("loc", ()))
-        raise _bad(f"the request cannot be run as a chat completion: {loc}: {err.get('msg')}", None) from None
+    return chat
 
 
 async def create_message(serving: OpenAIServing, req: MessagesRequest, gone: ClientGone) -> ServingResult:
