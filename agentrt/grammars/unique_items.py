@@ -89,81 +89,93 @@ def unique_plan(schema: dict, best_effort: bool = False, not_enforced: list[str]
     (either part absent: that container type is not followed; a node value None: not followed).
     Raises UnsupportedSchemaError for a marker in an ambiguous place, or under `best_effort`
     drops it and appends "uniqueItems at pointer" to `not_enforced`. JSON-serializable."""
-    defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
-    nodes: list[dict | None] = []
-    memo: dict[int, int] = {}
-    ambiguous: list[tuple[str, str]] = []  # (marker pointer, where)
+    planner = _Planner(schema.get("$defs", {}) if isinstance(schema, dict) else {})
+    planner.node(schema)
+    for pointer, where in planner.ambiguous:
+        if not best_effort:
+            raise UnsupportedSchemaError("uniqueItems", pointer, _AMBIGUOUS.format(where=where))
+        if not_enforced is not None:
+            not_enforced.append(f"uniqueItems at {pointer} ({where})")
+    return planner.nodes  # under best effort the ambiguous places are not followed (not checked)
 
-    def resolve(s, seen=()):
+
+class _Planner:
+    """Builds unique_plan's nodes over one normalized schema; collects the markers it finds in
+    ambiguous places as (marker pointer, where)."""
+
+    def __init__(self, defs: dict):
+        self.defs = defs
+        self.nodes: list[dict | None] = []
+        self.memo: dict[int, int] = {}  # id(subschema) -> its node
+        self.ambiguous: list[tuple[str, str]] = []  # (marker pointer, where)
+
+    def resolve(self, s, seen=()):
+        """`s` with its local $refs followed (a cycle resolves to {})."""
         while isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#/$defs/"):
             name = s["$ref"][len("#/$defs/") :]
             if name in seen:
                 return {}
             seen = (*seen, name)
-            s = defs.get(name, {})
+            s = self.defs.get(name, {})
         return s
 
-    def check(s, where: str, visited: set[int]) -> None:
+    def check(self, s, where: str, visited: set[int]) -> None:
         """Record every marker reachable from `s` (any keyword) as ambiguous."""
-        s = resolve(s)
+        s = self.resolve(s)
         if isinstance(s, list):
             for x in s:
-                check(x, where, visited)
+                self.check(x, where, visited)
             return
         if not isinstance(s, dict) or id(s) in visited:
             return
         visited.add(id(s))
         if (mark := _mark(s)) is not None:
-            ambiguous.append((mark, where))
+            self.ambiguous.append((mark, where))
         for k, v in s.items():
             if k not in ("enum", "const") and isinstance(v, (dict, list)):
-                check(v, where, visited)
+                self.check(v, where, visited)
 
-    def node(s) -> int | None:
-        s = resolve(s)
+    def node(self, s) -> int | None:
+        """The index of the node of subschema `s` (added, with the nodes below it, on first sight), or
+        None where values are not followed."""
+        s = self.resolve(s)
         if not isinstance(s, dict):
             return None
-        if id(s) in memo:
-            return memo[id(s)]
-        idx = memo[id(s)] = len(nodes)
-        nodes.append(None)
-        branches = [resolve(b) for b in s["anyOf"]] if "anyOf" in s else [s]
+        if id(s) in self.memo:
+            return self.memo[id(s)]
+        idx = self.memo[id(s)] = len(self.nodes)
+        self.nodes.append(None)
+        branches = [self.resolve(b) for b in s["anyOf"]] if "anyOf" in s else [s]
         entry: dict = {}
         for kind in ("object", "array"):
             mine = [b for b in branches if _may_be(b, kind)]
             if len(mine) == 1 and mine[0].get("type") == kind:
-                entry[kind] = _object(mine[0]) if kind == "object" else _array(mine[0])
+                entry[kind] = self._object(mine[0]) if kind == "object" else self._array(mine[0])
             else:  # which branch a value obeys is not decided by its container type
                 for b in mine:
-                    check(b, "anyOf branches of one container type", set())
-        nodes[idx] = entry
+                    self.check(b, "anyOf branches of one container type", set())
+        self.nodes[idx] = entry
         return idx
 
-    def _object(b: dict) -> dict:
-        props = {k: node(v) for k, v in b.get("properties", {}).items()}
+    def _object(self, b: dict) -> dict:
+        """The object part of a node: its properties' nodes and additionalProperties' node."""
+        props = {k: self.node(v) for k, v in b.get("properties", {}).items()}
         addl = b.get("additionalProperties", {})
         if "patternProperties" in b:  # a key's subschema depends on which pattern it matches
             for v in b["patternProperties"].values():
-                check(v, "patternProperties", set())
-            check(addl, "additionalProperties beside patternProperties", set())
+                self.check(v, "patternProperties", set())
+            self.check(addl, "additionalProperties beside patternProperties", set())
             return {"p": props, "a": None}
-        return {"p": props, "a": node(addl)}
+        return {"p": props, "a": self.node(addl)}
 
-    def _array(b: dict) -> dict:
+    def _array(self, b: dict) -> dict:
+        """The array part of a node: prefixItems' and items' nodes, the marker's pointer if any."""
         if "contains" in b:
-            check(b["contains"], "contains", set())
-        out = {"pi": [node(x) for x in b.get("prefixItems", [])], "i": node(b.get("items", {}))}
+            self.check(b["contains"], "contains", set())
+        out = {"pi": [self.node(x) for x in b.get("prefixItems", [])], "i": self.node(b.get("items", {}))}
         if (mark := _mark(b)) is not None:
             out["u"] = mark
         return out
-
-    node(schema)
-    for pointer, where in ambiguous:
-        if not best_effort:
-            raise UnsupportedSchemaError("uniqueItems", pointer, _AMBIGUOUS.format(where=where))
-        if not_enforced is not None:
-            not_enforced.append(f"uniqueItems at {pointer} ({where})")
-    return nodes  # under best effort the ambiguous places are not followed (not checked)
 
 
 def _may_be(s, kind: str) -> bool:
