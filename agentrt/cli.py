@@ -15,17 +15,6 @@ from agentrt.engine_args import add_engine_args, engine_config
 from agentrt.server_args import add_serve_args, exposure_warning, server_options
 
 
-def describe_attention(backend: str, kv_dtype) -> tuple[str, str]:
-    """(the attention backend as the start line names it, the KV pool's dtype name): the cpu backend
-    says where a pool's dtype sends attention to torch's path instead (kv_dtype a torch.dtype)."""
-    from agentrt.runtime.attention import kernel_reads_pool
-
-    kv = str(kv_dtype).removeprefix("torch.")
-    if backend == "cpu" and not kernel_reads_pool(kv_dtype):
-        backend += f" (torch's path: the C++ kernel does not read a {kv} pool; not batch-invariant)"
-    return backend, kv
-
-
 def serve(args: argparse.Namespace) -> int:
     if args.replicas != 1 or args.ray_address is not None:
         from agentrt.scaleout.deploy import serve_replicas
@@ -166,7 +155,9 @@ def ready_message(args: argparse.Namespace, api_keys: bool) -> str:
 def start_line(args: argparse.Namespace, runner) -> str:
     """serve's start line: the model on its device, weight format, threads, attention and KV,
     CUDA graphs, context and full-context sequences, then the memory plan."""
-    graphs = runner.graphs.batch_sizes if runner.graphs is not None and runner.graphs.graphs else None
+    graphs = list(runner.cuda_graph_sizes)
+    from agentrt.runtime.backends import describe_attention
+
     attention, kv = describe_attention(runner.attention_backend, runner.kv_dtype)
     return (
         f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.backends import run_chunks
 from agentrt.runtime.config import EngineConfig
-from agentrt.runtime.model_runner import SeqChunk, run_chunks
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.request import SamplingParams
 from agentrt.speculative.medusa import MedusaHeads, head_targets, train_heads
 

@@ -9,7 +9,7 @@
     python bench/decode_formats.py --ab REV              # step times with the working tree's CPU kernels
                                                          # and REV's, alternating step by step (one process)
     python bench/decode_formats.py --compiled            # each format eager and compiled (compile_decode,
-                                                         # runtime/compiled_decode.py), side by side; with
+                                                         # runtime/backends/compiled_decode.py), side by side; with
                                                          # --start: cold = the build, warm = loading it
 
 The compiled engines build their graphs into the normal cache (AGENTRT_CACHE) on first use (minutes on
@@ -41,7 +41,7 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.model_runner import SeqChunk
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.request import SamplingParams
 
 FORMATS = {  # name -> (dtype, quantization, quantize_lm_head, linear_kernel, attention_backend)
@@ -92,7 +92,7 @@ def make_engine(
         )
     )
     if compiled:
-        c = engine.runner.compiled
+        c = engine.runner.backend.compiled
         print(f"{fmt} compiled: {c.describe()}; engine start {time.perf_counter() - t:.1f} s", flush=True)
         if not c.active:
             raise SystemExit(f"{fmt}: the compiled decode step is off ({c.failure})")

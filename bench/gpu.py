@@ -47,15 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_shapes import SHAPES
 
 from agentrt.prefix_cache import RadixCache
-from agentrt.runtime.cuda_graph import DecodeGraphRunner
+from agentrt.runtime.backends import run_chunks
+from agentrt.runtime.backends.cuda_graph import DecodeGraphRunner
+from agentrt.runtime.backends.triton import SlotTable
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import interpreting
 from agentrt.runtime.kernels.bitmask import apply_token_bitmask
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.model_runner import SeqChunk, run_chunks
 from agentrt.runtime.models.base import DecoderModel
 from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.registry import build_model as build_family_model
-from agentrt.runtime.triton_attention import SlotTable
 
 SCHEMA = {
     "type": "object",
@@ -232,8 +233,8 @@ class Bench:
         """(torch path, Triton path) median seconds of host work to build one decode step's inputs
         at this batch and context (the torch path pads every context's slot list to a tensor; the
         Triton path uploads the one new slot per sequence to the device slot table)."""
-        from agentrt.runtime.attention import build_torch_metadata
-        from agentrt.runtime.triton_attention import build_triton_metadata
+        from agentrt.runtime.backends.torch_attention import build_torch_metadata
+        from agentrt.runtime.backends.triton import build_triton_metadata
 
         seqs = self._sequences(batch)
         times: dict[str, list[float]] = {"torch": [], "triton": []}

@@ -35,12 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from agentrt.runtime import attention as attention_mod
-from agentrt.runtime.attention import KernelRows
+from agentrt.runtime.backends import torch_attention as attention_mod
+from agentrt.runtime.backends.torch_attention import KernelRows
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import QuantizedKV, dequantize_kv, quantize_kv, store_kv
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.loader import resolve_model_dir
 
 QUESTIONS = [  # the prompts of tests/runtime/test_kv_int8.py

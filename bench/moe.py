@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from agentrt.runtime.config import CacheConfig, ModelConfig
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 
 COMMON = {
     "vocab_size": 49152,

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.loader import resolve_model_dir
 from tests.support.families import save_family
 

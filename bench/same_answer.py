@@ -30,11 +30,12 @@ import time
 
 import torch
 
-from agentrt.runtime import attention, hardware
+from agentrt.runtime import hardware
+from agentrt.runtime.backends import torch_attention as attention
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.hugepages import hugepage_buffer
-from agentrt.runtime.model_runner import SeqChunk
 from agentrt.runtime.request import SamplingParams
 
 CHATS = [

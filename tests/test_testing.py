@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from agentrt.runtime.model_runner import SeqChunk
+from agentrt.runtime.forward import SeqChunk
 from agentrt.testing import (
     FakeModelRunner,
     KVCorruptionError,

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from agentrt.runtime.model_runner import SeqChunk
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.request import Request, TokenLogprob
 
 

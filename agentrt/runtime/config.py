@@ -48,7 +48,7 @@ class ModelConfig:
         TRITON_INTERPRET=1: the tests' way to run the kernels without a GPU).
     enforce_eager: never capture CUDA graphs, never compile the decode step.
     compile_decode: on CPU (torch attention), run plain decode steps of up to max_num_seqs sequences
-        through AOTInductor-compiled graphs (runtime/compiled_decode.py), built at start and cached
+        through AOTInductor-compiled graphs (runtime/backends/compiled_decode.py), built at start and cached
         under cache_dir (a first start builds for minutes, later ones load in seconds); eager on any
         build failure. Ignored on CUDA, where decode runs from CUDA graphs.
     cuda_graph_batch_sizes: decode batch sizes captured as CUDA graphs (a batch is padded up to

@@ -35,6 +35,7 @@ from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.batch import BatchPlan, ForwardOutput, SampleOutput, SampleRow
 from agentrt.runtime.config import EngineConfig
 from agentrt.runtime.constraint_steps import ConstraintSteps
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.isolation import (
     fill_rows_one_by_one,
     find_forward_culprits,
@@ -43,7 +44,7 @@ from agentrt.runtime.isolation import (
 )
 from agentrt.runtime.kv_tiers import KVTiers, kv_fingerprint
 from agentrt.runtime.metrics import EngineMetrics, EngineStats, LoadGauges
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.output_processor import OutputProcessor
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, apply_penalties, sample

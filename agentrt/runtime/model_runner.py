@@ -6,58 +6,26 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from agentrt.runtime.attention import build_torch_metadata
+from agentrt.runtime.backends import make_backend
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
-from agentrt.runtime.kv_cache import KVPool, kv_dtype_name, resolve_kv_dtype
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.kv_cache import KVPool, kv_dtype_name
 from agentrt.runtime.kv_window import SlidingWindowKVPool, plan_window_pool
 from agentrt.runtime.models.config import check_config_counts
-from agentrt.runtime.models.formats import four_bit_layers, load_model
+from agentrt.runtime.models.formats import load_model
 from agentrt.runtime.models.loader import (
     collect_stop_ids,
     load_tokenizer,
     read_chat_template,
-    resolve_device_dtype,
     resolve_model_dir,
 )
 from agentrt.runtime.models.registry import arch_from_hf_config
-from agentrt.runtime.platform import (
-    choose_attention_backend,
-    choose_dtype,
-    choose_linear_kernel,
-    choose_threads,
-    deterministic_problem,
-)
-
-if TYPE_CHECKING:
-    from agentrt.runtime.triton_attention import SlotTable
+from agentrt.runtime.run_plan import plan_run
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqChunk:
-    """One sequence's part of a forward: `token_ids` new tokens at positions
-    [context_len, context_len + len(token_ids)); `slots` are the KV slots of the whole context
-    including the new tokens (len == context_len + len(token_ids)). `need_logits`: return the
-    logits of the last `num_logits` new tokens (False for a prefill chunk that does not end the
-    prompt; num_logits > 1 for a speculative verify chunk). `positions`: explicit positions of the
-    new tokens (a draft tree: context_len + depth), with `tree_mask` [n, n] bool saying which new
-    tokens each attends to; None = consecutive positions, causal. `seq_key`: identifies the
-    sequence across steps (the Triton path keeps its slots on the device and uploads only new
-    ones); None = anonymous (uploaded in full)."""
-
-    token_ids: list[int]
-    context_len: int
-    slots: list[int]
-    need_logits: bool = True
-    num_logits: int = 1
-    positions: list[int] | None = None
-    tree_mask: torch.Tensor | None = None
-    seq_key: object | None = None
 
 
 @dataclass(frozen=True)
@@ -168,91 +136,55 @@ class ModelRunner:
         check_config_counts(json.loads((self.model_dir / "config.json").read_text()))
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.arch = arch_from_hf_config(hf_config)
-        self.device, self.dtype = resolve_device_dtype(model_config.device, model_config.dtype)
-        dtype_reason = choose_dtype(self.device, model_config.dtype)[1]
-        self.num_threads, threads_reason = choose_threads(model_config.threads)
+        self.plan = plan = plan_run(model_config, cache_config, self.arch, self.model_dir)
+        self.device, self.dtype, self.num_threads = plan.device, plan.dtype, plan.threads
+        self.max_model_len, self.kv_dtype, self.attention_backend = (
+            plan.max_model_len,
+            plan.kv_dtype,
+            plan.backend,
+        )
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)
-        limit = self.arch.max_position_embeddings
-        self.max_model_len = model_config.max_model_len or limit
-        if self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens"
-            )
-        backend, backend_reason = choose_attention_backend(
-            model_config.attention_backend, self.device, self.dtype, model_config.cache_dir
-        )
-        compiled = (
-            model_config.compile_decode
-            and not model_config.enforce_eager
-            and backend in ("torch", "cpu")
-            and self.arch.llama_layout()
-        )
+        self._load_tokenizer(model_config, hf_config)
+        self.model, self.weight_format = load_model(
+            self.arch, self.max_model_len, self.model_dir, self.device, self.dtype, plan.dtype_reason,
+            plan.quantization, plan.group_size, plan.quantize_lm_head, model_config.cache_dir,
+            (plan.linear_kernel, plan.linear_reason), cpu_kernels=plan.cpu_kernels, ops=plan.ops,
+        )  # fmt: skip
+        if model_config.quantization == "auto":
+            self.weight_format = dataclasses.replace(self.weight_format, quant_reason=plan.quant_reason)
+        self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
+        self._make_pool_and_plan(cache_config, max_num_seqs, max_num_batched_tokens, spec_config)
+        self.backend = make_backend(
+            plan.backend, self.model, self.kv, self.device, reason=plan.backend_reason, compiled=plan.compiled,
+            max_num_seqs=max_num_seqs, max_len=self.max_model_len,
+            graph_batch_sizes=model_config.cuda_graph_batch_sizes,
+            capture_graphs=self.device.type == "cuda" and not model_config.enforce_eager,
+            cache_dir=model_config.cache_dir, threads=self.num_threads,
+        )  # fmt: skip
+        # the decode batch sizes replayed from captured CUDA graphs (() without them)
+        self.cuda_graph_sizes: tuple[int, ...] = self.backend.captured_sizes
+        decode = self.backend.describe()
+        if model_config.compile_decode and not plan.compiled:
+            decode = f"decode eager ({plan.decode_reason})"
+        logger.info(
+            "model %s on %s, weights %s, %d threads (%s), attention %s (%s), context %d, %s; %s",
+            self.model_dir, self.device, self.weight_format.describe(), self.num_threads, plan.threads_reason,
+            plan.backend, plan.backend_reason, self.max_model_len, decode, self.memory_plan.describe(),
+        )  # fmt: skip
+
+    def _load_tokenizer(self, model_config: ModelConfig, hf_config) -> None:
+        """The tokenizer and stop ids (a --chat-template file replaces the model's template)."""
         loaded = load_tokenizer(self.model_dir, hf_config, self.arch.vocab_size)
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         if model_config.chat_template is not None:
             self.tokenizer.chat_template = read_chat_template(model_config.chat_template)
             self.stop_ids = collect_stop_ids(self.tokenizer, self.model_dir, hf_config)
-        quantization, quantize_lm_head = model_config.quantization, model_config.quantize_lm_head
-        group_size = model_config.quant_group_size
-        four_bit = False
-        if quantization == "auto":  # the CPU kernels' formats where they run, else exact weights:
-            kernel = backend == "cpu" and not compiled  # int4 when the weights are 4-bit already
-            four_bit = kernel and four_bit_layers(self.model_dir)
-            if four_bit:
-                quantization, quantize_lm_head, group_size = "int4", True, 32
-            else:
-                quantization, quantize_lm_head = ("int8", True) if kernel else ("none", quantize_lm_head)
-        if model_config.deterministic:
-            problem = deterministic_problem(self.device, self.dtype, backend, compiled, quantization)
-            if problem is not None:
-                raise ValueError(f"--deterministic: {problem}")
-        model, self.weight_format = load_model(
-            self.arch,
-            self.max_model_len,
-            self.model_dir,
-            self.device,
-            self.dtype,
-            dtype_reason,
-            quantization,
-            group_size,
-            quantize_lm_head,
-            model_config.cache_dir,
-            choose_linear_kernel(
-                model_config.linear_kernel,
-                self.device,
-                self.dtype,
-                compiled,
-                model_config.deterministic,
-                backend,
-            ),
-            cpu_kernels=backend == "cpu" and not compiled,
-        )
-        if model_config.quantization == "auto":
-            why = (
-                "the layers' weights are 4-bit already (Q4_1 blocks of 32 give them back): the CPU int4 "
-                "kernel, the LM head int8"
-                if four_bit
-                else "the CPU int8 kernel (the weights are not 4-bit)"
-                if quantization == "int8"
-                else "the CPU int8 and int4 kernels need the CPU at float32 with attention backend cpu, "
-                f"decode not compiled (here {self.device}, {str(self.dtype).removeprefix('torch.')}, "
-                f"attention {backend}{', compiled' if compiled else ''})"
-            )
-            self.weight_format = dataclasses.replace(self.weight_format, quant_reason=f"auto: {why}")
-        self.model = model
-        self.weights_bytes = sum(n for _, n in self.weight_format.bytes)
+
+    def _make_pool_and_plan(self, cache_config, max_num_seqs, max_num_batched_tokens, spec_config) -> None:
+        """The KV pool (`kv`) in the budget plan_kv_budget leaves (shared with a draft model's pool),
+        and the MemoryPlan that says where the memory went."""
         a = self.arch
-        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
-        if (
-            model_config.deterministic
-            and backend == "cpu"
-            and self.kv_dtype not in (torch.float32, torch.float16, torch.int8)
-        ):
-            raise ValueError(
-                f"--deterministic: the CPU attention kernel reads float32, float16 or int8 KV, not "
-                f"{kv_dtype_name(self.kv_dtype)} (--kv-cache-dtype)"
-            )
         bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
         budget, reserved, total = plan_kv_budget(
             cache_config,
@@ -270,62 +202,14 @@ class ModelRunner:
             elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
                 budget = int(budget * a.num_layers / (a.num_layers + n))
         self.kv, window_kv = self._make_pool(
-            cache_config, backend, budget, max_num_seqs, max_num_batched_tokens, spec_config
+            cache_config, budget, max_num_seqs, max_num_batched_tokens, spec_config
         )
         self.memory_plan = MemoryPlan(
-            str(self.device),
-            self.weights_bytes,
-            self.kv.bytes_per_token,
-            self.kv.pool_bytes,
-            self.kv.num_slots,
-            reserved,
-            total,
-            self.weight_format.bytes,
-            kv_dtype_name(self.kv_dtype),
+            str(self.device), self.weights_bytes, self.kv.bytes_per_token, self.kv.pool_bytes, self.kv.num_slots,
+            reserved, total, self.weight_format.bytes, kv_dtype_name(self.kv_dtype),
             () if self.kv.window else kv_tokens_per_gib(a),  # (a plain pool's)
             window_kv,
-        )
-        self.attention_backend = backend
-        self.slot_table = self.graphs = None
-        if backend == "triton":
-            from agentrt.runtime.cuda_graph import DecodeGraphRunner
-            from agentrt.runtime.triton_attention import SlotTable
-
-            # a verify chunk may hold up to 65 tokens past the context (1 + 64 draft nodes, SpecConfig)
-            self.slot_table = SlotTable(2 * max_num_seqs + 8, self.max_model_len + 128, self.device)
-            sizes = [b for b in model_config.cuda_graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
-            capture = self.device.type == "cuda" and not model_config.enforce_eager
-            self.graphs = DecodeGraphRunner(
-                model, self.kv.k, self.kv.v, self.slot_table, sizes, self.device, capture, self.kv.swa_map
-            )
-        self.compiled = None  # CompiledDecode on CPU with compile_decode (see compiled_decode.py)
-        decode = "decode eager"
-        if model_config.compile_decode and backend in ("torch", "cpu") and self.device.type == "cpu":
-            if model_config.enforce_eager:
-                decode = "decode eager (enforce_eager)"
-            elif not self.arch.llama_layout():
-                decode = f"decode eager (the compiled decode knows the Llama layout only, not {self.arch.architecture})"
-            else:
-                from agentrt.runtime.compiled_decode import CompiledDecode
-
-                self.compiled = CompiledDecode(
-                    model, self.kv.k, self.kv.v, max_num_seqs, model_config.cache_dir, self.num_threads
-                )
-                self.compiled.start()
-                decode = self.compiled.describe()
-        logger.info(
-            "model %s on %s, weights %s, %d threads (%s), attention %s (%s), context %d, %s; %s",
-            self.model_dir,
-            self.device,
-            self.weight_format.describe(),
-            self.num_threads,
-            threads_reason,
-            backend,
-            backend_reason,
-            self.max_model_len,
-            decode,
-            self.memory_plan.describe(),
-        )
+        )  # fmt: skip
 
     def expert_load(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """(layer index, tokens routed to each expert since start) of every MoE layer; () for a dense
@@ -341,25 +225,9 @@ class ModelRunner:
         """Logits [N, vocab] fp32 (N = sum of num_logits over chunks with need_logits, in order);
         with return_hidden, (logits, hidden [N, hidden_size] after the final norm)."""
         self.kv.sync_map()  # a GPU sliding-window pool: the slot -> row changes since the last step
-        if self.graphs is not None and not return_hidden and self.graphs.accepts(chunks):
-            return self.graphs.run(chunks)
-        if self.compiled is not None and not return_hidden and self.compiled.accepts(chunks):
-            logits = self.compiled.run(chunks)
-            if logits is not None:  # None: the compiled step failed and is off now; run it eagerly
-                return logits
-        return run_chunks(
-            self.model,
-            self.kv.k,
-            self.kv.v,
-            chunks,
-            self.device,
-            return_hidden,
-            self.slot_table,
-            self.attention_backend == "cpu",
-            self.kv.swa_map,
-        )
+        return self.backend.run(chunks, return_hidden)
 
-    def _make_pool(self, cache_config, backend, budget, max_num_seqs, max_num_batched_tokens, spec_config):
+    def _make_pool(self, cache_config, budget, max_num_seqs, max_num_batched_tokens, spec_config):
         """(the KV pool, what the memory plan says of the windowed layers): a SlidingWindowKVPool when
         the model has sliding-window layers and nothing here needs every layer per token, else a
         KVPool (the reason in the second item, "" for a model without windows)."""
@@ -401,35 +269,3 @@ class ModelRunner:
             f"{kv.num_window_slots} rows x "
             f"{kv.window_bytes_per_token} bytes/row the windowed layers' for the tokens still attended"
         )
-
-
-@torch.inference_mode()
-def run_chunks(
-    model,
-    k_caches,
-    v_caches,
-    chunks: list[SeqChunk],
-    dev: torch.device,
-    return_hidden: bool = False,
-    slot_table: SlotTable | None = None,
-    cpu_kernel: bool = False,
-    swa_map: torch.Tensor | None = None,
-):
-    """One forward of `model` (forward(ids, positions, k_caches, v_caches, meta) -> hidden,
-    compute_logits(hidden) -> logits) over a flat batch of chunks; see ModelRunner.execute.
-    With a slot_table the Triton kernels run, else the torch path (decode attention through the
-    C++ kernel with cpu_kernel, which must be loaded). An empty batch gives logits [0, vocab]."""
-    if not chunks:
-        empty = torch.empty(0, model.arch.vocab_size, device=dev)
-        return (empty, torch.empty(0, model.arch.hidden_size, device=dev)) if return_hidden else empty
-    if slot_table is not None:
-        from agentrt.runtime.triton_attention import build_triton_metadata
-
-        batch = build_triton_metadata(chunks, slot_table, dev)
-    else:
-        batch = build_torch_metadata(chunks, dev, cpu_kernel)
-    batch.meta.swa_map = swa_map
-    hidden = model(batch.input_ids, batch.positions, k_caches, v_caches, batch.meta)
-    rows = hidden[batch.logit_idx]
-    logits = model.compute_logits(rows)
-    return (logits, rows) if return_hidden else logits

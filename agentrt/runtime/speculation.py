@@ -32,12 +32,14 @@ from pathlib import Path
 import torch
 
 from agentrt.errors import InternalError
+from agentrt.runtime.backends import run_chunks
 from agentrt.runtime.batch import BatchPlan
 from agentrt.runtime.config import CacheConfig, ModelConfig, SpecConfig
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
 from agentrt.runtime.metrics import EngineStats
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk, run_chunks
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, sample, target_probs
 from agentrt.speculative.medusa import MedusaHeads

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.model_runner import SeqChunk
 
 MAX_CACHED_ROW_BYTES = 16 << 20
 """Bytes of logits rows a FakeModelRunner keeps (oldest dropped first; a row is recomputed when
@@ -179,7 +179,7 @@ class FakeModelRunner:
         self.dtype = torch.float32
         self.kv = _CheckedKVPool(num_kv_slots, self.device)
         self.attention_backend = "fake"
-        self.graphs = None
+        self.cuda_graph_sizes = ()
         self.memory_plan = None
         self.window, self.seed = window, seed
         self.forwards: list[ForwardRecord] = []

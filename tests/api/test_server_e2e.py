@@ -124,7 +124,7 @@ def test_start_line_says_where_a_kv_dtype_takes_attention_off_the_kernel():
     and int8 pools): the start line says so; the kernel's own dtypes are named plainly."""
     import torch
 
-    from agentrt.cli import describe_attention
+    from agentrt.runtime.backends import describe_attention
 
     assert describe_attention("cpu", torch.float32) == ("cpu", "float32")
     assert describe_attention("cpu", torch.int8) == ("cpu", "int8")

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.runtime import hardware
-from agentrt.runtime.attention import KernelRows, kernel_rows
+from agentrt.runtime.backends.torch_attention import KernelRows, kernel_rows
 from agentrt.runtime.config import default_cache_dir
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels
-from agentrt.runtime.model_runner import SeqChunk
 
 FAILURE = cpu_kernels.load(default_cache_dir())
 pytestmark = pytest.mark.skipif(FAILURE is not None, reason=f"the C++ kernels are unavailable: {FAILURE}")

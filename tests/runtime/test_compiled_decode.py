@@ -1,4 +1,4 @@
-"""Compiled decode step on CPU (runtime/compiled_decode.py): parity with the eager step, the eager
+"""Compiled decode step on CPU (runtime/backends/compiled_decode.py): parity with the eager step, the eager
 fallback, --enforce-eager, the artefacts under the cache directory.
 
 Building the three graphs of a tiny model takes 1-3 minutes on the 2-core development box, so the
@@ -13,10 +13,11 @@ import os
 import pytest
 import torch
 
-from agentrt.runtime import compiled_decode
+from agentrt.runtime.backends import compiled_decode, run_chunks
+from agentrt.runtime.backends.compiled_decode import CompiledDecodeBackend
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.model_runner import SeqChunk, run_chunks
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.request import SamplingParams
 from tests.support.models import make_tiny_model
 
@@ -61,16 +62,15 @@ def make_engine(tiny, cache_dir, fmt="float32", compile_decode=True, enforce_eag
 @pytest.fixture(scope="module")
 def compiled_engine(tiny, cache_dir):
     engine = make_engine(tiny, cache_dir)
-    assert engine.runner.compiled is not None and engine.runner.compiled.active, (
-        engine.runner.compiled.failure
-    )
+    assert isinstance(engine.runner.backend, CompiledDecodeBackend)
+    assert engine.runner.backend.compiled.active, engine.runner.backend.compiled.failure
     return engine
 
 
 @pytest.fixture(scope="module")
 def eager_engine(tiny, cache_dir):
     engine = make_engine(tiny, cache_dir, compile_decode=False)
-    assert engine.runner.compiled is None
+    assert not isinstance(engine.runner.backend, CompiledDecodeBackend)
     return engine
 
 
@@ -132,7 +132,7 @@ def decode_logits(runner, fn, contexts=(5, 9, 14), steps=4) -> list[torch.Tensor
 def test_enforce_eager_keeps_the_compiled_step_off(tiny, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="agentrt.runtime.model_runner"):
         engine = make_engine(tiny, tmp_path, enforce_eager=True)
-    assert engine.runner.compiled is None
+    assert not isinstance(engine.runner.backend, CompiledDecodeBackend)
     assert "decode eager (enforce_eager)" in caplog.text
     assert not (tmp_path / "compiled-decode").exists()
 
@@ -159,7 +159,7 @@ def test_build_failure_falls_back_to_eager_once_and_keeps_serving(tiny, tmp_path
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
     with caplog.at_level(logging.INFO):
         engine = make_engine(tiny, tmp_path)
-    compiled = engine.runner.compiled
+    compiled = engine.runner.backend.compiled
     assert calls == [1]  # the first build failed; nothing else was tried
     assert not compiled.active and "forced compile failure" in compiled.failure
     warnings = [
@@ -176,7 +176,7 @@ def test_build_failure_falls_back_to_eager_once_and_keeps_serving(tiny, tmp_path
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_logits_and_greedy_tokens(compiled_engine, eager_engine, monkeypatch):
     runner = compiled_engine.runner
-    compiled = runner.compiled
+    compiled = runner.backend.compiled
     got = decode_logits(runner, compiled.run)
     want = decode_logits(
         runner, lambda ch: run_chunks(runner.model, runner.kv.k, runner.kv.v, ch, runner.device)
@@ -200,7 +200,7 @@ def test_compiled_decode_matches_eager_logits_and_greedy_tokens(compiled_engine,
 def test_artefacts_live_under_the_cache_dir_and_load_on_a_second_start(
     compiled_engine, tiny, cache_dir, caplog
 ):
-    compiled = compiled_engine.runner.compiled
+    compiled = compiled_engine.runner.backend.compiled
     assert compiled.package_dir.parent == cache_dir / "compiled-decode"
     assert sorted(p.name for p in compiled.package_dir.iterdir()) == ["first.pt2", "last.pt2", "mid.pt2"]
     inductor = cache_dir / "inductor"
@@ -208,7 +208,7 @@ def test_artefacts_live_under_the_cache_dir_and_load_on_a_second_start(
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(inductor)  # restored after the build
     with caplog.at_level(logging.INFO):
         second = make_engine(tiny, cache_dir)
-    again = second.runner.compiled
+    again = second.runner.backend.compiled
     assert again.active and again.from_cache and again.package_dir == compiled.package_dir
     assert "loaded from cache" in again.describe() and "decode compiled" in caplog.text
     runner = second.runner
@@ -229,7 +229,7 @@ def test_failure_during_a_compiled_step_falls_back_to_eager(
     tiny, cache_dir, compiled_engine, eager_engine, caplog
 ):
     engine = make_engine(tiny, cache_dir)  # loads the module's build
-    compiled = engine.runner.compiled
+    compiled = engine.runner.backend.compiled
     assert compiled.active
     mid = compiled._run_fns["mid"]
     calls = []
@@ -254,7 +254,7 @@ def test_failure_during_a_compiled_step_falls_back_to_eager(
 def test_low_precision_and_quantized_formats_compile_and_match_eager(tiny, cache_dir, fmt):
     engine = make_engine(tiny, cache_dir, fmt)
     runner = engine.runner
-    compiled = runner.compiled
+    compiled = runner.backend.compiled
     assert compiled.active, compiled.failure
     want = decode_logits(
         runner, lambda ch: run_chunks(runner.model, runner.kv.k, runner.kv.v, ch, runner.device)

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentrt.runtime.attention import KernelRows, gather_slots
+from agentrt.runtime.backends.torch_attention import KernelRows, gather_slots
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import KVPool
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.platform import choose_attention_backend
 from tests.support.kernels import KERNEL_FAILURE, needs_kernel, run_fresh
 from tests.support.models import make_tiny_model

@@ -54,7 +54,7 @@ def test_a_build_without_the_cpus_integer_path_is_a_failure_not_a_crash(tmp_path
 ISA_OUTPUTS = """
 import sys, torch
 from pathlib import Path
-from agentrt.runtime.attention import KernelRows
+from agentrt.runtime.backends.torch_attention import KernelRows
 from agentrt.runtime.kernels import cpu_kernels as c
 assert c.load(Path(sys.argv[1]) / "cache") is None, "kernels"
 ops, gen, out = torch.ops.agentrt_cpu, torch.Generator().manual_seed(0), {}

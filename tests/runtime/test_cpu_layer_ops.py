@@ -8,11 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentrt.runtime.attention import apply_rope
+from agentrt.runtime.backends.cpu_stack import CpuStackBackend, decode_stack
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.kernels.cpu_kernels import CPU_OPS
 from agentrt.runtime.layers.norm import RMSNorm
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.layers.rotary import apply_rope
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.quant import (
     Int4BlockLinear,
     Int8Linear,
@@ -39,11 +42,11 @@ def test_rms_norm_and_the_fused_residual_add_match_torch(rows, dim):
     total, normed = ops.add_rms_norm(x, delta, norm.weight, 1e-5)
     assert torch.equal(total, x + delta)  # the residual stream itself is exact
     torch.testing.assert_close(normed, norm(x + delta), rtol=1e-5, atol=1e-6)
+    fused = RMSNorm(dim, 1e-5, ops=CPU_OPS)  # the module on the C++ ops
+    fused.load_state_dict(norm.state_dict())
     with torch.no_grad():  # the module's own entry point, fused or not
-        assert torch.equal(norm.add_forward(delta, x, fused=False)[0], x + delta)
-        torch.testing.assert_close(
-            norm.add_forward(delta, x, fused=True)[1], norm(x + delta), rtol=1e-5, atol=1e-6
-        )
+        assert torch.equal(norm.add_forward(delta, x)[0], x + delta)
+        torch.testing.assert_close(fused.add_forward(delta, x)[1], norm(x + delta), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="weight must be float32 \\[D\\]"):
         ops.rms_norm(x, torch.ones(dim + 1), 1e-5)
     with pytest.raises(RuntimeError, match="contiguous float32 \\[T, D\\]"):
@@ -257,7 +260,7 @@ def test_decode_layers_is_the_layer_by_layer_step_in_one_op(
     )
     r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
     model = r.model
-    assert model.decode_stack() is not None
+    assert isinstance(r.backend, CpuStackBackend)
     prompts = [list(range(100, 117)), list(range(300, 305))]
 
     def run(steps: int = 3):
@@ -277,7 +280,7 @@ def test_decode_layers_is_the_layer_by_layer_step_in_one_op(
     with torch.autograd.profiler.profile() as prof:
         one_op, pools = run()
     assert sum(e.name == "agentrt_cpu::decode_layers" for e in prof.function_events) == 3
-    monkeypatch.setattr(model, "decode_stack", lambda: None)  # the layer-by-layer fused ops
+    monkeypatch.setattr(r, "backend", r.backend.eager)  # the layer-by-layer C++ ops
     with torch.autograd.profiler.profile() as prof:
         layers, layer_pools = run()
     assert not any(e.name == "agentrt_cpu::decode_layers" for e in prof.function_events)
@@ -286,14 +289,13 @@ def test_decode_layers_is_the_layer_by_layer_step_in_one_op(
     monkeypatch.undo()
 
     # a self-draft's early exit (num_layers) runs the first layers only, in the op too
-    from agentrt.runtime.attention import build_torch_metadata
+    from agentrt.runtime.backends.torch_attention import build_torch_metadata
 
     slots = r.kv.allocate(8)
     r.execute([SeqChunk(list(range(50, 57)), 0, slots[:7])])
     batch = build_torch_metadata([SeqChunk([9], 7, slots[:8])], torch.device("cpu"), cpu_kernel=True)
     with torch.no_grad():
-        early = model(batch.input_ids, batch.positions, r.kv.k, r.kv.v, batch.meta, num_layers=1)
-        monkeypatch.setattr(model, "decode_stack", lambda: None)
+        early = decode_stack(model, batch, r.kv.k, r.kv.v, r.backend.stack, num_layers=1)
         early_layers = model(batch.input_ids, batch.positions, r.kv.k, r.kv.v, batch.meta, num_layers=1)
     assert torch.equal(early, early_layers)
 
@@ -448,7 +450,9 @@ def test_auto_takes_int4_where_the_weights_are_4_bit_already(default_model_dir, 
     )
     r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=1 << 20))
     assert r.weight_format.quantization == "int4" and r.weight_format.group_size == 32
-    assert isinstance(r.model.layers[0].self_attn.qkv_proj, Int4BlockLinear) and r.model.decode_stack()
+    assert isinstance(r.model.layers[0].self_attn.qkv_proj, Int4BlockLinear) and isinstance(
+        r.backend, CpuStackBackend
+    )
     assert isinstance(r.model.lm_head, Int8Linear) and r.model.lm_head.use_kernel
     text = r.weight_format.describe()
     assert "(LM head int8" in text and "the layers' weights are 4-bit already" in text

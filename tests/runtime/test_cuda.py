@@ -13,7 +13,7 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.model_runner import SeqChunk
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.request import SamplingParams
 from tests.support.models import chat_ids
 from tests.support.paths import ROOT
@@ -55,7 +55,7 @@ def test_cuda_bf16_greedy_matches_cpu_fp32(default_model_dir, tokenizer):
             runner.kv.free(slots)
         logits[name] = torch.cat(rows)
     gpu = engines["cuda"].runner
-    assert gpu.attention_backend == "triton" and gpu.graphs.graphs and gpu.graphs.num_runs > 0
+    assert gpu.attention_backend == "triton" and gpu.backend.graphs.graphs and gpu.backend.graphs.num_runs > 0
     assert outs["cuda"] == outs["cpu"]
     ref, got = logits["cpu"], logits["cuda"]
     assert torch.equal(ref.argmax(-1), got.argmax(-1))

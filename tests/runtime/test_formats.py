@@ -11,8 +11,9 @@ import torch
 from agentrt.runtime import hardware, platform
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.hardware import onednn_usable
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.cpu_linear import OneDNNLinear
 from agentrt.runtime.models.quant import (
     Int4BlockLinear,

@@ -43,7 +43,8 @@ import torch
 
 from agentrt.commands.check import check_model
 from agentrt.runtime.config import CacheConfig, ModelConfig
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.gguf_meta import read_gguf
 from agentrt.runtime.models.loader import resolve_model_dir
 from tests.support.families import family_config

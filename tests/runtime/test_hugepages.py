@@ -9,8 +9,9 @@ from torch import nn
 
 from agentrt.runtime import hugepages
 from agentrt.runtime.config import CacheConfig, ModelConfig
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.hugepages import HUGE_PAGE, hugepage_buffer, move_to_hugepages, thp_mode
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from tests.support.models import make_tiny_model
 
 needs_thp = pytest.mark.skipif(thp_mode() == "never", reason="the kernel gives no transparent huge pages")

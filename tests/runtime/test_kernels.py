@@ -221,8 +221,8 @@ def test_rope_and_store_partial_rotary(num_heads, num_kv_heads, head_dim, rotary
     """Partial rotary (cos/sin tables [max_positions, rotary_dim // 2]): the first rotary_dim features of
     q and k rotated as the reference and attention.apply_rope (transformers' Phi-3) rotate them, the
     rest of q, k and all of v copied bit for bit; padding rows store nothing."""
-    from agentrt.runtime.attention import apply_rope
     from agentrt.runtime.kernels.rope_store import rope_and_store, rope_and_store_ref
+    from agentrt.runtime.layers.rotary import apply_rope
 
     gen = torch.Generator().manual_seed(head_dim + rotary_dim)
     t = 9

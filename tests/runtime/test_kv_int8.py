@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentrt.runtime.attention import KernelRows, apply_rope
+from agentrt.runtime.backends.cpu_stack import CpuStackBackend
+from agentrt.runtime.backends.torch_attention import KernelRows
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels, triton_usable
 from agentrt.runtime.kv_cache import (
     KVPool,
@@ -32,7 +34,8 @@ from agentrt.runtime.kv_cache import (
     quantize_kv,
     resolve_kv_dtype,
 )
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.layers.rotary import apply_rope
+from agentrt.runtime.model_runner import ModelRunner
 from tests.support.kernels import needs_kernel
 
 needs_triton = pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="triton is not installed")
@@ -272,11 +275,11 @@ def test_backends_agree_on_an_int8_pool(tiny_gqa_llama_dir, monkeypatch):
     torch.testing.assert_close(prefill_then_decode(cpu, PROMPTS), ref, atol=1e-4, rtol=1e-4)
     # int8 weights: the whole decoder stack in one C++ op vs the same kernels layer by layer
     cpu = tiny_runner(tiny_gqa_llama_dir, "cpu", "int8", quantization="int8")
-    assert cpu.kv.quantized and cpu.model.decode_stack() is not None
+    assert cpu.kv.quantized and isinstance(cpu.backend, CpuStackBackend)
     with torch.autograd.profiler.profile() as prof:
         stacked = prefill_then_decode(cpu, PROMPTS)
     assert sum(e.name == "agentrt_cpu::decode_layers" for e in prof.function_events) == 3
-    monkeypatch.setattr(cpu.model, "decode_stack", lambda: None)
+    monkeypatch.setattr(cpu, "backend", cpu.backend.eager)  # the same C++ kernels layer by layer
     layers = prefill_then_decode(cpu, PROMPTS)
     monkeypatch.undo()
     assert torch.equal(stacked, layers)  # the same kernels in the same order
@@ -297,9 +300,10 @@ def test_compiled_decode_stores_into_an_int8_pool(tiny_gqa_llama_dir, tmp_path):
         compile_decode=True, cache_dir=tmp_path,
     )  # fmt: skip
     r = ModelRunner(cfg, CacheConfig(kv_cache_bytes=4 << 20, kv_cache_dtype="int8"), max_num_seqs=4)
-    assert r.compiled is not None and r.compiled.active, r.compiled and r.compiled.failure
+    compiled = r.backend.compiled
+    assert compiled.active, compiled.failure
     got = prefill_then_decode(r, PROMPTS)
-    assert r.compiled.num_runs > 0
+    assert compiled.num_runs > 0
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
 
 

@@ -7,7 +7,8 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.request import SamplingParams
 from tests.support.models import chat_ids, chunked_logits_error, make_tiny_model
 

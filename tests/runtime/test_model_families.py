@@ -16,7 +16,8 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from agentrt.runtime.engine import Engine
-from agentrt.runtime.model_runner import ModelRunner, SeqChunk
+from agentrt.runtime.forward import SeqChunk
+from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.request import SamplingParams
 from tests.support.families import save_family
 from tests.support.models import chunked_logits_error

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from agentrt.grammars.spec import ConstraintSpec
+from agentrt.runtime.backends import run_chunks
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import triton_usable
-from agentrt.runtime.model_runner import SeqChunk, plan_kv_budget, run_chunks
+from agentrt.runtime.model_runner import plan_kv_budget
 from agentrt.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -75,7 +77,9 @@ def test_triton_engine_matches_torch_engine(tiny_gqa_llama_dir, tokenizer):
         outs[backend] = [[o.token_ids for o in eng.generate(reqs)] for _ in range(2)]  # cold, then warm
         if backend == "triton":
             assert eng.runner.attention_backend == "triton"
-            assert eng.runner.graphs.num_runs > 0  # decode steps went through the padded static buffers
+            assert (
+                eng.runner.backend.graphs.num_runs > 0
+            )  # decode steps went through the padded static buffers
             assert eng.stats.num_cached_prompt_tokens > 0
         eng.grammar.shutdown()
     assert outs["triton"] == outs["torch"]
@@ -98,11 +102,9 @@ def test_graph_path_logits_match_reference_with_padding(tiny_gqa_llama_dir):
     ref_prefill = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks_prefill, runner.device)
     k_before = [k.clone() for k in runner.kv.k]
     ref = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks_decode, runner.device)
-    assert runner.graphs.accepts(chunks_decode) and runner.graphs.padded_size(3) == 4
+    assert runner.backend.graphs.accepts(chunks_decode) and runner.backend.graphs.padded_size(3) == 4
     via_graph = runner.execute(chunks_decode)
-    eager = run_chunks(
-        runner.model, runner.kv.k, runner.kv.v, chunks_decode, runner.device, slot_table=runner.slot_table
-    )
+    eager = runner.backend.eager.run(chunks_decode)
     torch.testing.assert_close(via_graph, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(eager, ref, atol=1e-4, rtol=1e-4)
     used = {s for c in chunks_decode for s in c.slots}
@@ -123,20 +125,20 @@ def test_graph_path_logits_match_reference_with_padding(tiny_gqa_llama_dir):
         [SeqChunk([1] * 7, 0, extra[:7]), SeqChunk([2] * 7, 0, extra[8:15])],
         runner.device,
     )
-    assert not runner.graphs.accepts(more)
-    runs = runner.graphs.num_runs
+    assert not runner.backend.graphs.accepts(more)
+    runs = runner.backend.graphs.num_runs
     torch.testing.assert_close(
         runner.execute(more),
         run_chunks(runner.model, runner.kv.k, runner.kv.v, more, runner.device),
         atol=1e-4,
         rtol=1e-4,
     )
-    assert runner.graphs.num_runs == runs
+    assert runner.backend.graphs.num_runs == runs
     eng.grammar.shutdown()
 
 
 def test_slot_table_uploads_changes_and_recycles_rows():
-    from agentrt.runtime.triton_attention import SlotTable
+    from agentrt.runtime.backends.triton import SlotTable
 
     table = SlotTable(num_rows=3, max_len=16, device=torch.device("cpu"))
     rows = table.sync([("a", [4, 5, 6]), ("b", [9])])
@@ -217,9 +219,7 @@ def test_verify_chunks_with_draft_trees_match_reference(tiny_gqa_llama_dir):
         else:
             chunks.append(SeqChunk([ids[-1]], ctx, slots[: ctx + 1], seq_key=i))
     ref = run_chunks(runner.model, runner.kv.k, runner.kv.v, chunks, runner.device)
-    got = run_chunks(
-        runner.model, runner.kv.k, runner.kv.v, chunks, runner.device, slot_table=runner.slot_table
-    )
+    got = runner.backend.eager.run(chunks)
     assert ref.shape[0] == 1 + len(tree) + 4 + 1
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     eng.grammar.shutdown()
@@ -234,13 +234,13 @@ def test_triton_backend_needs_a_usable_device(tiny_gqa_llama_dir, monkeypatch):
 def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
     """Found by the adversarial pass: strided head vectors, a refused slot-table batch leaving
     stale bookkeeping, NaN rows in the sampler, zero-sized scheduler limits, bogus devices."""
+    from agentrt.runtime.backends.triton import SlotTable
     from agentrt.runtime.config import SchedulerConfig
     from agentrt.runtime.kernels import interpreting
     from agentrt.runtime.kernels.decode_attention import decode_attention
     from agentrt.runtime.models.loader import resolve_device_dtype
     from agentrt.runtime.request import Request
     from agentrt.runtime.sampler import sample
-    from agentrt.runtime.triton_attention import SlotTable
 
     q = torch.zeros(1, 4, 128)[:, :, ::2]  # head vectors with stride 2
     with pytest.raises(ValueError, match="q needs a contiguous last dimension"):

@@ -10,8 +10,8 @@ import torch
 
 from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from agentrt.runtime.engine import Engine
+from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import triton_usable
-from agentrt.runtime.model_runner import SeqChunk, run_chunks
 
 pytestmark = pytest.mark.skipif(
     not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
@@ -44,9 +44,7 @@ def test_deterministic_triton_rows_do_not_depend_on_the_batch_or_the_chunks(tiny
 
     def prefill(parts):  # parts: (seq index, start, end) -> last-token logits per part
         chunks = [SeqChunk(seqs[i][0][a:b], a, seqs[i][1][:b], seq_key=seqs[i][2]) for i, a, b in parts]
-        return run_chunks(
-            runner.model, runner.kv.k, runner.kv.v, chunks, runner.device, slot_table=runner.slot_table
-        )
+        return runner.backend.eager.run(chunks)
 
     def decode(idx):
         chunks = [SeqChunk(seqs[i][0][-1:], lens[i], seqs[i][1], seq_key=seqs[i][2]) for i in idx]
@@ -61,7 +59,7 @@ def test_deterministic_triton_rows_do_not_depend_on_the_batch_or_the_chunks(tiny
     three = decode([2, 0, 1])  # padded to 4
     assert torch.equal(three[1], one)
     assert torch.equal(decode([1, 0])[1], one)
-    assert runner.graphs.num_runs >= 3
+    assert runner.backend.graphs.num_runs >= 3
     eng.grammar.shutdown()
 
 

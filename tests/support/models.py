@@ -50,7 +50,7 @@ def chunked_logits_error(runner, hf, ids: list[int], prefill: int, chunk_end: in
     end (the logits of each step's last token against transformers' full forward)."""
     import torch
 
-    from agentrt.runtime.model_runner import SeqChunk
+    from agentrt.runtime.forward import SeqChunk
 
     n = len(ids)
     slots = runner.kv.allocate(n)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from agentrt.runtime.forward import LayerOps
 from agentrt.runtime.kernels import dot_precision, upcast_dot
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # the one tile shape (any M)
@@ -180,3 +181,19 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """Torch reference of `rms_norm` (models.llama.RMSNorm's arithmetic)."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _add_rms_norm(x, residual, weight, eps, cast_last=False):
+    residual = x if residual is None else residual + x
+    return residual, rms_norm(residual, weight, eps)
+
+
+def invariant_ops(silu_mul) -> LayerOps:
+    """LayerOps whose norms run the batch-invariant `rms_norm` (cast_last: the kernel multiplies in
+    the promoted dtype), SiLU-and-multiply `silu_mul`."""
+    return LayerOps(
+        "batch-invariant Triton norms",
+        lambda x, w, eps, cast_last=False: rms_norm(x, w, eps),
+        _add_rms_norm,
+        silu_mul,
+    )

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.forward import LayerOps
 from agentrt.runtime.hardware import cpu_info, kernel_isa
 from agentrt.runtime.kv_cache import QuantizedKV
 
@@ -404,3 +405,21 @@ def decode_layers(x: torch.Tensor, weights, k_caches, v_caches, *args) -> torch.
             [c.scale for c in v_caches],
         )
     return torch.ops.agentrt_cpu.decode_layers(x, weights, k_caches, v_caches, *args, [], [])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_last: bool = False) -> torch.Tensor:
+    return torch.ops.agentrt_cpu.rms_norm(x.contiguous(), weight, eps)  # float32: cast_last changes nothing
+
+
+def _add_rms_norm(x, residual, weight, eps, cast_last=False):
+    if residual is None:
+        return x, torch.ops.agentrt_cpu.rms_norm(x, weight, eps)
+    return torch.ops.agentrt_cpu.add_rms_norm(residual, x, weight, eps)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.agentrt_cpu.silu_mul(gate_up)
+
+
+# the element-wise ops of kernels/cpu_layer_ops.cpp (float32 on the CPU, the library loaded)
+CPU_OPS = LayerOps("C++ layer ops", _rms_norm, _add_rms_norm, _silu_mul)

@@ -1,6 +1,5 @@
 """Shared decoder layers the model families are written over (models/): norms, rotary embeddings,
-attention, gated MLPs and a sparse MoE block. The kernel (the C++ CPU ops at float32 where they are
-loaded, else torch) is chosen once per forward by models/base.py's DecoderModel, which sets the
-batch's attention metadata `ops_fused`: the attention layer reads it there, and the decoder layer
-passes it as the `fused` argument of the norms (`forward_fused`, `add_forward`), the gated MLP and
-the MoE block (`forward(x, fused)`)."""
+attention, gated MLPs and a sparse MoE block. Their element-wise ops (the C++ CPU ops at float32
+where they are loaded, the batch-invariant Triton norm, else torch) are a `forward.LayerOps` given to
+each layer when the model is built; attention reaches the KV pool only through the forward's
+`forward.ForwardMeta` (`rope_and_store`, `attend`, `layer_view`)."""

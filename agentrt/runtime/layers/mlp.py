@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
+
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamp")
 
 SWIGLU_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
@@ -29,7 +31,7 @@ def gated_activation(gate_up: torch.Tensor, act: str, limit: float | None = None
 
 
 class GatedMLP(nn.Module):
-    """forward(x [T, hidden], fused) -> [T, hidden]; fused: the C++ silu_mul op (float32 CPU, SiLU)."""
+    """forward(x [T, hidden]) -> [T, hidden]; SiLU through the run's `ops.silu_mul` (forward.LayerOps)."""
 
     def __init__(
         self,
@@ -38,15 +40,21 @@ class GatedMLP(nn.Module):
         act: str = "silu",
         bias: bool = False,
         limit: float | None = None,
+        ops: LayerOps = TORCH_OPS,
     ):
         super().__init__()
+        self.ops = ops
         if act not in ACTIVATIONS:
             raise ValueError(f"unknown MLP activation '{act}' (known: {', '.join(ACTIVATIONS)})")
         self.act, self.limit = act, limit
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused and self.act == "silu":
-            return self.down_proj(torch.ops.agentrt_cpu.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu":
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.limit))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) as written in PyTorch, whatever the bound ops (a traced graph's)."""
         return self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.limit))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.layers.mlp import GatedMLP
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -39,7 +40,7 @@ def route(
 
 
 class SparseMoE(nn.Module):
-    """forward(x [T, hidden], fused) -> [T, hidden]. `gate`: the router, a linear [E, hidden];
+    """forward(x [T, hidden]) -> [T, hidden]. `gate`: the router, a linear [E, hidden];
     `experts`: E GatedMLPs. `expert_tokens` [E] int64 counts the tokens routed to each expert since
     the model was built (the engine's /metrics read them)."""
 
@@ -55,6 +56,7 @@ class SparseMoE(nn.Module):
         act: str = "silu",
         expert_bias: bool = False,
         limit: float | None = None,
+        ops: LayerOps = TORCH_OPS,
     ):
         super().__init__()
         if routing not in ROUTINGS:
@@ -64,13 +66,13 @@ class SparseMoE(nn.Module):
         self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, intermediate, act, expert_bias, limit) for _ in range(num_experts)
+            GatedMLP(hidden, intermediate, act, expert_bias, limit, ops) for _ in range(num_experts)
         )
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.act, self.limit, self.expert_bias = act, limit, expert_bias
         self._stacked: tuple | None = None  # the experts' weights stacked for the Triton kernel
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.renormalize)
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=len(self.experts))
@@ -86,7 +88,7 @@ class SparseMoE(nn.Module):
                 continue
             pairs = order[start : start + n]
             tokens = pairs // self.top_k
-            y = self.experts[e](x.index_select(0, tokens), fused)
+            y = self.experts[e](x.index_select(0, tokens))
             out.index_add_(0, tokens, y * flat_weights.index_select(0, pairs)[:, None])
             start += n
         return out

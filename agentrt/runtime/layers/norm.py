@@ -10,46 +10,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agentrt.runtime.forward import TORCH_OPS, LayerOps, torch_rms_norm
+
 
 class RMSNorm(nn.Module):
-    """forward(x [..., dim]) -> [..., dim] in x's dtype: weight * x / sqrt(mean(x^2) + eps)."""
+    """forward(x [..., n * dim]) -> the same shape in x's dtype: weight * x / sqrt(mean(x^2) + eps) over
+    every `dim` features (n > 1: a row of heads, q/k norm). `ops`: the run's element-wise ops
+    (forward.LayerOps), bound when the model is built."""
 
-    def __init__(self, dim: int, eps: float, cast_last: bool = False):
+    def __init__(self, dim: int, eps: float, cast_last: bool = False, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.cast_last = cast_last
-        # kernel(x, weight, eps) in place of the torch ops (models/triton_linear.py sets the
-        # batch-invariant Triton one)
-        self.kernel = None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.cast_last:
-            return (x * self.weight.float()).to(dtype)
-        return self.weight * x.to(dtype)
-
-    def forward_fused(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        """forward(x) over every `dim` features of x [..., n * dim] (a row of heads: q/k norm);
-        fused: the C++ rms_norm (float32 CPU), else the torch ops."""
         dim = self.weight.shape[0]
-        if fused and self.kernel is None:
-            rows = x.contiguous().view(-1, dim)
-            return torch.ops.agentrt_cpu.rms_norm(rows, self.weight, self.eps).view(x.shape)
-        return self(x.reshape(-1, dim)).view(x.shape)
+        return self.ops.rms_norm(x.reshape(-1, dim), self.weight, self.eps, self.cast_last).view(x.shape)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x [..., dim]) as written in PyTorch, whatever the bound ops (what a traced graph
+        takes: runtime/backends/compiled_decode.py)."""
+        return torch_rms_norm(x, self.weight, self.eps, self.cast_last)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, norm(residual + x)), or (x, norm(x)) when residual is None; x [T, D].
-        fused: one C++ op (kernels/cpu_layer_ops.cpp; float32 CPU), else the torch ops above."""
-        if fused and self.kernel is None:
-            if residual is None:
-                return x, torch.ops.agentrt_cpu.rms_norm(x, self.weight, self.eps)
-            return torch.ops.agentrt_cpu.add_rms_norm(residual, x, self.weight, self.eps)
-        residual = x if residual is None else residual + x
-        return residual, self(residual)
+        """(residual + x, norm(residual + x)), or (x, norm(x)) when residual is None; x [T, D]."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_last)

@@ -78,3 +78,16 @@ def rope_tables(spec: RopeSpec, max_positions: int, device) -> tuple[torch.Tenso
     if spec.attention_factor != 1.0:
         cos, sin = cos * spec.attention_factor, sin * spec.attention_factor
     return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin
+    [T, rotary_dim // 2] -> x with its first rotary_dim features rotated (half-split layout within
+    them, as transformers' partial rotary: Phi-3/4) and the rest passed through."""
+    half = cos.shape[-1]
+    if 2 * half != x.shape[-1]:
+        rot = 2 * half
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -2,7 +2,7 @@
 
 A family (models/<family>.py) subclasses it to declare how its config maps onto a ModelArch
 (`arch_from_config`) and how its checkpoint names map onto this layout (`rename`,
-`split_experts`); the forward, the weight loading and the CPU whole-stack decode are here once.
+`split_experts`); the forward and the weight loading are here once.
 The forward works on a flat batch of tokens from many sequences; K/V are written to and read from
 a token-slot KV pool (see `kv_cache.py`).
 """
@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from agentrt.runtime.kernels import cpu_kernels
+from agentrt.runtime.forward import TORCH_OPS, ForwardMeta, LayerOps
 from agentrt.runtime.layers.attention import Attention, AttentionConfig
 from agentrt.runtime.layers.mlp import GatedMLP
 from agentrt.runtime.layers.moe import SparseMoE
@@ -31,12 +31,13 @@ SKIPPED = ("rotary_emb", "vision_tower", "multi_modal_projector", "vision_model"
 class DecoderLayer(nn.Module):
     """forward(x, residual, k_cache, v_cache, meta, rope) -> (this layer's output, the stream before
     it): x [T, hidden] the previous layer's output (the embeddings for layer 0, with residual None),
-    residual [T, hidden]; vLLM's layout, so the residual add and the next norm are one op when fused."""
+    residual [T, hidden]; vLLM's layout, so the residual add and the next norm are one op (`ops`:
+    the run's element-wise ops, forward.LayerOps)."""
 
-    def __init__(self, arch: ModelArch, i: int):
+    def __init__(self, arch: ModelArch, i: int, ops: LayerOps = TORCH_OPS):
         super().__init__()
         eps, cast = arch.rms_norm_eps, arch.norm_cast_last
-        self.input_layernorm = RMSNorm(arch.hidden_size, eps, cast)
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
         self.self_attn = Attention(
             AttentionConfig(
                 arch.hidden_size,
@@ -51,13 +52,14 @@ class DecoderLayer(nn.Module):
                 cast,
                 arch.layer_windows[i],
                 arch.attn_sinks,
-            )
+            ),
+            ops,
         )
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, cast)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
         self.sandwich = arch.sandwich_norms
         if arch.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast)
-            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast)
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
         if arch.is_moe_layer(i):
             self.mlp = SparseMoE(
                 arch.hidden_size,
@@ -70,21 +72,23 @@ class DecoderLayer(nn.Module):
                 arch.expert_act,
                 arch.expert_bias,
                 arch.swiglu_limit,
+                ops,
             )
         else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias)
+            self.mlp = GatedMLP(
+                arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias, ops=ops
+            )
 
-    def forward(self, x, residual, k_cache, v_cache, meta, rope=None):
-        fused = meta.ops_fused
-        residual, h = self.input_layernorm.add_forward(x, residual, fused)
+    def forward(self, x, residual, k_cache, v_cache, meta: ForwardMeta, rope=None):
+        residual, h = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, k_cache, v_cache, meta, rope)
         if self.sandwich:  # Gemma: norm the attention output, then the MLP input; norm its output
             residual, h = self.pre_feedforward_layernorm.add_forward(
-                self.post_attention_layernorm.forward_fused(h, fused), residual, fused
+                self.post_attention_layernorm(h), residual
             )
-            return self.post_feedforward_layernorm.forward_fused(self.mlp(h, fused), fused), residual
-        residual, h = self.post_attention_layernorm.add_forward(h, residual, fused)
-        return self.mlp(h, fused), residual
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        residual, h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -100,15 +104,15 @@ class DecoderModel(nn.Module):
         """A checkpoint tensor name (prefix stripped) -> this layout's name, before packing."""
         return name
 
-    def __init__(self, arch: ModelArch, max_positions: int):
+    def __init__(self, arch: ModelArch, max_positions: int, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.arch = arch
+        self.ops = ops
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_cast_last)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_cast_last, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions
-        self._decode_stack: tuple[list[torch.Tensor], list[int]] | None | bool = None  # see decode_stack
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -134,72 +138,26 @@ class DecoderModel(nn.Module):
         r = self.arch.layer_rope[i]
         return None if r == 0 else (getattr(self, f"rope_cos_{r}"), getattr(self, f"rope_sin_{r}"))
 
-    def forward(
-        self, input_ids, positions, k_caches, v_caches, meta, num_layers: int | None = None
-    ) -> torch.Tensor:
-        """num_layers: run only the first layers (then the final norm): a self-draft's early exit.
-        The element-wise ops run fused (kernels/cpu_layer_ops.cpp) when the metadata asks for the CPU
-        kernels (`cpu_kernel`, set by model_runner where they are loaded) and the activations are
-        float32; the torch ops otherwise (bit-identical to the layer as written in PyTorch)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> the first layer's input [T, hidden] (scaled where the family does)."""
         x = self.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=torch.float32).to(x.dtype)
+        return x
+
+    def forward(
+        self, input_ids, positions, k_caches, v_caches, meta: ForwardMeta, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """num_layers: run only the first layers (then the final norm): a self-draft's early exit."""
+        x = self.embed(input_ids)
         meta.prepare_rope(positions, self.rope_cos, self.rope_sin, x.dtype)
-        fused = (
-            bool(getattr(meta, "cpu_kernel", False)) and x.dtype == torch.float32 and x.device.type == "cpu"
-        )
-        meta.ops_fused = fused
-        stack = None
-        if fused and meta.decode_idx is not None and not meta.prefills and cpu_kernels.stack_caches(k_caches):
-            stack = self.decode_stack()
-        if stack is not None:  # a decode-only batch: the whole stack in one C++ op (cpu_decode_layers.cpp)
-            weights, out_features = stack
-            n = len(self.layers) if num_layers is None else num_layers
-            return cpu_kernels.decode_layers(
-                x, weights[: n * 18], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
-                meta.decode_slots, meta.decode_lens, self.norm.weight, out_features, self.arch.num_heads,
-                self.arch.rms_norm_eps, self.arch.head_dim**-0.5,
-            )  # fmt: skip
         residual = None
-        layers = self.layers[:num_layers]
         windows = self.arch.layer_windows
-        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
-            m = meta if windows[i] is None or getattr(meta, "swa_map", None) is None else meta.window_view()
-            x, residual = layer(x, residual, k_cache, v_cache, m, self.layer_rope(i))
-        return self.norm.add_forward(x, residual, fused)[1]
-
-    def decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """(weights, out_features) for `torch.ops.agentrt_cpu.decode_layers` (18 tensors per layer,
-        that op's order), when the model has the Llama layout (ModelArch.llama_layout) and every
-        projection of every layer runs a C++ kernel (Int8Linear or Int4BlockLinear after
-        `pack_for_kernel`), else None. Built on the first decode step and kept (the weights are packed
-        once, at load: formats.load_model)."""
-        if self._decode_stack is None:
-            self._decode_stack = (self.arch.llama_layout() and self._build_decode_stack()) or False
-        return self._decode_stack or None
-
-    def _build_decode_stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        none = torch.empty(0)
-        weights: list[torch.Tensor] = []
-        out_features: list[int] = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(getattr(m, "use_kernel", False) for m in linears):
-                return None
-            weights.append(layer.input_layernorm.weight.detach())
-            for i, m in enumerate(linears):
-                if i == 2:
-                    weights.append(layer.post_attention_layernorm.weight.detach())
-                mins = getattr(m, "mins", None)
-                weights += [
-                    m.qweight,
-                    m.scales,
-                    none if mins is None else mins,
-                    none if m.bias is None else m.bias,
-                ]
-            out_features = [m.out_features for m in linears]  # the same in every layer
-        return weights, out_features
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers[:num_layers], k_caches, v_caches)):
+            x, residual = layer(
+                x, residual, k_cache, v_cache, meta.layer_view(windows[i]), self.layer_rope(i)
+            )
+        return self.norm.add_forward(x, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -118,22 +118,27 @@ class ModelArch:
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
 
-    def llama_layout(self) -> bool:
-        """Whether every layer is the plain Llama layout the C++ whole-stack decode op and the compiled
-        decode graphs know: one full-width RoPE, no window, no sinks, no q/k norm, no sandwich norms,
-        SiLU dense MLP, default scale, no embedding scale or logit soft-cap."""
-        return (
-            len(self.ropes) == 1
-            and self.ropes[0].rotary_dim == self.head_dim
-            and not self.windowed
-            and not (self.attn_sinks or self.qk_norm or self.sandwich_norms or self.o_bias)
-            and self.hidden_act == "silu"
-            and not any(self.moe_layers)
-            and self.attn_scale is None
-            and self.embed_scale is None
-            and self.final_logit_softcap is None
-            and self.norm_offset == 0.0
-        )
+    def layout_features(self) -> frozenset[str]:
+        """What this model's layers use beyond the plain Llama layer (one full-width RoPE, full
+        attention, RMSNorm, a dense MLP): the names a backend's allow-list of what it supports is
+        checked against (runtime/backends/)."""
+        flags = {
+            "partial_rope": any(r.rotary_dim != self.head_dim for r in self.ropes),
+            "multi_rope": len(self.ropes) > 1,
+            "window": self.windowed,
+            "sinks": self.attn_sinks,
+            "qk_norm": self.qk_norm,
+            "sandwich_norms": self.sandwich_norms,
+            "qkv_bias": self.qkv_bias,
+            "o_bias": self.o_bias,
+            "mlp_bias": self.mlp_bias,
+            "moe": any(self.moe_layers),
+            "attn_scale": self.attn_scale is not None,
+            "embed_scale": self.embed_scale is not None,
+            "logit_softcap": self.final_logit_softcap is not None,
+            "norm_offset": self.norm_offset != 0.0,
+        }
+        return frozenset([f"mlp:{self.hidden_act}", *(name for name, on in flags.items() if on)])
 
 
 def layer_windows(cfg, num_layers: int) -> tuple[int | None, ...]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.hugepages import move_to_hugepages
 from agentrt.runtime.models.base import DecoderModel
 from agentrt.runtime.models.config import ModelArch
@@ -154,9 +155,11 @@ def quant_cache_dir(
     return Path(cache_dir) / f"quant-{key}"
 
 
-def _build_dense(arch: ModelArch, max_positions: int, dtype: torch.dtype, device, tensors) -> DecoderModel:
+def _build_dense(
+    arch: ModelArch, max_positions: int, dtype: torch.dtype, device, tensors, ops: LayerOps = TORCH_OPS
+) -> DecoderModel:
     with torch.device("meta"):
-        model = build_model(arch, max_positions)
+        model = build_model(arch, max_positions, ops)
     model = model.to(dtype).to_empty(device=device)  # dtype on meta: no copy
     model.load_hf_state_dict(tensors)
     return model
@@ -174,12 +177,12 @@ def _save_quantized(model: DecoderModel, target: Path) -> None:
 
 
 def _load_quantized(
-    arch: ModelArch, max_positions: int, dtype, act_dtype, quantization, group_size, lm_head, path: Path
+    arch: ModelArch, max_positions: int, dtype, act_dtype, quantization, group_size, lm_head, path: Path, ops
 ) -> DecoderModel:
     from safetensors.torch import load_file
 
     with torch.device("meta"):
-        model = build_model(arch, max_positions)
+        model = build_model(arch, max_positions, ops)
         model = model.to(dtype)
         empty_quantized_like(model, quantization, act_dtype, group_size, lm_head)
     model = model.to_empty(device="cpu")
@@ -207,63 +210,10 @@ def _load_quantized(
     return model
 
 
-def load_model(
-    arch: ModelArch,
-    max_positions: int,
-    model_dir: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    reason: str,
-    quantization: str,
-    group_size: int,
-    quantize_lm_head: bool,
-    cache_dir: Path,
-    linear_kernel: tuple[str, str] = ("aten", "requested"),
-    cpu_kernels: bool = False,
-) -> tuple[DecoderModel, WeightFormat]:
-    """Build the model with its weights in the chosen format (see the module docstring) and RoPE
-    tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
-    reason) from platform.choose_linear_kernel; with `onednn` the float32 linear layers left dense
-    are packed for oneDNN after loading (the quantized cache keeps plain tensors), and with
-    cpu_kernels too (kernels/cpu_kernels.py loaded) int8 layers run the C++ int8 x int8 kernel. Raises ValueError
-    for an unknown quantization or int4 group size, or (CUDA) torchao missing."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-    if quantization == "none":
-        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device))
-        fmt = WeightFormat(dtype, reason)
-    elif device.type == "cuda":
-        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device))
-        quantize_cuda(model, quantization, group_size, quantize_lm_head)
-        fmt = WeightFormat(dtype, reason, quantization, group_size, None, quantize_lm_head)
-    else:
-        # float32 runs keep float32 activations (the C++ int8 x int8 and int4 x int8 kernels where the
-        # CPU kernels load); else bf16, the packed torch kernels' fast path (see quant.py)
-        act = torch.float32 if dtype == torch.float32 else torch.bfloat16
-        target = quant_cache_dir(cache_dir, model_dir, dtype, quantization, group_size, quantize_lm_head)
-        from_cache = (target / "model.safetensors").is_file()
-        if from_cache:
-            model = _load_quantized(
-                arch, max_positions, dtype, act, quantization, group_size, quantize_lm_head, target
-            )
-        else:
-            logger.info("quantizing weights to %s (first start only) -> %s", quantization, target)
-            # quantized from the fp32 source weights, then the dense rest cast to the run dtype
-            model = _build_dense(arch, max_positions, torch.float32, "cpu", load_weights(model_dir, "cpu"))
-            quantize_cpu(model, quantization, act, group_size, quantize_lm_head)
-            for mod in model.modules():
-                if not isinstance(mod, (Int8Linear, Int4Linear, Int4BlockLinear)):
-                    for p in mod.parameters(recurse=False):
-                        p.data = p.data.to(dtype)
-            _save_quantized(model, target)
-        dense = tuple(
-            n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
-        )
-        fmt = WeightFormat(dtype, reason, quantization, group_size, act, quantize_lm_head, dense, from_cache)
-    model.init_rope()
-    model.eval()
+def _bind_kernels(model, fmt: WeightFormat, linear_kernel: tuple[str, str], cpu_kernels: bool):
+    """(format, kernel, reason) after packing the loaded model's layers for their kernels: the C++
+    int8/int4 kernels with cpu_kernels, oneDNN or the batch-invariant Triton matmul for the dense
+    float32 layers as `linear_kernel` (kernel, reason) says."""
     kernel, kernel_reason = linear_kernel
     if cpu_kernels:  # the CPU kernels are loaded (float32, decode not compiled): the int8 and int4
         # kernels too, whatever --linear-kernel says about the dense layers (block-wise layers exist
@@ -281,6 +231,71 @@ def load_model(
 
         if not use_batch_invariant_kernels(model):
             kernel_reason += " (norms only: no dense linear layer)"
+    return fmt, kernel, kernel_reason
+
+
+def load_model(
+    arch: ModelArch,
+    max_positions: int,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    reason: str,
+    quantization: str,
+    group_size: int,
+    quantize_lm_head: bool,
+    cache_dir: Path,
+    linear_kernel: tuple[str, str] = ("aten", "requested"),
+    cpu_kernels: bool = False,
+    ops: LayerOps = TORCH_OPS,
+) -> tuple[DecoderModel, WeightFormat]:
+    """Build the model with its weights in the chosen format (see the module docstring) and RoPE
+    tables initialised; returns (model in eval mode, its WeightFormat). linear_kernel: (kernel,
+    reason) from platform.choose_linear_kernel; with `onednn` the float32 linear layers left dense
+    are packed for oneDNN after loading (the quantized cache keeps plain tensors), and with
+    cpu_kernels too (kernels/cpu_kernels.py loaded) int8 layers run the C++ int8 x int8 kernel. ops: the
+    layers' element-wise ops (backends.choose_layer_ops). Raises ValueError
+    for an unknown quantization or int4 group size, or (CUDA) torchao missing."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if quantization == "none":
+        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device), ops)
+        fmt = WeightFormat(dtype, reason)
+    elif device.type == "cuda":
+        model = _build_dense(arch, max_positions, dtype, device, load_weights(model_dir, device), ops)
+        quantize_cuda(model, quantization, group_size, quantize_lm_head)
+        fmt = WeightFormat(dtype, reason, quantization, group_size, None, quantize_lm_head)
+    else:
+        # float32 runs keep float32 activations (the C++ int8 x int8 and int4 x int8 kernels where the
+        # CPU kernels load); else bf16, the packed torch kernels' fast path (see quant.py)
+        act = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        target = quant_cache_dir(cache_dir, model_dir, dtype, quantization, group_size, quantize_lm_head)
+        from_cache = (target / "model.safetensors").is_file()
+        if from_cache:
+            model = _load_quantized(
+                arch, max_positions, dtype, act, quantization, group_size, quantize_lm_head, target, ops
+            )
+        else:
+            logger.info("quantizing weights to %s (first start only) -> %s", quantization, target)
+            # quantized from the fp32 source weights, then the dense rest cast to the run dtype
+            model = _build_dense(
+                arch, max_positions, torch.float32, "cpu", load_weights(model_dir, "cpu"), ops
+            )
+            quantize_cpu(model, quantization, act, group_size, quantize_lm_head)
+            for mod in model.modules():
+                if not isinstance(mod, (Int8Linear, Int4Linear, Int4BlockLinear)):
+                    for p in mod.parameters(recurse=False):
+                        p.data = p.data.to(dtype)
+            _save_quantized(model, target)
+        dense = tuple(
+            n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+        )
+        fmt = WeightFormat(dtype, reason, quantization, group_size, act, quantize_lm_head, dense, from_cache)
+    model.init_rope()
+    model.eval()
+    fmt, kernel, kernel_reason = _bind_kernels(model, fmt, linear_kernel, cpu_kernels)
     if device.type == "cpu":
         move_to_hugepages(model)  # after every repacking: the tensors a step reads, as they stay
     sizes = tuple(sorted(bytes_by_format(model).items(), key=lambda kv: -kv[1]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.models.config import ModelArch
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -73,6 +74,7 @@ def arch_from_hf_config(cfg) -> ModelArch:
     return cls.arch_from_config(text, architecture)
 
 
-def build_model(arch: ModelArch, max_positions: int):
-    """An (uninitialised-weights) model of `arch` on the current default device."""
-    return model_class(arch.architecture)(arch, max_positions)
+def build_model(arch: ModelArch, max_positions: int, ops: LayerOps = TORCH_OPS):
+    """An (uninitialised-weights) model of `arch` on the current default device, its layers on the
+    element-wise ops `ops` (forward.LayerOps)."""
+    return model_class(arch.architecture)(arch, max_positions, ops)

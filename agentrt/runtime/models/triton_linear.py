@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from agentrt.runtime.kernels import batch_invariant
-from agentrt.runtime.layers.norm import RMSNorm
 
 
 class TritonLinear(nn.Module):
@@ -32,15 +31,12 @@ class TritonLinear(nn.Module):
 
 
 def use_batch_invariant_kernels(model: nn.Module) -> list[str]:
-    """Replace every nn.Linear of `model` (the LM head included) by a TritonLinear and point every
-    RMSNorm at `batch_invariant.rms_norm`, in place; returns the replaced linear layers' names.
-    Quantized layers (not nn.Linear) keep their kernels."""
+    """Replace every nn.Linear of `model` (the LM head included) by a TritonLinear, in place; returns
+    the replaced linear layers' names. Quantized layers (not nn.Linear) keep their kernels. (The
+    norms' batch-invariant kernel is the model's LayerOps: backends.choose_layer_ops.)"""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, TritonLinear(model.get_submodule(name)))
-    for mod in model.modules():
-        if isinstance(mod, RMSNorm):
-            mod.kernel = batch_invariant.rms_norm
     return names

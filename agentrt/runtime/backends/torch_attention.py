@@ -1,8 +1,10 @@
-"""Attention over the token-slot KV pool (torch reference path: gather + SDPA).
+"""The torch backend: attention over the token-slot KV pool by gather + SDPA (the reference for
+every other backend), or, with `cpu_kernel`, the C++ kernels of kernels/cpu_kernels.py (attention
+that reads the pool in place, RoPE and the KV write in one op; float32 on the CPU).
 
-The CPU path and the reference for the Triton path (runtime/triton_attention.py): both metadata
-classes offer the same three calls a model layer makes: `prepare_rope` once per forward,
-`rope_and_store` (rotate q/k, write k/v to the pool) and `attend` per layer.
+`AttentionMetadata` is this backend's forward.ForwardMeta: `prepare_rope` once per forward,
+`rope_and_store` (rotate q/k, write k/v to the pool) and `attend` per layer, `layer_view` for a
+sliding-window layer.
 
 One forward carries a flat batch of T new tokens from several sequences. Decoding sequences
 (one new token each) are attended together, padded to the longest context; prefill chunks are
@@ -13,26 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from agentrt.runtime.forward import BatchInputs, SeqChunk, flatten_chunks, run_forward
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import QuantizedKV, dequantize_kv, gather_kv, quantize_kv, store_kv
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (RoFormer, Su et al. 2021). x [T, heads, head_dim]; cos/sin
-    [T, rotary_dim // 2] -> x with its first rotary_dim features rotated (half-split layout within
-    them, as transformers' partial rotary: Phi-3/4) and the rest passed through."""
-    half = cos.shape[-1]
-    if 2 * half != x.shape[-1]:
-        rot = 2 * half
-        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+from agentrt.runtime.layers.rotary import apply_rope
 
 
 def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
@@ -148,7 +139,6 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] int64 keys per decode sequence (the C++ kernel's input)
     cpu_kernel: bool = False  # attention through kernels/cpu_kernels.py (float32 on the CPU)
     rows: KernelRows | None = None  # every new token's keys, for the C++ kernel (set with cpu_kernel)
-    ops_fused: bool = False  # the layers' element-wise ops run the C++ ops (set by the model's forward)
     positions: torch.Tensor | None = None  # [T] int64, set by prepare_rope
     rope_dtype: torch.dtype | None = None
     swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
@@ -166,6 +156,10 @@ class AttentionMetadata:
         self._rope_rows = {id(cos_table): (self.cos, self.sin)}
         self._windowed = {}
         self._window_view = None
+
+    def layer_view(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with sliding window `window` reads (forward.ForwardMeta.layer_view)."""
+        return self if window is None or self.swa_map is None else self.window_view()
 
     def window_view(self) -> AttentionMetadata:
         """This batch's metadata for a sliding-window layer of a SlidingWindowKVPool: every slot
@@ -201,17 +195,34 @@ class AttentionMetadata:
             self._rope_rows[id(rope[0])] = rows
         return rows
 
-    def rope_and_store(self, q, k, v, k_cache, v_cache, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, rotated k); k and v are written to the pool
-        (cast to a float pool's dtype, quantized into an int8 pool: kv_cache.store_kv).
-        rope: the layer's (cos, sin) tables, None = the model's first."""
+    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None):
+        """qkv [T, (H + 2 Hkv) D], heads (H, Hkv, D) -> (q [T, H, D], k [T, Hkv, D] rotated, v
+        [T, Hkv, D]); k and v are written to the pool (cast to a float pool's dtype, quantized into an
+        int8 pool: kv_cache.store_kv). With `cpu_kernel`, float32, a full-width RoPE and a pool the C++
+        kernel reads, one C++ op (cpu_kernels.rope_store). rope: the layer's (cos, sin) tables, None =
+        the model's first."""
+        num_heads, num_kv_heads, head_dim = heads
+        t = qkv.shape[0]
         cos, sin = self.rope_rows(rope)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if (
+            self.cpu_kernel
+            and qkv.dtype == torch.float32
+            and 2 * cos.shape[-1] == head_dim
+            and kernel_cache(k_cache)
+        ):
+            q, k = cpu_kernels.rope_store(qkv, cos, sin, k_cache, v_cache, self.slot_mapping, num_heads)
+            return q, k, qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, num_heads, head_dim)
+        k = k.reshape(t, num_kv_heads, head_dim)
+        v = v.reshape(t, num_kv_heads, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k_cache, self.slot_mapping, k)
         store_kv(v_cache, self.slot_mapping, v)
-        return q, k
+        return q, k, v
 
-    def attend(self, q, k, v, k_cache, v_cache, scale=None, window=None, sinks=None) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] (tensors, or an int8 pool's
         QuantizedKV: read de-quantized) -> out [T, H, D].
         scale: softmax scale (None = D ** -0.5); window: a query at position p attends keys at
@@ -312,39 +323,12 @@ def _sdpa(q, k, v, mask, gqa: bool, scale: float, sinks) -> torch.Tensor:
     return torch.matmul(probs.to(v.dtype), v)
 
 
-class BatchInputs(NamedTuple):
-    """What one forward needs, on the device: input_ids [T] int64, positions [T] int64, the
-    attention metadata (this module's or triton_attention's), logit_idx [N] int64 rows whose
-    logits are wanted."""
-
-    meta: Any
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logit_idx: torch.Tensor
-
-
-def flatten_chunks(chunks) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(token ids, positions, new tokens' slots, logits rows) of a flat batch of SeqChunks."""
-    ids, positions, new_slots, logit_idx = [], [], [], []
-    for chunk in chunks:
-        n = len(chunk.token_ids)
-        start = len(ids)
-        ids.extend(chunk.token_ids)
-        positions.extend(
-            chunk.positions
-            if chunk.positions is not None
-            else range(chunk.context_len, chunk.context_len + n)
-        )
-        new_slots.extend(chunk.slots[chunk.context_len :])
-        if chunk.need_logits:
-            logit_idx.extend(range(start + n - chunk.num_logits, start + n))
-    return ids, positions, new_slots, logit_idx
-
-
-def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) -> BatchInputs:
-    """Inputs of the torch path for a flat batch of SeqChunks (model_runner.SeqChunk): decoding
-    sequences gather their context slots padded to the longest (or, with cpu_kernel, the C++
-    decode kernel reads them in place); the others are prefill spans."""
+def build_torch_metadata(
+    chunks: list[SeqChunk], dev: torch.device, cpu_kernel: bool = False, swa_map: torch.Tensor | None = None
+) -> BatchInputs:
+    """Inputs of the torch path for a flat batch of SeqChunks: decoding sequences gather their
+    context slots padded to the longest (or, with cpu_kernel, the C++ decode kernel reads them in
+    place); the others are prefill spans. swa_map: a sliding-window pool's slot -> row map."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
     decode_rows, prefills, start = [], [], 0
     for chunk in chunks:
@@ -376,6 +360,7 @@ def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) ->
         decode_lens=lens,
         cpu_kernel=cpu_kernel,
         rows=None,
+        swa_map=swa_map,
     )
     if cpu_kernel and chunks:  # a decode-only batch's rows are its decode slots (no second copy)
         only_decode = not prefills and decode_slots is not None
@@ -385,3 +370,27 @@ def build_torch_metadata(chunks, dev: torch.device, cpu_kernel: bool = False) ->
     return BatchInputs(
         meta, torch.tensor(ids, **i64), torch.tensor(positions, **i64), torch.tensor(logit_idx, **i64)
     )
+
+
+class TorchBackend:
+    """forward.ForwardMeta by this module (`cpu_kernel`: the C++ attention and RoPE + KV write), the
+    model run eagerly. model: a models/base.DecoderModel; kv: the runner's KV pool (kv_cache.KVPool
+    or kv_window.SlidingWindowKVPool)."""
+
+    captured_sizes: tuple[int, ...] = ()
+
+    def __init__(self, model, kv, device: torch.device, cpu_kernel: bool, reason: str = ""):
+        self.model, self.kv, self.device, self.cpu_kernel = model, kv, device, cpu_kernel
+        self.name = "cpu" if cpu_kernel else "torch"
+        self.reason = reason
+
+    def prepare(self, chunks: list[SeqChunk]) -> BatchInputs:
+        return build_torch_metadata(chunks, self.device, self.cpu_kernel, self.kv.swa_map)
+
+    def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
+        """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows [N, hidden]): see
+        forward.run_forward."""
+        return run_forward(self.model, self.kv.k, self.kv.v, chunks, self.prepare, self.device, return_hidden)
+
+    def describe(self) -> str:
+        return "decode eager"

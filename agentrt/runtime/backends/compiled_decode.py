@@ -13,8 +13,10 @@ batch dimension dynamic (1 .. max_batch_size), serve every batch size and every 
 - `last`: the last layer's tail, the final norm and the LM head -> logits fp32.
 
 The weights are inputs of the graphs, not constants (one graph serves all layers; no weight copy in
-the artefacts), so a graph does not depend on the weight values. Between graphs the KV write and the
-attention (attention.AttentionMetadata.attend: gather + SDPA) run eagerly.
+the artefacts), so a graph does not depend on the weight values. The graphs trace the layers' torch
+definitions (`RMSNorm.reference`, `GatedMLP.reference`), whatever element-wise ops the model was
+built with. Between graphs the KV write and the attention (backends/torch_attention.py
+`AttentionMetadata.attend`: gather + SDPA) run eagerly.
 
 Why AOTInductor and a dynamic batch, not torch.compile at padded sizes (measured on the 2-core
 development box): calling a torch.compile'd piece cost ~0.6 ms of Dynamo guards and wrappers per call,
@@ -33,7 +35,7 @@ traced; inductor's own caches (FX graphs, precompiled headers) in `<cache_dir>/i
 (TORCHINDUCTOR_CACHE_DIR during the build). A later start loads the packages without tracing.
 
 Failure: a build or load error at start, or an exception from a compiled step later, turns the
-compiled path off for good with one log line; the step runs eagerly (model_runner.run_chunks).
+compiled path off for good with one log line; the step runs eagerly (the torch backend).
 """
 
 from __future__ import annotations
@@ -51,20 +53,30 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from agentrt.runtime.attention import apply_rope, build_torch_metadata
-from agentrt.runtime.cuda_graph import is_plain_decode
+from agentrt.runtime.backends.torch_attention import TorchBackend, build_torch_metadata
+from agentrt.runtime.forward import SeqChunk, is_plain_decode
 from agentrt.runtime.kv_cache import store_kv
+from agentrt.runtime.layers.rotary import apply_rope
 
 logger = logging.getLogger(__name__)
 
 PIECES = ("first", "mid", "last")
+# the layout features (models/config.py ModelArch.layout_features) the traced pieces implement
+# beyond the plain Llama layer
+SUPPORTS = frozenset({"qkv_bias", "mlp_bias", "mlp:silu"})
+
+
+def unsupported(arch) -> frozenset[str]:
+    """The layout features of `arch` (ModelArch) the compiled decode graphs do not implement (empty:
+    they run this model)."""
+    return arch.layout_features() - SUPPORTS
 
 
 def _pre_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """x [B, hidden] -> (q [B, H, D], k [B, Hkv, D] rotated, v [B, Hkv, D]) of `layer`."""
     attn = layer.self_attn
     t = x.shape[0]
-    qkv = attn.qkv_proj(layer.input_layernorm(x))
+    qkv = attn.qkv_proj(layer.input_layernorm.reference(x))
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = apply_rope(q.reshape(t, attn.num_heads, attn.head_dim), cos, sin)
     k = apply_rope(k.reshape(t, attn.num_kv_heads, attn.head_dim), cos, sin)
@@ -74,7 +86,7 @@ def _pre_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: to
 def _layer_tail(layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """The rest of `layer` after attention: x [B, hidden], attn_out [B, H, D] -> x [B, hidden]."""
     x = x + layer.self_attn.o_proj(attn_out.reshape(x.shape[0], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp.reference(layer.post_attention_layernorm.reference(x))
 
 
 class _First(nn.Module):
@@ -106,7 +118,7 @@ class _Last(nn.Module):
         self.layer, self.norm, self.lm_head = model.layers[-1], model.norm, model.lm_head
 
     def forward(self, x, attn_out):
-        return self.lm_head(self.norm(_layer_tail(self.layer, x, attn_out))).float()
+        return self.lm_head(self.norm.reference(_layer_tail(self.layer, x, attn_out))).float()
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -134,13 +146,14 @@ class _WeightsAsInputs(nn.Module):
 @functools.cache
 def _source_hash() -> str:
     """Hash of the source of the modules the graphs trace, read once per process (the code running)."""
-    from agentrt.runtime import attention
+    from agentrt.runtime import forward
+    from agentrt.runtime.backends import torch_attention as torch_backend
     from agentrt.runtime.layers import attention as attention_layer
-    from agentrt.runtime.layers import mlp, norm
+    from agentrt.runtime.layers import mlp, norm, rotary
     from agentrt.runtime.models import base, quant
 
     h = hashlib.sha256()
-    for mod in (attention, attention_layer, mlp, norm, base, quant):
+    for mod in (forward, torch_backend, attention_layer, mlp, norm, rotary, base, quant):
         h.update(inspect.getsource(mod).encode())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -212,7 +225,7 @@ class CompiledDecode:
     """Plain-decode batches (cuda_graph.is_plain_decode) of at most `max_batch_size` sequences through
     the three AOTInductor graphs of the module docstring, eager attention over the KV pool between.
 
-    model: a models/base.DecoderModel of the Llama layout (ModelArch.llama_layout) on the CPU (dense, Int8Linear or Int4Linear layers);
+    model: a models/base.DecoderModel whose layout `unsupported` accepts, on the CPU (dense, Int8Linear or Int4Linear layers);
     k_caches / v_caches: the KVPool's per-layer [slots, Hkv, D] tensors; cache_dir: the AGENTRT_CACHE
     root; threads: torch intra-op threads (part of the cache key). Call `start` once before `run`;
     `failure` is None while the compiled path is on, else why it is off.
@@ -346,7 +359,36 @@ class CompiledDecode:
             k_cache, v_cache = self.k_caches[i], self.v_caches[i]
             store_kv(k_cache, meta.slot_mapping, k)  # cast or quantized as the pool stores them
             store_kv(v_cache, meta.slot_mapping, v)
-            attn_out = meta.attend(q, k, v, k_cache, v_cache).contiguous()
+            attn_out = meta.attend(q, k, v, k_cache, v_cache).contiguous()  # the default scale
             if i + 1 < num_layers:
                 x, q, k, v = mid([x, attn_out, cos, sin, *self._mid_w[i]])
         return last([x, attn_out, *self._last_w])[0]
+
+
+class CompiledDecodeBackend:
+    """The torch backend with plain-decode batches (forward.is_plain_decode) of up to `max_batch_size`
+    sequences through a CompiledDecode (built or loaded at construction); every other batch, and every
+    batch once the compiled step has failed, runs the torch backend eagerly."""
+
+    captured_sizes: tuple[int, ...] = ()
+
+    def __init__(self, eager: TorchBackend, max_batch_size: int, cache_dir: Path, threads: int):
+        self.eager, self.name, self.reason = eager, eager.name, eager.reason
+        self.compiled = CompiledDecode(
+            eager.model, eager.kv.k, eager.kv.v, max_batch_size, cache_dir, threads
+        )
+        self.compiled.start()
+
+    def prepare(self, chunks: list[SeqChunk]):
+        return self.eager.prepare(chunks)
+
+    def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
+        """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows: never compiled)."""
+        if not return_hidden and self.compiled.accepts(chunks):
+            logits = self.compiled.run(chunks)
+            if logits is not None:  # None: the compiled step failed and is off now; run it eagerly
+                return logits
+        return self.eager.run(chunks, return_hidden)
+
+    def describe(self) -> str:
+        return self.compiled.describe()

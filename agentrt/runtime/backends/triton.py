@@ -1,7 +1,7 @@
-"""Triton attention path (CUDA; the CPU interpreter in tests): a persistent device slot table and
+"""The Triton backend (CUDA; the CPU interpreter in tests): a persistent device slot table and
 the per-forward metadata that drives the kernels in runtime/kernels/.
 
-Same interface as the torch path's `AttentionMetadata` (prepare_rope, rope_and_store, attend).
+`TritonAttentionMetadata` is a forward.ForwardMeta, as the torch backend's `AttentionMetadata`.
 A batch where every sequence decodes one token runs the split-K decode kernel (and can be
 replayed from a CUDA graph, see cuda_graph.py); any other batch (prefill chunks, speculative
 verify chunks, mixed) runs the extend kernel for all its sequences, a decode being an extend of
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrt.runtime.attention import BatchInputs, flatten_chunks
+from agentrt.runtime.forward import BatchInputs, SeqChunk, flatten_chunks, run_forward
 from agentrt.runtime.kernels.decode_attention import decode_attention, decode_splits
 from agentrt.runtime.kernels.extend_attention import extend_attention
 from agentrt.runtime.kernels.rope_store import rope_and_store
@@ -107,13 +107,16 @@ class TritonAttentionMetadata:
     cos_table: torch.Tensor | None = None
     sin_table: torch.Tensor | None = None
     swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
-    ops_fused: bool = False  # set by the model's forward (the C++ element-wise ops: never on this path)
     _window_view: TritonAttentionMetadata | None = None
 
     def prepare_rope(self, positions, cos_table, sin_table, dtype) -> None:
         """Keep the fp32 cos/sin tables [max_positions, head_dim // 2]; the kernel gathers rows."""
         self.cos_table, self.sin_table = cos_table, sin_table
         self._window_view = None
+
+    def layer_view(self, window: int | None) -> TritonAttentionMetadata:
+        """The metadata a layer with sliding window `window` reads (forward.ForwardMeta.layer_view)."""
+        return self if window is None or self.swa_map is None else self.window_view()
 
     def window_view(self) -> TritonAttentionMetadata:
         """This batch's metadata for a sliding-window layer of a SlidingWindowKVPool: the new tokens'
@@ -137,14 +140,22 @@ class TritonAttentionMetadata:
         """The layer's (cos, sin) tables themselves: the Triton kernels gather the positions' rows."""
         return rope if rope is not None else (self.cos_table, self.sin_table)
 
-    def rope_and_store(self, q, k, v, k_cache, v_cache, rope=None):
-        """q [T, H, D], k/v [T, Hkv, D] -> (rotated q, k unrotated: the kernels read K from the pool).
-        rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2], None = the model's first."""
+    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None):
+        """qkv [T, (H + 2 Hkv) D], heads (H, Hkv, D) -> (q [T, H, D] rotated, k [T, Hkv, D] unrotated:
+        the kernels read K from the pool, v [T, Hkv, D]); k rotated and v are written to the pool in one
+        kernel. rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2], None = the
+        model's first."""
+        num_heads, num_kv_heads, head_dim = heads
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.reshape(t, num_heads, head_dim)
+        k = k.reshape(t, num_kv_heads, head_dim)
+        v = v.reshape(t, num_kv_heads, head_dim)
         cos_table, sin_table = self.rope_rows(rope)
         q = rope_and_store(q, k, v, cos_table, sin_table, self.positions, self.slot_mapping, k_cache, v_cache)
-        return q, k
+        return q, k, v
 
-    def attend(self, q, k, v, k_cache, v_cache, scale=None, window=None, sinks=None) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored). scale,
         window, sinks: as runtime/attention.AttentionMetadata.attend."""
         extra = {}
@@ -183,9 +194,11 @@ class TritonAttentionMetadata:
         )
 
 
-def build_triton_metadata(chunks, table: SlotTable, dev: torch.device) -> BatchInputs:
-    """Inputs of the Triton path for a flat batch of SeqChunks (model_runner.SeqChunk); uploads
-    the chunks' new slots to `table`."""
+def build_triton_metadata(
+    chunks: list[SeqChunk], table: SlotTable, dev: torch.device, swa_map: torch.Tensor | None = None
+) -> BatchInputs:
+    """Inputs of the Triton path for a flat batch of SeqChunks; uploads the chunks' new slots to
+    `table`. swa_map: a sliding-window pool's slot -> row map."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     prefix_lens = [c.context_len for c in chunks]
@@ -204,6 +217,7 @@ def build_triton_metadata(chunks, table: SlotTable, dev: torch.device) -> BatchI
         page_table=table.table,
         page_rows=torch.tensor(rows, **i32),
         is_decode=is_decode,
+        swa_map=swa_map,
     )
     if is_decode:
         meta.seq_lens = torch.tensor([p + 1 for p in prefix_lens], **i32)
@@ -221,3 +235,25 @@ def build_triton_metadata(chunks, table: SlotTable, dev: torch.device) -> BatchI
             meta.tree_mask = torch.cat(blocks).to(dev)
             meta.tree_offsets = torch.tensor(offsets, **i64)
     return BatchInputs(meta, torch.tensor(ids, **i64), meta.positions, torch.tensor(logit_idx, **i64))
+
+
+class TritonBackend:
+    """forward.ForwardMeta by the Triton kernels over a device slot table of `num_rows` sequences of
+    at most `max_len` slots, the model run eagerly (cuda_graph.CudaGraphBackend replays decode)."""
+
+    captured_sizes: tuple[int, ...] = ()
+    name = "triton"
+
+    def __init__(self, model, kv, device: torch.device, num_rows: int, max_len: int, reason: str = ""):
+        self.model, self.kv, self.device, self.reason = model, kv, device, reason
+        self.slot_table = SlotTable(num_rows, max_len, device)
+
+    def prepare(self, chunks: list[SeqChunk]) -> BatchInputs:
+        return build_triton_metadata(chunks, self.slot_table, self.device, self.kv.swa_map)
+
+    def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
+        """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows): forward.run_forward."""
+        return run_forward(self.model, self.kv.k, self.kv.v, chunks, self.prepare, self.device, return_hidden)
+
+    def describe(self) -> str:
+        return "decode eager"

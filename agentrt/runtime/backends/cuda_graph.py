@@ -13,23 +13,11 @@ import logging
 
 import torch
 
+from agentrt.runtime.backends.triton import SlotTable, TritonAttentionMetadata, TritonBackend
+from agentrt.runtime.forward import SeqChunk, is_plain_decode
 from agentrt.runtime.kernels.decode_attention import decode_splits
-from agentrt.runtime.triton_attention import SlotTable, TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-
-def is_plain_decode(chunks) -> bool:
-    """Every chunk decodes one token after a cached context and wants its logits (no tree)."""
-    return all(
-        len(c.token_ids) == 1
-        and c.context_len > 0
-        and c.need_logits
-        and c.num_logits == 1
-        and c.tree_mask is None
-        and c.positions is None
-        for c in chunks
-    )
 
 
 class DecodeGraphRunner:
@@ -145,3 +133,43 @@ class DecodeGraphRunner:
             graph.replay()
             return out[:batch]
         return self._forward(bs)[:batch]
+
+
+class CudaGraphBackend:
+    """The Triton backend with plain-decode batches (forward.is_plain_decode) of up to the largest of
+    `batch_sizes` sequences through a DecodeGraphRunner (captured CUDA graphs with `capture`, else
+    the same static buffers eagerly); every other batch runs the Triton backend eagerly."""
+
+    name = "triton"
+
+    def __init__(self, eager: TritonBackend, batch_sizes, capture: bool):
+        self.eager, self.reason = eager, eager.reason
+        self.graphs = DecodeGraphRunner(
+            eager.model,
+            eager.kv.k,
+            eager.kv.v,
+            eager.slot_table,
+            batch_sizes,
+            eager.device,
+            capture,
+            eager.kv.swa_map,
+        )
+        # the batch sizes replayed from captured graphs (() when they run eagerly)
+        self.captured_sizes = tuple(self.graphs.batch_sizes) if self.graphs.graphs else ()
+
+    def prepare(self, chunks: list[SeqChunk]):
+        return self.eager.prepare(chunks)
+
+    def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
+        """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows; never from a graph)."""
+        if not return_hidden and self.graphs.accepts(chunks):
+            return self.graphs.run(chunks)
+        return self.eager.run(chunks, return_hidden)
+
+    def describe(self) -> str:
+        sizes = self.graphs.batch_sizes
+        return (
+            f"decode from CUDA graphs (batch {sizes[0]}-{sizes[-1]})"
+            if self.graphs.graphs
+            else "decode eager"
+        )
