@@ -476,11 +476,16 @@ def main() -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     print(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; load before: {os.getloadavg()[0]:.2f}", flush=True)
-    results: dict[str, list[dict]] = {r: [] for r in args.repo}
+    # a checkout named twice gets a column each ("PATH #2"): an A/A run shows the noise
+    names = [
+        r if args.repo.count(r) == 1 else f"{r} #{args.repo[: i + 1].count(r)}"
+        for i, r in enumerate(args.repo)
+    ]
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(args.rounds):
-        for repo in args.repo:
+        for repo, name in zip(args.repo, names):
             r = run_child(repo, args, env)
-            results[repo].append(r)
+            results[name].append(r)
             print(f"round {i + 1} {repo}: step {r['medians']['wall']:.3f} ms (no profiler), "
                   f"{r['medians']['step']:.3f} ms profiled", flush=True)  # fmt: skip
     print(f"load after: {os.getloadavg()[0]:.2f}")
