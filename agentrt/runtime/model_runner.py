@@ -109,13 +109,18 @@ def plan_kv_budget(
 class ModelRunner:
     """Holds the model, tokenizer and KV pool on one device.
 
-    execute(chunks) runs one forward over all chunks and returns logits [N, vocab] fp32 for the
-    last new token of each chunk with need_logits (N of them, in order). Weights load straight to
-    the device in the run dtype (bf16 on CUDA, fp32 on CPU by default). Attention runs the Triton
-    kernels on CUDA (decode batches replayed from CUDA graphs); on the CPU decode attention runs the
-    C++ kernel of kernels/cpu_kernels.py at float32 (else torch SDPA) and prefill torch SDPA
-    (decode batches through the compiled graphs of compiled_decode.py with compile_decode). Dense
-    fp32 linear layers on the CPU run oneDNN's packed matmul (models/cpu_linear.py).
+    At start: the run's plan (run_plan.plan_run: dtype, threads, attention backend, compiled decode,
+    quantization, linear kernel, element-wise ops, KV dtype, each with its reason), the model built
+    with the plan's ops (models/formats.load_model), the KV pool, then one Backend
+    (backends.make_backend: Triton kernels on CUDA with decode batches replayed from CUDA graphs; on
+    the CPU the C++ attention and element-wise kernels at float32, else torch's gather + SDPA, decode
+    batches through the C++ whole-stack op or the compiled graphs where the plan takes them; see
+    docs/architecture.md, "The forward"). Weights load straight to the device in the run dtype (bf16
+    on CUDA, fp32 on CPU by default); dense fp32 linear layers on the CPU run oneDNN's packed matmul
+    (models/cpu_linear.py).
+
+    execute(chunks) runs one forward over all chunks (`backend.run`) and returns logits [N, vocab]
+    fp32 for the last `num_logits` new tokens of each chunk with need_logits (in order).
     `max_num_seqs` sizes the slot table and the memory plan's activation reserve. With a draft
     model (`spec_config`), an automatic KV budget is shared: a self-draft of n of L layers leaves
     this pool L / (L + n) of it (the draft pool, sized in proportion, takes the rest); a separate

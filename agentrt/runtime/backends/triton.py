@@ -157,7 +157,7 @@ class TritonAttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored). scale,
-        window, sinks: as runtime/attention.AttentionMetadata.attend."""
+        window, sinks: as forward.ForwardMeta.attend."""
         extra = {}
         if window is not None:
             extra["window"] = window
