@@ -222,7 +222,7 @@ def _load(path: Path) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
 
 
 class CompiledDecode:
-    """Plain-decode batches (cuda_graph.is_plain_decode) of at most `max_batch_size` sequences through
+    """Plain-decode batches (forward.is_plain_decode) of at most `max_batch_size` sequences through
     the three AOTInductor graphs of the module docstring, eager attention over the KV pool between.
 
     model: a models/base.DecoderModel whose layout `unsupported` accepts, on the CPU (dense, Int8Linear or Int4Linear layers);
