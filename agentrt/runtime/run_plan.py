@@ -19,7 +19,7 @@ import torch
 from agentrt.runtime.backends import choose_layer_ops
 from agentrt.runtime.backends.compiled_decode import unsupported as compiled_unsupported
 from agentrt.runtime.config import CacheConfig, ModelConfig
-from agentrt.runtime.forward import LayerOps
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.kv_cache import kv_dtype_name, resolve_kv_dtype
 from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.formats import four_bit_layers
@@ -37,7 +37,8 @@ from agentrt.runtime.platform import (
 class RunPlan:
     """Every decision of a run with its reason. quantization / quantize_lm_head / group_size are what
     loads (`auto` resolved); compiled: decode through the AOTInductor graphs (CPU); cpu_kernels: the
-    C++ int8/int4 kernels run the quantized layers; ops: the element-wise ops the model is built with."""
+    C++ int8/int4 kernels run the quantized layers; ops: the element-wise ops the model is built with
+    (torch's with `compiled`: the graphs trace the layers as built)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -104,10 +105,18 @@ def _decode_plan(model_config: ModelConfig, backend: str, device: torch.device, 
 
 
 def _quant_plan(
-    model_config: ModelConfig, plan_kernels: bool, model_dir: Path, device, dtype, backend, compiled
+    model_config: ModelConfig,
+    plan_kernels: bool,
+    four_bit: bool | None,
+    model_dir: Path,
+    device,
+    dtype,
+    backend,
+    compiled,
 ):
     """(quantization, quantize_lm_head, group_size, reason): `auto` takes the CPU kernels' formats where
-    they run (int4 when the weights are 4-bit already), else exact weights."""
+    they run (int4 when the weights are 4-bit already: `four_bit`, or read from `model_dir` when it is
+    None), else exact weights."""
     q, lm_head, group = (
         model_config.quantization,
         model_config.quantize_lm_head,
@@ -115,7 +124,7 @@ def _quant_plan(
     )
     if q != "auto":
         return q, lm_head, group, "requested"
-    if plan_kernels and four_bit_layers(model_dir):
+    if plan_kernels and (four_bit_layers(model_dir) if four_bit is None else four_bit):
         why = "the layers' weights are 4-bit already (Q4_1 blocks of 32 give them back): the CPU int4 kernel, the LM head int8"
         return "int4", True, 32, f"auto: {why}"
     if plan_kernels:
@@ -129,12 +138,19 @@ def _quant_plan(
 
 
 def plan_run(
-    model_config: ModelConfig, cache_config: CacheConfig, arch: ModelArch, model_dir: Path
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    arch: ModelArch,
+    model_dir: Path,
+    four_bit: bool | None = None,
 ) -> RunPlan:
     """The RunPlan of `model_config` / `cache_config` for a model of `arch` in `model_dir` on this
-    machine. Raises ValueError naming the problem: a device or dtype that cannot run, max_model_len over
-    the model's limit, a requested backend or kernel that cannot run here, a configuration
-    `--deterministic` refuses."""
+    machine. four_bit: whether the layers' weights are 4-bit already (what `auto` quantization asks);
+    None = read it from the first layer's tensors in `model_dir` (formats.four_bit_layers, only when
+    `auto` can take the CPU kernels), as serve does; `agentrt check` gives a GGUF's answer from its
+    tensor types (gguf_meta.gguf_four_bit_layers), never converting it. Raises ValueError naming the
+    problem: a device or dtype that cannot run, max_model_len over the model's limit, a requested
+    backend or kernel that cannot run here, a configuration `--deterministic` refuses."""
     device, dtype = resolve_device_dtype(model_config.device, model_config.dtype)
     dtype_reason = choose_dtype(device, model_config.dtype)[1]
     threads, threads_reason = choose_threads(model_config.threads)
@@ -147,7 +163,7 @@ def plan_run(
     )
     compiled, decode_reason = _decode_plan(model_config, backend, device, arch)
     quantization, lm_head, group, quant_reason = _quant_plan(
-        model_config, backend == "cpu" and not compiled, model_dir, device, dtype, backend, compiled
+        model_config, backend == "cpu" and not compiled, four_bit, model_dir, device, dtype, backend, compiled
     )
     kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, dtype, device)
     if model_config.deterministic:
@@ -169,5 +185,5 @@ def plan_run(
     return RunPlan(
         device, dtype, dtype_reason, threads, threads_reason, backend, backend_reason, compiled, decode_reason,
         quantization, lm_head, group, quant_reason, kernel, kernel_reason, kv_dtype,
-        choose_layer_ops(backend, kernel), max_model_len,
+        TORCH_OPS if compiled else choose_layer_ops(backend, kernel), max_model_len,
     )  # fmt: skip

@@ -13,10 +13,11 @@ batch dimension dynamic (1 .. max_batch_size), serve every batch size and every 
 - `last`: the last layer's tail, the final norm and the LM head -> logits fp32.
 
 The weights are inputs of the graphs, not constants (one graph serves all layers; no weight copy in
-the artefacts), so a graph does not depend on the weight values. The graphs trace the layers' torch
-definitions (`RMSNorm.reference`, `GatedMLP.reference`), whatever element-wise ops the model was
-built with. Between graphs the KV write and the attention (backends/torch_attention.py
-`AttentionMetadata.attend`: gather + SDPA) run eagerly.
+the artefacts), so a graph does not depend on the weight values. The graphs compose the layers' own
+pieces (`DecoderLayer.pre_attention` / `post_attention`, `Attention.qkv`), so the Llama layer is
+written once for torch; a compiled run builds the model on the torch element-wise ops
+(run_plan.plan_run), which the graphs trace. Between graphs the KV write and the attention
+(backends/torch_attention.py `AttentionMetadata.attend`: gather + SDPA) run eagerly.
 
 Why AOTInductor and a dynamic batch, not torch.compile at padded sizes (measured on the 2-core
 development box): calling a torch.compile'd piece cost ~0.6 ms of Dynamo guards and wrappers per call,
@@ -72,21 +73,23 @@ def unsupported(arch) -> frozenset[str]:
     return arch.layout_features() - SUPPORTS
 
 
-def _pre_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [B, hidden] -> (q [B, H, D], k [B, Hkv, D] rotated, v [B, Hkv, D]) of `layer`."""
+def _pre_attention(layer: nn.Module, x, residual, cos: torch.Tensor, sin: torch.Tensor):
+    """`layer`'s input norm and projections, then RoPE: x [B, hidden] the previous layer's output (the
+    embeddings, residual None, for layer 0) -> (the stream [B, hidden], q [B, H, D], k [B, Hkv, D]
+    rotated, v [B, Hkv, D])."""
     attn = layer.self_attn
     t = x.shape[0]
-    qkv = attn.qkv_proj(layer.input_layernorm.reference(x))
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    residual, h = layer.pre_attention(x, residual)
+    q, k, v = attn.qkv(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = apply_rope(q.reshape(t, attn.num_heads, attn.head_dim), cos, sin)
     k = apply_rope(k.reshape(t, attn.num_kv_heads, attn.head_dim), cos, sin)
-    return q, k, v.reshape(t, attn.num_kv_heads, attn.head_dim).contiguous()
+    return residual, q, k, v.reshape(t, attn.num_kv_heads, attn.head_dim).contiguous()
 
 
-def _layer_tail(layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The rest of `layer` after attention: x [B, hidden], attn_out [B, H, D] -> x [B, hidden]."""
-    x = x + layer.self_attn.o_proj(attn_out.reshape(x.shape[0], -1))
-    return x + layer.mlp.reference(layer.post_attention_layernorm.reference(x))
+def _post_attention(layer: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor):
+    """The rest of `layer` after attention: attn_out [B, H, D] -> (its output, the stream) [B, hidden]."""
+    h = layer.self_attn.o_proj(attn_out.reshape(residual.shape[0], -1))
+    return layer.post_attention(h, residual)
 
 
 class _First(nn.Module):
@@ -99,7 +102,8 @@ class _First(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
-        return (x, cos, sin, *_pre_attention(self.layer, x, cos, sin))
+        residual, q, k, v = _pre_attention(self.layer, x, None, cos, sin)
+        return residual, cos, sin, q, k, v
 
 
 class _Mid(nn.Module):
@@ -107,9 +111,9 @@ class _Mid(nn.Module):
         super().__init__()
         self.prev, self.nxt = prev, nxt
 
-    def forward(self, x, attn_out, cos, sin):
-        x = _layer_tail(self.prev, x, attn_out)
-        return (x, *_pre_attention(self.nxt, x, cos, sin))
+    def forward(self, residual, attn_out, cos, sin):
+        x, residual = _post_attention(self.prev, residual, attn_out)
+        return _pre_attention(self.nxt, x, residual, cos, sin)
 
 
 class _Last(nn.Module):
@@ -117,8 +121,9 @@ class _Last(nn.Module):
         super().__init__()
         self.layer, self.norm, self.lm_head = model.layers[-1], model.norm, model.lm_head
 
-    def forward(self, x, attn_out):
-        return self.lm_head(self.norm.reference(_layer_tail(self.layer, x, attn_out))).float()
+    def forward(self, residual, attn_out):
+        x, residual = _post_attention(self.layer, residual, attn_out)
+        return self.lm_head(self.norm.add_forward(x, residual)[1]).float()
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -353,7 +358,7 @@ class CompiledDecode:
         first, mid, last = (self._run_fns[name] for name in PIECES)
         inputs = build_torch_metadata(chunks, torch.device("cpu"))
         meta = inputs.meta
-        x, cos, sin, q, k, v = first([inputs.input_ids, inputs.positions, *self._first_w])
+        residual, cos, sin, q, k, v = first([inputs.input_ids, inputs.positions, *self._first_w])
         num_layers = len(self.k_caches)
         for i in range(num_layers):
             k_cache, v_cache = self.k_caches[i], self.v_caches[i]
@@ -361,8 +366,8 @@ class CompiledDecode:
             store_kv(v_cache, meta.slot_mapping, v)
             attn_out = meta.attend(q, k, v, k_cache, v_cache).contiguous()  # the default scale
             if i + 1 < num_layers:
-                x, q, k, v = mid([x, attn_out, cos, sin, *self._mid_w[i]])
-        return last([x, attn_out, *self._last_w])[0]
+                residual, q, k, v = mid([residual, attn_out, cos, sin, *self._mid_w[i]])
+        return last([residual, attn_out, *self._last_w])[0]
 
 
 class CompiledDecodeBackend:

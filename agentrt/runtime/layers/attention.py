@@ -55,14 +55,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_cast_last, ops)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.sinks else None
 
-    def forward(self, x, k_cache, v_cache, meta: ForwardMeta, rope=None) -> torch.Tensor:
-        t = x.shape[0]
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the fused projection [T, (H + 2 Hkv) D], each head of q and k normed (qk_norm)."""
         qkv = self.qkv_proj(x)
-        if self.cfg.qk_norm:  # each head of q and k normed in place
+        if self.cfg.qk_norm:  # in place
             q_end, k_end = self.q_size, self.q_size + self.kv_size
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
+        return qkv
+
+    def forward(self, x, k_cache, v_cache, meta: ForwardMeta, rope=None) -> torch.Tensor:
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k, v = meta.rope_and_store(qkv, heads, k_cache, v_cache, rope)
+        q, k, v = meta.rope_and_store(self.qkv(x), heads, k_cache, v_cache, rope)
         out = meta.attend(q, k, v, k_cache, v_cache, scale=self.scale, window=self.window, sinks=self.sinks)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))

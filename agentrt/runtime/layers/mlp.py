@@ -54,7 +54,3 @@ class GatedMLP(nn.Module):
         if self.act == "silu":
             return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.limit))
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """forward(x) as written in PyTorch, whatever the bound ops (a traced graph's)."""
-        return self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.limit))

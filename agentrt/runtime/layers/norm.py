@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentrt.runtime.forward import TORCH_OPS, LayerOps, torch_rms_norm
+from agentrt.runtime.forward import TORCH_OPS, LayerOps
 
 
 class RMSNorm(nn.Module):
@@ -28,11 +28,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.weight.shape[0]
         return self.ops.rms_norm(x.reshape(-1, dim), self.weight, self.eps, self.cast_last).view(x.shape)
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """forward(x [..., dim]) as written in PyTorch, whatever the bound ops (what a traced graph
-        takes: runtime/backends/compiled_decode.py)."""
-        return torch_rms_norm(x, self.weight, self.eps, self.cast_last)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None

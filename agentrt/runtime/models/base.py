@@ -79,9 +79,12 @@ class DecoderLayer(nn.Module):
                 arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.mlp_bias, ops=ops
             )
 
-    def forward(self, x, residual, k_cache, v_cache, meta: ForwardMeta, rope=None):
-        residual, h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, k_cache, v_cache, meta, rope)
+    def pre_attention(self, x, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stream residual + x, its input norm) [T, hidden] each; residual None for layer 0."""
+        return self.input_layernorm.add_forward(x, residual)
+
+    def post_attention(self, h, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden] the attention's output (after o_proj) -> (the MLP's output, the stream)."""
         if self.sandwich:  # Gemma: norm the attention output, then the MLP input; norm its output
             residual, h = self.pre_feedforward_layernorm.add_forward(
                 self.post_attention_layernorm(h), residual
@@ -89,6 +92,10 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(h)), residual
         residual, h = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+    def forward(self, x, residual, k_cache, v_cache, meta: ForwardMeta, rope=None):
+        residual, h = self.pre_attention(x, residual)
+        return self.post_attention(self.self_attn(h, k_cache, v_cache, meta, rope), residual)
 
 
 class DecoderModel(nn.Module):
