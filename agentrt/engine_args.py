@@ -392,37 +392,74 @@ def template_budget(args: argparse.Namespace) -> TemplateBudget:
     return TemplateBudget(time_s=args.chat_template_budget, max_bytes=args.chat_template_max_bytes)
 
 
+def add_run_plan_args(p: argparse.ArgumentParser) -> None:
+    """Registers the flags that decide serve's RunPlan (runtime/run_plan.plan_run) that `p` has not
+    registered yet, as serve takes them (names, defaults, help): --device, --dtype, --quantization, the
+    model-run flags (--quant-group-size, --quantize-lm-head, --threads, --max-model-len),
+    --kv-cache-dtype and the forward flags (--attention-backend, --enforce-eager, --compile,
+    --linear-kernel, --deterministic). `agentrt check` takes them to print the plan serve would take;
+    a flag `p` has already (its own --device, say) is kept as it is."""
+    plan = [o for o in _MODEL if o.flags[0] in ("--device", "--dtype", "--quantization")]
+    plan += [*_MODEL_RUN, *(o for o in _KV_POOL if o.flags[0] == "--kv-cache-dtype"), *_FORWARD]
+    for option in plan:
+        try:
+            p.add_argument(*option.flags, **option.kwargs)
+        except argparse.ArgumentError:  # a flag p has: argparse refuses it before changing p
+            continue
+
+
+def with_engine_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` over every engine flag's default: what serve would parse from the flags `args` holds
+    (a command that registers only some engine flags, as `agentrt check`), ready for
+    `model_config` / `cache_config`."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    return argparse.Namespace(**{**vars(p.parse_args([])), **vars(args)})
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of the parsed model, template budget, model-run and forward flags. Raises
+    ValueError as ModelConfig and TemplateBudget do (a value out of range, named)."""
+    return ModelConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quant_group_size=args.quant_group_size,
+        quantize_lm_head=args.quantize_lm_head,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        compile_decode=args.compile_decode,
+        linear_kernel=args.linear_kernel,
+        deterministic=args.deterministic,
+        chat_template=args.chat_template,
+        chat_template_budget=template_budget(args),
+    )
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    """The CacheConfig of the parsed KV-pool, prefix-cache and tier flags. Raises ValueError as
+    CacheConfig does."""
+    return CacheConfig(
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_cache=not args.no_prefix_cache,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
+        kv_host_bytes=args.kv_host_bytes,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_bytes=args.kv_disk_bytes,
+        kv_tier_compress=args.kv_tier_compress,
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            quant_group_size=args.quant_group_size,
-            quantize_lm_head=args.quantize_lm_head,
-            threads=args.threads,
-            max_model_len=args.max_model_len,
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            compile_decode=args.compile_decode,
-            linear_kernel=args.linear_kernel,
-            deterministic=args.deterministic,
-            chat_template=args.chat_template,
-            chat_template_budget=template_budget(args),
-        ),
-        cache=CacheConfig(
-            kv_cache_bytes=args.kv_cache_bytes,
-            enable_prefix_cache=not args.no_prefix_cache,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
-            disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
-            kv_host_bytes=args.kv_host_bytes,
-            kv_disk_dir=args.kv_disk_dir,
-            kv_disk_bytes=args.kv_disk_bytes,
-            kv_tier_compress=args.kv_tier_compress,
-        ),
+        model=model_config(args),
+        cache=cache_config(args),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),

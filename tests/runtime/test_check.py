@@ -349,11 +349,14 @@ def test_cli_check_on_the_gemma3_gguf_converts_nothing(gemma_gguf, tmp_path):
         "4096",
         "--device",
         "cpu",
+        "--attention-backend",  # the plan of the torch path: the C++ kernels' would build them into cache
+        "torch",
     ]
     out = subprocess.run(cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[ok] architecture: Gemma3ForCausalLM (family gemma3)" in out.stdout
     assert "Q4_K" in out.stdout and "Q6_K" in out.stdout
+    assert "[ok] run plan: attention: torch (requested)" in out.stdout
     assert "0 errors, 1 warnings: exit 0" in out.stdout
     assert not list(cache.glob("gguf-*")) and not cache.exists()
 

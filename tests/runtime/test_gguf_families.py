@@ -318,10 +318,13 @@ def test_cli_check_on_a_qwen3_moe_gguf(family, vocab, tmp_path):
         "256",
         "--device",
         "cpu",
+        "--attention-backend",  # the plan of the torch path: the C++ kernels' would build them into cache
+        "torch",
     ]
     out = subprocess.run(cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[ok] architecture: Qwen3MoeForCausalLM (family moe_families)" in out.stdout
+    assert "[ok] run plan: attention: torch (requested)" in out.stdout
     assert "4 experts (top 2)" in out.stdout and "Q8_0" in out.stdout
     assert not cache.exists()
 

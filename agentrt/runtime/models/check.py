@@ -40,7 +40,7 @@ from agentrt.runtime.models.check_report import (
     KVEstimate,
 )
 from agentrt.runtime.models.config import check_config_counts
-from agentrt.runtime.models.gguf_meta import StringArray, gguf_hf_config, read_gguf
+from agentrt.runtime.models.gguf_meta import StringArray, gguf_four_bit_layers, gguf_hf_config, read_gguf
 
 __all__ = [
     "Capacity",
@@ -131,7 +131,10 @@ def template_text(template) -> str | None:
 @dataclass
 class ModelFiles:
     """What `read_model` read: the config, the tokenizer, the weight headers, and the family
-    (`arch`, a ModelArch, None when it could not be told) with the config's vocab size."""
+    (`arch`, a ModelArch, None when it could not be told) with the config's vocab size. `path`: the
+    Hugging Face directory or the GGUF file; `four_bit`: a GGUF's first-layer projections are Q4_1
+    (gguf_meta.gguf_four_bit_layers: what `--quantization auto` asks), None for a directory (the run
+    plan reads its first layer as serve does)."""
 
     config: object = None
     tokenizer: object = None
@@ -141,6 +144,8 @@ class ModelFiles:
     head: str | None = None
     arch: object = None
     vocab: int | None = None
+    path: Path | None = None
+    four_bit: bool | None = None
 
 
 def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
@@ -194,6 +199,7 @@ def _read_gguf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
         f"GGUF {_mb(total)}: {_formats(by_type)} ({len(info.tensors)} tensors, {params:,} parameters){extra}",
     )
     m.tensors = {t.name: (t.shape, prod(t.shape)) for t in info.tensors}
+    m.four_bit = gguf_four_bit_layers(info)
     m.embed = "token_embd.weight" if "token_embd.weight" in m.tensors else None
     m.head = "output.weight" if "output.weight" in m.tensors else None
     try:
@@ -376,6 +382,7 @@ def read_model(model: str, chat_template: str | None = None) -> tuple[CheckRepor
     if located is None:
         return report, m
     kind, path = located
+    m.path = path
     report.source = (
         f"GGUF file {path} (metadata only, not converted)"
         if kind == "gguf"
