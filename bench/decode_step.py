@@ -27,7 +27,9 @@ copies). Python/dispatch is the model forward's wall minus its ops. Rows are med
 the Python time, not the kernels': compare the unprofiled step). The perf pass splits the main
 thread's on-CPU time by shared object and symbol (matmul, attention, element-wise kernels, OpenMP,
 Python, torch dispatch, ...), inside the whole-stack op too; its "outside matmuls and attention" is
-the one to compare before and after (skipped without perf: --no-perf). The weight-read bound: the bytes a step reads (every weight but the embedding table,
+the one to compare before and after (skipped without perf: --no-perf). perf's 4 kHz sampling slows
+the step itself (5.8 -> 7.3 ms on a Zen 4, 2 threads): compare its shares, and its pass between
+checkouts, not its ms against the unprofiled step. The weight-read bound: the bytes a step reads (every weight but the embedding table,
 unless the LM head is that table) over the read bandwidth (a 1 GiB float32 sum, best of 5, on 4 KiB
 and on 2 MiB pages, the larger; taken once per process before warm-up), as bench/same_answer.py.
 """
