@@ -63,15 +63,17 @@ ROWS = (  # (key, label, indent)
     ("schedule", "scheduler (Engine._schedule)", 1),
     ("prepare", "batch layout (Engine._prepare)", 1),
     ("forward", "forward stage (Engine._forward)", 1),
-    ("prep", "metadata/input preparation (execute - model - LM head)", 2),
-    ("model", "model forward (wall)", 2),
-    ("model.matmul", "matmul kernels", 3),
-    ("model.attention", "attention kernels", 3),
-    ("model.stack", "C++ whole-stack op (decode_layers)", 3),
-    ("model.elementwise", "element-wise ops", 3),
-    ("model.other", "other ops (embedding, indexing, copies)", 3),
-    ("model.python", "Python/dispatch (forward wall - ops)", 3),
-    ("lm_head", "LM head", 2),
+    ("execute", "runner.execute (wall)", 2),
+    ("exec.matmul", "matmul kernels (LM head's not included)", 3),
+    ("exec.attention", "attention kernels", 3),
+    ("exec.stack", "C++ whole-stack op (decode_layers)", 3),
+    ("exec.elementwise", "element-wise ops", 3),
+    ("exec.other", "other ops (embedding, indexing, copies)", 3),
+    ("exec.python", "Python/dispatch and metadata (execute - LM head - ops)", 3),
+    ("prep", "metadata/input preparation (execute - model - LM head)", 4),
+    ("model", "model module's forward (wall; n/a: not called)", 4),
+    ("model.python", "Python/dispatch inside it (its wall - its ops)", 4),
+    ("lm_head", "LM head", 3),
     ("sample", "sampling (Engine._sample)", 1),
     ("process", "token processing (Engine._process)", 1),
     ("detok", "detokenize/stop checks/output", 2),
@@ -196,13 +198,18 @@ def per_step(events, steps: int) -> dict[str, list[float]]:
         row[f"{parent.name[len(LABEL) :]}.ops"] = row.get(f"{parent.name[len(LABEL) :]}.ops", 0.0) + ms
     for row in rows[-steps:]:
         g = row.get
-        row["prep"] = g("execute", 0.0) - g("model", 0.0) - g("lm_head", 0.0)
-        row["model.python"] = g("model", 0.0) - g("model.ops", 0.0)
+        for k in ("matmul", "attention", "stack", "elementwise", "other", "ops"):
+            if f"execute.{k}" in row or f"model.{k}" in row:
+                row[f"exec.{k}"] = g(f"execute.{k}", 0.0) + g(f"model.{k}", 0.0)
+        row["exec.python"] = g("execute", 0.0) - g("lm_head", 0.0) - g("exec.ops", 0.0)
+        if "model" in row:  # the model module is called (its forward hooks ran): the split inside
+            row["prep"] = g("execute", 0.0) - g("model", 0.0) - g("lm_head", 0.0)
+            row["model.python"] = g("model", 0.0) - g("model.ops", 0.0)
         stages = ("schedule", "prepare", "forward", "sample", "process")
         row["rest"] = g("step", 0.0) - sum(g(s, 0.0) for s in stages)
         kernels = 0.0
         for k, v in row.items():
-            if k.endswith((".matmul", ".attention", ".stack")):
+            if k.endswith((".matmul", ".attention", ".stack")) and not k.startswith("exec."):  # (sums)
                 kernels += v
         row["kernels"] = kernels
         row["outside"] = g("step", 0.0) - kernels
@@ -405,7 +412,7 @@ def print_table(results: dict[str, list[dict]]) -> None:
     for repo, (first, _) in cols.items():
         print(f"{repo} @ {first['commit']}: {first['weights']}; {first['threads']} threads; "
               f"{len(results[repo])} rounds; labels missing: {', '.join(first['missing']) or 'none'}")  # fmt: skip
-    head = f"{'stage (median per step)':58}" + "".join(f"{Path(r).name[:18]:>22}" for r in cols)
+    head = f"{'stage (median per step)':64}" + "".join(f"{Path(r).name[:18]:>22}" for r in cols)
     print(head)
     print("-" * len(head))
 
@@ -418,7 +425,7 @@ def print_table(results: dict[str, list[dict]]) -> None:
             else:
                 pct = f" {100 * v / med['step']:5.1f}%" if share and med.get("step") else "       "
                 cells += f"{v:>13.3f} ms{pct}"
-        print(f"{label:58}{cells}")
+        print(f"{label:64}{cells}")
 
     line("engine step (wall, no profiler)", "wall")
     for key, label, indent in ROWS:
@@ -436,7 +443,7 @@ def print_perf(results: dict[str, list[dict]]) -> None:
     """The perf split (perf_split) of each checkout: medians over rounds, ms per step and share."""
     splits = {r: [x["perf"] for x in runs if x.get("perf")] for r, runs in results.items()}
     if not any(splits.values()):
-        print("perf split: not measured (no perf, or it recorded nothing)")
+        print("perf split: not measured (--no-perf, no perf, or it recorded nothing)")
         return
     print("main thread's on-CPU time by code (perf, a separate pass of the same steps; the whole-stack "
           "op's inside included):")  # fmt: skip
@@ -456,7 +463,7 @@ def print_perf(results: dict[str, list[dict]]) -> None:
         for m in meds.values():
             v = m.get(key)
             cells += f"{'n/a':>22}" if v is None else f"{v:>13.3f} ms {100 * v / m['wall']:5.1f}%"
-        print(f"{label:58}{cells}")
+        print(f"{label:64}{cells}")
 
 
 def main() -> int:
