@@ -369,7 +369,10 @@ class Engine:
             return SampleOutput([])
         errors: dict[int, str] = {}
         logprobs: dict[int, TokenLogprob] = {}
-        ids = sample(logits[[s.row for s in sampled]], [s.request for s in sampled], errors, logprobs)
+        rows = [s.row for s in sampled]
+        if rows != list(range(logits.shape[0])):  # every row sampled, in order: no copy
+            logits = logits[rows]
+        ids = sample(logits, [s.request for s in sampled], errors, logprobs)
         for i, why in errors.items():
             self._failed.setdefault(sampled[i].request, InternalError(f"internal error in sampling: {why}"))
         return SampleOutput(ids, logprobs)

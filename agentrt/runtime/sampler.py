@@ -124,9 +124,8 @@ def sample(
     # one pass over the vocabulary for the greedy rows (argmax and the checks were five: ~0.4 ms a
     # token at batch 1 on the CPU): argmax takes a NaN as the maximum, so a row holding NaN has a NaN
     # at its argmax, and a row whose argmax is -inf is -inf everywhere
-    greedy = torch.argmax(logits, dim=-1)
-    best = logits.gather(-1, greedy[:, None])[:, 0]
-    tokens = greedy.clone()
+    best, greedy = logits.max(dim=-1)  # the first maximum's index, as argmax
+    tokens = greedy if all(r.params.is_greedy for r in requests) else greedy.clone()
     has_nan = torch.isnan(best)
     failed = best == float("-inf")  # every token masked
     no_finite = None

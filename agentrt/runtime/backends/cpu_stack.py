@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from agentrt.runtime.backends.torch_attention import TorchBackend
-from agentrt.runtime.forward import SeqChunk, run_forward
+from agentrt.runtime.forward import SeqChunk, is_plain_decode, run_forward
 from agentrt.runtime.kernels import cpu_kernels
 
 SUPPORTS = frozenset({"qkv_bias", "mlp_bias", "mlp:silu"})
@@ -97,12 +97,45 @@ class CpuStackBackend:
         e = self.eager
         if not chunks or not self.on_caches:
             return e.run(chunks, return_hidden)
+        if is_plain_decode(chunks):
+            rows = self._plain_decode(chunks)
+            logits = e.model.compute_logits(rows)
+            return (logits, rows) if return_hidden else logits
         batch = e.prepare(chunks)
         if batch.meta.decode_idx is None or batch.meta.prefills:
             return run_forward(e.model, e.kv.k, e.kv.v, chunks, lambda _: batch, e.device, return_hidden)
         rows = decode_stack(e.model, batch, e.kv.k, e.kv.v, self.stack)[batch.logit_idx]
         logits = e.model.compute_logits(rows)
         return (logits, rows) if return_hidden else logits
+
+    def _plain_decode(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """hidden [B, hidden] after the final norm of a plain-decode batch (forward.is_plain_decode),
+        the op's inputs built straight from the chunks (no attention metadata: the op takes the context
+        slots padded to the longest, each sequence's length, the new tokens' slots and RoPE rows)."""
+        model, kv, arch = self.eager.model, self.eager.kv, self.eager.model.arch
+        i64 = torch.int64
+        small = torch.tensor(
+            [
+                [c.token_ids[0] for c in chunks],
+                [c.context_len for c in chunks],
+                [c.slots[c.context_len] for c in chunks],
+                [len(c.slots) for c in chunks],
+            ],
+            dtype=i64,
+        )
+        ids, positions, slot_mapping, lens = small
+        if len(chunks) == 1:
+            slots = torch.tensor(chunks[0].slots, dtype=i64)[None]
+        else:
+            width = max(len(c.slots) for c in chunks)
+            slots = torch.tensor([c.slots + [0] * (width - len(c.slots)) for c in chunks], dtype=i64)
+        x = model.embed(ids)
+        cos, sin = model.rope_cos[positions].to(x.dtype), model.rope_sin[positions].to(x.dtype)
+        weights, out_features = self.stack
+        return cpu_kernels.decode_layers(
+            x, weights, kv.k, kv.v, cos, sin, slot_mapping, slots, lens, model.norm.weight, out_features,
+            arch.num_heads, arch.rms_norm_eps, arch.head_dim**-0.5,
+        )  # fmt: skip
 
     def describe(self) -> str:
         return "decode eager (C++ whole-stack op)"

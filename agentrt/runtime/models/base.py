@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from agentrt.runtime.forward import TORCH_OPS, ForwardMeta, LayerOps
@@ -147,7 +148,7 @@ class DecoderModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> the first layer's input [T, hidden] (scaled where the family does)."""
-        x = self.embed_tokens(input_ids)
+        x = F.embedding(input_ids, self.embed_tokens.weight)  # the module's forward, without its call
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=torch.float32).to(x.dtype)
         return x
