@@ -153,7 +153,8 @@ def ready_message(args: argparse.Namespace, api_keys: bool) -> str:
 
 
 def start_line(args: argparse.Namespace, runner) -> str:
-    """serve's start line: the model on its device, weight format, threads, attention and KV,
+    """serve's start line: the model on its device, weight format, threads, attention, how decode
+    steps run, KV,
     CUDA graphs, context and full-context sequences, then the memory plan."""
     graphs = list(runner.cuda_graph_sizes)
     from agentrt.runtime.backends import describe_attention
@@ -162,7 +163,7 @@ def start_line(args: argparse.Namespace, runner) -> str:
     return (
         f"agentrt: {args.model} on {runner.device} ({runner.weight_format.describe()}), "
         f"{runner.num_threads} thread{'' if runner.num_threads == 1 else 's'}, attention "
-        f"{attention}, KV {kv}, CUDA graphs "
+        f"{attention}, {runner.decode}, KV {kv}, CUDA graphs "
         f"{graphs or 'off'}; context {runner.max_model_len} tokens, up "
         f"to {runner.kv.num_slots // runner.max_model_len} full-context sequences (prefix cache "
         f"{'off' if args.no_prefix_cache else 'on'})\nagentrt: {runner.memory_plan.describe()}"

@@ -16,6 +16,7 @@ import sys
 from agentrt.engine_args import (
     add_run_plan_args,
     add_template_budget_args,
+    byte_size,
     cache_config,
     model_config,
     template_budget,
@@ -64,7 +65,7 @@ def check_plan(report, files, run_config, run_cache_config) -> None:
     try:
         plan = plan_run(run_config, run_cache_config, files.arch, files.path, four_bit=files.four_bit)
     except ValueError as e:
-        report.add(ERROR, "run plan", f"serve would refuse these options: {e}")
+        report.add(ERROR, "run plan", f"these options cannot run here: {e}")
         return
     for line in plan.describe().splitlines():
         report.add(OK, "run plan", line.strip())
@@ -125,6 +126,9 @@ def check_args(args: argparse.Namespace):
     flags `args` lacks at serve's defaults). Raises ValueError for bad --chat-template-budget /
     --chat-template-max-bytes values, or a value ModelConfig / CacheConfig refuse."""
     budget = template_budget(args)
+    from agentrt.runtime.config import SchedulerConfig
+
+    SchedulerConfig(max_num_seqs=args.max_num_seqs)  # serve's check of the value
     engine_args = with_engine_defaults(args)
     return check_model(
         args.model,
@@ -154,7 +158,8 @@ def checked_before_load(args: argparse.Namespace) -> bool:
     if report.errors:
         print(
             f"agentrt: error: {args.model} cannot be served ({len(report.errors)} error"
-            f"{'' if len(report.errors) == 1 else 's'} above; `agentrt check {args.model}` shows the whole report)",
+            f"{'' if len(report.errors) == 1 else 's'} above; `agentrt check {args.model}` with the same options "
+            "shows the whole report)",
             file=sys.stderr,
             flush=True,
         )
@@ -189,7 +194,7 @@ def add_check_parser(sub) -> None:
     )
     c.add_argument(
         "--kv-cache-bytes",
-        type=int,
+        type=byte_size,
         default=None,
         help="KV budget in bytes (default: 1 GiB on CPU, free memory on CUDA)",
     )

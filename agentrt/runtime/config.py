@@ -99,10 +99,21 @@ class ModelConfig:
             raise ValueError(f"quantization must be none, int8, int4 or auto, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ValueError(f"quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(
+                f"max_model_len must be a positive number of tokens (None: the model's limit), got {self.max_model_len!r}"
+            )
         if not self.cuda_graph_batch_sizes or any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
+
+
+# torch's OpenMP pool crashes the process (SIGSEGV) on a count far past the cores; 4x the cores is
+# already oversubscribed
+MAX_THREADS = 4 * max(os.cpu_count() or 1, 16)
 
 
 @dataclass(frozen=True)

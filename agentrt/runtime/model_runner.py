@@ -169,9 +169,10 @@ class ModelRunner:
         )  # fmt: skip
         # the decode batch sizes replayed from captured CUDA graphs (() without them)
         self.cuda_graph_sizes: tuple[int, ...] = self.backend.captured_sizes
-        decode = self.backend.describe()
+        decode = self.backend.describe()  # how decode steps run, for the start line
         if model_config.compile_decode and not plan.compiled:
             decode = f"decode eager ({plan.decode_reason})"
+        self.decode = decode
         logger.info(
             "model %s on %s, weights %s, %d threads (%s), attention %s (%s), context %d, %s; %s",
             self.model_dir, self.device, self.weight_format.describe(), self.num_threads, plan.threads_reason,

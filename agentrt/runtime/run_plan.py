@@ -123,7 +123,7 @@ def _quant_plan(
         model_config.quant_group_size,
     )
     if q != "auto":
-        return q, lm_head, group, "requested"
+        return q, lm_head, group, f"--quantization {q}"
     if plan_kernels and (four_bit_layers(model_dir) if four_bit is None else four_bit):
         why = "the layers' weights are 4-bit already (Q4_1 blocks of 32 give them back): the CPU int4 kernel, the LM head int8"
         return "int4", True, 32, f"auto: {why}"

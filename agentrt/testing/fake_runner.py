@@ -180,6 +180,7 @@ class FakeModelRunner:
         self.kv = _CheckedKVPool(num_kv_slots, self.device)
         self.attention_backend = "fake"
         self.cuda_graph_sizes = ()
+        self.decode = "decode eager (the fake model)"
         self.memory_plan = None
         self.window, self.seed = window, seed
         self.forwards: list[ForwardRecord] = []

@@ -116,7 +116,9 @@ def test_sigterm_ends_streams_in_flight_and_exits(default_model_dir, tmp_path):
         assert srv.proc.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 15
     # the start line names the KV pool's dtype beside the attention backend
-    assert re.search(r"attention \w+, KV float32, CUDA graphs off;", (tmp_path / "server.log").read_text())
+    assert re.search(
+        r"attention \w+, decode [^,]+, KV float32, CUDA graphs off;", (tmp_path / "server.log").read_text()
+    )
 
 
 def test_start_line_says_where_a_kv_dtype_takes_attention_off_the_kernel():

@@ -110,10 +110,10 @@ def test_a_plan_serve_would_refuse_is_an_error_in_check_and_stops_serve(default_
     flags, message = REFUSED[name]
     assert main(["check", MODEL, "--device", "cpu", *flags]) == 1
     out = capsys.readouterr().out
-    assert f"[error] run plan: serve would refuse these options: {message}" in out, out
+    assert f"[error] run plan: these options cannot run here: {message}" in out, out
     assert "[ok] run plan" not in out
     assert not checked_before_load(_serve_parser().parse_args([MODEL, "--device", "cpu", *flags]))
-    assert f"agentrt: error: run plan: serve would refuse these options: {message}" in capsys.readouterr().err
+    assert f"agentrt: error: run plan: these options cannot run here: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])

@@ -38,7 +38,11 @@ def test_threads_default_to_omp_num_threads_then_physical_cores(monkeypatch):
     with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'two'"):
         platform.choose_threads(None)
     for kw, msg in (
-        ({"threads": 0}, "threads must be >= 1"),
+        ({"threads": 0}, "threads must be in \\[1, "),
+        ({"threads": 100000}, "threads must be in \\[1, "),  # torch's thread pool segfaults on such counts
+        ({"max_model_len": 0}, "max_model_len must be a positive number of tokens"),
+        ({"max_model_len": -5}, "max_model_len must be a positive number of tokens"),
+        ({"max_model_len": "128"}, "max_model_len must be a positive number of tokens"),
         ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),
         ({"quant_group_size": 48}, "quant_group_size must be 32, 64, 128 or 256"),
     ):

@@ -11,8 +11,10 @@ runs the model over them. The backends:
   (backends/compiled_decode.py, which also wraps `torch`);
 - `triton` (backends/triton.py), with CUDA graphs for decode (backends/cuda_graph.py).
 
-`make_backend` is the only place that reads a backend's name; `choose_layer_ops` picks the
-element-wise ops the model is built with, before it is built.
+`make_backend` is where a backend's name becomes an object; `choose_layer_ops` picks the
+element-wise ops the model is built with, before it is built, and `describe_attention` names the
+choice on the start line (outside this package only run_plan.py and platform.py, which choose it,
+read the name: tests/test_decide_once.py).
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ def make_backend(
 
         if cpu_stack.stack_weights(model) is not None:
             return cpu_stack.CpuStackBackend(torch_backend)
+        missing = cpu_stack.unsupported(model.arch)
+        torch_backend.stack_note = (
+            f"layer by layer: the C++ whole-stack op does not implement {', '.join(sorted(missing))}"
+            if missing
+            else "layer by layer: the C++ whole-stack op needs every projection on a C++ int8/int4 kernel"
+        )
     return torch_backend
 
 

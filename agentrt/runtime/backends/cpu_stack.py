@@ -3,8 +3,9 @@ the final norm included, in one op when every projection runs a C++ int8/int4 ke
 runs the torch backend with the C++ kernels (backends/torch_attention.py, `cpu_kernel`).
 
 The op knows one layer: the plain Llama layer. `SUPPORTS` is the allow-list of the layout features
-(models/config.py `ModelArch.layout_features`) it implements beyond that layer; a model using any
-other feature is refused at start with the features named.
+(models/config.py `ModelArch.layout_features`) it implements beyond that layer. `CpuStackBackend`
+refuses any other model with the features named; `make_backend` then runs the `cpu` backend layer by
+layer and the start line says why.
 """
 
 from __future__ import annotations

@@ -392,5 +392,8 @@ class TorchBackend:
         forward.run_forward."""
         return run_forward(self.model, self.kv.k, self.kv.v, chunks, self.prepare, self.device, return_hidden)
 
+    # why a cpu backend does not take the C++ whole-stack decode (set by backends.make_backend), or ""
+    stack_note: str = ""
+
     def describe(self) -> str:
-        return "decode eager"
+        return f"decode eager ({self.stack_note})" if self.stack_note else "decode eager"
