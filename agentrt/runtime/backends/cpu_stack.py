@@ -60,15 +60,24 @@ def decode_stack(model, batch, k_caches, v_caches, stack, num_layers: int | None
     """hidden [T, hidden] after the final norm of a decode-only batch (forward.BatchInputs of the torch
     backend with `cpu_kernel`), every layer (or the first `num_layers`) in one C++ op. stack: the
     model's `stack_weights`."""
+    meta = batch.meta
+    return run_stack(
+        model, stack, batch.input_ids, batch.positions, meta.slot_mapping, meta.decode_slots,
+        meta.decode_lens, k_caches, v_caches, num_layers,
+    )  # fmt: skip
+
+
+def run_stack(model, stack, ids, positions, slot_mapping, slots, lens, k_caches, v_caches, num_layers=None):
+    """The whole-stack op over ids / positions / slot_mapping / lens [B] int64 and the context slots
+    [B, L] int64 (padded): hidden [B, hidden] after the final norm."""
     weights, out_features = stack
-    meta, arch = batch.meta, model.arch
-    x = model.embed(batch.input_ids)
-    meta.prepare_rope(batch.positions, model.rope_cos, model.rope_sin, x.dtype)
+    arch = model.arch
+    x = model.embed(ids)
+    cos, sin = model.rope_cos[positions].to(x.dtype), model.rope_sin[positions].to(x.dtype)
     n = len(model.layers) if num_layers is None else num_layers
     return cpu_kernels.decode_layers(
-        x, weights[: n * WEIGHTS_PER_LAYER], k_caches[:n], v_caches[:n], meta.cos, meta.sin, meta.slot_mapping,
-        meta.decode_slots, meta.decode_lens, model.norm.weight, out_features, arch.num_heads,
-        arch.rms_norm_eps, arch.head_dim**-0.5,
+        x, weights[: n * WEIGHTS_PER_LAYER], k_caches[:n], v_caches[:n], cos, sin, slot_mapping, slots, lens,
+        model.norm.weight, out_features, arch.num_heads, arch.rms_norm_eps, arch.head_dim**-0.5,
     )  # fmt: skip
 
 
@@ -113,7 +122,7 @@ class CpuStackBackend:
         """hidden [B, hidden] after the final norm of a plain-decode batch (forward.is_plain_decode),
         the op's inputs built straight from the chunks (no attention metadata: the op takes the context
         slots padded to the longest, each sequence's length, the new tokens' slots and RoPE rows)."""
-        model, kv, arch = self.eager.model, self.eager.kv, self.eager.model.arch
+        model, kv = self.eager.model, self.eager.kv
         i64 = torch.int64
         small = torch.tensor(
             [
@@ -130,13 +139,7 @@ class CpuStackBackend:
         else:
             width = max(len(c.slots) for c in chunks)
             slots = torch.tensor([c.slots + [0] * (width - len(c.slots)) for c in chunks], dtype=i64)
-        x = model.embed(ids)
-        cos, sin = model.rope_cos[positions].to(x.dtype), model.rope_sin[positions].to(x.dtype)
-        weights, out_features = self.stack
-        return cpu_kernels.decode_layers(
-            x, weights, kv.k, kv.v, cos, sin, slot_mapping, slots, lens, model.norm.weight, out_features,
-            arch.num_heads, arch.rms_norm_eps, arch.head_dim**-0.5,
-        )  # fmt: skip
+        return run_stack(model, self.stack, ids, positions, slot_mapping, slots, lens, kv.k, kv.v)
 
     def describe(self) -> str:
         return "decode eager (C++ whole-stack op)"
