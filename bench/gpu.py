@@ -53,7 +53,7 @@ from agentrt.runtime.backends.triton import SlotTable
 from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import interpreting
 from agentrt.runtime.kernels.bitmask import apply_token_bitmask
-from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_cache import KVPool, uniform_layout
 from agentrt.runtime.models.base import DecoderModel
 from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.registry import build_model as build_family_model
@@ -131,18 +131,16 @@ class Bench:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         a, ctx = self.arch, args.context
         self.max_len = ctx + 2 * args.steps + 256
-        self.bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        self.bytes_per_token = KVPool.bytes_per_token_of(a.kv_layout()[0], self.dtype)
         tokens = max(args.batches) * self.max_len + 4 * (ctx + 128)
         self.table = SlotTable(2 * max(args.batches) + 8, self.max_len, device)
         self.capture_s = 0.0
         if args.host_only:  # slot bookkeeping only: a KV pool of 1-element tokens, no model
             self.model = self.graphs = None
-            self.kv = KVPool(1, 1, 1, torch.float32, device, tokens * 8)
+            self.kv = KVPool(uniform_layout(1, 1, 1), torch.float32, device, tokens * 8)
         else:
             self.model = build_model(a, self.max_len + 8, device, self.dtype)
-            self.kv = KVPool(
-                a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, device, tokens * self.bytes_per_token
-            )
+            self.kv = KVPool(a.kv_layout()[0], self.dtype, device, tokens * self.bytes_per_token)
             for k, v in zip(self.kv.k, self.kv.v):
                 k.normal_()
                 v.normal_()

@@ -3,6 +3,7 @@ the model's dtype, another float dtype, or quantized to int8 with one scale per 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -107,8 +108,34 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """The shape of one KV cache (one per attention layer, or shared by the layers that read it):
+    K rows [num_kv_heads, k_dim] and V rows [num_kv_heads, v_dim] per slot; v_dim 0 = no V cache
+    (multi-head latent attention keeps its compressed latent in K)."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+
+    def row_bytes(self, dtype: torch.dtype) -> int:
+        """K + V bytes of one token in this cache at `dtype` (an int8 cache's float32 scale per row
+        included)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        scale = 4 if dtype == torch.int8 else 0
+        k = self.k_dim * size + scale
+        v = self.v_dim * size + scale if self.v_dim else 0
+        return self.num_kv_heads * (k + v)
+
+
+def uniform_layout(num_layers: int, num_kv_heads: int, head_dim: int) -> list[CacheSpec]:
+    """One CacheSpec(num_kv_heads, head_dim, head_dim) per layer: the Llama layout."""
+    return [CacheSpec(num_kv_heads, head_dim, head_dim)] * num_layers
+
+
 class KVPool:
-    """One K and one V cache per layer, each [num_slots, num_kv_heads, head_dim] addressed by slot.
+    """One K and one V cache per CacheSpec of `layout`, K [num_slots, Hkv, k_dim] and V
+    [num_slots, Hkv, v_dim], addressed by slot.
 
     dtype: a float dtype (the caches are plain tensors of it), or torch.int8: each cache is then a
     QuantizedKV, data [num_slots, Hkv, D] int8 plus scale [num_slots, Hkv] float32, one symmetric
@@ -116,8 +143,8 @@ class KVPool:
     written by every store path and read by every attention backend straight from these tensors.
     Other dtypes (the fake runner's int64) are plain tensors too.
 
-    Sized from a byte budget: bytes_per_token = 2 x layers x kv_heads x (head_dim x dtype bytes,
-    + 4 for the float32 scale when int8). `allocate` pops slots from a free list (no partial
+    Sized from a byte budget: bytes_per_token = the sum over the caches of CacheSpec.row_bytes
+    (2 x kv_heads x (head_dim x dtype bytes, + 4 for the float32 scale when int8) for a Llama layer). `allocate` pops slots from a free list (no partial
     allocation: it returns None when fewer than asked are free); `free` returns them. The free list
     is a stack kept so that slots come out in ascending runs (a fresh pool gives 0, 1, 2, ...; freed
     slots come back in the order they were freed): attention reads a sequence's K/V rows in slot
@@ -128,9 +155,7 @@ class KVPool:
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        layout: list[CacheSpec],
         dtype: torch.dtype,
         device: torch.device,
         budget_bytes: int,
@@ -139,16 +164,17 @@ class KVPool:
     ):
         self.dtype = dtype
         self.quantized = dtype == torch.int8
-        self.bytes_per_token = self.bytes_per_token_of(num_layers, num_kv_heads, head_dim, dtype)
+        self.layout = list(layout)
+        self.bytes_per_token = self.bytes_per_token_of(self.layout, dtype)
         self.num_slots = int(budget_bytes // self.bytes_per_token) if num_slots is None else num_slots
         if self.num_slots < 1:
             raise ValueError(
                 f"kv_cache_bytes={budget_bytes} holds no token ({self.bytes_per_token} bytes each)"
             )
-        rows = layer_rows or [self.num_slots] * num_layers
+        rows = layer_rows or [self.num_slots] * len(self.layout)
 
-        def cache(n: int):
-            shape = (n, num_kv_heads, head_dim)
+        def cache(n: int, heads: int, dim: int):
+            shape = (n, heads, dim)
             data = zeros_on_hugepages(shape, dtype) if torch.device(device).type == "cpu" else None
             if data is None:
                 data = torch.zeros(shape, dtype=dtype, device=device)
@@ -157,8 +183,8 @@ class KVPool:
             return QuantizedKV(data, torch.zeros(shape[:2], dtype=torch.float32, device=device))
 
         try:
-            self.k = [cache(n) for n in rows]
-            self.v = [cache(n) for n in rows]
+            self.k = [cache(n, c.num_kv_heads, c.k_dim) for n, c in zip(rows, self.layout)]
+            self.v = [cache(n, c.num_kv_heads, c.v_dim) for n, c in zip(rows, self.layout)]
         except RuntimeError as e:  # includes torch.OutOfMemoryError
             self.k = self.v = []
             raise ValueError(
@@ -168,12 +194,10 @@ class KVPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     @staticmethod
-    def bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K + V bytes of one token over all layers (an int8 pool's float32 scales included)."""
-        row = head_dim * torch.empty((), dtype=dtype).element_size()
-        if dtype == torch.int8:
-            row += 4
-        return 2 * num_layers * num_kv_heads * row
+    def bytes_per_token_of(layout: list[CacheSpec], dtype: torch.dtype) -> int:
+        """K + V bytes of one token over every cache of `layout` (an int8 pool's float32 scales
+        included)."""
+        return sum(c.row_bytes(dtype) for c in layout)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every per-slot tensor of the pool, each with the slot as its first dimension: what a lower

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_cache import KVPool, uniform_layout
 
 
 def window_layer_split(layer_windows) -> tuple[int, int, int]:
@@ -107,19 +107,18 @@ class SlidingWindowKVPool(KVPool):
         full, windowed = self.num_full_layers, self.num_window_layers
         self.layer_windows = tuple(layer_windows)
         self.num_window_slots = num_window_slots
-        self.window_bytes_per_token = self.bytes_per_token_of(windowed, num_kv_heads, head_dim, dtype)
+        layout = uniform_layout(len(layer_windows), num_kv_heads, head_dim)
+        self.window_bytes_per_token = self.bytes_per_token_of(layout[:windowed], dtype)
+        full_bytes = self.bytes_per_token_of(layout[:full], dtype)
         super().__init__(
-            len(layer_windows),
-            num_kv_heads,
-            head_dim,
+            layout,
             dtype,
             device,
-            num_slots * self.bytes_per_token_of(full, num_kv_heads, head_dim, dtype)
-            + num_window_slots * self.window_bytes_per_token,
+            num_slots * full_bytes + num_window_slots * self.window_bytes_per_token,
             num_slots=num_slots,
             layer_rows=[num_slots if w is None else num_window_slots + 1 for w in layer_windows],
         )
-        self.bytes_per_token = self.bytes_per_token_of(full, num_kv_heads, head_dim, dtype)
+        self.bytes_per_token = full_bytes
         self.swa_map = torch.zeros(num_slots, dtype=torch.int64, device=device)
         on_cpu = self.swa_map.device.type == "cpu"
         # host map: on a CPU the same memory as swa_map; else a copy, its changes kept in _dirty

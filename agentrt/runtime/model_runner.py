@@ -69,7 +69,7 @@ def kv_tokens_per_gib(arch) -> tuple[tuple[str, int], ...]:
     return tuple(
         (
             kv_dtype_name(d),
-            (1 << 30) // KVPool.bytes_per_token_of(arch.num_layers, arch.num_kv_heads, arch.head_dim, d),
+            (1 << 30) // KVPool.bytes_per_token_of(arch.kv_layout()[0], d),
         )
         for d in (torch.float32, torch.float16, torch.int8)
     )
@@ -191,7 +191,7 @@ class ModelRunner:
         """The KV pool (`kv`) in the budget plan_kv_budget leaves (shared with a draft model's pool),
         and the MemoryPlan that says where the memory went."""
         a = self.arch
-        bytes_per_token = KVPool.bytes_per_token_of(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        bytes_per_token = KVPool.bytes_per_token_of(a.kv_layout()[0], self.kv_dtype)
         budget, reserved, total = plan_kv_budget(
             cache_config,
             self.device,
@@ -240,19 +240,21 @@ class ModelRunner:
         a = self.arch
 
         def plain():
-            return KVPool(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device, budget)
+            return KVPool(a.kv_layout()[0], self.kv_dtype, self.device, budget)
 
         if not a.windowed:
             return plain(), ""
         off = None
-        if cache_config.disable_hybrid_swa_memory:
+        if not a.uniform_kv:
+            off = "the model's KV caches differ in shape or are shared between layers"
+        elif cache_config.disable_hybrid_swa_memory:
             off = "disable_hybrid_swa_memory"
         elif cache_config.kv_host_bytes or cache_config.kv_disk_dir:
             off = "the KV host/disk tiers copy every layer per token"
         elif spec_config is not None and spec_config.method == "draft":
             off = "a draft model's pool is sized from this one's tokens"
         if off is None:
-            layer_bytes = KVPool.bytes_per_token_of(1, a.num_kv_heads, a.head_dim, self.kv_dtype)
+            layer_bytes = KVPool.bytes_per_token_of(a.kv_layout()[0][:1], self.kv_dtype)
             plan = plan_window_pool(
                 a.layer_windows,
                 layer_bytes,

@@ -259,13 +259,15 @@ class Speculator:
                 raise ValueError(
                     f"draft_layers must be in [1, {target.num_layers - 1}] for this model, got {n}"
                 )
+            specs, caches = target.kv_layout()
+            layout = [specs[c] for c in sorted({c for c in caches[:n] if c is not None})]
+            if [c for c in caches[:n] if c is not None] != list(range(len(layout))):
+                raise ValueError("a self-draft needs the first layers to own the first KV caches")
             kv = KVPool(
-                n,
-                target.num_kv_heads,
-                target.head_dim,
+                layout,
                 runner.dtype,
                 runner.device,
-                runner.kv.num_slots * runner.kv.bytes_per_token * n // target.num_layers,
+                runner.kv.num_slots * KVPool.bytes_per_token_of(layout, runner.dtype),
             )
             logger.info("self-draft: the first %d of %d layers", n, target.num_layers)
             return DraftModelProposer(_SelfDraft(runner.model, n), kv, runner.device)
@@ -291,18 +293,12 @@ class Speculator:
         ):
             raise ValueError("draft model tokenizer differs from the target's")
         a = draft.arch
+        layout = a.kv_layout()[0]
         kv = KVPool(
-            a.num_layers,
-            a.num_kv_heads,
-            a.head_dim,
+            layout,
             draft.dtype,
             draft.device,
-            runner.kv.num_slots
-            * 2
-            * a.num_layers
-            * a.num_kv_heads
-            * a.head_dim
-            * draft.kv.k[0].element_size(),
+            runner.kv.num_slots * KVPool.bytes_per_token_of(layout, draft.dtype),
         )
         return DraftModelProposer(draft.model, kv, draft.device)
 

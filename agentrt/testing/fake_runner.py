@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from agentrt.runtime.forward import SeqChunk
-from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_cache import CacheSpec, KVPool
 
 MAX_CACHED_ROW_BYTES = 16 << 20
 """Bytes of logits rows a FakeModelRunner keeps (oldest dropped first; a row is recomputed when
@@ -88,8 +88,9 @@ class _CheckedKVPool(KVPool):
     slot is allocated. K[0][slot] holds (token id, position, prefix hash) as int64."""
 
     def __init__(self, num_slots: int, device: torch.device):
+        layout = [CacheSpec(1, 3, 3)]
         super().__init__(
-            1, 1, 3, torch.int64, device, num_slots * self.bytes_per_token_of(1, 1, 3, torch.int64)
+            layout, torch.int64, device, num_slots * self.bytes_per_token_of(layout, torch.int64)
         )
         self._free_set = set(self._free)
 

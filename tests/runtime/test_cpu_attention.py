@@ -11,7 +11,7 @@ from agentrt.runtime.backends.torch_attention import KernelRows, gather_slots
 from agentrt.runtime.config import CacheConfig, ModelConfig, default_cache_dir
 from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.kernels import cpu_kernels
-from agentrt.runtime.kv_cache import KVPool
+from agentrt.runtime.kv_cache import KVPool, uniform_layout
 from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.platform import choose_attention_backend
 from tests.support.kernels import KERNEL_FAILURE, needs_kernel, run_fresh
@@ -118,7 +118,7 @@ def test_model_logits_and_tokens_match_the_torch_path(default_model_dir, tmp_pat
 
 
 def test_pool_gives_ascending_runs():
-    pool = KVPool(1, 1, 4, torch.float32, torch.device("cpu"), 1 << 12)  # 128 slots
+    pool = KVPool(uniform_layout(1, 1, 4), torch.float32, torch.device("cpu"), 1 << 12)  # 128 slots
     a = pool.allocate(5)
     assert a == [0, 1, 2, 3, 4]
     assert [pool.allocate(1)[0] for _ in range(3)] == [5, 6, 7]

@@ -33,6 +33,7 @@ from agentrt.runtime.kv_cache import (
     gather_kv,
     quantize_kv,
     resolve_kv_dtype,
+    uniform_layout,
 )
 from agentrt.runtime.layers.rotary import apply_rope
 from agentrt.runtime.model_runner import ModelRunner
@@ -93,8 +94,8 @@ def test_resolve_kv_dtype_names_bad_values():
 
 def test_int8_pool_holds_more_tokens_and_state_tensors_include_the_scales():
     cpu = torch.device("cpu")
-    fp32 = KVPool(4, 2, 64, torch.float32, cpu, 1 << 20)
-    int8 = KVPool(4, 2, 64, torch.int8, cpu, 1 << 20)
+    fp32 = KVPool(uniform_layout(4, 2, 64), torch.float32, cpu, 1 << 20)
+    int8 = KVPool(uniform_layout(4, 2, 64), torch.int8, cpu, 1 << 20)
     assert int8.bytes_per_token == 2 * 4 * 2 * (64 + 4)  # the float32 scale per token and head
     assert int8.num_slots == (1 << 20) // int8.bytes_per_token
     assert int8.num_slots > 3.7 * fp32.num_slots

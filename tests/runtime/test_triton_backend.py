@@ -271,7 +271,7 @@ def test_adversarial_inputs_are_refused_cleanly(monkeypatch):
 
 def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny_gqa_llama_dir):
     from agentrt.runtime.config import SpecConfig
-    from agentrt.runtime.kv_cache import KVPool
+    from agentrt.runtime.kv_cache import KVPool, uniform_layout
 
     eng = Engine(
         EngineConfig(
@@ -285,4 +285,4 @@ def test_kv_budget_shared_with_a_self_draft_and_allocation_failure_is_clear(tiny
     assert total <= 1 << 30  # the automatic budget now covers the draft pool too
     eng.grammar.shutdown()
     with pytest.raises(ValueError, match="cannot allocate a KV pool"):
-        KVPool(1, 1, 1, torch.float32, torch.device("cpu"), 1 << 52)
+        KVPool(uniform_layout(1, 1, 1), torch.float32, torch.device("cpu"), 1 << 52)

@@ -121,6 +121,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_cast_last, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions
+        self.layer_cache = arch.kv_layout()[1]  # layer i -> its KV cache index (None: no KV)
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -161,7 +162,9 @@ class DecoderModel(nn.Module):
         meta.prepare_rope(positions, self.rope_cos, self.rope_sin, x.dtype)
         residual = None
         windows = self.arch.layer_windows
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers[:num_layers], k_caches, v_caches)):
+        for i, layer in enumerate(self.layers[:num_layers]):
+            c = self.layer_cache[i]
+            k_cache, v_cache = (None, None) if c is None else (k_caches[c], v_caches[c])
             x, residual = layer(
                 x, residual, k_cache, v_cache, meta.layer_view(windows[i]), self.layer_rope(i)
             )

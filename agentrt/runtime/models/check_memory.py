@@ -11,14 +11,28 @@ def kv_estimate(arch, dtype) -> KVEstimate:
     """KV bytes of `arch` (a ModelArch) at torch dtype `dtype`, windowed layers grouped by window."""
     from agentrt.runtime.kv_cache import KVPool
 
-    layer = KVPool.bytes_per_token_of(1, arch.num_kv_heads, arch.head_dim, dtype)
+    specs, caches = arch.kv_layout()
+    window_of = {}  # cache -> the window of the first layer that writes it
+    for i, c in enumerate(caches):
+        if c is not None:
+            window_of.setdefault(c, arch.layer_windows[i])
     windows: dict[int, int] = {}
-    for w in arch.layer_windows:
+    for c, w in window_of.items():
         if w is not None:
             windows[int(w)] = windows.get(int(w), 0) + 1
-    full = sum(w is None for w in arch.layer_windows)
+    full = [c for c, w in window_of.items() if w is None]
+    windowed = [c for c, w in window_of.items() if w is not None]
+    layer = KVPool.bytes_per_token_of([specs[windowed[0] if windowed else (full or [0])[0]]], dtype)
+    full_bytes = KVPool.bytes_per_token_of([specs[c] for c in full], dtype)
     name = str(dtype).removeprefix("torch.")
-    return KVEstimate(name, arch.num_layers, layer, full, tuple(sorted(windows.items())))
+    return KVEstimate(
+        name,
+        len(window_of),
+        layer,
+        len(full),
+        tuple(sorted(windows.items())),
+        None if full_bytes == len(full) * layer else full_bytes,
+    )
 
 
 def capacity(
@@ -132,8 +146,8 @@ def _window_pool(arch, kv: KVEstimate, budget: int | None, max_num_seqs: int, n:
     from agentrt.runtime.config import SchedulerConfig
     from agentrt.runtime.kv_window import plan_window_pool
 
-    if not (kv.windows and budget is not None and budget > 0):
-        return None
+    if not (kv.windows and budget is not None and budget > 0 and arch.uniform_kv):
+        return None  # the engine builds the plain pool (model_runner._make_pool)
     plan = plan_window_pool(
         arch.layer_windows,
         kv.layer_bytes,

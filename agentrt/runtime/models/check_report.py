@@ -19,25 +19,30 @@ class Finding:
 
 @dataclass(frozen=True)
 class KVEstimate:
-    """KV bytes of a model at a dtype. `layer_bytes`: K + V of one token in one layer (bytes);
-    `full_layers`: layers attending to the whole context; `windows`: ((window tokens, layers), ...)
-    of the sliding-window layers, which hold at most `window` tokens per sequence."""
+    """KV bytes of a model at a dtype, counted per KV cache (a layer's own, or one shared by several
+    layers; layers without KV have none). `layer_bytes`: K + V of one token in one cache (bytes);
+    `full_layers`: caches of layers attending to the whole context; `windows`: ((window tokens,
+    caches), ...) of the sliding-window layers, which hold at most `window` tokens per sequence;
+    `full_bytes`: the full caches' bytes per token together when their shape differs from the
+    windowed caches' (None: full_layers x layer_bytes)."""
 
     dtype: str
     num_layers: int
     layer_bytes: int
     full_layers: int
     windows: tuple[tuple[int, int], ...]
+    full_bytes: int | None = None
 
     @property
     def full_bytes_per_token(self) -> int:
-        """Bytes per token of the full-attention layers together."""
-        return self.full_layers * self.layer_bytes
+        """Bytes per token of the full-attention layers together (`full_bytes` when their caches
+        differ from the windowed ones', else full_layers x layer_bytes)."""
+        return self.full_layers * self.layer_bytes if self.full_bytes is None else self.full_bytes
 
     @property
     def pool_bytes_per_token(self) -> int:
-        """Bytes per token the engine's pool (kv_cache.KVPool) reserves: every layer, window or not."""
-        return self.num_layers * self.layer_bytes
+        """Bytes per token the engine's pool (kv_cache.KVPool) reserves: every cache, window or not."""
+        return self.full_bytes_per_token + sum(n for _, n in self.windows) * self.layer_bytes
 
     def sequence_bytes(self, tokens: int) -> int:
         """KV bytes one sequence of `tokens` tokens needs when a windowed layer keeps only its window:

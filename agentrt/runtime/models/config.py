@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
+from agentrt.runtime.kv_cache import CacheSpec
 from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
 
 CONFIG_COUNTS = (
@@ -48,7 +49,12 @@ class ModelArch:
     is the sparse MoE block. `attn_scale` None = head_dim ** -0.5. `norm_offset` is added to every
     RMSNorm weight at load (Gemma's `1 + w`); `sandwich_norms`: Gemma's norms after attention and
     after the MLP as well as before them. `embed_scale`: the embeddings are multiplied by it
-    (Gemma: sqrt(hidden)). `final_logit_softcap`: logits = cap * tanh(logits / cap)."""
+    (Gemma: sqrt(hidden)). `final_logit_softcap`: logits = cap * tanh(logits / cap).
+
+    The KV layout (`kv_layout`): `cache_specs` the shape of each KV cache (empty: one
+    CacheSpec(num_kv_heads, head_dim, head_dim) per layer) and `layer_cache[i]` the cache layer i
+    writes and reads (empty: cache i; None: the layer keeps no KV, e.g. a linear-attention layer;
+    layers that name the same cache share it, the later ones only reading it)."""
 
     architecture: str
     vocab_size: int
@@ -86,6 +92,8 @@ class ModelArch:
     expert_act: str = "silu"
     expert_bias: bool = False
     swiglu_limit: float | None = None
+    cache_specs: tuple[CacheSpec, ...] = ()
+    layer_cache: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the config.json field when a count is below 1 or the attention
@@ -106,6 +114,22 @@ class ModelArch:
                 f"config num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})"
             )
+
+    def kv_layout(self) -> tuple[list[CacheSpec], tuple[int | None, ...]]:
+        """(the KV caches' shapes, the cache index of each layer or None): what the KV pool is built
+        from and how the model hands each layer its caches."""
+        specs = (
+            list(self.cache_specs)
+            or [CacheSpec(self.num_kv_heads, self.head_dim, self.head_dim)] * self.num_layers
+        )
+        return specs, self.layer_cache or tuple(range(self.num_layers))
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every layer has its own cache of CacheSpec(num_kv_heads, head_dim, head_dim)."""
+        specs, caches = self.kv_layout()
+        plain = CacheSpec(self.num_kv_heads, self.head_dim, self.head_dim)
+        return caches == tuple(range(self.num_layers)) and all(c == plain for c in specs)
 
     @property
     def scale(self) -> float:
@@ -137,6 +161,7 @@ class ModelArch:
             "embed_scale": self.embed_scale is not None,
             "logit_softcap": self.final_logit_softcap is not None,
             "norm_offset": self.norm_offset != 0.0,
+            "kv_layout": not self.uniform_kv,
         }
         return frozenset([f"mlp:{self.hidden_act}", *(name for name, on in flags.items() if on)])
 
