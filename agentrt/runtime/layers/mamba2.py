@@ -1,0 +1,289 @@
+"""The Mamba-2 mixer (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient Algorithms
+Through Structured State Space Duality", arXiv 2405.21060) of the Nemotron-H and Granite 4 hybrids, as
+transformers 5.x computes it (`NemotronHMamba2Mixer`, `GraniteMoeHybridMambaLayer`: the same mixer).
+
+in_proj gives the gate z, xBC and dt; xBC goes through a causal depthwise conv and SiLU and splits
+into x [H, P] (H heads of P channels), B and C [G, N] (G groups of heads share them; N the state size).
+Per head h, with a state S [P, N] (zeros at the start of a sequence), each token does
+
+    dt = clamp(softplus(dt_raw + dt_bias), time_step_limit)
+    S <- exp(dt A) S + dt x B^T          (A = -exp(A_log) < 0, a scalar per head)
+    y = S C + D x
+
+then y * silu(z) through an RMSNorm per group of heads (norm after the gate) and out_proj. Prefill runs
+the SSD chunked form (chunks of 64 tokens, the last one shorter: quadratic attention-like inside a
+chunk, the state carried by a sequential scan between chunks); decode (one token) the recurrence.
+Both are torch code of our own, checked against transformers' torch references in
+tests/runtime/test_recurrent_layers.py.
+
+One divergence from transformers: the time-step limit is applied on every path. transformers (and
+mamba_ssm's `selective_state_update`) clamp dt in the chunked scan only, so with a finite limit their
+decode differs from their own prefill; here a sequence gives the same outputs however it is split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt.runtime.layers.causal_conv import causal_conv_segment, causal_conv_step
+
+CHUNK_SIZE = 64
+
+
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One token of the SSD recurrence for any leading dims: x [..., H, P], dt [..., H] (after softplus
+    and limits), a [H] (A, negative), b, c [..., G, N], state [..., H, P, N] float32 (updated in place)
+    -> y [..., H, P] float32, without the D skip."""
+    heads, groups = x.shape[-2], b.shape[-2]
+    b = b.float().repeat_interleave(heads // groups, dim=-2)  # [..., H, N]
+    c = c.float().repeat_interleave(heads // groups, dim=-2)
+    dt = dt.float()
+    state.mul_((dt * a).exp()[..., None, None])
+    state.add_((x.float() * dt[..., None]).unsqueeze(-1) * b.unsqueeze(-2))
+    return (state @ c.unsqueeze(-1)).squeeze(-1)
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """a [..., L] -> [..., L, L]: entry (i, j) = a[j+1] + ... + a[i] for i >= j, -inf above the diagonal
+    (a masked cumulative sum, not a difference of cumulative sums, so no cancellation)."""
+    length = a.shape[-1]
+    x = a[..., None].expand(*a.shape, length)  # (k, j) = a[k]
+    x = x.masked_fill(~torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1), 0)
+    x = x.cumsum(-2)
+    return x.masked_fill(~torch.ones(length, length, dtype=torch.bool, device=a.device).tril(), float("-inf"))
+
+
+def _chunk_terms(x, dt, a, b, c, heads_per_group: int):
+    """Chunks x [H, M, L, P], dt [H, M, L], a [H], b, c [G, M, L, N] (float32) -> the intra-chunk output,
+    C scaled by the decay from the chunk start (read of the start state), the state the chunk writes
+    from a zero start, and the whole chunk's decay."""
+    log_decay = dt * a[:, None, None]  # [H, M, L]
+    cum = log_decay.cumsum(-1)
+    xdt = x * dt[..., None]
+    cb = (c @ b.transpose(-1, -2)).repeat_interleave(heads_per_group, dim=0)  # [H, M, L, L]
+    y_diag = (cb * segment_sum(log_decay).exp()) @ xdt
+    c_h = c.repeat_interleave(heads_per_group, dim=0)
+    b_h = b.repeat_interleave(heads_per_group, dim=0)
+    c_read = c_h * cum.exp()[..., None]  # [H, M, L, N]
+    written = xdt.transpose(-1, -2) @ (b_h * (cum[..., -1:] - cum).exp()[..., None])  # [H, M, P, N]
+    return y_diag, c_read, written, cum[..., -1].exp()
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:
+    """The SSD chunked form over n tokens of one sequence: x [n, H, P], dt [n, H], a [H], b, c [n, G, N],
+    state [H, P, N] float32 (updated in place) -> y [n, H, P] float32, without the D skip. Full chunks
+    of `chunk_size` tokens and one shorter remainder chunk, no padding."""
+    n, heads = x.shape[:2]
+    per_group = heads // b.shape[1]
+    x, b, c = (t.float().transpose(0, 1) for t in (x, b, c))  # [H|G, n, .]
+    dt = dt.float().t()
+    num_full, rest = divmod(n, chunk_size)
+
+    def chunks(t: torch.Tensor, start: int, count: int, size: int) -> torch.Tensor:
+        return t[:, start : start + count * size].reshape(t.shape[0], count, size, *t.shape[2:])
+
+    pieces = []
+    if num_full:
+        parts = (chunks(t, 0, num_full, chunk_size) for t in (x, dt))
+        groups = (chunks(t, 0, num_full, chunk_size) for t in (b, c))
+        pieces.append(_chunk_terms(*parts, a.float(), *groups, per_group))
+    if rest:
+        parts = (chunks(t, n - rest, 1, rest) for t in (x, dt))
+        groups = (chunks(t, n - rest, 1, rest) for t in (b, c))
+        pieces.append(_chunk_terms(*parts, a.float(), *groups, per_group))
+    out = []
+    s = state.float()
+    for y_diag, c_read, written, chunk_decay in pieces:
+        for m in range(y_diag.shape[1]):
+            out.append(y_diag[:, m] + c_read[:, m] @ s.transpose(-1, -2))
+            s = s * chunk_decay[:, m, None, None] + written[:, m]
+    state.copy_(s)
+    return torch.cat(out, dim=1).transpose(0, 1)
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """forward(x [T, D], gate [T, D]) -> [T, D] in x's dtype: weight * rmsnorm(x * silu(gate)), the norm
+    over each group of `group_size` features in float32 (transformers `NemotronHRMSNormGated`: gate
+    before the norm, norm per group of heads)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        h = h.view(*h.shape[:-1], -1, self.group_size)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(x.shape)
+        return self.weight * h.to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer of one decoder layer, parameters named as the checkpoints name them (`mixer.`
+    + `in_proj.weight` [I + conv_dim + H, hidden] (+ `.bias`), `conv1d.weight` [conv_dim, 1, K]
+    (+ `.bias`), `dt_bias`, `A_log`, `D` [H], `norm.weight` [I], `out_proj.weight` (+ `.bias`)).
+
+    Shapes: H heads of P channels (I = H P), G groups sharing B and C of N state channels
+    (conv_dim = I + 2 G N); `time_step_limit` (lo, hi) clamps dt (None or (0, inf): no limit).
+
+    State of one sequence (`state_shapes`): "conv" [conv_dim, K-1] float32 (the conv's last inputs),
+    "recurrent" [H, P, N] float32 (S above); 4 * (conv_dim (K-1) + H P N) bytes.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        head_dim: int,
+        state_size: int,
+        n_groups: int = 1,
+        conv_kernel: int = 4,
+        eps: float = 1e-5,
+        use_bias: bool = False,
+        use_conv_bias: bool = True,
+        time_step_limit: tuple[float, float] | None = None,
+        activation: str = "silu",
+        chunk_size: int = CHUNK_SIZE,
+    ):
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"mamba num_heads {num_heads} is not a multiple of n_groups {n_groups}")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba-2 activation '{activation}' is not supported (silu only)")
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = (
+            num_heads,
+            head_dim,
+            state_size,
+            n_groups,
+        )
+        self.intermediate = num_heads * head_dim
+        self.conv_dim = self.intermediate + 2 * n_groups * state_size
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        lo, hi = time_step_limit if time_step_limit is not None else (0.0, math.inf)
+        self.time_step_limit = None if (lo <= 0.0 and hi == math.inf) else (float(lo), float(hi))
+        self.in_proj = nn.Linear(hidden, self.intermediate + self.conv_dim + num_heads, bias=use_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=use_conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GroupedGatedRMSNorm(self.intermediate, self.intermediate // n_groups, eps)
+        self.out_proj = nn.Linear(self.intermediate, hidden, bias=use_bias)
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> Mamba2Mixer:
+        """From a Nemotron-H config (`mamba_num_heads`, `mamba_head_dim`, `ssm_state_size`, `n_groups`,
+        `conv_kernel`, `use_bias`, `use_conv_bias`, `layer_norm_epsilon`, `mamba_hidden_act`) or a
+        Granite 4 (granitemoehybrid) config (`mamba_n_heads`, `mamba_d_head`, `mamba_d_state`,
+        `mamba_n_groups`, `mamba_d_conv`, `mamba_proj_bias`, `mamba_conv_bias`, `rms_norm_eps`,
+        `hidden_act`); both give `time_step_limit`."""
+        limit = getattr(cfg, "time_step_limit", None)
+        limit = tuple(limit) if limit is not None else None
+        if hasattr(cfg, "mamba_n_heads"):
+            return cls(
+                hidden=cfg.hidden_size,
+                num_heads=cfg.mamba_n_heads,
+                head_dim=cfg.mamba_d_head,
+                state_size=cfg.mamba_d_state,
+                n_groups=cfg.mamba_n_groups,
+                conv_kernel=cfg.mamba_d_conv,
+                eps=cfg.rms_norm_eps,
+                use_bias=cfg.mamba_proj_bias,
+                use_conv_bias=cfg.mamba_conv_bias,
+                time_step_limit=limit,
+                activation=cfg.hidden_act,
+            )
+        return cls(
+            hidden=cfg.hidden_size,
+            num_heads=cfg.mamba_num_heads,
+            head_dim=cfg.mamba_head_dim,
+            state_size=cfg.ssm_state_size,
+            n_groups=cfg.n_groups,
+            conv_kernel=cfg.conv_kernel,
+            eps=cfg.layer_norm_epsilon,
+            use_bias=cfg.use_bias,
+            use_conv_bias=cfg.use_conv_bias,
+            time_step_limit=limit,
+            activation=cfg.mamba_hidden_act,
+        )
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's state: {"conv": ((conv_dim, K-1), float32), "recurrent": ((H, P, N), float32)}."""
+        return {
+            "conv": ((self.conv_dim, self.conv_kernel - 1), torch.float32),
+            "recurrent": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
+        }
+
+    def _split(self, xbc: torch.Tensor, dt: torch.Tensor):
+        """Activated conv output [T, conv_dim], raw dt [T, H] -> x [T, H, P], B, C [T, G, N], dt [T, H]
+        float32 (softplus, limits)."""
+        t = xbc.shape[0]
+        gn = self.n_groups * self.state_size
+        x, b, c = xbc.split([self.intermediate, gn, gn], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.time_step_limit is not None:
+            dt = dt.clamp(*self.time_step_limit)
+        x = x.reshape(t, self.num_heads, self.head_dim)
+        shape = (t, self.n_groups, self.state_size)
+        return x, b.reshape(shape), c.reshape(shape), dt
+
+    def _output(
+        self, y: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Scan output y [T, H, P] float32, scan input x [T, H, P], gate [T, I] -> [T, hidden] in `dtype`."""
+        y = y + x.float() * self.D.float()[:, None]
+        y = self.norm(y.to(dtype).reshape(y.shape[0], self.intermediate), gate)
+        return self.out_proj(y)
+
+    def forward_segment(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
+    ) -> torch.Tensor:
+        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype.
+        conv_state [conv_dim, K-1] and recurrent_state [H, P, N] (float32, `state_shapes`) hold the state
+        before x (read as zeros when `fresh`: the sequence starts with x) and are updated in place to
+        the state after x's last token. n == 1 runs the recurrence, n > 1 the chunked form; a sequence
+        split into any segments gives the outputs of one segment within float32 rounding."""
+        if fresh:
+            conv_state.zero_()
+            recurrent_state.zero_()
+        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = F.silu(causal_conv_segment(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
+        xs, b, c, dt = self._split(xbc, dt)
+        a = -self.A_log.float().exp()
+        if x.shape[0] == 1:
+            y = ssd_step(xs[0], dt[0], a, b[0], c[0], recurrent_state)[None]
+        else:
+            y = ssd_chunked(xs, dt, a, b, c, recurrent_state, self.chunk_size)
+        return self._output(y, xs, gate, x.dtype)
+
+    def forward_decode(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> torch.Tensor:
+        """One token of each of B sequences: x [B, hidden], conv_state [B, conv_dim, K-1],
+        recurrent_state [B, H, P, N] (float32, updated in place) -> [B, hidden]."""
+        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = F.silu(causal_conv_step(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
+        xs, b, c, dt = self._split(xbc, dt)
+        y = ssd_step(xs, dt, -self.A_log.float().exp(), b, c, recurrent_state)
+        return self._output(y, xs, gate, x.dtype)
