@@ -19,7 +19,8 @@ from agentrt.runtime.layers.norm import RMSNorm
 class AttentionConfig:
     """scale: the softmax scale (head_dim ** -0.5 unless the family says otherwise); window: a query
     at position p attends keys in (p - window, p], None = all; sinks: one learned logit per query
-    head joins the softmax (gpt-oss); qk_norm: RMSNorm over head_dim on q and k before RoPE."""
+    head joins the softmax (gpt-oss); qk_norm: RMSNorm over head_dim on q and k before RoPE, or with
+    qk_norm_full over the whole q and k projections (all heads at once, MiniMax M2)."""
 
     hidden: int
     num_heads: int
@@ -33,6 +34,7 @@ class AttentionConfig:
     norm_cast_last: bool = False
     window: int | None = None
     sinks: bool = False
+    qk_norm_full: bool = False
 
 
 class Attention(nn.Module):
@@ -51,12 +53,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_cast_last, ops)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_cast_last, ops)
+            q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, cfg.norm_cast_last, ops)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, cfg.norm_cast_last, ops)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.sinks else None
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> the fused projection [T, (H + 2 Hkv) D], each head of q and k normed (qk_norm)."""
+        """x [T, hidden] -> the fused projection [T, (H + 2 Hkv) D], each head of q and k normed
+        (qk_norm), or q and k each as a whole (qk_norm_full)."""
         qkv = self.qkv_proj(x)
         if self.cfg.qk_norm:  # in place
             q_end, k_end = self.q_size, self.q_size + self.kv_size

@@ -33,6 +33,19 @@ class RopeSpec:
     def rotary_dim(self) -> int:
         return 2 * len(self.inv_freq)
 
+    @property
+    def identity(self) -> bool:
+        """Every frequency is zero: cos 1 and sin 0 at every position, a rotation that leaves q and k
+        exactly as they are (x * 1 - y * 0 = x), a NoPE layer's (`RopeSpec.nope`)."""
+        return not any(self.inv_freq)
+
+    @classmethod
+    def nope(cls, head_dim: int) -> RopeSpec:
+        """The RoPE of a layer without position embedding (SmolLM3's `no_rope_layers`): zero
+        frequencies over the whole head, so every backend's rotation (torch, C++, Triton) returns q
+        and k unchanged, bit for bit, and the layer needs no option of its own."""
+        return cls((0.0,) * (head_dim // 2))
+
 
 def rope_spec(hf_config, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     """The RoPE of `hf_config` (a transformers config; `layer_type` selects one entry of a per-layer-type

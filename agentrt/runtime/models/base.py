@@ -53,6 +53,7 @@ class DecoderLayer(nn.Module):
                 cast,
                 arch.layer_windows[i],
                 arch.attn_sinks,
+                arch.qk_norm_full,
             ),
             ops,
         )
@@ -74,6 +75,12 @@ class DecoderLayer(nn.Module):
                 arch.expert_bias,
                 arch.swiglu_limit,
                 ops,
+                correction_bias=arch.moe_correction_bias,
+                num_groups=arch.moe_groups,
+                topk_groups=arch.moe_topk_groups,
+                routed_scaling=arch.routed_scaling_factor,
+                shared_intermediate=arch.shared_expert_intermediate_size,
+                shared_gate=arch.shared_expert_gate,
             )
         else:
             self.mlp = GatedMLP(

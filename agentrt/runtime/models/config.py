@@ -50,6 +50,15 @@ class ModelArch:
     RMSNorm weight at load (Gemma's `1 + w`); `sandwich_norms`: Gemma's norms after attention and
     after the MLP as well as before them. `embed_scale`: the embeddings are multiplied by it
     (Gemma: sqrt(hidden)). `final_logit_softcap`: logits = cap * tanh(logits / cap).
+    `qk_norm_full`: the q / k RMSNorms span the whole projection (all heads, MiniMax M2), not each
+    head. A RoPE of `ropes` whose frequencies are all zero (`RopeSpec.identity`) is a NoPE layer's.
+
+    MoE (layers/moe.py `SparseMoE`): `moe_routing` and `moe_renormalize` as there; with
+    `sigmoid_topk`, `moe_correction_bias` (the checkpoint's `e_score_correction_bias`),
+    `moe_groups` / `moe_topk_groups` (n_group / topk_group) and `routed_scaling_factor`;
+    `shared_expert_intermediate_size` > 0 adds shared experts of that width (`shared_experts`, or
+    `shared_expert` behind a sigmoid gate with `shared_expert_gate`). Dense layers
+    (`moe_layers[i]` False) use `intermediate_size`, experts `moe_intermediate_size`.
 
     The KV layout (`kv_layout`): `cache_specs` the shape of each KV cache (empty: one
     CacheSpec(num_kv_heads, head_dim, head_dim) per layer) and `layer_cache[i]` the cache layer i
@@ -92,6 +101,13 @@ class ModelArch:
     expert_act: str = "silu"
     expert_bias: bool = False
     swiglu_limit: float | None = None
+    moe_correction_bias: bool = False
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    qk_norm_full: bool = False
     cache_specs: tuple[CacheSpec, ...] = ()
     layer_cache: tuple[int | None, ...] = ()
 
@@ -161,6 +177,10 @@ class ModelArch:
             "embed_scale": self.embed_scale is not None,
             "logit_softcap": self.final_logit_softcap is not None,
             "norm_offset": self.norm_offset != 0.0,
+            "qk_norm_full": self.qk_norm_full,
+            "nope": any(r.identity for r in self.ropes),
+            "moe_shared": self.shared_expert_intermediate_size > 0,
+            "moe_sigmoid": self.moe_routing == "sigmoid_topk",
             "kv_layout": not self.uniform_kv,
         }
         return frozenset([f"mlp:{self.hidden_act}", *(name for name, on in flags.items() if on)])
