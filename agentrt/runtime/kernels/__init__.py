@@ -11,6 +11,7 @@ Triton (CUDA):
 - token-bitmask apply on the logits: bitmask.py
 - the experts of a sparse MoE block as grouped GEMMs: fused_moe.py
 - batch-invariant matmul and RMSNorm: batch_invariant.py
+- the gated delta rule's decode step over a state pool (Gated DeltaNet): gated_delta_decode.py
 
 C++ (CPU): one library built on first use and loaded as torch ops by cpu_kernels.py (its docstring
 lists the sources): attention over the KV pool, the fused layer ops, the int8 / int4 matmuls and a
