@@ -71,19 +71,39 @@ class ForwardMeta(Protocol):
         ...
 
     def rope_and_store(
-        self, qkv: torch.Tensor, heads: tuple[int, int, int], k_cache, v_cache, rope=None
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        k_cache,
+        v_cache,
+        rope=None,
+        v_dim: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2 Hkv) D] (q/k already normed), heads = (H, Hkv, D) -> (q [T, H, D] rotated,
         k [T, Hkv, D], v [T, Hkv, D]); k (rotated) and v are written to the caches. rope: the layer's
-        (cos, sin) tables, None = the model's first."""
+        (cos, sin) tables, None = the model's first. v_dim: the V heads' width when not D; 0 = qkv
+        [T, (H + Hkv) D] holds no V and nothing is written to v_cache (multi-head latent attention,
+        layers/mla.py: its latent is K's)."""
         ...
 
     def attend(
-        self, q, k, v, k_cache, v_cache, *, scale: float, window: int | None = None, sinks=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        *,
+        scale: float,
+        window: int | None = None,
+        sinks=None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]: softmax(q k^T * scale) v over each token's keys; window: a
         query at position p attends keys in (p - window, p] (None = all); sinks: [H] float32 logits
-        that join each head's softmax without a value, or None."""
+        that join each head's softmax without a value, or None. value_dim: each key row's last
+        value_dim features are its value (K and V one row: multi-head latent attention), v and
+        v_cache are not read and out is [T, H, value_dim]."""
         ...
 
     def layer_view(self, window: int | None) -> ForwardMeta:

@@ -86,6 +86,27 @@ class RunPlan:
         return f"{self.quantization}{group}{', LM head too' if self.quantize_lm_head else ''}"
 
 
+def _layout_backend(requested: str, backend: str, reason: str, arch: ModelArch) -> tuple[str, str]:
+    """(backend, reason) for the model's layout: `auto`'s Triton becomes torch where the Triton
+    attention does not implement a layer (backends/triton.py `unsupported`); with `cpu`, latent
+    attention layers are attended by gather + SDPA (the C++ kernel reads K and V of one width).
+    Raises ValueError naming the layer when `triton` was requested for such a model."""
+    if backend == "triton":  # chosen only where triton imports
+        from agentrt.runtime.backends.triton import unsupported as triton_unsupported
+
+        missing = triton_unsupported(arch)
+        if missing and requested == "triton":
+            raise ValueError(
+                f"attention_backend 'triton' does not implement {', '.join(sorted(missing))} of "
+                f"{arch.architecture}: use torch"
+            )
+        if missing:
+            return "torch", f"auto: the Triton attention does not implement {', '.join(sorted(missing))}"
+    if backend == "cpu" and arch.mla is not None:
+        reason += "; latent attention by gather + SDPA (the C++ kernel reads K and V of one width)"
+    return backend, reason
+
+
 def _decode_plan(model_config: ModelConfig, backend: str, device: torch.device, arch: ModelArch):
     """(compiled, reason): the AOTInductor decode graphs with --compile on the CPU (torch or cpu
     attention) where they implement the model's layout."""
@@ -161,6 +182,7 @@ def plan_run(
     backend, backend_reason = choose_attention_backend(
         model_config.attention_backend, device, dtype, model_config.cache_dir
     )
+    backend, backend_reason = _layout_backend(model_config.attention_backend, backend, backend_reason, arch)
     compiled, decode_reason = _decode_plan(model_config, backend, device, arch)
     quantization, lm_head, group, quant_reason = _quant_plan(
         model_config, backend == "cpu" and not compiled, four_bit, model_dir, device, dtype, backend, compiled

@@ -195,16 +195,25 @@ class AttentionMetadata:
             self._rope_rows[id(rope[0])] = rows
         return rows
 
-    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None):
+    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None, v_dim=None):
         """qkv [T, (H + 2 Hkv) D], heads (H, Hkv, D) -> (q [T, H, D], k [T, Hkv, D] rotated, v
         [T, Hkv, D]); k and v are written to the pool (cast to a float pool's dtype, quantized into an
         int8 pool: kv_cache.store_kv). With `cpu_kernel`, float32, a full-width RoPE and a pool the C++
         kernel reads, one C++ op (cpu_kernels.rope_store). rope: the layer's (cos, sin) tables, None =
-        the model's first."""
+        the model's first. v_dim: V's width when not D (0: no V in qkv, none written; v [T, Hkv, 0])."""
         num_heads, num_kv_heads, head_dim = heads
         t = qkv.shape[0]
         cos, sin = self.rope_rows(rope)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if v_dim is not None and v_dim != head_dim:
+            v_size = num_kv_heads * v_dim
+            q, k, v = qkv.split([q_size, kv_size, v_size], dim=-1)
+            q = apply_rope(q.reshape(t, num_heads, head_dim), cos, sin)
+            k = apply_rope(k.reshape(t, num_kv_heads, head_dim), cos, sin)
+            store_kv(k_cache, self.slot_mapping, k)
+            if v_dim:
+                store_kv(v_cache, self.slot_mapping, v.reshape(t, num_kv_heads, v_dim))
+            return q, k, v.reshape(t, num_kv_heads, v_dim)
         if (
             self.cpu_kernel
             and qkv.dtype == torch.float32
@@ -222,36 +231,49 @@ class AttentionMetadata:
         store_kv(v_cache, self.slot_mapping, v)
         return q, k, v
 
-    def attend(self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None) -> torch.Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None, value_dim=None
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (this batch), caches [S, Hkv, D] (tensors, or an int8 pool's
         QuantizedKV: read de-quantized) -> out [T, H, D].
         scale: softmax scale (None = D ** -0.5); window: a query at position p attends keys at
         positions in (p - window, p] (None = all); sinks: [H] float32 learned logits that join each
-        head's softmax without a value (gpt-oss), or None."""
+        head's softmax without a value (gpt-oss), or None. value_dim: the values are each key row's
+        last value_dim features (multi-head latent attention; v / v_cache unread, out [T, H,
+        value_dim]), attended by gather + SDPA (the C++ kernels read K and V of one width)."""
         gqa = q.shape[1] != k.shape[1]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if self.rows is not None and q.dtype == torch.float32 and kernel_cache(k_cache):
+        kernel = value_dim is None and q.dtype == torch.float32 and kernel_cache(k_cache)
+        if self.rows is not None and kernel:
             rows = self.rows if window is None else self._windowed_rows(window)
             return cpu_kernels.attention(q, k_cache, v_cache, rows, scale=scale, sinks=sinks)
         if self.decode_idx is not None and not self.prefills:
-            return self._decode(q, k_cache, v_cache, gqa, scale, window, sinks)
-        out = torch.empty_like(q)
+            return self._decode(q, k_cache, v_cache, gqa, scale, window, sinks, value_dim)
+        out = q.new_empty(*q.shape[:-1], value_dim) if value_dim else torch.empty_like(q)
         if self.decode_idx is not None:
             out[self.decode_idx] = self._decode(
-                q[self.decode_idx], k_cache, v_cache, gqa, scale, window, sinks
+                q[self.decode_idx], k_cache, v_cache, gqa, scale, window, sinks, value_dim
             )
         for span in self.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start
             if span.kv_slots is None:  # the chunk's own K/V, as the pool holds them
                 ks = as_stored(k[span.start : span.end], k_cache).transpose(0, 1).unsqueeze(0)
-                vs = as_stored(v[span.start : span.end], v_cache).transpose(0, 1).unsqueeze(0)
+                vs = (
+                    ks[..., -value_dim:]
+                    if value_dim
+                    else as_stored(v[span.start : span.end], v_cache).transpose(0, 1).unsqueeze(0)
+                )
                 mask = None
                 if window is not None or sinks is not None:
                     mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             else:
                 ks = gather_slots(k_cache, span.kv_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vs = gather_slots(v_cache, span.kv_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vs = (
+                    ks[..., -value_dim:]
+                    if value_dim
+                    else gather_slots(v_cache, span.kv_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                )
                 total = span.kv_slots.shape[0]
                 if span.tree_mask is None:
                     q_pos = torch.arange(span.context_len, span.context_len + n, device=q.device)
@@ -284,14 +306,25 @@ class AttentionMetadata:
             self._windowed[window] = rows
         return rows
 
-    def _decode(self, q, k_cache, v_cache, gqa: bool, scale: float, window=None, sinks=None) -> torch.Tensor:
-        if self.cpu_kernel and q.dtype == torch.float32 and kernel_cache(k_cache) and window is None:
+    def _decode(
+        self, q, k_cache, v_cache, gqa: bool, scale: float, window=None, sinks=None, value_dim=None
+    ) -> torch.Tensor:
+        if (
+            self.cpu_kernel
+            and value_dim is None
+            and q.dtype == torch.float32
+            and kernel_cache(k_cache)
+            and window is None
+        ):
             return cpu_kernels.decode_attention(
                 q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale=scale, sinks=sinks
             )
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd = gather_slots(k_cache, self.decode_slots).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = gather_slots(v_cache, self.decode_slots).to(q.dtype).transpose(1, 2)
+        if value_dim:  # the values are the keys' last value_dim features (MLA's latent)
+            vd = kd[..., -value_dim:]
+        else:
+            vd = gather_slots(v_cache, self.decode_slots).to(q.dtype).transpose(1, 2)
         mask = self.decode_mask
         if window is not None:
             first = (self.decode_lens - window)[:, None, None, None]

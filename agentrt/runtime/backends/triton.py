@@ -22,6 +22,17 @@ from agentrt.runtime.kernels.decode_attention import decode_attention, decode_sp
 from agentrt.runtime.kernels.extend_attention import extend_attention
 from agentrt.runtime.kernels.rope_store import rope_and_store
 
+# The Triton backend replaces the attention alone (rope_and_store, attend): every other layout feature
+# (models/config.py ModelArch.layout_features: norms, MLPs, MoE routing, biases) runs as the layers'
+# own torch ops under it. These attention layouts its kernels do not implement:
+UNSUPPORTED = frozenset({"mla"})  # multi-head latent attention: K and V of different widths, one cache
+
+
+def unsupported(arch) -> frozenset[str]:
+    """The layout features of `arch` (ModelArch) the Triton attention does not implement (empty: it
+    runs this model); run_plan then takes the torch backend and says why."""
+    return arch.layout_features() & UNSUPPORTED
+
 
 class SlotTable:
     """KV slots of each running sequence, one row per sequence, on the device (SGLang's
@@ -140,12 +151,17 @@ class TritonAttentionMetadata:
         """The layer's (cos, sin) tables themselves: the Triton kernels gather the positions' rows."""
         return rope if rope is not None else (self.cos_table, self.sin_table)
 
-    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None):
+    def rope_and_store(self, qkv, heads, k_cache, v_cache, rope=None, v_dim=None):
         """qkv [T, (H + 2 Hkv) D], heads (H, Hkv, D) -> (q [T, H, D] rotated, k [T, Hkv, D] unrotated:
         the kernels read K from the pool, v [T, Hkv, D]); k rotated and v are written to the pool in one
         kernel. rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2], None = the
-        model's first."""
+        model's first. Raises NotImplementedError for a V of another width than D (v_dim: multi-head
+        latent attention, which `unsupported` keeps off this backend)."""
         num_heads, num_kv_heads, head_dim = heads
+        if v_dim is not None and v_dim != head_dim:
+            raise NotImplementedError(
+                "the Triton attention stores K and V of one width (no latent attention)"
+            )
         t = qkv.shape[0]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q = q.reshape(t, num_heads, head_dim)
@@ -155,9 +171,14 @@ class TritonAttentionMetadata:
         q = rope_and_store(q, k, v, cos_table, sin_table, self.positions, self.slot_mapping, k_cache, v_cache)
         return q, k, v
 
-    def attend(self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None) -> torch.Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None, value_dim=None
+    ) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored). scale,
-        window, sinks: as forward.ForwardMeta.attend."""
+        window, sinks: as forward.ForwardMeta.attend. Raises NotImplementedError for value_dim
+        (multi-head latent attention, which `unsupported` keeps off this backend)."""
+        if value_dim is not None:
+            raise NotImplementedError("the Triton attention reads V from its own cache (no latent attention)")
         extra = {}
         if window is not None:
             extra["window"] = window

@@ -10,6 +10,7 @@ a token-slot KV pool (see `kv_cache.py`).
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 
 from agentrt.runtime.forward import TORCH_OPS, ForwardMeta, LayerOps
 from agentrt.runtime.layers.attention import Attention, AttentionConfig
+from agentrt.runtime.layers.mla import MultiHeadLatentAttention
 from agentrt.runtime.layers.mlp import GatedMLP
 from agentrt.runtime.layers.moe import SparseMoE
 from agentrt.runtime.layers.norm import RMSNorm
@@ -39,24 +41,29 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, cast = arch.rms_norm_eps, arch.norm_cast_last
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
-        self.self_attn = Attention(
-            AttentionConfig(
-                arch.hidden_size,
-                arch.num_heads,
-                arch.num_kv_heads,
-                arch.head_dim,
-                arch.scale,
-                arch.qkv_bias,
-                arch.o_bias,
-                arch.qk_norm,
-                eps,
-                cast,
-                arch.layer_windows[i],
-                arch.attn_sinks,
-                arch.qk_norm_full,
-            ),
-            ops,
-        )
+        if arch.mla is not None:  # multi-head latent attention (layers/mla.py): DeepSeek V3, Kimi K2
+            self.self_attn = MultiHeadLatentAttention(
+                arch.mla, arch.hidden_size, arch.num_heads, arch.scale, ops
+            )
+        else:
+            self.self_attn = Attention(
+                AttentionConfig(
+                    arch.hidden_size,
+                    arch.num_heads,
+                    arch.num_kv_heads,
+                    arch.head_dim,
+                    arch.scale,
+                    arch.qkv_bias,
+                    arch.o_bias,
+                    arch.qk_norm,
+                    eps,
+                    cast,
+                    arch.layer_windows[i],
+                    arch.attn_sinks,
+                    arch.qk_norm_full,
+                ),
+                ops,
+            )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
         self.sandwich = arch.sandwich_norms
         if arch.sandwich_norms:
@@ -114,9 +121,13 @@ class DecoderModel(nn.Module):
     def arch_from_config(cls, cfg, architecture: str) -> ModelArch:  # pragma: no cover - per family
         raise NotImplementedError
 
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {**PACKED, **PACKED_MLP}
+    """checkpoint module -> (this layout's fused module, its part): q/k/v and gate/up are packed."""
+
     @classmethod
-    def rename(cls, name: str) -> str:
-        """A checkpoint tensor name (prefix stripped) -> this layout's name, before packing."""
+    def rename(cls, name: str) -> str | None:
+        """A checkpoint tensor name (prefix stripped) -> this layout's name, before packing; None: the
+        tensor is not this model's (skipped, e.g. DeepSeek V3's multi-token-prediction layer)."""
         return name
 
     def __init__(self, arch: ModelArch, max_positions: int, ops: LayerOps = TORCH_OPS):
@@ -224,6 +235,8 @@ class DecoderModel(nn.Module):
                     name = name[len(prefix) :]
                     break
             name = self.rename(name)
+            if name is None:
+                continue
             split = self.split_experts(name, value)
             if split is not None:
                 pending.extend(split)
@@ -231,7 +244,7 @@ class DecoderModel(nn.Module):
             parts = name.split(".")
             packed = None
             if len(parts) >= 2:
-                packed = PACKED.get(parts[-2]) or PACKED_MLP.get(parts[-2])
+                packed = self.packed_modules_mapping.get(parts[-2])
             if packed is None:
                 put(name, value)
                 continue

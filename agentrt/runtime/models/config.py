@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from agentrt.runtime.kv_cache import CacheSpec
+from agentrt.runtime.layers.mla import MLAConfig
 from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
 
 CONFIG_COUNTS = (
@@ -60,6 +61,10 @@ class ModelArch:
     `shared_expert` behind a sigmoid gate with `shared_expert_gate`). Dense layers
     (`moe_layers[i]` False) use `intermediate_size`, experts `moe_intermediate_size`.
 
+    `mla`: every layer's attention is multi-head latent attention (layers/mla.py: DeepSeek V3,
+    Kimi K2), its KV cache the latent (`MLAConfig.cache_spec`); `head_dim` is then the query /
+    key heads' width (nope + rope) and `attn_scale` the softmax scale.
+
     The KV layout (`kv_layout`): `cache_specs` the shape of each KV cache (empty: one
     CacheSpec(num_kv_heads, head_dim, head_dim) per layer) and `layer_cache[i]` the cache layer i
     writes and reads (empty: cache i; None: the layer keeps no KV, e.g. a linear-attention layer;
@@ -108,6 +113,7 @@ class ModelArch:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     qk_norm_full: bool = False
+    mla: MLAConfig | None = None
     cache_specs: tuple[CacheSpec, ...] = ()
     layer_cache: tuple[int | None, ...] = ()
 
@@ -181,6 +187,7 @@ class ModelArch:
             "nope": any(r.identity for r in self.ropes),
             "moe_shared": self.shared_expert_intermediate_size > 0,
             "moe_sigmoid": self.moe_routing == "sigmoid_topk",
+            "mla": self.mla is not None,
             "kv_layout": not self.uniform_kv,
         }
         return frozenset([f"mlp:{self.hidden_act}", *(name for name, on in flags.items() if on)])
