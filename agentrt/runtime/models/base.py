@@ -23,6 +23,7 @@ from agentrt.runtime.layers.mlp import GatedMLP
 from agentrt.runtime.layers.moe import SparseMoE
 from agentrt.runtime.layers.norm import RMSNorm
 from agentrt.runtime.layers.rotary import rope_tables
+from agentrt.runtime.models.checkpoint_quant import checkpoint_tensors
 from agentrt.runtime.models.config import ModelArch
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -206,8 +207,9 @@ class DecoderModel(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights (separate q/k/v and gate/up projections, per-expert or
-        stacked experts) into this layout. Raises ValueError on missing or unexpected weights or
-        shape mismatches."""
+        stacked experts; MXFP4 / block-FP8 ones de-quantized to the model's dtype as
+        `arch.checkpoint_quant` says) into this layout. Raises ValueError on missing or unexpected
+        weights, shape mismatches, or quantized tensors that do not fit their format."""
         own = dict(self.named_parameters())
         filled: set[str] = set()
         norm_offset = self.arch.norm_offset
@@ -225,9 +227,12 @@ class DecoderModel(nn.Module):
             filled.add(name)
 
         groups: dict[str, dict[int, torch.Tensor]] = {}
-        pending = list(tensors.items())
-        while pending:
-            name, value = pending.pop()
+        # the checkpoint's tensors, last first, each quantized one de-quantized to the model's dtype
+        # as it is reached (checkpoint_quant.py); split experts are taken before the next
+        source = checkpoint_tensors(tensors, self.arch.checkpoint_quant, self.embed_tokens.weight.dtype)
+        pending: list[tuple[str, torch.Tensor]] = []
+        while pending or (item := next(source, None)) is not None:
+            name, value = pending.pop() if pending else item
             if any(s in name for s in SKIPPED):
                 continue
             for prefix in PREFIXES:

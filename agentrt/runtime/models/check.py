@@ -39,6 +39,7 @@ from agentrt.runtime.models.check_report import (
     Finding,
     KVEstimate,
 )
+from agentrt.runtime.models.checkpoint_quant import loaded_elements
 from agentrt.runtime.models.config import check_config_counts
 from agentrt.runtime.models.gguf_meta import StringArray, gguf_four_bit_layers, gguf_hf_config, read_gguf
 
@@ -411,6 +412,10 @@ def read_model(model: str, chat_template: str | None = None) -> tuple[CheckRepor
         report.findings.insert(
             0, Finding(OK, "architecture", f"{arch.architecture} (family {report.family}): {shape}")
         )
+        quant = arch.checkpoint_quant
+        if quant is not None and kind == "hf":  # the weights as the load makes them (checkpoint_quant.py)
+            report.add(OK, "weights", f"{quant.describe()} to the run dtype")
+            m.tensors = {k: (dims, loaded_elements(k, dims, quant)) for k, (dims, _) in m.tensors.items()}
         num_errors = len(report.errors)
         _check_shapes(report, m, arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings)
         if kind == "hf" and len(report.errors) == num_errors:  # else the embedding said it already

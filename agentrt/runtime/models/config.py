@@ -12,6 +12,7 @@ from numbers import Integral
 from agentrt.runtime.kv_cache import CacheSpec
 from agentrt.runtime.layers.mla import MLAConfig
 from agentrt.runtime.layers.rotary import RopeSpec, rope_spec
+from agentrt.runtime.models.checkpoint_quant import CheckpointQuant
 
 CONFIG_COUNTS = (
     "vocab_size",
@@ -116,6 +117,7 @@ class ModelArch:
     mla: MLAConfig | None = None
     cache_specs: tuple[CacheSpec, ...] = ()
     layer_cache: tuple[int | None, ...] = ()
+    checkpoint_quant: CheckpointQuant | None = None  # how the checkpoint stores weights (None: as-is)
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the config.json field when a count is below 1 or the attention

@@ -3,7 +3,9 @@ biases on every attention projection, a MoE MLP in every layer (router with a bi
 top-k logits, experts with biases and the clamped SwiGLU), YaRN RoPE (transformers
 `modeling_gpt_oss.py`; vLLM `gpt_oss.py`). Checkpoints stack the experts as [E, H, 2I] with gate and
 up interleaved along the last dimension; `split_experts` turns them into per-expert linear layers
-[2I, H] (gate rows, then up rows). MXFP4-quantized checkpoints are not read."""
+[2I, H] (gate rows, then up rows). The MXFP4 checkpoints as released store those two stacked tensors
+as `_blocks` / `_scales`: the loader de-quantizes them into this same [E, H, 2I] layout
+(checkpoint_quant.py) before `split_experts` sees them."""
 
 from __future__ import annotations
 
@@ -16,12 +18,10 @@ from agentrt.runtime.models.config import ModelArch, base_arch
 
 
 class GptOssForCausalLM(DecoderModel):
+    mxfp4_experts = True  # MXFP4 expert blocks de-quantize into this family's stacked layout
+
     @classmethod
     def arch_from_config(cls, cfg, architecture: str) -> ModelArch:
-        if getattr(cfg, "quantization_config", None):
-            raise ValueError(
-                f"{architecture}: quantized checkpoints (MXFP4) are not supported; use bf16 weights"
-            )
         return base_arch(
             cfg,
             architecture,

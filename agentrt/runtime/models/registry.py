@@ -4,9 +4,11 @@ config's `text_config`, finds the family, and lets it read its config."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
+from agentrt.runtime.models.checkpoint_quant import checkpoint_quant
 from agentrt.runtime.models.config import ModelArch
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -62,16 +64,22 @@ def model_class(architecture: str):
 
 
 def arch_from_hf_config(cfg) -> ModelArch:
-    """The ModelArch of a transformers config (a multimodal config's text part). Raises ValueError
-    naming the architecture, or the missing piece, when it is not supported."""
+    """The ModelArch of a transformers config (a multimodal config's text part), with how its
+    checkpoint stores the weights (`checkpoint_quant.checkpoint_quant` of its quantization_config).
+    Raises ValueError naming the architecture, or the missing piece, when it is not supported, or
+    naming the quantization method when the weights are stored in a format agentrt does not read."""
     architecture = architecture_of(cfg)
     cls = model_class(architecture)
+    quant = checkpoint_quant(
+        getattr(cfg, "quantization_config", None), architecture, getattr(cls, "mxfp4_experts", False)
+    )
     text = getattr(cfg, "text_config", None) or cfg
     if text is not cfg:
         text.tie_word_embeddings = getattr(
             cfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)
         )
-    return cls.arch_from_config(text, architecture)
+    arch = cls.arch_from_config(text, architecture)
+    return arch if quant is None else dataclasses.replace(arch, checkpoint_quant=quant)
 
 
 def build_model(arch: ModelArch, max_positions: int, ops: LayerOps = TORCH_OPS):
