@@ -5,6 +5,12 @@ token). A path from the root spells a token prefix whose KV is cached. Requests 
 their matched prefix ends (lock_ref counts up to the root) so the slots they read cannot be evicted;
 `evict` frees only unlocked leaves, least recently used first, and a parent whose last child goes
 becomes a leaf itself. Separate namespaces (`salt`, e.g. a tenant's `cache_salt`) never share KV.
+
+For a model with recurrent layers a node may also hold a state snapshot (`TreeNode.state`, a slot of
+runtime/recurrent_state.StatePool): the recurrent state after the tokens up to the end of its edge.
+Only a prefix that ends at a snapshot can be resumed (`deepest_state`); the snapshot goes with its
+node when the node is evicted, and `evict_states` drops snapshots alone (least recently used first)
+when the state pool runs short (as SGLang's Mamba radix cache).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class TreeNode:
     parent: TreeNode | None = None
     lock_ref: int = 0
     last_access: int = 0
+    state: int | None = None  # state slot of the recurrent state after this edge's last token
 
 
 class MatchResult(NamedTuple):
@@ -48,6 +55,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.total_tokens = 0  # tokens held by the tree
         self.locked_tokens = 0  # tokens on nodes with lock_ref > 0
+        self.num_states = 0  # state snapshots held by the tree
+        self.free_state: Callable[[int], None] | None = None  # returns an evicted snapshot's slot
 
     def root(self, salt: str = "") -> TreeNode:
         if salt not in self._roots:
@@ -145,10 +154,60 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             freed.extend(leaf.value)
+            self._drop_state(leaf)
             self.total_tokens -= len(leaf.key)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def set_state(self, token_ids: list[int], slot: int, salt: str = "") -> bool:
+        """Make `slot` the snapshot of the state after `token_ids` (a cached prefix: the edge is
+        split there). False when the prefix is not cached in full or already has a snapshot: the
+        caller keeps (frees) the slot."""
+        if not token_ids:
+            return False
+        match = self.match_prefix(token_ids, salt, split=True)
+        if len(match.slots) != len(token_ids) or match.node.state is not None:
+            return False
+        match.node.state = slot
+        self.num_states += 1
+        return True
+
+    def deepest_state(self, node: TreeNode) -> tuple[int, int | None]:
+        """(depth in tokens, state slot) of the deepest snapshot on the path from the root to `node`
+        (node included); (0, None) when there is none."""
+        depths, n = [], node
+        while n.parent is not None:
+            depths.append(n)
+            n = n.parent
+        depth = sum(len(n.key) for n in depths)
+        for n in depths:  # deepest first
+            if n.state is not None:
+                return depth, n.state
+            depth -= len(n.key)
+        return 0, None
+
+    def evict_states(self, num_states: int) -> int:
+        """Drop up to `num_states` snapshots, least recently used first, keeping their KV; returns
+        how many were dropped (their slots go to `free_state`)."""
+        nodes = []
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.state is not None:
+                nodes.append(n)
+        nodes.sort(key=lambda n: (n.lock_ref > 0, n.last_access))
+        for n in nodes[:num_states]:
+            self._drop_state(n)
+        return min(num_states, len(nodes))
+
+    def _drop_state(self, node: TreeNode) -> None:
+        if node.state is not None:
+            slot, node.state = node.state, None
+            self.num_states -= 1
+            if self.free_state is not None:
+                self.free_state(slot)
 
     def path(self, node: TreeNode) -> tuple[list[int], list[int], str]:
         """(token ids, slots, salt) of the prefix that ends at node's edge, from the root."""

@@ -145,6 +145,11 @@ class CacheConfig:
     # `disable_hybrid_swa_memory` keeps every layer for every token (the plain pool).
     swa_full_tokens_ratio: float | None = None
     disable_hybrid_swa_memory: bool = False
+    # Recurrent layers (runtime/recurrent_state.py): `state_slots` sequences' states in all (working
+    # + prefix snapshots; None: a quarter of the KV budget), a snapshot every
+    # `state_snapshot_interval` tokens of a prefill.
+    state_slots: int | None = None
+    state_snapshot_interval: int = 256
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
@@ -155,6 +160,12 @@ class CacheConfig:
             raise ValueError(
                 "kv_cache_dtype must be auto, float32, float16, bfloat16, int8 or fp8_e4m3, got "
                 f"{self.kv_cache_dtype!r}"
+            )
+        if self.state_slots is not None and (not isinstance(self.state_slots, int) or self.state_slots < 2):
+            raise ValueError(f"state_slots must be an integer >= 2, got {self.state_slots!r}")
+        if not isinstance(self.state_snapshot_interval, int) or self.state_snapshot_interval < 1:
+            raise ValueError(
+                f"state_snapshot_interval must be a positive integer, got {self.state_snapshot_interval!r}"
             )
         if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")

@@ -288,7 +288,17 @@ class Engine:
                 chunks.append(self.speculator.verify_chunk(r, c.context_len, slots))
             else:
                 ids = r.token_ids[c.context_len : c.context_len + c.num_new]
-                chunks.append(SeqChunk(ids, c.context_len, slots, c.sample, seq_key=id(r)))
+                chunks.append(
+                    SeqChunk(
+                        ids,
+                        c.context_len,
+                        slots,
+                        c.sample,
+                        seq_key=id(r),
+                        state_slot=r.cache.state_slot,
+                        snapshots=c.snapshots,
+                    )
+                )
                 jumped = min(r.pending_jump_forward, c.num_new)  # forced output tokens are not prefill
                 r.pending_jump_forward -= jumped
                 n = c.num_new - jumped

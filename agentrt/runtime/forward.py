@@ -27,7 +27,10 @@ class SeqChunk:
     new tokens (a draft tree: context_len + depth), with `tree_mask` [n, n] bool saying which new
     tokens each attends to; None = consecutive positions, causal. `seq_key`: identifies the
     sequence across steps (the Triton path keeps its slots on the device and uploads only new
-    ones); None = anonymous (uploaded in full)."""
+    ones); None = anonymous (uploaded in full). For a model with recurrent layers
+    (recurrent_state.py): `state_slot` the sequence's working state slot (read unless
+    context_len == 0, then updated in place) and `snapshots` (n, slot) pairs: the state after the
+    first n new tokens is copied into `slot`."""
 
     token_ids: list[int]
     context_len: int
@@ -37,6 +40,8 @@ class SeqChunk:
     positions: list[int] | None = None
     tree_mask: torch.Tensor | None = None
     seq_key: object | None = None
+    state_slot: int | None = None
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 def is_plain_decode(chunks: list[SeqChunk]) -> bool:
@@ -104,6 +109,12 @@ class ForwardMeta(Protocol):
         that join each head's softmax without a value, or None. value_dim: each key row's last
         value_dim features are its value (K and V one row: multi-head latent attention), v and
         v_cache are not read and out is [T, H, value_dim]."""
+        ...
+
+    def run_recurrent(self, mixer, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]: a recurrent mixer (recurrent_state.run_recurrent) over each
+        sequence of the batch, with recurrent layer `index`'s states of the forward's state pool.
+        Raises ValueError when the forward has no state pool."""
         ...
 
     def layer_view(self, window: int | None) -> ForwardMeta:

@@ -238,6 +238,7 @@ class KVPool:
     # A plain pool keeps every layer's K/V for every slot: the sliding-window pool's calls
     # (kv_window.SlidingWindowKVPool) are no-ops here, so the scheduler calls them on any pool.
     window = 0  # the largest window whose layers hold fewer rows than slots (0: none)
+    states = None  # the recurrent layers' recurrent_state.StatePool beside the KV, or None
     swa_map = None  # slot -> window row [num_slots] int64, or None
 
     @property

@@ -22,7 +22,8 @@ from agentrt.runtime.models.loader import (
     read_chat_template,
     resolve_model_dir,
 )
-from agentrt.runtime.models.registry import arch_from_hf_config
+from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
+from agentrt.runtime.recurrent_state import StatePool
 from agentrt.runtime.run_plan import plan_run
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class MemoryPlan:
     kv_dtype: str = ""
     kv_tokens_per_gib: tuple[tuple[str, int], ...] = ()  # (KV dtype, tokens per GiB of pool)
     window_kv: str = ""  # how the sliding-window layers' K/V are held (kv_window.py), "" without windows
+    kv_note: str = ""  # what a token's KV is when not K and V per layer (latent attention), or ""
+    state: str = ""  # the recurrent layers' state pool (recurrent_state.py), "" without recurrent layers
 
     def describe(self) -> str:
         gb = 1e9
@@ -56,8 +59,10 @@ class MemoryPlan:
             + (f"{self.kv_dtype} " if self.kv_dtype else "")
             + f"{self.kv_pool_bytes / gb:.2f} GB = {self.max_kv_tokens} tokens x {self.kv_bytes_per_token} "
             f"bytes/token"
+            + (f" ({self.kv_note})" if self.kv_note else "")
             + (f" (KV tokens per GiB: {per_gib})" if per_gib else "")
             + (f"; {self.window_kv}" if self.window_kv else "")
+            + (f"; {self.state}" if self.state else "")
             + f", reserved {self.reserved_bytes / gb:.2f} GB"
             + (f" of {self.total_bytes / gb:.1f} GB" if self.total_bytes else "")
         )
@@ -135,11 +140,9 @@ class ModelRunner:
         spec_config: SpecConfig | None = None,
         max_num_batched_tokens: int = 512,
     ):
-        from transformers import AutoConfig
-
         self.model_dir = resolve_model_dir(model_config.model, model_config.cache_dir)
         check_config_counts(json.loads((self.model_dir / "config.json").read_text()))
-        hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        hf_config = read_hf_config(self.model_dir)
         self.arch = arch_from_hf_config(hf_config)
         self.plan = plan = plan_run(model_config, cache_config, self.arch, self.model_dir)
         self.device, self.dtype, self.num_threads = plan.device, plan.dtype, plan.threads
@@ -207,15 +210,50 @@ class ModelRunner:
                 budget = int(budget * 0.8)
             elif 1 <= n < a.num_layers:  # other values are refused by the speculator, clearly
                 budget = int(budget * a.num_layers / (a.num_layers + n))
+        states, state_note = self._make_states(cache_config, budget, max_num_seqs)
+        if states is not None:
+            budget -= states.pool_bytes
         self.kv, window_kv = self._make_pool(
             cache_config, budget, max_num_seqs, max_num_batched_tokens, spec_config
         )
+        self.kv.states = states
+        mla = self.arch.mla
+        kv_note = mla.describe_kv(a.num_layers, a.num_heads, self.kv_dtype) if mla is not None else ""
         self.memory_plan = MemoryPlan(
             str(self.device), self.weights_bytes, self.kv.bytes_per_token, self.kv.pool_bytes, self.kv.num_slots,
             reserved, total, self.weight_format.bytes, kv_dtype_name(self.kv_dtype),
             () if self.kv.window else kv_tokens_per_gib(a),  # (a plain pool's)
             window_kv,
+            kv_note=kv_note,
+            state=state_note,
         )  # fmt: skip
+
+    def _make_states(self, cache_config, budget: int, max_num_seqs: int):
+        """(the recurrent layers' StatePool, what the memory plan says of it), (None, "") for a model
+        without recurrent layers: a working slot per running sequence (+1) and snapshot slots for
+        the prefix cache (`state_slots` in all, else a quarter of the KV budget, at least as many as
+        working slots). Raises ValueError when the budget cannot hold the working slots."""
+        layers = self.arch.recurrent_layers
+        if not layers:
+            return None, ""
+        shapes = [self.model.layers[i].linear_attn.state_shapes() for i in layers]
+        per_slot = StatePool.bytes_per_slot_of(shapes)
+        working = max_num_seqs + 1
+        slots = cache_config.state_slots or max(2 * working, budget // 4 // per_slot)
+        if slots * per_slot >= budget:
+            raise ValueError(
+                f"the KV budget ({budget:,} bytes) cannot hold {slots} recurrent states of {per_slot:,} "
+                f"bytes each besides the KV: raise kv_cache_bytes, or lower max_num_seqs / state_slots"
+            )
+        if slots <= working:
+            raise ValueError(f"state_slots={slots} must exceed max_num_seqs + 1 = {working}")
+        pool = StatePool(shapes, slots, self.device)
+        pool.snapshot_interval = cache_config.state_snapshot_interval
+        return pool, (
+            f"recurrent state ({len(layers)} of {self.arch.num_layers} layers): {slots} slots x "
+            f"{per_slot:,} bytes = {pool.pool_bytes / 1e9:.3f} GB ({working} working, the rest prefix "
+            f"snapshots every {pool.snapshot_interval} tokens)"
+        )
 
     def expert_load(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """(layer index, tokens routed to each expert since start) of every MoE layer; () for a dense

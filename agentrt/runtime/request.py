@@ -251,7 +251,11 @@ class CacheState:
     before admission (kv_tiers.TierLoad); tier_checked: the lower tiers were looked up for this
     admission; tier_relooked: looked up again once (the pool's part of the prefix was evicted
     meanwhile); tier_node: the node locked for blocks loaded from a lower tier until admission;
-    prefilled_since_insert: computed prefill KV not yet inserted into the radix tree."""
+    prefilled_since_insert: computed prefill KV not yet inserted into the radix tree. For a model
+    with recurrent layers (recurrent_state.py): state_slot the working state slot (None while not
+    running); snapshots: (depth, slot) state snapshots taken by forwards, not yet in the tree;
+    verify_states: scratch slots holding the state after 1, 2, ... tokens of a speculative verify
+    chunk, of which verify_kept tokens were kept (recurrent_state.settle_verify)."""
 
     node: TreeNode | None = None
     num_shared: int = 0
@@ -264,6 +268,10 @@ class CacheState:
     tier_node: TreeNode | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
     prefilled_since_insert: bool = False
+    state_slot: int | None = None
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    verify_states: list[int] = field(default_factory=list)
+    verify_kept: int = 0
 
 
 @dataclass(eq=False)

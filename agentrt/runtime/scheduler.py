@@ -28,6 +28,7 @@ from agentrt.prefix_cache import RadixCache
 from agentrt.runtime.config import SchedulerConfig
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.kv_tiers import KVTiers
+from agentrt.runtime.recurrent_state import settle_verify
 from agentrt.runtime.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledChunk:
     """`request` computes tokens [context_len, context_len + num_new) of prompt + output this step;
-    `sample` is True when the chunk reaches its last known token (a new token is sampled)."""
+    `sample` is True when the chunk reaches its last known token (a new token is sampled);
+    `snapshots`: (n, state slot) recurrent-state snapshots after the chunk's first n tokens."""
 
     request: Request
     context_len: int
     num_new: int
     sample: bool
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 class Scheduler:
@@ -53,6 +56,9 @@ class Scheduler:
     ):
         self.config = config
         self.kv = kv
+        self.states = kv.states  # the recurrent layers' StatePool, or None
+        if cache is not None and self.states is not None:
+            cache.free_state = self.states.free
         self.cache = cache
         self.tiers = tiers if cache is not None and tiers is not None and tiers.enabled else None
         self.waiting: deque[Request] = deque()
@@ -86,7 +92,7 @@ class Scheduler:
             remaining = r.num_tokens - len(r.slots)
             n = min(remaining, budget)
             if r.spec.draft is not None:  # a speculative verify chunk: the last token + the draft
-                if remaining == 1 and budget >= 1 + len(r.spec.draft):
+                if remaining == 1 and budget >= 1 + len(r.spec.draft) and self._verify_states(r):
                     n = 1 + len(r.spec.draft)
                 else:
                     r.spec.draft = None
@@ -117,7 +123,8 @@ class Scheduler:
 
     def _add_chunk(self, chunks: list[ScheduledChunk], r: Request, n: int) -> None:
         """(A verify chunk's draft slots lie beyond r.num_tokens; the engine trims them after.)"""
-        chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens))
+        snapshots = self._plan_snapshots(r, len(r.slots) - n, n) if self.states is not None else ()
+        chunks.append(ScheduledChunk(r, len(r.slots) - n, n, len(r.slots) >= r.num_tokens, snapshots))
         self._step_context[r] = len(r.slots) - n
         if n > 1 and r.spec.draft is None:
             r.cache.prefilled_since_insert = True
@@ -148,6 +155,58 @@ class Scheduler:
             self.kv.demote(r.slots[lo:dead])
         r.cache.window_demoted = dead
 
+    def _plan_snapshots(self, r: Request, context_len: int, n: int) -> tuple[tuple[int, int], ...]:
+        """State snapshots a chunk of r takes (with the prefix cache on): at each multiple of the
+        pool's snapshot_interval inside the chunk and at the prompt's last token but one (what a
+        request with the same prompt resumes from), each into a free state slot (a snapshot-only LRU
+        eviction makes one; none is taken when that fails). Not in a verify chunk (draft tokens)."""
+        if self.cache is None or r.spec.draft is not None:
+            return ()
+        every = self.states.snapshot_interval
+        depths = set(range((context_len // every + 1) * every, context_len + n + 1, every))
+        if context_len < r.num_prompt_tokens - 1 <= context_len + n:
+            depths.add(r.num_prompt_tokens - 1)
+        out = []
+        for depth in sorted(d for d in depths if d > context_len):
+            slot = self._state_slot()
+            if slot is None:
+                break
+            r.cache.snapshots.append((depth, slot))
+            out.append((depth - context_len, slot))
+        return tuple(out)
+
+    def _verify_states(self, r: Request) -> bool:
+        """With recurrent layers: scratch slots for the state after each draft token of r's verify
+        chunk (recurrent_state.settle_verify keeps the accepted one); False when they are short."""
+        if self.states is None:
+            return True
+        for _ in range(len(r.spec.draft)):
+            slot = self._state_slot()
+            if slot is None:
+                for s in r.cache.verify_states:
+                    self.states.free(s)
+                r.cache.verify_states = []
+                return False
+            r.cache.verify_states.append(slot)
+        return True
+
+    def _state_slot(self) -> int | None:
+        """A free state slot, dropping the least recently used snapshot when none is free."""
+        slot = self.states.allocate()
+        if slot is None and self.cache is not None and self.cache.evict_states(1):
+            slot = self.states.allocate()
+        return slot
+
+    def _attach_snapshots(self, r: Request, upto: int) -> None:
+        """Hand r's snapshots at depths <= upto (their tokens now in the tree) to the radix tree."""
+        keep = []
+        for depth, slot in r.cache.snapshots:
+            if depth > upto:
+                keep.append((depth, slot))
+            elif not self.cache.set_state(r.token_ids[:depth], slot, r.cache_salt):
+                self.states.free(slot)
+        r.cache.snapshots = keep
+
     def _cache_computed_prefix(self, r: Request) -> None:
         """Insert a running request's computed prefix (after a prefill chunk) into the radix tree,
         so requests arriving while it still runs share it (as SGLang caches unfinished requests).
@@ -164,6 +223,8 @@ class Scheduler:
             self.cache.unlock(r.cache.node)
         r.cache.node = match.node
         r.cache.num_shared = len(tree_slots)
+        if r.cache.snapshots:
+            self._attach_snapshots(r, len(tree_slots))
 
     def _admission_order(self):
         """Waiting requests, longest cached prefix first; those past the reorder window first."""
@@ -179,7 +240,13 @@ class Scheduler:
         yield from order
 
     def _admit(self, r: Request) -> bool:
-        """Move r to running with its cached prefix locked. (Memory is checked by _allocate.)"""
+        """Move r to running with its cached prefix locked (with recurrent layers: a working state
+        slot, a copy of the deepest snapshot of the prefix, which is cut there; False, r left
+        waiting, when no state slot is free). (Memory is checked by _allocate.)"""
+        if self.states is not None:
+            r.cache.state_slot = self._state_slot()
+            if r.cache.state_slot is None:
+                return False
         self.waiting.remove(r)
         if self.cache is not None:
             key = r.cached_key()
@@ -187,6 +254,12 @@ class Scheduler:
             usable = self.kv.usable_prefix(match.slots)  # windowed layers: the last window must be there
             if usable < len(match.slots):
                 match = self.cache.match_prefix(key[:usable], r.cache_salt, split=True)
+            if self.states is not None:  # recurrent layers: resume at the deepest snapshot
+                depth, snapshot = self.cache.deepest_state(match.node)
+                if depth < len(match.slots):
+                    match = self.cache.match_prefix(key[:depth], r.cache_salt, split=True)
+                if snapshot is not None:
+                    self.states.copy(snapshot, r.cache.state_slot)
             self.kv.touch(match.slots[-self.kv.window :] if self.kv.window else ())
             self.cache.lock(match.node)
             self.cache.touch(match.node)
@@ -342,6 +415,24 @@ class Scheduler:
         self.tiers.stats.num_loads += 1
         self.tiers.stats.load_seconds += loaded.seconds
 
+    def _release_states(self, r: Request, insert: bool) -> None:
+        settle_verify(self.states, r.cache)
+        if insert:
+            self._attach_snapshots(r, len(r.slots))
+            slot = r.cache.state_slot
+            if (
+                slot is not None
+                and r.slots
+                and self.cache.set_state(r.token_ids[: len(r.slots)], slot, r.cache_salt)
+            ):
+                r.cache.state_slot = None
+        for _, slot in r.cache.snapshots:
+            self.states.free(slot)
+        r.cache.snapshots = []
+        if r.cache.state_slot is not None:
+            self.states.free(r.cache.state_slot)
+            r.cache.state_slot = None
+
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
         self._live = None  # r's window is no longer live
@@ -368,6 +459,8 @@ class Scheduler:
         self._release(r, insert=insert)
 
     def _release(self, r: Request, insert: bool) -> None:
+        """Give back r's KV (into the tree when `insert`) and state slots (with `insert`, r's
+        working state becomes the snapshot at its computed length)."""
         r.spec.draft = None
         if len(r.slots) > r.num_tokens:  # draft slots of a verify chunk (preempted mid-schedule)
             self.kv.free(r.slots[r.num_tokens :])
@@ -396,6 +489,8 @@ class Scheduler:
                 self.kv.free(r.slots[r.cache.num_shared :])
             if r.cache.node is not None:
                 self.cache.unlock(r.cache.node)
+        if self.states is not None:
+            self._release_states(r, insert and self.cache is not None)
         r.slots = []
         r.cache.num_shared = 0
         r.cache.window_demoted = 0

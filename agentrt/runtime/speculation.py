@@ -40,6 +40,7 @@ from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.logprobs import logprob_tensors, read_host, rows_of, token_logprob
 from agentrt.runtime.metrics import EngineStats
 from agentrt.runtime.model_runner import ModelRunner
+from agentrt.runtime.recurrent_state import settle_verify
 from agentrt.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from agentrt.runtime.sampler import apply_bitmask, sample, target_probs
 from agentrt.speculative.medusa import MedusaHeads
@@ -224,6 +225,11 @@ class Speculator:
         self.method = config.method
         self.k = config.num_speculative_tokens
         self.ngram = self.draft = self.heads = None
+        if runner.arch.recurrent_layers and self.method in ("medusa", "draft"):
+            raise ValueError(
+                f"speculative method '{self.method}' is not supported with recurrent (linear-attention / "
+                "SSM) layers: use ngram"
+            )
         if self.method == "ngram":
             self.ngram = NgramProposer(self.k, config.ngram_min, config.ngram_max)
         elif self.method == "draft":
@@ -397,7 +403,11 @@ class Speculator:
         ids = [r.last_token_id, *tree.token_ids]
         positions = [context_len, *(context_len + d for d in tree.depths)]
         mask = None if tree.is_chain else tree.attention_mask()
-        return SeqChunk(ids, context_len, slots, True, len(ids), positions, mask, id(r))
+        states = r.cache.verify_states  # recurrent layers: the state after each draft token
+        snapshots = tuple((i + 1, s) for i, s in enumerate(states))
+        return SeqChunk(
+            ids, context_len, slots, True, len(ids), positions, mask, id(r), r.cache.state_slot, snapshots
+        )
 
     def add_draft_bitmasks(
         self, plan: BatchPlan, bitmask: torch.Tensor | None, constrained: list[int]
@@ -494,7 +504,7 @@ class Speculator:
         try:
             for i, tok in enumerate(seq):
                 r.slots = base + [node_slots[j] for j in path[: i + 1]]
-                used = i + 1
+                used = r.cache.verify_kept = i + 1
                 before = r.num_tokens
                 outs.append(process_token(r, tok, lps[i]))
                 if r.status is RequestStatus.FINISHED or r.token_ids[before:] != [tok]:
@@ -502,6 +512,8 @@ class Speculator:
             else:
                 complete = True
         finally:
+            if self.runner.kv.states is not None:  # recurrent layers: the state of the tokens kept
+                settle_verify(self.runner.kv.states, r.cache)
             keep = set(path[:used])
             self.runner.kv.free([s for j, s in enumerate(node_slots) if j not in keep])
         return outs, (row + path[-1] if complete else None)

@@ -122,6 +122,7 @@ class FakeArch:
     num_kv_heads: int = 1
     head_dim: int = 3
     max_position_embeddings: int = 512
+    recurrent_layers: tuple[int, ...] = ()  # no linear-attention / SSM layers
 
 
 @dataclass

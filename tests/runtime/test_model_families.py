@@ -22,7 +22,23 @@ from agentrt.runtime.request import SamplingParams
 from tests.support.families import save_family
 from tests.support.models import chunked_logits_error
 
-FAMILY_NAMES = ["qwen3", "qwen3_moe", "mixtral", "mistral_window", "gemma3", "gpt_oss", "phi3"]
+FAMILY_NAMES = [
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "mistral_window",
+    "gemma3",
+    "gpt_oss",
+    "phi3",
+    "deepseek_v3",
+    "gemma4",
+    "gemma4_moe",
+    "glm4_moe",
+    "minimax_m2",
+    "smollm3",
+    "qwen3_next",
+    "qwen3_5",
+]
 DECODE_STEPS = 32  # single-token decodes compared after the prefill and the chunk (issue 35)
 
 
@@ -98,11 +114,12 @@ def test_greedy_tokens_match_transformers_batched_cached_chunked_speculated(fami
 
 
 @pytest.mark.parametrize("decode_steps", [4, pytest.param(DECODE_STEPS, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen3_moe", "phi3", "smollm3"])
 def test_triton_path_logits_match_transformers(family_dirs, family, decode_steps):
     """The Triton attention kernels (the interpreter on a CPU) with windows, sinks, per-layer RoPE and
-    partial rotary (phi3): a 40-token prefill, a 20-token chunk and `decode_steps` decodes (32 in the
-    slow variant: each interpreted decode step costs ~0.7 s here)."""
+    partial rotary (phi3), NoPE layers (smollm3: the identity RoPE): a 40-token prefill, a 20-token
+    chunk and `decode_steps` decodes (32 in the slow variant: each interpreted decode step costs ~0.7 s
+    here)."""
     from agentrt.runtime.kernels import triton_usable
 
     if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """The tiny random-weight model of each supported family, built from transformers' own config and
-model classes (3 layers, hidden 64, sliding windows of 24 tokens, 4 experts top-2) and saved as a
-Hugging Face directory with the default model's tokenizer."""
+model classes (3 layers, Gemma 4's 4, hidden 64, sliding windows of 24 tokens, 4 experts top-2) and
+saved as a Hugging Face directory with the default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -19,6 +19,86 @@ COMMON = {
     "initializer_range": 0.1,
 }
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+NO_SPECIAL_IDS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # defaults past 49152
+GLM4_MOE = {  # layer 0 dense; 8 experts in 4 groups, the best 2 groups eligible; partial rotary 0.5
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "use_qk_norm": True,
+    "attention_bias": True,
+}
+GEMMA4 = {  # both layer types KV-shared (layers 2, 3 read 0, 1), full layers wider with keys as values
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "sliding_window": WINDOW,
+    "layer_types": [*LAYER_TYPES[:2]] * 2,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 49152,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+GEMMA4_MOE = {  # the 26B-A4B layout: a MoE block beside every dense MLP, no PLE, no KV sharing
+    **GEMMA4,
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+HYBRID = {  # Gated DeltaNet + gated attention (Qwen3-Next, Qwen3.5): 2 linear-attention layers
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+HYBRID_MOE = {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+
+DEEPSEEK_V3 = {  # latent attention (q LoRA 24, latent 32, keys 16 + 8 rotated, values 12) with YaRN's
+    # mscale on the softmax scale; layer 0 dense, then 8 experts in 2 groups (1 eligible), 1 shared
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+}
 
 
 def family_config(name: str):
@@ -28,13 +108,20 @@ def family_config(name: str):
 
 def _families():
     from transformers import (
+        DeepseekV3Config,
         Gemma3TextConfig,
+        Gemma4TextConfig,
+        Glm4MoeConfig,
         GptOssConfig,
+        MiniMaxM2Config,
         MistralConfig,
         MixtralConfig,
         Phi3Config,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
+        SmolLM3Config,
     )
 
     moe = {"num_experts_per_tok": 2}
@@ -60,6 +147,8 @@ def _families():
                 },
             },
         ),
+        "gemma4": (Gemma4TextConfig, GEMMA4),
+        "gemma4_moe": (Gemma4TextConfig, GEMMA4_MOE),
         "gpt_oss": (
             GptOssConfig,
             {
@@ -79,6 +168,29 @@ def _families():
                 **moe,
             },
         ),
+        "glm4_moe": (Glm4MoeConfig, GLM4_MOE),
+        "qwen3_next": (Qwen3NextConfig, {**HYBRID, **HYBRID_MOE, "mlp_only_layers": [1], **moe}),
+        "qwen3_5": (Qwen3_5TextConfig, HYBRID),
+        "minimax_m2": (
+            MiniMaxM2Config,
+            {
+                "head_dim": 16,
+                "num_local_experts": 8,
+                "intermediate_size": 32,
+                "rotary_dim": 8,
+                **moe,
+                **NO_SPECIAL_IDS,
+            },
+        ),
+        "smollm3": (
+            SmolLM3Config,
+            {"no_rope_layers": [1, 0, 1], "attention_bias": True, **NO_SPECIAL_IDS},
+        ),
+        "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
+        "deepseek_v3_q_proj": (
+            DeepseekV3Config,
+            {**DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False},
+        ),
         "phi3": (
             Phi3Config,
             {
@@ -95,8 +207,9 @@ def _families():
 
 
 def save_family(name: str, path: Path, tokenizer_dir: Path) -> Path:
-    """Save family `name`'s tiny model (seed 0; learned sinks drawn from N(0, 1)) and the tokenizer
-    of `tokenizer_dir` into `path`."""
+    """Save family `name`'s tiny model (seed 0; learned sinks drawn from N(0, 1) and MoE
+    correction biases from N(0, 0.5); Gemma 4's norm weights, layer scalars and router scales, ones
+    at init, from U(0.5, 1.5)) and the tokenizer of `tokenizer_dir` into `path`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,6 +220,13 @@ def save_family(name: str, path: Path, tokenizer_dir: Path) -> Path:
         for n, p in model.named_parameters():
             if n.endswith("sinks"):
                 p.normal_(0, 1.0)
+        for n, b in model.named_buffers():  # zeros at init: drawn so that the choice it steers shows
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)
+        if name.startswith(("gemma4", "qwen3_next", "qwen3_5")):  # a norm read as 1 + w, a scale dropped
+            for n, t in [*model.named_parameters(), *model.named_buffers()]:
+                if n.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar", "scale")):
+                    t.uniform_(0.5, 1.5)
     model.save_pretrained(str(path))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
     return path

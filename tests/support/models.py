@@ -47,19 +47,22 @@ def finish_all(engine, requests) -> list:
 def chunked_logits_error(runner, hf, ids: list[int], prefill: int, chunk_end: int, seq_key=None) -> float:
     """Max |logit| difference between `runner` and the transformers model `hf` on `ids`: a prefill of
     `prefill` tokens, a chunk on top of the cache up to `chunk_end`, then single-token decodes to the
-    end (the logits of each step's last token against transformers' full forward)."""
+    end (the logits of each step's last token against transformers' full forward). A model with
+    recurrent layers carries its state in one state slot across the three."""
+    import functools
+
     import torch
 
     from agentrt.runtime.forward import SeqChunk
 
     n = len(ids)
     slots = runner.kv.allocate(n)
-    got = [runner.execute([SeqChunk(ids[:prefill], 0, slots[:prefill], seq_key=seq_key)])]
-    got.append(
-        runner.execute([SeqChunk(ids[prefill:chunk_end], prefill, slots[:chunk_end], seq_key=seq_key)])
-    )
+    state = runner.kv.states.allocate() if runner.kv.states is not None else None
+    chunk = functools.partial(SeqChunk, seq_key=seq_key, state_slot=state)
+    got = [runner.execute([chunk(ids[:prefill], 0, slots[:prefill])])]
+    got.append(runner.execute([chunk(ids[prefill:chunk_end], prefill, slots[:chunk_end])]))
     for i in range(chunk_end, n):
-        got.append(runner.execute([SeqChunk([ids[i]], i, slots[: i + 1], seq_key=seq_key)]))
+        got.append(runner.execute([chunk([ids[i]], i, slots[: i + 1])]))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     expected = ref[[prefill - 1, chunk_end - 1, *range(chunk_end, n)]]

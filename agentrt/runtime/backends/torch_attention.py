@@ -24,6 +24,7 @@ from agentrt.runtime.forward import BatchInputs, SeqChunk, flatten_chunks, run_f
 from agentrt.runtime.kernels import cpu_kernels
 from agentrt.runtime.kv_cache import QuantizedKV, dequantize_kv, gather_kv, quantize_kv, store_kv
 from agentrt.runtime.layers.rotary import apply_rope
+from agentrt.runtime.recurrent_state import RecurrentBatch, StatePool, recurrent_batch, run_recurrent
 
 
 def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
@@ -142,6 +143,7 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [T] int64, set by prepare_rope
     rope_dtype: torch.dtype | None = None
     swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
+    recurrent: RecurrentBatch | None = None  # the recurrent layers' sequences and state pool, or None
     _rope_rows: dict = field(default_factory=dict, repr=False)
     _windowed: dict = field(default_factory=dict, repr=False)
     _window_view: AttentionMetadata | None = field(default=None, repr=False)
@@ -156,6 +158,12 @@ class AttentionMetadata:
         self._rope_rows = {id(cos_table): (self.cos, self.sin)}
         self._windowed = {}
         self._window_view = None
+
+    def run_recurrent(self, mixer, index: int, x: torch.Tensor) -> torch.Tensor:
+        """forward.ForwardMeta.run_recurrent."""
+        if self.recurrent is None:
+            raise ValueError("this forward has no recurrent state pool")
+        return run_recurrent(mixer, index, x, self.recurrent)
 
     def layer_view(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer with sliding window `window` reads (forward.ForwardMeta.layer_view)."""
@@ -357,11 +365,16 @@ def _sdpa(q, k, v, mask, gqa: bool, scale: float, sinks) -> torch.Tensor:
 
 
 def build_torch_metadata(
-    chunks: list[SeqChunk], dev: torch.device, cpu_kernel: bool = False, swa_map: torch.Tensor | None = None
+    chunks: list[SeqChunk],
+    dev: torch.device,
+    cpu_kernel: bool = False,
+    swa_map: torch.Tensor | None = None,
+    states: StatePool | None = None,
 ) -> BatchInputs:
     """Inputs of the torch path for a flat batch of SeqChunks: decoding sequences gather their
     context slots padded to the longest (or, with cpu_kernel, the C++ decode kernel reads them in
-    place); the others are prefill spans. swa_map: a sliding-window pool's slot -> row map."""
+    place); the others are prefill spans. swa_map: a sliding-window pool's slot -> row map; states:
+    the recurrent layers' state pool (recurrent_state.recurrent_batch), or None."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
     decode_rows, prefills, start = [], [], 0
     for chunk in chunks:
@@ -394,6 +407,7 @@ def build_torch_metadata(
         cpu_kernel=cpu_kernel,
         rows=None,
         swa_map=swa_map,
+        recurrent=recurrent_batch(chunks, states),
     )
     if cpu_kernel and chunks:  # a decode-only batch's rows are its decode slots (no second copy)
         only_decode = not prefills and decode_slots is not None
@@ -418,7 +432,7 @@ class TorchBackend:
         self.reason = reason
 
     def prepare(self, chunks: list[SeqChunk]) -> BatchInputs:
-        return build_torch_metadata(chunks, self.device, self.cpu_kernel, self.kv.swa_map)
+        return build_torch_metadata(chunks, self.device, self.cpu_kernel, self.kv.swa_map, self.kv.states)
 
     def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
         """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows [N, hidden]): see

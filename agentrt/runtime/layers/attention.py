@@ -20,7 +20,9 @@ class AttentionConfig:
     """scale: the softmax scale (head_dim ** -0.5 unless the family says otherwise); window: a query
     at position p attends keys in (p - window, p], None = all; sinks: one learned logit per query
     head joins the softmax (gpt-oss); qk_norm: RMSNorm over head_dim on q and k before RoPE, or with
-    qk_norm_full over the whole q and k projections (all heads at once, MiniMax M2)."""
+    qk_norm_full over the whole q and k projections (all heads at once, MiniMax M2); output_gate:
+    q_proj also projects a gate per head (each head's rows [q (D), gate (D)], as checkpoints store
+    them) and the attention output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next)."""
 
     hidden: int
     num_heads: int
@@ -35,6 +37,7 @@ class AttentionConfig:
     window: int | None = None
     sinks: bool = False
     qk_norm_full: bool = False
+    output_gate: bool = False
 
 
 class Attention(nn.Module):
@@ -50,7 +53,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale, self.window = cfg.scale, cfg.window
-        self.qkv_proj = nn.Linear(cfg.hidden, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        q_rows = 2 * self.q_size if cfg.output_gate else self.q_size
+        self.qkv_proj = nn.Linear(cfg.hidden, q_rows + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden, bias=cfg.o_bias)
         if cfg.qk_norm:
             q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
@@ -61,15 +65,26 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> the fused projection [T, (H + 2 Hkv) D], each head of q and k normed
         (qk_norm), or q and k each as a whole (qk_norm_full)."""
-        qkv = self.qkv_proj(x)
+        return self.qkv_and_gate(x)[0]
+
+    def qkv_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> (qkv as `qkv` gives it, the output gate's logits [T, H D] or None)."""
+        qkv, gate = self.qkv_proj(x), None
+        if self.cfg.output_gate:
+            t, d = qkv.shape[0], self.head_dim
+            qg = qkv[:, : 2 * self.q_size].view(t, self.num_heads, 2 * d)
+            gate = qg[..., d:].reshape(t, self.q_size)
+            qkv = torch.cat((qg[..., :d].reshape(t, self.q_size), qkv[:, 2 * self.q_size :]), dim=1)
         if self.cfg.qk_norm:  # in place
             q_end, k_end = self.q_size, self.q_size + self.kv_size
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
-        return qkv
+        return qkv, gate
 
     def forward(self, x, k_cache, v_cache, meta: ForwardMeta, rope=None) -> torch.Tensor:
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k, v = meta.rope_and_store(self.qkv(x), heads, k_cache, v_cache, rope)
+        qkv, gate = self.qkv_and_gate(x)
+        q, k, v = meta.rope_and_store(qkv, heads, k_cache, v_cache, rope)
         out = meta.attend(q, k, v, k_cache, v_cache, scale=self.scale, window=self.window, sinks=self.sinks)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        out = out.reshape(x.shape[0], self.q_size)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))

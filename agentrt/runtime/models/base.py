@@ -18,6 +18,8 @@ from torch import nn
 
 from agentrt.runtime.forward import TORCH_OPS, ForwardMeta, LayerOps
 from agentrt.runtime.layers.attention import Attention, AttentionConfig
+from agentrt.runtime.layers.gated_delta import GatedDeltaNet
+from agentrt.runtime.layers.mamba2 import Mamba2Mixer
 from agentrt.runtime.layers.mla import MultiHeadLatentAttention
 from agentrt.runtime.layers.mlp import GatedMLP
 from agentrt.runtime.layers.moe import SparseMoE
@@ -29,6 +31,7 @@ from agentrt.runtime.models.config import ModelArch
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 PACKED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+RECURRENT_MIXERS = {"gated_delta": GatedDeltaNet, "mamba2": Mamba2Mixer}
 SKIPPED = ("rotary_emb", "vision_tower", "multi_modal_projector", "vision_model")
 
 
@@ -42,7 +45,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, cast = arch.rms_norm_eps, arch.norm_cast_last
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
-        if arch.mla is not None:  # multi-head latent attention (layers/mla.py): DeepSeek V3, Kimi K2
+        mixer = arch.layer_mixers[i] if arch.layer_mixers else "attention"
+        if mixer != "attention":  # linear attention / SSM: state in the state pool, no KV
+            self.linear_attn = RECURRENT_MIXERS[mixer].from_hf_config(arch.mixer_config)
+            index = arch.recurrent_layers.index(i)
+            self.mix = lambda h, k_cache, v_cache, meta, rope: meta.run_recurrent(self.linear_attn, index, h)
+        elif arch.mla is not None:  # multi-head latent attention (layers/mla.py): DeepSeek V3, Kimi K2
             self.self_attn = MultiHeadLatentAttention(
                 arch.mla, arch.hidden_size, arch.num_heads, arch.scale, ops
             )
@@ -62,6 +70,7 @@ class DecoderLayer(nn.Module):
                     arch.layer_windows[i],
                     arch.attn_sinks,
                     arch.qk_norm_full,
+                    arch.attn_output_gate,
                 ),
                 ops,
             )
@@ -70,6 +79,8 @@ class DecoderLayer(nn.Module):
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, cast, ops)
+        if mixer == "attention":
+            self.mix = self.self_attn.forward  # (a bound method: not registered as a module)
         if arch.is_moe_layer(i):
             self.mlp = SparseMoE(
                 arch.hidden_size,
@@ -111,7 +122,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, k_cache, v_cache, meta: ForwardMeta, rope=None):
         residual, h = self.pre_attention(x, residual)
-        return self.post_attention(self.self_attn(h, k_cache, v_cache, meta, rope), residual)
+        return self.post_attention(self.mix(h, k_cache, v_cache, meta, rope), residual)
 
 
 class DecoderModel(nn.Module):
@@ -195,6 +206,11 @@ class DecoderModel(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @classmethod
+    def offset_norm(cls, name: str) -> bool:
+        """Whether the loader adds `arch.norm_offset` to the weight `name` (every RMSNorm's)."""
+        return name.endswith("norm.weight")
+
+    @classmethod
     def split_experts(cls, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """Stacked expert tensors (`...mlp.experts.gate_up_proj` [E, 2I, H], `...down_proj` [E, H, I],
         transformers 5's layout) -> per-expert (name, tensor) pairs of this layout; None when `name` is
@@ -221,7 +237,7 @@ class DecoderModel(nn.Module):
                 raise ValueError(
                     f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}"
                 )
-            if norm_offset and name.endswith("norm.weight"):
+            if norm_offset and self.offset_norm(name):
                 value = value.float() + norm_offset
             own[name].copy_(value)
             filled.add(name)

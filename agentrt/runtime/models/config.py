@@ -6,7 +6,7 @@ with `base_arch` plus their own fields; the shared layers (runtime/layers/) are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 
 from agentrt.runtime.kv_cache import CacheSpec
@@ -66,6 +66,12 @@ class ModelArch:
     Kimi K2), its KV cache the latent (`MLAConfig.cache_spec`); `head_dim` is then the query /
     key heads' width (nope + rope) and `attn_scale` the softmax scale.
 
+    Hybrid models: `layer_mixers[i]` the token mixer of layer i, "attention" or a recurrent one
+    ("gated_delta": layers/gated_delta.py, "mamba2": layers/mamba2.py; empty = attention
+    everywhere), built from the Hugging Face config `mixer_config`; a recurrent layer keeps its state
+    in the state pool (runtime/recurrent_state.py) and no KV. `attn_output_gate`: the attention's
+    output is multiplied by sigmoid(gate), the gate projected with q (Qwen3-Next, Qwen3.5).
+
     The KV layout (`kv_layout`): `cache_specs` the shape of each KV cache (empty: one
     CacheSpec(num_kv_heads, head_dim, head_dim) per layer) and `layer_cache[i]` the cache layer i
     writes and reads (empty: cache i; None: the layer keeps no KV, e.g. a linear-attention layer;
@@ -117,6 +123,9 @@ class ModelArch:
     mla: MLAConfig | None = None
     cache_specs: tuple[CacheSpec, ...] = ()
     layer_cache: tuple[int | None, ...] = ()
+    layer_mixers: tuple[str, ...] = ()
+    mixer_config: object = field(default=None, compare=False, repr=False)
+    attn_output_gate: bool = False
     checkpoint_quant: CheckpointQuant | None = None  # how the checkpoint stores weights (None: as-is)
 
     def __post_init__(self) -> None:
@@ -139,14 +148,22 @@ class ModelArch:
                 f"({self.num_kv_heads})"
             )
 
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose mixer is recurrent (state, no KV), in order."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m != "attention")
+
     def kv_layout(self) -> tuple[list[CacheSpec], tuple[int | None, ...]]:
         """(the KV caches' shapes, the cache index of each layer or None): what the KV pool is built
-        from and how the model hands each layer its caches."""
-        specs = (
-            list(self.cache_specs)
-            or [CacheSpec(self.num_kv_heads, self.head_dim, self.head_dim)] * self.num_layers
-        )
-        return specs, self.layer_cache or tuple(range(self.num_layers))
+        from and how the model hands each layer its caches (by default one per attention layer;
+        recurrent layers have none)."""
+        caches = self.layer_cache
+        if not caches:
+            recurrent, n = set(self.recurrent_layers), 0
+            caches = tuple(None if i in recurrent else (n := n + 1) - 1 for i in range(self.num_layers))
+        count = len({c for c in caches if c is not None})
+        specs = list(self.cache_specs) or [CacheSpec(self.num_kv_heads, self.head_dim, self.head_dim)] * count
+        return specs, caches
 
     @property
     def uniform_kv(self) -> bool:
@@ -191,6 +208,8 @@ class ModelArch:
             "moe_sigmoid": self.moe_routing == "sigmoid_topk",
             "mla": self.mla is not None,
             "kv_layout": not self.uniform_kv,
+            "recurrent": bool(self.recurrent_layers),
+            "attn_output_gate": self.attn_output_gate,
         }
         return frozenset([f"mlp:{self.hidden_act}", *(name for name, on in flags.items() if on)])
 

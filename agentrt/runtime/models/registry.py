@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+from pathlib import Path
 
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.models.checkpoint_quant import checkpoint_quant
@@ -18,10 +20,21 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe_families", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
     "MixtralForCausalLM": ("moe_families", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -32,11 +45,45 @@ MODEL_TYPES = {  # config.model_type -> architecture, for configs without `archi
     "phi3": "Phi3ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
+
+
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model_types transformers does not know that are a config it knows: Kimi K2's `kimi_k2`
+(its config.json points at the checkpoint's own Python, which agentrt never runs) is DeepSeek V3's."""
+
+
+def read_hf_config(model_dir: Path):
+    """transformers' config of the checkpoint directory `model_dir` (AutoConfig.from_pretrained),
+    a model_type of MODEL_TYPE_ALIASES read as the config class it names, without the checkpoint's
+    code (its `auto_map` dropped). Raises what AutoConfig raises for an unreadable config."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = None  # AutoConfig says what is wrong
+    alias = MODEL_TYPE_ALIASES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if alias is None:
+        return AutoConfig.from_pretrained(str(model_dir))
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+    return AutoConfig.for_model(alias, **fields)
 
 
 def architecture_of(cfg) -> str:

@@ -1,0 +1,168 @@
+"""Recurrent state beside the KV pool: the per-sequence state of linear-attention and SSM layers
+(Gated DeltaNet, Mamba-2: a short-convolution state and a recurrent state per layer), addressed by
+state slot, and how one forward runs such a layer over a batch of sequences.
+
+A running request owns one working slot, read and updated in place by every forward; the radix tree
+(prefix_cache/radix_tree.py) owns snapshot slots: the state after the first `depth` tokens of a
+cached prefix, taken at chosen token boundaries inside a forward (every `snapshot_interval` tokens,
+the prompt's last token but one, a request's end), as SGLang's Mamba radix cache keeps them. A
+returning prefix resumes from the deepest snapshot at or below its match: its working slot is a copy
+of that snapshot, and the tokens past it are recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StatePool:
+    """The states of every recurrent layer, `num_slots` sequences' worth each.
+
+    layer_shapes: per recurrent layer (in layer order), {state name: (shape of one sequence's state,
+    dtype)} as the mixer's `state_shapes()` gives it; `tensors[j][name]` is [num_slots, *shape].
+    Slots are handed out whole (every layer's states of one sequence). `snapshot_interval`: the
+    scheduler snapshots a prefill every that many tokens. Raises ValueError when num_slots < 1 or
+    the tensors cannot be allocated on `device`."""
+
+    snapshot_interval = 256
+
+    def __init__(self, layer_shapes: list[dict], num_slots: int, device: torch.device):
+        if num_slots < 1:
+            raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.bytes_per_slot = self.bytes_per_slot_of(layer_shapes)
+        try:
+            self.tensors = [
+                {
+                    name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                    for name, (shape, dtype) in shapes.items()
+                }
+                for shapes in layer_shapes
+            ]
+        except RuntimeError as e:
+            raise ValueError(
+                f"cannot allocate a recurrent state pool of {num_slots * self.bytes_per_slot / 1e9:.2f} GB "
+                f"on {device} ({type(e).__name__}): lower kv_cache_bytes or max_num_seqs"
+            ) from None
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_slot_of(layer_shapes: list[dict]) -> int:
+        """Bytes of one sequence's state over every recurrent layer."""
+        total = 0
+        for shapes in layer_shapes:
+            for shape, dtype in shapes.values():
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when every slot is taken."""
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every layer's state of slot `src` into slot `dst`."""
+        for layer in self.tensors:
+            for t in layer.values():
+                t[dst].copy_(t[src])
+
+    def layer(self, j: int, slot: int) -> dict[str, torch.Tensor]:
+        """Views of recurrent layer j's states of one slot (written in place by the mixer)."""
+        return {name: t[slot] for name, t in self.tensors[j].items()}
+
+
+def settle_verify(pool: StatePool, cache) -> None:
+    """After a speculative verify chunk (request.CacheState `cache`): roll the working state back to
+    the tokens kept (`verify_kept` of the chunk: the snapshot taken after them, unless all were
+    kept) and free the scratch slots."""
+    if not cache.verify_states:
+        return
+    k = cache.verify_kept
+    if cache.state_slot is not None and 0 < k <= len(cache.verify_states):
+        pool.copy(cache.verify_states[k - 1], cache.state_slot)
+    for slot in cache.verify_states:
+        pool.free(slot)
+    cache.verify_states, cache.verify_kept = [], 0
+
+
+@dataclass
+class SeqState:
+    """One sequence's part of a forward for the recurrent layers: rows [start, end) of the flat
+    batch, its working state slot, `fresh` (the chunk starts the sequence: the state starts at zero
+    instead of the slot's), and `snapshots`: (n, slot) pairs, the state after the first n tokens of
+    this chunk copied into `slot` (n ascending, 0 < n <= end - start)."""
+
+    start: int
+    end: int
+    slot: int
+    fresh: bool
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class RecurrentBatch:
+    """The recurrent layers' view of one forward: the state pool and each sequence's SeqState."""
+
+    pool: StatePool
+    seqs: list[SeqState]
+
+
+def recurrent_batch(chunks, pool: StatePool | None) -> RecurrentBatch | None:
+    """The RecurrentBatch of a flat batch of forward.SeqChunks (each with its `state_slot`), or None
+    without a state pool. Raises ValueError for a chunk without a state slot or with a draft tree
+    (a recurrent state has no tree form)."""
+    if pool is None:
+        return None
+    seqs, start = [], 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        if chunk.state_slot is None:
+            raise ValueError("a model with recurrent layers needs a state slot for every sequence")
+        if chunk.tree_mask is not None:
+            raise ValueError("draft trees are not supported by recurrent layers (use a chain)")
+        seqs.append(
+            SeqState(start, start + n, chunk.state_slot, chunk.context_len == 0, list(chunk.snapshots))
+        )
+        start += n
+    return RecurrentBatch(pool, seqs)
+
+
+def run_recurrent(mixer, index: int, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]: `mixer.forward_segment(x_seg [n, hidden], conv_state,
+    recurrent_state, fresh) -> [n, hidden]` over each sequence's rows, segment by segment between
+    its snapshot points, its states (recurrent layer `index` of the pool) read and updated in place;
+    after each segment that ends at a snapshot point, the states are copied into that snapshot's
+    slot. Each sequence's result depends on its own rows and state only (batch invariant)."""
+    out = torch.empty_like(x)
+    tensors = batch.pool.tensors[index]
+    for seq in batch.seqs:
+        states = {name: t[seq.slot] for name, t in tensors.items()}
+        fresh, pos = seq.fresh, seq.start
+        for n, snap in [*seq.snapshots, (seq.end - seq.start, None)]:
+            end = seq.start + n
+            if end > pos:
+                out[pos:end] = mixer.forward_segment(x[pos:end], states["conv"], states["recurrent"], fresh)
+                fresh, pos = False, end
+            elif fresh:  # a snapshot of the empty prefix: zeros
+                for s in states.values():
+                    s.zero_()
+                fresh = False
+            if snap is not None:
+                for name, t in tensors.items():
+                    t[snap].copy_(states[name])
+    return out

@@ -1,0 +1,183 @@
+"""A hybrid model (Gated DeltaNet + gated attention, a tiny random Qwen3-Next) in the engine: the
+recurrent state pool beside the KV pool, radix-tree state snapshots and everything that must
+compose with them. Every case is checked against the greedy tokens of transformers' own model (or of
+the same engine without the feature), so a state that is not carried, restored or rolled back
+exactly shows as different tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.prefix_cache import RadixCache
+from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from agentrt.runtime.engine import Engine
+from agentrt.runtime.recurrent_state import StatePool
+from agentrt.runtime.request import SamplingParams
+from tests.support.families import save_family
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, default_model_dir):
+    return save_family("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid_dir):
+    """greedy(prompt) -> transformers' NEW greedy tokens for `prompt`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32).eval()
+    memo = {}
+
+    def greedy(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            with torch.no_grad():
+                out = hf.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=NEW,
+                    min_new_tokens=NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            memo[tuple(ids)] = out[0, len(ids) :].tolist()
+        return memo[tuple(ids)]
+
+    return greedy
+
+
+def _engine(path, interval=16, kv_bytes=16 << 20, state_slots=None, **kw) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), device="cpu", dtype="float32"),
+            cache=CacheConfig(
+                kv_cache_bytes=kv_bytes, state_snapshot_interval=interval, state_slots=state_slots
+            ),
+            scheduler=kw.pop("scheduler", SchedulerConfig()),
+            speculative=kw.pop("speculative", SpecConfig()),
+        )
+    )
+
+
+def _run(engine, prompts):
+    no_eos = {t: -100.0 for t in engine.stop_ids}
+    params = SamplingParams(temperature=0, max_tokens=NEW, logit_bias=no_eos)
+    return engine.generate([(ids, params, None) for ids in prompts])
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_hit_between_two_snapshots_resumes_from_the_lower_one(hybrid_dir, reference):
+    """Snapshots every 16 tokens: a prompt sharing 40 tokens with a cached one resumes at 32 (the
+    deepest snapshot at or below the match), and reports 32 cached tokens; its tokens are
+    transformers' own."""
+    engine = _engine(hybrid_dir)
+    first = _prompt(1, 50)
+    second = first[:40] + _prompt(2, 20)
+    (out,) = _run(engine, [first])
+    assert out.token_ids == reference(first) and out.num_cached_tokens == 0
+    (out,) = _run(engine, [second])
+    assert out.num_cached_tokens == 32, "the hit must stop at the deepest snapshot, 32"
+    assert out.token_ids == reference(second), "resuming from the snapshot changed the tokens"
+    (out,) = _run(engine, [first])  # the same prompt again: the snapshot at its last token but one
+    assert out.num_cached_tokens == 49 and out.token_ids == reference(first)
+
+
+def test_a_conversation_resumes_from_the_end_of_the_previous_turn(hybrid_dir, reference):
+    """A finished request leaves the state after everything it computed: the next turn (its prompt +
+    output + more) hits all of it."""
+    engine = _engine(hybrid_dir, interval=1000)
+    turn1 = _prompt(3, 30)
+    (out,) = _run(engine, [turn1])
+    turn2 = turn1 + out.token_ids + _prompt(4, 10)
+    (out2,) = _run(engine, [turn2])
+    assert out2.num_cached_tokens == len(turn1) + NEW - 1  # the last output token was never computed
+    assert out2.token_ids == reference(turn2)
+
+
+def test_batched_chunked_and_two_of_one_prompt_match_transformers(hybrid_dir, reference):
+    """Prefill in 7-token chunks (the state carried across chunks), three prompts batched with a
+    repeat of the first (n = 2: two sequences of one prompt, each its own state)."""
+    engine = _engine(hybrid_dir, scheduler=SchedulerConfig(max_num_batched_tokens=7))
+    prompts = [_prompt(5, 41), _prompt(6, 23), _prompt(7, 35)]
+    outs = _run(engine, [prompts[0], *prompts, prompts[0]])
+    assert [o.token_ids for o in outs] == [reference(p) for p in [prompts[0], *prompts, prompts[0]]]
+
+
+def test_speculation_rolls_the_state_back_to_the_last_accepted_token(hybrid_dir, monkeypatch):
+    """Verify chunks with rejections: the n-gram proposer is made to draft the unspeculated run's next
+    tokens with a wrong one after them (one, two or none right), so every verify pass keeps some
+    tokens and rejects the rest. The state must be rolled back to the last accepted token: the tokens
+    equal the unspeculated run's."""
+    from agentrt.speculative.ngram import NgramProposer
+
+    prompt = _prompt(8, 45)
+    plain = _run(_engine(hybrid_dir), [prompt])[0].token_ids
+    wrong = next(t for t in range(100, 200) if t not in plain)
+
+    def propose(self, token_ids, k=None):
+        m = len(token_ids) - len(prompt)
+        right = m % 3  # 0, 1 or 2 right tokens, then a wrong one
+        return (plain[m : m + right] + [wrong] * 3)[:k]
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    spec = _engine(hybrid_dir, speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
+    assert _run(spec, [prompt])[0].token_ids == plain
+    s = spec.stats
+    assert s.num_spec_steps > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+def test_preempted_requests_resume_from_their_state(hybrid_dir, reference):
+    """A KV pool too small for all at once: requests are preempted mid-decode (their working state
+    becomes a snapshot) and resume from it with the same tokens."""
+    prompts = [_prompt(10 + i, 40) for i in range(4)]
+    engine = _engine(hybrid_dir, kv_bytes=256 * 150 + 3584 * 40, state_slots=40)
+    outs = _run(engine, prompts)
+    assert engine.stats.num_preemptions > 0, "the pool was large enough: no preemption was exercised"
+    assert [o.token_ids for o in outs] == [reference(p) for p in prompts]
+
+
+def test_state_slots_are_all_returned(hybrid_dir):
+    """After requests finish, the only state slots taken are the tree's snapshots; evicting every
+    snapshot returns the pool to full."""
+    engine = _engine(hybrid_dir)
+    _run(engine, [_prompt(20, 50), _prompt(21, 33)])
+    pool: StatePool = engine.runner.kv.states
+    cache: RadixCache = engine.scheduler.cache
+    assert cache.num_states > 0
+    assert pool.num_free + cache.num_states == pool.num_slots
+    cache.evict_states(cache.num_states)
+    assert pool.num_free == pool.num_slots and cache.num_states == 0
+
+
+def test_the_memory_plan_names_the_state_pool(hybrid_dir):
+    engine = _engine(hybrid_dir, state_slots=64)
+    plan = engine.runner.memory_plan.describe()
+    assert "recurrent state (2 of 3 layers): 64 slots x 3,584 bytes" in plan, plan
+    assert "KV pool" in plan and engine.runner.kv.bytes_per_token == 256  # one attention layer's K/V
+
+
+@pytest.mark.parametrize(
+    "cache,error",
+    [
+        ({"state_slots": 1}, "state_slots must be an integer >= 2"),
+        ({"state_snapshot_interval": 0}, "state_snapshot_interval must be a positive integer"),
+    ],
+)
+def test_bad_state_options_are_refused(cache, error):
+    with pytest.raises(ValueError, match=error):
+        CacheConfig(**cache)
+
+
+def test_state_slots_that_do_not_fit_the_budget_are_refused(hybrid_dir):
+    with pytest.raises(ValueError, match="cannot hold 100000 recurrent states"):
+        _engine(hybrid_dir, kv_bytes=1 << 20, state_slots=100_000)
+
+
+def test_speculation_that_needs_a_tree_or_draft_layers_is_refused(hybrid_dir):
+    with pytest.raises(ValueError, match="not supported with recurrent"):
+        _engine(hybrid_dir, speculative=SpecConfig(method="draft", draft_layers=1))
