@@ -162,15 +162,13 @@ def check_schemas(config, schemas: dict, args_name: str | None) -> int:
     """Compile every schema with the model's tokenizer on the driver (no weights loaded), as the
     in-process job does before it starts: the same ConstraintError text (keyword + JSON pointer),
     raised as ValueError naming the schema. Returns the model's vocabulary size."""
-    from transformers import AutoConfig
-
     from agentrt.extract.batch import SchemaRegistry
     from agentrt.grammars.xgrammar_backend import GrammarBackend
     from agentrt.runtime.models.loader import load_tokenizer, resolve_model_dir
-    from agentrt.runtime.models.registry import arch_from_hf_config
+    from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
 
     model_dir = resolve_model_dir(config.model.model, config.model.cache_dir)
-    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    hf_config = read_hf_config(model_dir)
     vocab_size = arch_from_hf_config(hf_config).vocab_size
     loaded = load_tokenizer(model_dir, hf_config, vocab_size)
     backend = GrammarBackend(loaded.tokenizer, vocab_size, loaded.stop_ids, config.grammar)

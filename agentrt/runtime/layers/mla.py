@@ -66,6 +66,18 @@ class MLAConfig:
         """One KV head of latent_dim features in K, no V cache."""
         return CacheSpec(1, self.latent_dim, 0)
 
+    def describe_kv(self, num_layers: int, num_heads: int, dtype: torch.dtype) -> str:
+        """What the pool holds per token, against full K/V (each head's nope + rope key and v_head
+        value per layer, the cache an un-absorbed MLA would keep), at `dtype` (an int8 pool's
+        scales counted): for the start line and `agentrt check`."""
+        latent = num_layers * self.cache_spec().row_bytes(dtype)
+        full = num_layers * CacheSpec(num_heads, self.qk_head_dim, self.v_head_dim).row_bytes(dtype)
+        return (
+            f"multi-head latent attention: {self.latent_dim} values per token and layer (kv_lora_rank "
+            f"{self.kv_lora_rank} + RoPE key {self.qk_rope_head_dim}), {latent:,} bytes/token; full K/V "
+            f"would take {full:,} ({full / latent:.1f}x)"
+        )
+
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature (Peng et al. 2023, as DeepSeek writes it): 0.1 * mscale *

@@ -219,9 +219,10 @@ def _read_gguf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
 
 
 def _read_hf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from agentrt.runtime.models.loader import check_weight_files
+    from agentrt.runtime.models.registry import read_hf_config
 
     try:
         check_weight_files(path)
@@ -257,7 +258,7 @@ def _read_hf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
         report.add(ERROR, "architecture", str(e))
         return
     try:
-        m.config = AutoConfig.from_pretrained(str(path))
+        m.config = read_hf_config(path)
     except Exception as e:  # noqa: BLE001 - an unreadable config is the finding
         report.add(ERROR, "architecture", f"config.json cannot be read by transformers: {e}")
     present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
@@ -405,9 +406,15 @@ def read_model(model: str, chat_template: str | None = None) -> tuple[CheckRepor
         report.architecture, report.family = arch.architecture, ARCHITECTURES[arch.architecture][0]
         moe = f", {arch.num_experts} experts (top {arch.num_experts_per_tok})" if arch.num_experts else ""
         kv_heads = f"{arch.num_kv_heads} KV head{'s' if arch.num_kv_heads > 1 else ''}"
+        heads = f"{arch.num_heads} heads / {kv_heads} x {arch.head_dim}"
+        if arch.mla is not None:  # latent attention: one cached row per token, not K/V heads
+            heads = (
+                f"{arch.num_heads} heads x {arch.head_dim} over one latent KV row (kv_lora_rank "
+                f"{arch.mla.kv_lora_rank} + RoPE key {arch.mla.qk_rope_head_dim})"
+            )
         shape = (
-            f"{arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_heads} heads / {kv_heads} x "
-            f"{arch.head_dim}{moe}, vocab {arch.vocab_size:,}, context {arch.max_position_embeddings:,}"
+            f"{arch.num_layers} layers, hidden {arch.hidden_size}, {heads}{moe}, vocab "
+            f"{arch.vocab_size:,}, context {arch.max_position_embeddings:,}"
         )
         report.findings.insert(
             0, Finding(OK, "architecture", f"{arch.architecture} (family {report.family}): {shape}")

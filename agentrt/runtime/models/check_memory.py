@@ -103,6 +103,8 @@ def _report_kv(report: CheckReport, arch, dtype, why: str, n: int) -> KVEstimate
     parts += [
         f"windowed layers ({c}): {c * kv.layer_bytes:,} bytes/token up to {w:,} tokens" for w, c in kv.windows
     ]
+    if arch.mla is not None:  # the pool holds the latent: say what full K/V would take
+        parts[0] += f" ({arch.mla.describe_kv(arch.num_layers, arch.num_heads, dtype)})"
     report.add(
         OK,
         "kv cache",
