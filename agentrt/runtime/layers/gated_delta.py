@@ -68,22 +68,29 @@ def gated_delta_recurrent(
 
 
 def _chunk_terms(q, k, v, g, beta):
-    """Intra-chunk terms for chunks [H, N, L, .] (q, k, v float32; g, beta [H, N, L]): the query with
+    """Intra-chunk terms for chunks [N, H, L, .] (q, k, v float32; g, beta [N, H, L]): the query with
     its decay from the chunk start, the key with its decay to the chunk end, the UT-transformed values
     u and keys w (u - w S is what each token writes given the chunk's start state S), the causal
     intra-chunk scores and the whole chunk's decay."""
     length = q.shape[-2]
-    cum = g.cumsum(-1)  # [H, N, L]: log decay from the chunk start through token i
+    # [N, H, L]: log decay from the chunk start through token i, in float64 so that the differences
+    # below are exact (float32 sums near -500 keep ~3e-5 of precision)
+    cum64 = g.double().cumsum(-1)
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    decay = (cum64[..., :, None] - cum64[..., None, :]).float().masked_fill(~causal, float("-inf")).exp()
+    cum = cum64.float()
     k_beta = k * beta[..., None]
     # (I + strictly_lower(beta_i k_i.k_j decay_ij)) X = rhs; unitriangular: the diagonal is not read
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    # The inverse against an identity then two matmuls: measured 13 + 25 ms against 1.5 s for one
+    # solve with the 256-wide right-hand side (torch 2.13 CPU, 2 threads, 256 chunks of 64)
+    eye = torch.eye(length, dtype=q.dtype, device=q.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    u = inverse @ (v * beta[..., None])
+    w = inverse @ (k_beta * cum.exp()[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
-    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    k_decayed = k * (cum64[..., -1:] - cum64).float().exp()[..., None]
     return q_decayed, k_decayed, u, w, scores, cum[..., -1].exp()
 
 
@@ -100,25 +107,24 @@ def gated_delta_chunked(
     of `chunk_size` tokens and one shorter remainder chunk, no padding. state [H, Dk, Dv] float32 is
     updated in place -> o [n, H, Dv] float32."""
     n = q.shape[0]
-    q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))  # [H, n, D]
-    g, beta = g.float().t(), beta.float().t()  # [H, n]
     num_full, rest = divmod(n, chunk_size)
 
     def chunks(t: torch.Tensor, start: int, count: int, size: int) -> torch.Tensor:
-        return t[:, start : start + count * size].reshape(t.shape[0], count, size, *t.shape[2:])
+        """[n, H, ...] -> [count, H, size, ...] contiguous (chunk-major: each chunk's block is dense)."""
+        part = t[start : start + count * size].float()
+        return part.reshape(count, size, *t.shape[1:]).transpose(1, 2).contiguous()
 
     pieces = []
-    if num_full:
-        pieces.append(_chunk_terms(*(chunks(t, 0, num_full, chunk_size) for t in (q, k, v, g, beta))))
-    if rest:
-        pieces.append(_chunk_terms(*(chunks(t, n - rest, 1, rest) for t in (q, k, v, g, beta))))
+    for start, count, size in ((0, num_full, chunk_size), (n - rest, 1, rest)):
+        if count and size:
+            pieces.append(_chunk_terms(*(chunks(t, start, count, size) for t in (q, k, v, g, beta))))
     out = []
     s = state.float()
     for q_d, k_d, u, w, scores, chunk_decay in pieces:
-        for c in range(q_d.shape[1]):
-            v_new = u[:, c] - w[:, c] @ s  # [H, L, Dv]: what each token of the chunk writes
-            out.append(q_d[:, c] @ s + scores[:, c] @ v_new)
-            s = s * chunk_decay[:, c, None, None] + k_d[:, c].transpose(-1, -2) @ v_new
+        for c in range(q_d.shape[0]):
+            v_new = u[c] - w[c] @ s  # [H, L, Dv]: what each token of the chunk writes
+            out.append(q_d[c] @ s + scores[c] @ v_new)
+            s = s * chunk_decay[c, :, None, None] + k_d[c].transpose(-1, -2) @ v_new
     state.copy_(s)
     return torch.cat(out, dim=1).transpose(0, 1)
 

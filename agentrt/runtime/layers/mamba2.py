@@ -54,30 +54,26 @@ def ssd_step(
     return (state @ c.unsqueeze(-1)).squeeze(-1)
 
 
-def segment_sum(a: torch.Tensor) -> torch.Tensor:
-    """a [..., L] -> [..., L, L]: entry (i, j) = a[j+1] + ... + a[i] for i >= j, -inf above the diagonal
-    (a masked cumulative sum, not a difference of cumulative sums, so no cancellation)."""
-    length = a.shape[-1]
-    x = a[..., None].expand(*a.shape, length)  # (k, j) = a[k]
-    x = x.masked_fill(~torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1), 0)
-    x = x.cumsum(-2)
-    return x.masked_fill(~torch.ones(length, length, dtype=torch.bool, device=a.device).tril(), float("-inf"))
-
-
-def _chunk_terms(x, dt, a, b, c, heads_per_group: int):
-    """Chunks x [H, M, L, P], dt [H, M, L], a [H], b, c [G, M, L, N] (float32) -> the intra-chunk output,
-    C scaled by the decay from the chunk start (read of the start state), the state the chunk writes
-    from a zero start, and the whole chunk's decay."""
-    log_decay = dt * a[:, None, None]  # [H, M, L]
-    cum = log_decay.cumsum(-1)
-    xdt = x * dt[..., None]
-    cb = (c @ b.transpose(-1, -2)).repeat_interleave(heads_per_group, dim=0)  # [H, M, L, L]
-    y_diag = (cb * segment_sum(log_decay).exp()) @ xdt
-    c_h = c.repeat_interleave(heads_per_group, dim=0)
-    b_h = b.repeat_interleave(heads_per_group, dim=0)
-    c_read = c_h * cum.exp()[..., None]  # [H, M, L, N]
-    written = xdt.transpose(-1, -2) @ (b_h * (cum[..., -1:] - cum).exp()[..., None])  # [H, M, P, N]
-    return y_diag, c_read, written, cum[..., -1].exp()
+def _chunk_terms(x, dt, a, b, c):
+    """Chunks x [M, H, L, P], dt [M, H, L], a [H], b, c [M, G, L, N] (float32) -> the intra-chunk
+    output [M, H, L, P], the decay from the chunk start [M, G, H/G, L, 1] (the start state is read as
+    that times C S^T), the state the chunk writes from a zero start [M, H, P, N], and the whole
+    chunk's decay [M, H]. Decays are exp of differences of the cumulative log decay, taken in float64
+    (in float32 a difference of two sums near -500 keeps only ~3e-5 of precision: measured 8e-5
+    relative output error under strong decay, 2e-7 this way), masked to 0 above the diagonal."""
+    num_chunks, groups, length, _ = b.shape
+    heads = (num_chunks, groups, -1, length)  # heads viewed per group, so B and C broadcast
+    cum = (dt * a[:, None]).view(heads).double().cumsum(-1)  # float64: exact differences below
+    xdt = (x * dt[..., None]).view(*heads, x.shape[-1])
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).float().masked_fill(~causal, float("-inf")).exp()
+    y_diag = ((c @ b.transpose(-1, -2))[:, :, None] * decay) @ xdt  # [M, G, H/G, L, P]
+    to_end = (cum[..., -1:] - cum).float().exp()
+    written = (xdt * to_end[..., None]).transpose(-1, -2) @ b[:, :, None]
+    flat = (num_chunks, -1)
+    y_diag, written = (t.reshape(*flat, *t.shape[-2:]) for t in (y_diag, written))
+    cum = cum.float()
+    return y_diag, cum.exp()[..., None], written, cum[..., -1].exp().reshape(flat)
 
 
 def ssd_chunked(
@@ -92,30 +88,28 @@ def ssd_chunked(
     """The SSD chunked form over n tokens of one sequence: x [n, H, P], dt [n, H], a [H], b, c [n, G, N],
     state [H, P, N] float32 (updated in place) -> y [n, H, P] float32, without the D skip. Full chunks
     of `chunk_size` tokens and one shorter remainder chunk, no padding."""
-    n, heads = x.shape[:2]
-    per_group = heads // b.shape[1]
-    x, b, c = (t.float().transpose(0, 1) for t in (x, b, c))  # [H|G, n, .]
-    dt = dt.float().t()
+    n = x.shape[0]
     num_full, rest = divmod(n, chunk_size)
 
     def chunks(t: torch.Tensor, start: int, count: int, size: int) -> torch.Tensor:
-        return t[:, start : start + count * size].reshape(t.shape[0], count, size, *t.shape[2:])
+        """[n, H, ...] -> [count, H, size, ...] contiguous (chunk-major: each chunk's block is dense)."""
+        part = t[start : start + count * size].float()
+        return part.reshape(count, size, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    pieces = []
-    if num_full:
-        parts = (chunks(t, 0, num_full, chunk_size) for t in (x, dt))
-        groups = (chunks(t, 0, num_full, chunk_size) for t in (b, c))
-        pieces.append(_chunk_terms(*parts, a.float(), *groups, per_group))
-    if rest:
-        parts = (chunks(t, n - rest, 1, rest) for t in (x, dt))
-        groups = (chunks(t, n - rest, 1, rest) for t in (b, c))
-        pieces.append(_chunk_terms(*parts, a.float(), *groups, per_group))
+    pieces, c_chunks = [], []
+    for start, count, size in ((0, num_full, chunk_size), (n - rest, 1, rest)):
+        if count and size:
+            x_c, dt_c, b_c, c_c = (chunks(t, start, count, size) for t in (x, dt, b, c))
+            pieces.append(_chunk_terms(x_c, dt_c, a.float(), b_c, c_c))
+            c_chunks.append(c_c)
     out = []
     s = state.float()
-    for y_diag, c_read, written, chunk_decay in pieces:
-        for m in range(y_diag.shape[1]):
-            out.append(y_diag[:, m] + c_read[:, m] @ s.transpose(-1, -2))
-            s = s * chunk_decay[:, m, None, None] + written[:, m]
+    groups = b.shape[1]
+    for c_m, (y_diag, start_decay, written, chunk_decay) in zip(c_chunks, pieces):
+        for m in range(y_diag.shape[0]):
+            read = start_decay[m] * (c_m[m][:, None] @ s.view(groups, -1, *s.shape[1:]).transpose(-1, -2))
+            out.append(y_diag[m] + read.reshape(y_diag.shape[1:]))
+            s = s * chunk_decay[m, :, None, None] + written[m]
     state.copy_(s)
     return torch.cat(out, dim=1).transpose(0, 1)
 
