@@ -136,6 +136,10 @@ class DecoderModel(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {**PACKED, **PACKED_MLP}
     """checkpoint module -> (this layout's fused module, its part): q/k/v and gate/up are packed."""
 
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+    """The decoder layer, built as layer_class(arch, i, ops): a family whose layer is not this one's
+    composition (Gemma 4) names its own."""
+
     @classmethod
     def rename(cls, name: str) -> str | None:
         """A checkpoint tensor name (prefix stripped) -> this layout's name, before packing; None: the
@@ -147,7 +151,7 @@ class DecoderModel(nn.Module):
         self.arch = arch
         self.ops = ops
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(arch, i, ops) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_cast_last, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions

@@ -313,20 +313,15 @@ class Gemma4ForCausalLM(DecoderModel):
             **moe,
         )
 
+    layer_class = Gemma4Layer
+
     def __init__(self, arch: Gemma4Arch, max_positions: int, ops: LayerOps = TORCH_OPS):
-        nn.Module.__init__(self)
-        self.arch, self.ops, self.max_positions = arch, ops, max_positions
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Gemma4Layer(arch, i, ops) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True, ops)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        super().__init__(arch, max_positions, ops)
         if arch.ple_dim:
             width = arch.num_layers * arch.ple_dim
             self.embed_tokens_per_layer = nn.Embedding(arch.ple_vocab, width)
             self.per_layer_model_projection = nn.Linear(arch.hidden_size, width, bias=False)
             self.per_layer_projection_norm = RMSNorm(arch.ple_dim, arch.rms_norm_eps, True, ops)
-        self.layer_cache = arch.kv_layout()[1]
-        self.init_rope()
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """input_ids [T], x [T, hidden] the scaled token embeddings -> [T, layers, P]: the per-layer
