@@ -159,6 +159,20 @@ _KV_POOL = (
         help="keep the sliding-window layers' K/V for every token, like the full-attention layers'",
     ),
     _opt(
+        "--state-slots",
+        type=int,
+        default=None,
+        help="hybrid models (linear attention / SSM layers): recurrent states kept in all, working "
+        "ones (max-num-seqs + 1) and prefix-cache snapshots (default: a quarter of the KV budget)",
+    ),
+    _opt(
+        "--state-snapshot-interval",
+        type=int,
+        default=CacheConfig.state_snapshot_interval,
+        help="hybrid models: snapshot the recurrent state every N prompt tokens, so that a prefix "
+        "is reusable up to the last snapshot in it (default %(default)s)",
+    ),
+    _opt(
         "--gpu-memory-utilization",
         type=float,
         default=CacheConfig.gpu_memory_utilization,
@@ -449,6 +463,8 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
+        state_slots=args.state_slots,
+        state_snapshot_interval=args.state_snapshot_interval,
         kv_host_bytes=args.kv_host_bytes,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_bytes=args.kv_disk_bytes,

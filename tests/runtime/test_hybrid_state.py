@@ -181,3 +181,17 @@ def test_state_slots_that_do_not_fit_the_budget_are_refused(hybrid_dir):
 def test_speculation_that_needs_a_tree_or_draft_layers_is_refused(hybrid_dir):
     with pytest.raises(ValueError, match="not supported with recurrent"):
         _engine(hybrid_dir, speculative=SpecConfig(method="draft", draft_layers=1))
+
+
+def test_the_state_flags_reach_the_cache_config():
+    import argparse
+
+    from agentrt.engine_args import add_engine_args, cache_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--state-slots", "96", "--state-snapshot-interval", "64"])
+    c = cache_config(args)
+    assert (c.state_slots, c.state_snapshot_interval) == (96, 64)
+    default = cache_config(p.parse_args([]))
+    assert (default.state_slots, default.state_snapshot_interval) == (None, 256)
