@@ -164,6 +164,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             "glm45",
             "deepseek_v3_1",
             "deepseek_v3_2",
+            "minimax_m2",
             "kimi_k2",
             "pythonic",
             "harmony",

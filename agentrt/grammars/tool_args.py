@@ -99,6 +99,8 @@ DSML = "｜DSML｜"
 DSML_XML = XmlLayout(
     f'<{DSML}parameter name="', '" string="', f"</{DSML}parameter>", after="", sep="\n", string_attr=True
 )
+MINIMAX_XML = XmlLayout('<parameter name="', '">', "</parameter>")
+"""MiniMax M2: DSML's parameters without the prefix nor the string attribute, each on its own line."""
 
 
 class _Builder:

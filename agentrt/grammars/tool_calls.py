@@ -21,6 +21,9 @@ Styles of format (``ToolCallFormat.style``):
   saying how its value is written (``true``: raw text, ``false``: JSON): ``<｜DSML｜function_calls>
   \\n<｜DSML｜invoke name="name">\\n<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>
   \\n</｜DSML｜invoke>\\n</｜DSML｜function_calls>``;
+  MiniMax M2's is the same markup without the prefix nor the attribute (strings raw, other values
+  JSON): ``<minimax:tool_call>\\n<invoke name="name">\\n<parameter name="k">v</parameter>\\n</invoke>
+  \\n</minimax:tool_call>``;
 - ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3).
 
 harmony (gpt-oss) is tagged without a section: ``<|channel|>commentary to=functions.NAME
@@ -36,6 +39,7 @@ from agentrt.grammars.tool_args import (
     DSML,
     DSML_XML,
     GLM_XML,
+    MINIMAX_XML,
     QWEN_XML,
     XmlLayout,
     calls_list_ebnf,
@@ -254,6 +258,20 @@ FORMATS = {
         name_end='">\n',
         call_end=f"\n</{DSML}invoke>",
         xml=DSML_XML,
+        separator="",
+        skip_special_tokens=False,
+    ),
+    # MiniMax M2: as its template writes calls (a newline after each tag)
+    "minimax_m2": ToolCallFormat(
+        "minimax_m2",
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        style="dsml",
+        section=("<minimax:tool_call>", "\n</minimax:tool_call>"),
+        call_begin='\n<invoke name="',
+        name_end='">\n',
+        call_end="</invoke>",
+        xml=MINIMAX_XML,
         separator="",
         skip_special_tokens=False,
     ),

@@ -39,7 +39,7 @@ TEMPLATES = {
     "DeepSeek-V3.2": ("deepseek_v3_2", None),
     "GLM-4.6": ("glm45", None),
     "HuggingFaceTB-SmolLM3-3B": ("hermes", None),  # no tool syntax at all: generic, no warning
-    "MiniMax-M2": ("hermes", "minimax_m2"),
+    "MiniMax-M2": ("minimax_m2", None),
     "NVIDIA-Nemotron-Nano-v2": ("hermes", "nemotron"),
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("hermes", None),
     "Qwen-QwQ-32B": ("hermes", None),
@@ -73,6 +73,7 @@ NEW = [
     "glm45",
     "deepseek_v3_1",
     "deepseek_v3_2",
+    "minimax_m2",
     "kimi_k2",
     "mistral_v11",
     "phi4_mini",
@@ -127,6 +128,10 @@ RENDERED_CALL = {
     "deepseek_v3_2": (
         '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>'
         '\n<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    ),
+    "minimax_m2": (
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+        '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>'
     ),
     "kimi_k2": 'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>',
     "mistral": '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "',
@@ -269,6 +274,23 @@ SCRIPTS = {
             "Sure.",
             [("get_weather", {"city": "Rome"}), T],
         )
+    ],
+    "minimax_m2": [
+        (
+            (  # as MiniMax M2 writes calls after its reasoning: values typed by the schema
+                'Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">San Jose'
+                '</parameter>\n<parameter name="days">3</parameter>\n<parameter name="opts">{"hourly": true}'
+                '</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>'
+            ),
+            "Let me look.\n",
+            [("get_weather", {"city": "San Jose", "days": 3, "opts": {"hourly": True}}), T],
+        ),
+        (
+            '<minimax:tool_call>\n<invoke name="rm_rf">\n</invoke>\n</minimax:tool_call>',
+            '<minimax:tool_call>\n<invoke name="rm_rf">\n</invoke>\n</minimax:tool_call>',
+            [],
+        ),
+        ("The <invoke> tag is XML.", "The <invoke> tag is XML.", []),
     ],
     "pythonic": [
         (

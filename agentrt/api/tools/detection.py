@@ -2,7 +2,7 @@
 
 ``detect(template)`` -> ``Detected``: the format (a name in grammars/tool_calls.FORMATS), whether the
 template renders the tool definitions and the assistant's earlier calls itself, and, for a template
-written for a call syntax no parser here reads (Gemma 4, MiniMax, the R1 distills, ...), that
+written for a call syntax no parser here reads (Gemma 4, the R1 distills, Nemotron, ...), that
 syntax's name: such a model gets the generic prompt (hermes), with a start-up
 warning naming both (rendering.ToolPrompt.for_template), never silently garbled calls.
 
@@ -14,6 +14,7 @@ The table (first match wins; README "Tool-call formats"):
 | ``<arg_key>``                                     | glm45           |
 | ``<|channel|>`` + ``<|call|>``                    | harmony         |
 | ``｜DSML｜``                                       | deepseek_v3_2   |
+| ``<minimax:tool_call>`` + ``<invoke name=``       | minimax_m2      |
 | ``<｜tool▁sep｜>`` (without R1's ```` ```json ````)  | deepseek_v3_1   |
 | ``<|tool_calls_section_begin|>`` / ``tool_declare`` | kimi_k2       |
 | ``[TOOL_CALLS]`` + ``[ARGS]``                     | mistral_v11     |
@@ -49,7 +50,6 @@ class Detected:
 
 # templates whose tool syntax has no parser here: (markers that must all appear, name)
 UNSUPPORTED = (
-    (("<minimax:tool_call>",), "minimax_m2 (<minimax:tool_call><invoke name=...>)"),
     (
         ("<｜tool▁sep｜>", "```json"),
         "deepseek_r1 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME ```json ...)",
@@ -74,6 +74,8 @@ def detect(template: str | None) -> Detected:
         return Detected("harmony", True)
     if "｜DSML｜" in t:
         return Detected("deepseek_v3_2", True, tools_in_template=renders_tools)
+    if "<minimax:tool_call>" in t and "<invoke name=" in t:
+        return Detected("minimax_m2", True, tools_in_template=renders_tools)
     for markers, name in UNSUPPORTED:
         if all(m in t for m in markers):
             return Detected("hermes", False, unsupported=name)

@@ -5,8 +5,8 @@ streaming and non-streaming responses, so streamed deltas concatenate to the non
 whatever the chunking. One machine per style of format (grammars/tool_calls.py): ``JsonCalls``
 here (hermes, llama3_json with or without ``<|python_tag|>`` and Llama's built-in
 ``<|python_tag|>NAME.call(k=v)``, mistral's list and ``[ARGS]`` styles, phi4_mini), ``TaggedCalls``
-(parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls`` (parse_xml.py: qwen3_coder, glm45), ``DsmlCalls`` (parse_dsml.py: deepseek_v3_2),
-``PythonicCalls`` (parse_pythonic.py). (The request side:
+(parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls`` (parse_xml.py: qwen3_coder, glm45),
+``DsmlCalls`` (parse_dsml.py: deepseek_v3_2, minimax_m2), ``PythonicCalls`` (parse_pythonic.py). (The request side:
 validation.py and rendering.py beside this module.)
 """
 
