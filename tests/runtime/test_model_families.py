@@ -38,6 +38,7 @@ FAMILY_NAMES = [
     "smollm3",
     "qwen3_next",
     "qwen3_5",
+    "granite4",
 ]
 DECODE_STEPS = 32  # single-token decodes compared after the prefill and the chunk (issue 35)
 

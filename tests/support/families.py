@@ -72,6 +72,29 @@ HYBRID = {  # Gated DeltaNet + gated attention (Qwen3-Next, Qwen3.5): 2 linear-a
 }
 HYBRID_MOE = {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 
+GRANITE4 = {  # Mamba-2 (4 heads of 32, 2 groups, state 16) + attention; 4 experts top-2 (width 32)
+    # beside a shared MLP of 48; RoPE; every Granite multiplier away from 1
+    "layer_types": ["mamba", "attention", "mamba"],
+    "intermediate_size": 32,
+    "mamba_n_heads": 4,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "shared_intermediate_size": 48,
+    "position_embedding_type": "rope",
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0625,
+    "logits_scaling": 0.5,  # a divisor below 1: logits of ~10, so 1e-4 is a tight bound
+}
+GRANITE4_DENSE = {  # the dense Granite 4.0 layout: no experts (the shared MLP alone), NoPE
+    **GRANITE4,
+    "layer_types": ["attention", "mamba", "mamba"],
+    "num_local_experts": 0,
+    "position_embedding_type": "nope",
+}
+
 DEEPSEEK_V3 = {  # latent attention (q LoRA 24, latent 32, keys 16 + 8 rotated, values 12) with YaRN's
     # mscale on the softmax scale; layer 0 dense, then 8 experts in 2 groups (1 eligible), 1 shared
     "num_key_value_heads": 4,
@@ -113,6 +136,7 @@ def _families():
         Gemma4TextConfig,
         Glm4MoeConfig,
         GptOssConfig,
+        GraniteMoeHybridConfig,
         MiniMaxM2Config,
         MistralConfig,
         MixtralConfig,
@@ -187,6 +211,8 @@ def _families():
             {"no_rope_layers": [1, 0, 1], "attention_bias": True, **NO_SPECIAL_IDS},
         ),
         "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
+        "granite4": (GraniteMoeHybridConfig, GRANITE4),
+        "granite4_dense": (GraniteMoeHybridConfig, GRANITE4_DENSE),
         "deepseek_v3_q_proj": (
             DeepseekV3Config,
             {**DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False},
@@ -226,6 +252,10 @@ def save_family(name: str, path: Path, tokenizer_dir: Path) -> Path:
         if name.startswith(("gemma4", "qwen3_next", "qwen3_5")):  # a norm read as 1 + w, a scale dropped
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 if n.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar", "scale")):
+                    t.uniform_(0.5, 1.5)
+        if name.startswith("granite4"):  # norms, the Mamba skip D and dt bias: ones at init
+            for n, t in model.named_parameters():
+                if n.endswith(("norm.weight", ".D", ".dt_bias")):
                     t.uniform_(0.5, 1.5)
     model.save_pretrained(str(path))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))

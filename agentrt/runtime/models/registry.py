@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granite4", "GraniteMoeHybridForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -61,6 +62,7 @@ MODEL_TYPES = {  # config.model_type -> architecture, for configs without `archi
     "kimi_k2": "DeepseekV3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 
