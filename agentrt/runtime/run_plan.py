@@ -199,6 +199,8 @@ def plan_run(
                 f"the CPU attention kernel reads float32, float16 or int8 KV, not {kv_dtype_name(kv_dtype)} "
                 "(--kv-cache-dtype)"
             )
+        if problem is None and arch.mla is not None:
+            problem = "multi-head latent attention is attended by gather + SDPA, which is not batch-invariant"
         if problem is not None:
             raise ValueError(f"--deterministic: {problem}")
     kernel, kernel_reason = choose_linear_kernel(

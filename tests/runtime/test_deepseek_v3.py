@@ -147,7 +147,8 @@ def test_latent_attention_runs_on_torch_not_triton(dirs, monkeypatch):
     """The Triton kernels read K and V of one width: `auto` on CUDA takes torch and says why, a
     requested triton is refused naming the layer; the C++ whole-stack op and the compiled decode
     leave the model (their allow-lists lack mla), and the cpu backend says its C++ attention kernel
-    does not attend the latent."""
+    does not attend the latent; --deterministic refuses the model (gather + SDPA is not
+    batch-invariant)."""
     from agentrt.runtime import run_plan
     from agentrt.runtime.backends import compiled_decode, cpu_stack
     from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
@@ -159,6 +160,10 @@ def test_latent_attention_runs_on_torch_not_triton(dirs, monkeypatch):
     runner = _runner(dirs["deepseek_v3"], attention_backend="cpu")
     assert "latent attention by gather + SDPA" in runner.plan.backend_reason
     assert "mla" in runner.decode  # layer by layer: the stack op does not implement mla
+    with pytest.raises(
+        ValueError, match="--deterministic: multi-head latent attention .* not batch-invariant"
+    ):
+        _runner(dirs["deepseek_v3"], deterministic=True)
     monkeypatch.setattr(run_plan, "choose_attention_backend", lambda *a: ("triton", "auto: CUDA"))
     plan = run_plan.plan_run(
         ModelConfig(model=str(dirs["deepseek_v3"]), **CPU), CacheConfig(), arch, dirs["deepseek_v3"]

@@ -150,3 +150,24 @@ def test_an_int8_pool_quantizes_each_latent_row_with_one_scale():
         got.append(step(ours, tables, pool, [SeqChunk([0], i, slots[: i + 1])], x[i : i + 1]))
     assert (pool.k[0].scale[slots] > 0).all()
     assert (torch.cat(got)[15:] - ref[15:]).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_heads_folded_over_the_one_kv_head_match_sdpa_in_any_grouping(monkeypatch):
+    """The torch backend's MQA path (heads folded into the query rows, in groups that bound the
+    folded mask) against SDPA's own grouped-query attention, with a causal chunk over a context."""
+    import agentrt.runtime.backends.torch_attention as ta
+
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 6, 5, 40), torch.randn(2, 1, 9, 40)
+    v = k[..., 8:]
+    mask = torch.arange(9)[None, :] <= torch.arange(4, 9)[:, None]  # 5 new tokens after 4 cached
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3
+    )
+    for limit in (1 << 24, 2 * 5 * 9, 1):  # one group, groups of 2 heads, one head at a time
+        monkeypatch.setattr(ta, "MQA_MASK_ELEMENTS", limit)
+        assert torch.allclose(ta._sdpa_one_kv_head(q, k, v, mask, 0.3), want, atol=1e-6)
+    causal = torch.nn.functional.scaled_dot_product_attention(
+        q[..., :5, :], k[..., :5, :], v[..., :5, :], is_causal=True, enable_gqa=True, scale=0.3
+    )
+    assert torch.allclose(ta._sdpa_one_kv_head(q, k[..., :5, :], v[..., :5, :], None, 0.3), causal, atol=1e-6)

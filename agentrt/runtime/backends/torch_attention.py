@@ -293,7 +293,10 @@ class AttentionMetadata:
                 q_pos = self.positions[span.start : span.end]
                 key_pos = torch.cat((torch.arange(span.context_len, device=q.device), q_pos))
                 mask = mask & (key_pos[None, :] > q_pos[:, None] - window)
-            o = _sdpa(qs, ks, vs, mask, gqa, scale, sinks)
+            if value_dim:
+                o = _sdpa_one_kv_head(qs, ks, vs, mask, scale)
+            else:
+                o = _sdpa(qs, ks, vs, mask, gqa, scale, sinks)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -337,7 +340,36 @@ class AttentionMetadata:
         if window is not None:
             first = (self.decode_lens - window)[:, None, None, None]
             mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
+        if value_dim:
+            return _sdpa_one_kv_head(qd, kd, vd, mask, scale).squeeze(2)
         return _sdpa(qd, kd, vd, mask, gqa, scale, sinks).squeeze(2)
+
+
+MQA_MASK_ELEMENTS = 1 << 24  # the folded mask's elements per SDPA call (16 MB of bool)
+
+
+def _sdpa_one_kv_head(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Attention of H query heads over one KV head (multi-head latent attention's rows): q [B, H, n,
+    D], k [B, 1, L, D], v [B, 1, L, Dv], mask [.., n, L] bool (True = attend) or None (causal, n == L)
+    -> [B, H, n, Dv]. The heads are folded into the query rows of the one KV head (row h * n + i), so
+    K and V are read as they are: SDPA's enable_gqa would first copy them once per head (measured:
+    128 heads, 2,048 keys of 576, batch 4, 2 threads: 12.9 s against 0.28 s). Heads are taken in
+    groups whose folded mask stays within MQA_MASK_ELEMENTS."""
+    b, h, n, d = q.shape
+    total = k.shape[-2]
+    if mask is None:
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    group = max(1, min(h, MQA_MASK_ELEMENTS // max(1, n * total)))
+    outs = []
+    for start in range(0, h, group):
+        g = min(group, h - start)
+        rows = q[:, start : start + g].reshape(b, 1, g * n, d)
+        m = mask.expand(mask.shape[0], g, n, total).reshape(mask.shape[0], 1, g * n, total)
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=m, scale=scale)
+        outs.append(o.view(b, g, n, v.shape[-1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _sdpa(q, k, v, mask, gqa: bool, scale: float, sinks) -> torch.Tensor:
