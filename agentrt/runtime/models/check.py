@@ -368,6 +368,21 @@ def check_special_tokens(report: CheckReport, m: ModelFiles) -> None:
     )
 
 
+def _cache_layout(arch) -> str:
+    """How the KV caches differ from one per layer of the heads above, or "": caches of other shapes
+    (Gemma 4's full-attention layers) and layers that read an earlier layer's cache (KV sharing)."""
+    specs, caches = arch.kv_layout()
+    shared = sum(1 for i, c in enumerate(caches) if c is not None and caches.index(c) != i)
+    if arch.mla is not None or (len(set(specs)) < 2 and not shared):
+        return ""
+    shapes: dict[str, int] = {}
+    for s in specs:
+        shape = f"{s.num_kv_heads} x {s.k_dim}" + ("" if s.v_dim in (0, s.k_dim) else f" / {s.v_dim}")
+        shapes[shape] = shapes.get(shape, 0) + 1
+    text = f"; {len(specs)} KV caches ({', '.join(f'{n} of {k}' for k, n in shapes.items())})"
+    return text + (f", {shared} layers reading an earlier layer's" if shared else "")
+
+
 def read_model(model: str, chat_template: str | None = None) -> tuple[CheckReport, ModelFiles]:
     """The first layers of the check of `model` (registered name, HF directory, .gguf file or
     cached hub id), no weight data read: where it is, its weights' headers and formats, its
@@ -412,6 +427,7 @@ def read_model(model: str, chat_template: str | None = None) -> tuple[CheckRepor
                 f"{arch.num_heads} heads x {arch.head_dim} over one latent KV row (kv_lora_rank "
                 f"{arch.mla.kv_lora_rank} + RoPE key {arch.mla.qk_rope_head_dim})"
             )
+        heads += _cache_layout(arch)
         shape = (
             f"{arch.num_layers} layers, hidden {arch.hidden_size}, {heads}{moe}, vocab "
             f"{arch.vocab_size:,}, context {arch.max_position_embeddings:,}"
