@@ -113,6 +113,25 @@ def test_agentrt_check_reads_the_family(dirs):
     assert "all 44 tensors have the names and shapes the model loads" in report.describe()
 
 
+def test_the_mamba_layers_run_on_torch_not_triton(dirs, monkeypatch):
+    """The Triton backend's metadata has no state pool: a requested triton is refused naming the
+    recurrent layers (it was an AttributeError on the first Mamba-2 layer), `auto` on CUDA takes
+    torch and says why."""
+    from agentrt.runtime import run_plan
+    from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
+
+    path = dirs["granite4"]
+    with pytest.raises(ValueError, match="attention_backend 'triton' does not implement recurrent"):
+        ModelRunner(ModelConfig(model=str(path), attention_backend="triton", **CPU), CacheConfig())
+    monkeypatch.setattr(run_plan, "choose_attention_backend", lambda *a: ("triton", "auto: CUDA"))
+    arch = arch_from_hf_config(read_hf_config(path))
+    plan = run_plan.plan_run(ModelConfig(model=str(path), **CPU), CacheConfig(), arch, path)
+    assert (plan.backend, plan.backend_reason) == (
+        "torch",
+        "auto: the Triton attention does not implement recurrent",
+    )
+
+
 def _config(**overrides):
     from transformers import GraniteMoeHybridConfig
 

@@ -25,7 +25,12 @@ from agentrt.runtime.kernels.rope_store import rope_and_store
 # The Triton backend replaces the attention alone (rope_and_store, attend): every other layout feature
 # (models/config.py ModelArch.layout_features: norms, MLPs, MoE routing, biases) runs as the layers'
 # own torch ops under it. These attention layouts its kernels do not implement:
-UNSUPPORTED = frozenset({"mla"})  # multi-head latent attention: K and V of different widths, one cache
+UNSUPPORTED = frozenset(
+    {
+        "mla",  # multi-head latent attention: K and V of different widths, one cache
+        "recurrent",  # linear-attention / SSM layers: its metadata carries no state pool (run_recurrent)
+    }
+)
 
 
 def unsupported(arch) -> frozenset[str]:
