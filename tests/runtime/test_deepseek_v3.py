@@ -203,3 +203,48 @@ def test_the_families_chat_templates_are_detected(name, tool_format, reasoning, 
             [[{"role": "user", "content": "hi"}]], chat_template=template, add_generation_prompt=True
         )
         assert fmt.mode(prompt) == mode
+
+
+def test_a_block_fp8_checkpoint_loads_as_its_dequantized_weights(dirs, tmp_path):
+    """DeepSeek V3's release format: every projection (the latent attention's kv_b_proj included)
+    float8 e4m3 with a float32 scale_inv per 8 x 8 block here (128 x 128 as released); the model
+    built from it computes the same logits, bit for bit, as one built from the de-quantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from agentrt.runtime.models.checkpoint_quant import dequantize_fp8_blocks
+
+    src = dirs["deepseek_v3"]
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, plain)
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("_proj.weight") and w.dim() == 2):
+            quantized[name] = dequantized[name] = w
+            continue
+        blocks = w.unflatten(0, (-1, 8)).unflatten(-1, (-1, 8))  # [rows / 8, 8, cols / 8, 8]
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (w / scale.repeat_interleave(8, 0).repeat_interleave(8, 1)).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale
+        dequantized[name] = dequantize_fp8_blocks(q, scale, (8, 8), torch.float32)
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in quantized
+    save_file(quantized, str(fp8 / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [8, 8],
+    }
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    ids = list(range(500, 530))
+    out = []
+    for path in (fp8, plain):
+        runner = _runner(path)
+        out.append(runner.execute([SeqChunk(ids, 0, runner.kv.allocate(len(ids)))]))
+    assert torch.equal(out[0], out[1])
+    assert not torch.equal(
+        dequantized["model.layers.0.self_attn.kv_b_proj.weight"],
+        load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.kv_b_proj.weight"],
+    )  # it was rounded
