@@ -7,7 +7,8 @@ namespace) in 16 bytes, any tier can hold any block without a tree, and the same
 same keys after a restart (the scheme vLLM's prefix caching and LMCache use for the same reason).
 A trailing partial block (a finished request's last < block_tokens tokens, written through to disk
 so a returning prompt resumes exactly where it stopped) has a `tail_key` of its own, in another hash
-domain, under the key of the full block before it.
+domain, under the key of the full block before it. A recurrent-state snapshot after the tokens up to
+a block's end (a hybrid model's, runtime/recurrent_state.py) is kept under that block's `state_key`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.blake2b(
         b"agentrt-kv-tail\x00" + parent + array("I", tokens).tobytes(), digest_size=KEY_BYTES
     ).digest()
+
+
+def state_key(key: bytes) -> bytes:
+    """Key of the recurrent-state snapshot after the tokens up to the end of the (full or partial)
+    block with key `key`; in its own hash domain (never a block's key)."""
+    return hashlib.blake2b(b"agentrt-state\x00" + key, digest_size=KEY_BYTES).digest()
 
 
 def chain_keys(token_ids: list[int], salt: str, block_tokens: int) -> list[bytes]:

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-# on_evict(path_tokens, path_slots, start, salt): a leaf holding path_tokens[start:] is about to go;
-# path_tokens / path_slots spell its whole prefix from the root (its slots are still valid).
-EvictHook = Callable[[list[int], list[int], int, str], None]
+# on_evict(path_tokens, path_slots, start, salt, state): a leaf holding path_tokens[start:] is about
+# to go; path_tokens / path_slots spell its whole prefix from the root (its slots are still valid);
+# state: its snapshot's state slot (the state after path_tokens, still valid), or None.
+EvictHook = Callable[[list[int], list[int], int, str, "int | None"], None]
 
 
 @dataclass(eq=False)
@@ -150,7 +151,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             if on_evict is not None:
                 tokens, slots, salt = self.path(leaf)
-                on_evict(tokens, slots, len(tokens) - len(leaf.key), salt)
+                on_evict(tokens, slots, len(tokens) - len(leaf.key), salt, leaf.state)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             freed.extend(leaf.value)
@@ -187,9 +188,10 @@ class RadixCache:
             depth -= len(n.key)
         return 0, None
 
-    def evict_states(self, num_states: int) -> int:
+    def evict_states(self, num_states: int, on_evict: EvictHook | None = None) -> int:
         """Drop up to `num_states` snapshots, least recently used first, keeping their KV; returns
-        how many were dropped (their slots go to `free_state`)."""
+        how many were dropped (their slots go to `free_state`). `on_evict` sees each one before it
+        goes, as `evict` shows a leaf (start = the prefix's length: its KV stays)."""
         nodes = []
         stack = [c for r in self._roots.values() for c in r.children.values()]
         while stack:
@@ -199,8 +201,27 @@ class RadixCache:
                 nodes.append(n)
         nodes.sort(key=lambda n: (n.lock_ref > 0, n.last_access))
         for n in nodes[:num_states]:
+            if on_evict is not None:
+                tokens, slots, salt = self.path(n)
+                on_evict(tokens, slots, len(tokens), salt, n.state)
             self._drop_state(n)
         return min(num_states, len(nodes))
+
+    def path_states(self, token_ids: list[int], salt: str = "") -> list[tuple[int, int]]:
+        """(depth in tokens, state slot) of each snapshot on the cached path of `token_ids`, at depths
+        <= len(token_ids), shallowest first. Does not modify the tree."""
+        node, depth, out = self.root(salt), 0, []
+        while depth < len(token_ids):
+            child = node.children.get(token_ids[depth])
+            if child is None:
+                break
+            n = _common_len(child.key, token_ids, depth)
+            if n < len(child.key):
+                break
+            node, depth = child, depth + n
+            if node.state is not None:
+                out.append((depth, node.state))
+        return out
 
     def _drop_state(self, node: TreeNode) -> None:
         if node.state is not None:

@@ -19,6 +19,15 @@ instead of away, and a prompt whose prefix is there is loaded back instead of re
   while a load thread reads and decodes those blocks (other requests keep stepping); the scheduler
   then copies them into fresh pool slots and inserts them into the radix tree, and admits the
   request with them as cached tokens (`Request.cache.tier_hits` counts them per tier).
+- Recurrent state (a hybrid model's, runtime/recurrent_state.py): a prefix is resumable only where
+  a state snapshot is, so the snapshots go down with the KV, each stored beside the (full or
+  trailing partial) block ending at its depth under that block's `state_key`, in the same tiers,
+  byte limits and LRU as the blocks: an evicted leaf's snapshot (with the partial block ending
+  there), a snapshot dropped alone when the state pool runs short, and every snapshot on a finished
+  request's path in the write-through. A lookup (`lookup_state`) takes the deepest snapshot a tier
+  holds past the pool's own (at a block end covered by the pool and the run of blocks found, or a
+  partial block at the run's end) and loads it with the blocks up to it; the scheduler puts the
+  state into a free state slot as that prefix's snapshot, so the request resumes there.
 - Bounded: each tier has a byte limit; blocks waiting to be stored are bounded by
   `max_pending_bytes` (beyond it a store is dropped and counted); a disk that fails turns its tier
   off with a warning. No request fails because of a tier.
@@ -38,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.prefix_cache.block_keys import chain_keys, root_key, tail_key
+from agentrt.prefix_cache.block_keys import chain_keys, root_key, state_key, tail_key
 from agentrt.prefix_cache.tier_store import Block, BlockCodec, DiskTier, HostTier
 from agentrt.runtime.kv_cache import KVPool
 from agentrt.runtime.models.formats import QUANT_CACHE_VERSION
@@ -57,6 +66,7 @@ class TierLoad:
     first_block: int
     keys: list[bytes]
     future: Future
+    state_depth: int = 0  # lookup_state: the depth of the snapshot loaded with the blocks (else 0)
 
 
 @dataclass
@@ -65,12 +75,15 @@ class LoadedBlocks:
     ([loaded tokens, *row shape], the pool's dtype, on the CPU; a block is block_tokens tokens, a
     trailing partial block fewer); `tiers[j]` is where
     block j came from ("host" or "disk"); `tokens[j]` its token ids (checked against the prompt);
-    `seconds`: the load thread's time reading and decoding them."""
+    `seconds`: the load thread's time reading and decoding them; `state`: the recurrent-state
+    snapshot at the blocks' end (lookup_state; its tensors [*shape] in StatePool.tensors' order)."""
 
     rows: list[torch.Tensor]
     tiers: list[str]
     tokens: list[tuple[int, ...]]
     seconds: float = 0.0
+    state: list[torch.Tensor] | None = None  # lookup_state: the snapshot (recurrent_state.StatePool
+    state_tier: str = ""  # layout, one slot's tensors in order, on the CPU) and its tier; None: gone
 
 
 @dataclass
@@ -114,6 +127,11 @@ class KVTiers:
         self._row_bytes = [t[0].numel() * t.element_size() for t in tensors]
         self.block_bytes = block_tokens * sum(self._row_bytes)
         self.codec = BlockCodec(compress, typesize=tensors[0].element_size())
+        # a hybrid model's recurrent-state snapshots (one slot's tensors, in order), or None
+        self.states = getattr(kv, "states", None)
+        if self.states is not None:
+            flat = [t for layer in self.states.tensors for t in layer.values()]
+            self.state_codec = BlockCodec(compress, typesize=flat[0].element_size())
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, fingerprint, describe) if disk_dir else None
         self.max_pending_bytes = max_pending_bytes
@@ -129,12 +147,19 @@ class KVTiers:
         return self.host is not None or (self.disk is not None and self.disk.enabled)
 
     # ---- going down (engine thread) ---------------------------------------------------------
-    def on_evict(self, path_tokens: list[int], path_slots: list[int], start: int, salt: str) -> None:
+    def on_evict(
+        self, path_tokens: list[int], path_slots: list[int], start: int, salt: str, state: int | None = None
+    ) -> None:
         """RadixCache eviction hook: store the full blocks of path_tokens that reach into the
         evicted leaf (tokens start..) in the host tier (the disk tier when there is no host tier),
-        unless a lower tier holds them already."""
+        unless a lower tier holds them already. With recurrent layers, the leaf's state snapshot
+        `state` (the state after path_tokens) goes too, with the partial block ending there."""
         if not self.enabled:
             return
+        if state is not None and self.states is not None:
+            self._store_snapshots(
+                path_tokens, path_slots, salt, [(len(path_tokens), state)], self.host is not None
+            )
         b0, b1 = start // self.block_tokens, len(path_tokens) // self.block_tokens
         if b1 <= b0:
             return
@@ -144,15 +169,26 @@ class KVTiers:
         if todo:
             self._submit(todo, path_tokens, path_slots, host=self.host is not None)
 
-    def write_through(self, tokens: list[int], slots: list[int], salt: str, prompt_len: int) -> None:
+    def write_through(
+        self,
+        tokens: list[int],
+        slots: list[int],
+        salt: str,
+        prompt_len: int,
+        snapshots: list[tuple[int, int]] = (),
+    ) -> None:
         """Write the blocks of a cached prefix (tokens, their pool slots) that the disk tier lacks
         (after a request finishes, so its prefix survives a restart), with its trailing partial
         block and the partial block ending one token before `prompt_len` (the request's prompt
         tokens): a returning prompt resumes at the last token it shares with the request, whether it
         carries the request's output (an agent's next turn) or not (the same prompt again, whose
-        last token is always computed, as the pool's own cache hit leaves it)."""
+        last token is always computed, as the pool's own cache hit leaves it). With recurrent layers,
+        `snapshots`: (depth, state slot) of the snapshots on the prefix's path, written with the
+        partial blocks ending at their depths."""
         if self.disk is None or not self.disk.enabled:
             return
+        if snapshots and self.states is not None:
+            self._store_snapshots(tokens, slots, salt, snapshots, host=False)
         B = self.block_tokens
         n = len(tokens) // B
         keys = chain_keys(tokens[: n * B], salt, B)
@@ -318,6 +354,143 @@ class KVTiers:
         for t, rows in zip(self.kv.state_tensors(), loaded.rows):
             t.index_copy_(0, index.to(t.device), rows[offset : offset + len(slots)].to(t.device))
 
+    # ---- recurrent-state snapshots (a hybrid model's) ----------------------------------------
+    def _store_snapshots(self, tokens: list[int], slots: list[int], salt: str, snapshots, host: bool) -> None:
+        """Store state snapshots (depth, state slot) of the prefix `tokens` (their pool `slots`),
+        each under the state_key of the block ending at its depth, with that block when it is a
+        partial one; what a lower tier holds (pending included) is skipped: for the host path
+        (`host`, eviction) any tier, else (the write-through) the disk tier."""
+        B = self.block_tokens
+        held = self._held if host else (lambda k: k in self._pending or k in self.disk)
+        keys = chain_keys(tokens[: max(d for d, _ in snapshots) // B * B], salt, B)
+        tails, states = [], []
+        for depth, slot in snapshots:
+            if not 0 < depth <= len(tokens):
+                continue
+            a = depth // B * B
+            if depth == a:
+                key = keys[a // B - 1]
+            else:
+                key = tail_key(keys[a // B - 1] if a else root_key(salt), tokens[a:depth])
+                if not held(key):
+                    tails.append((key, a, depth - a))
+            if not held(state_key(key)):
+                states.append((state_key(key), slot))
+        if tails:
+            self._submit(tails, tokens, slots, host)
+        if states:
+            self._submit_states(states, host)
+
+    def _submit_states(self, items: list[tuple[bytes, int]], host: bool) -> None:
+        """Hand snapshots (state key, state slot) to the store thread (copied out of the pool now)."""
+        nbytes = len(items) * self.states.bytes_per_slot
+        with self._lock:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.stats.dropped_blocks += len(items)
+                return
+            self._pending_bytes += nbytes
+        index = torch.tensor([slot for _, slot in items], dtype=torch.int64)
+        rows = [
+            t.index_select(0, index.to(t.device)).cpu()
+            for layer in self.states.tensors
+            for t in layer.values()
+        ]
+        keys = [key for key, _ in items]
+        future: Future = Future()
+        with self._lock:
+            for key in keys:
+                self._pending[key] = future
+        self._store_pool.submit(self._store_states, keys, rows, host, nbytes, future)
+
+    def _store_states(
+        self, keys: list[bytes], rows: list[torch.Tensor], host: bool, nbytes: int, future
+    ) -> None:
+        try:
+            for i, key in enumerate(keys):
+                raw = b"".join(r[i].contiguous().view(torch.uint8).numpy().tobytes() for r in rows)
+                block = Block(key, (), self.state_codec.encode(raw))
+                if host and self.host is not None:
+                    self.stats.stored_blocks["host"] += 1
+                    for gone in self.host.put(block):
+                        self._to_disk(gone)
+                else:
+                    self._to_disk(block)
+        except Exception:  # a tier is a cache: never let its failure reach a request
+            logger.exception("KV tier store of state snapshots failed; dropped")
+        finally:
+            with self._lock:
+                for key in keys:
+                    if self._pending.get(key) is future:
+                        del self._pending[key]
+                self._pending_bytes -= nbytes
+            future.set_result(None)
+
+    def lookup_state(
+        self, tokens: list[int], salt: str, device_len: int, device_state: int
+    ) -> TierLoad | None:
+        """lookup for a model with recurrent layers, whose prefix resumes only at a state snapshot:
+        the pool holds `device_len` tokens of the prompt and a snapshot at `device_state` (<= it).
+        Finds the deepest snapshot a lower tier holds past device_state, where the KV up to it is in
+        the pool or in the run of full blocks held after device_len (the longest partial block held
+        with its snapshot at the run's end, else the deepest block end), and starts loading it with
+        the blocks from the pool's end up to it. None when there is none."""
+        if not self.enabled:
+            return None
+        B = self.block_tokens
+        first = device_len // B
+        keys = chain_keys(tokens, salt, B)
+        run: list[bytes] = []
+        for key in keys[first:]:
+            if not self._holds(key):
+                break
+            run.append(key)
+        end = (first + len(run)) * B
+        parent = keys[end // B - 1] if end else root_key(salt)
+        for t in range(min(B - 1, len(tokens) - end), 0, -1):
+            key = tail_key(parent, tokens[end : end + t])
+            if end + t > device_state and self._holds(key) and self._holds(state_key(key)):
+                return self._start_state_load(first, [*run, key], state_key(key), end + t)
+        for b in range(end // B, device_state // B, -1):  # block b - 1 ends at b * B > device_state
+            if self._holds(state_key(keys[b - 1])):
+                return self._start_state_load(first, run[: max(0, b - first)], state_key(keys[b - 1]), b * B)
+        return None
+
+    def _start_state_load(self, first: int, keys: list[bytes], skey: bytes, depth: int) -> TierLoad:
+        return TierLoad(first, keys, self._load_pool.submit(self._load_state, keys, skey), depth)
+
+    def _load_state(self, keys: list[bytes], skey: bytes) -> LoadedBlocks:
+        """The snapshot under `skey`, then the blocks (load thread); no blocks when it is gone."""
+        t0 = time.monotonic()
+        pending = self._pending.get(skey)
+        if pending is not None:
+            pending.result()
+        block, tier = (self.host.get(skey), "host") if self.host is not None else (None, "")
+        if block is None and self.disk is not None:
+            block, tier = self.disk.get(skey), "disk"
+            if block is not None and self.host is not None:
+                self._to_host(block)
+        if block is None:
+            return LoadedBlocks([], [], [], time.monotonic() - t0)
+        raw = torch.frombuffer(bytearray(self.state_codec.decode(block.blob)), dtype=torch.uint8)
+        state, at = [], 0
+        for layer in self.states.tensors:
+            for t in layer.values():
+                n = t[0].numel() * t.element_size()
+                state.append(raw[at : at + n].view(t.dtype).view(t.shape[1:]))
+                at += n
+        if at != len(raw):
+            raise ValueError(f"a state snapshot of {len(raw)} bytes, expected {at}")
+        loaded = self._load(keys)
+        loaded.state, loaded.state_tier = state, tier
+        loaded.seconds = time.monotonic() - t0
+        return loaded
+
+    def write_state(self, slot: int, loaded: LoadedBlocks) -> None:
+        """Copy a loaded snapshot into state slot `slot` (engine thread)."""
+        flat = [t for layer in self.states.tensors for t in layer.values()]
+        for t, row in zip(flat, loaded.state):
+            t[slot].copy_(row)
+
     # ---- upkeep -----------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every block handed to the store thread is stored."""
@@ -342,8 +515,8 @@ class KVTiers:
 def kv_fingerprint(runner, block_tokens: int, compress: str) -> tuple[bytes, str]:
     """(16-byte fingerprint, description) of the KV a runner writes: the model directory and its
     weight files (names, sizes, modification times), the architecture, the run dtype and weight
-    format (and the quantized layout's version), the pool's per-slot tensor shapes and dtypes, the
-    block size and the codec. Files a
+    format (and the quantized layout's version), the pool's per-slot tensor shapes and dtypes (and
+    the recurrent state pool's, with recurrent layers), the block size and the codec. Files a
     disk tier holds are reused only under the same fingerprint."""
     files = []
     model_dir = getattr(runner, "model_dir", None)
@@ -373,6 +546,11 @@ def kv_fingerprint(runner, block_tokens: int, compress: str) -> tuple[bytes, str
         "block_tokens": block_tokens,
         "codec": compress,
     }
+    states = getattr(runner.kv, "states", None)
+    if states is not None:  # a hybrid model's state snapshots: their layout too
+        desc["state"] = [
+            [[n, list(t.shape[1:]), str(t.dtype)] for n, t in layer.items()] for layer in states.tensors
+        ]
     text = json.dumps(desc, sort_keys=True)
     short = f"{desc['model_dir']} kv {desc['kv'][0]} x{len(desc['kv'])} block {block_tokens} {compress}"
     return hashlib.blake2b(text.encode(), digest_size=16).digest(), short

@@ -232,7 +232,9 @@ class ModelRunner:
         """(the recurrent layers' StatePool, what the memory plan says of it), (None, "") for a model
         without recurrent layers: a working slot per running sequence (+1) and snapshot slots for
         the prefix cache (`state_slots` in all, else a quarter of the KV budget, at least as many as
-        working slots). Raises ValueError when the budget cannot hold the working slots."""
+        working slots). With the KV tiers, the snapshot interval is rounded up to a multiple of their
+        block (a snapshot goes down beside the block ending at its depth). Raises ValueError when the
+        budget cannot hold the working slots."""
         layers = self.arch.recurrent_layers
         if not layers:
             return None, ""
@@ -248,7 +250,10 @@ class ModelRunner:
         if slots <= working:
             raise ValueError(f"state_slots={slots} must exceed max_num_seqs + 1 = {working}")
         pool = StatePool(shapes, slots, self.device)
-        pool.snapshot_interval = cache_config.state_snapshot_interval
+        pool.snapshot_interval = every = cache_config.state_snapshot_interval
+        if cache_config.kv_host_bytes or cache_config.kv_disk_dir:  # a block end each (kv_tiers keys them)
+            block = cache_config.kv_tier_block_tokens
+            pool.snapshot_interval = -(-every // block) * block
         return pool, (
             f"recurrent state ({len(layers)} of {self.arch.num_layers} layers): {slots} slots x "
             f"{per_slot:,} bytes = {pool.pool_bytes / 1e9:.3f} GB ({working} working, the rest prefix "

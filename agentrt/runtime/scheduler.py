@@ -193,7 +193,8 @@ class Scheduler:
     def _state_slot(self) -> int | None:
         """A free state slot, dropping the least recently used snapshot when none is free."""
         slot = self.states.allocate()
-        if slot is None and self.cache is not None and self.cache.evict_states(1):
+        hook = self.tiers.on_evict if self.tiers is not None else None  # the snapshot goes down
+        if slot is None and self.cache is not None and self.cache.evict_states(1, hook):
             slot = self.states.allocate()
         return slot
 
@@ -341,9 +342,22 @@ class Scheduler:
             return False
         r.cache.tier_checked = True
         key = r.cached_key()
-        device_len = len(self.cache.match_prefix(key, r.cache_salt).slots)
-        r.cache.tier_load = self.tiers.lookup(key, r.cache_salt, device_len)
+        match = self.cache.match_prefix(key, r.cache_salt)
+        if self.states is None:
+            r.cache.tier_load = self.tiers.lookup(key, r.cache_salt, len(match.slots))
+        else:  # recurrent layers: resumable at a snapshot only
+            r.cache.tier_load = self.tiers.lookup_state(
+                key, r.cache_salt, len(match.slots), self._state_depth(match)
+            )
         return r.cache.tier_load is not None
+
+    def _state_depth(self, match) -> int:
+        """The depth of the deepest snapshot within a radix-tree match (its node's edge may reach
+        past the match)."""
+        depth, _ = self.cache.deepest_state(match.node)
+        if depth > len(match.slots):
+            depth, _ = self.cache.deepest_state(match.node.parent)
+        return depth
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to `timeout` seconds until a waiting request's lower-tier load is done (when
@@ -361,7 +375,10 @@ class Scheduler:
                 except Exception:
                     logger.exception("KV tier load for %s failed; computing its prompt instead", r.request_id)
                     continue
-                self._promote(r, load, loaded)
+                if self.states is None:
+                    self._promote(r, load, loaded)
+                else:
+                    self._promote_state(r, load, loaded)
 
     def _promote(self, r: Request, load, loaded) -> None:
         """Put loaded blocks back into the pool and the radix tree under r's cached prefix, locked
@@ -410,6 +427,62 @@ class Scheduler:
                 tiers.stats.hit_tokens[tier] += hi - lo
                 if r.cache.num_cached_tokens is None:  # first admission: the request's usage counts it
                     r.cache.tier_hits[tier] = r.cache.tier_hits.get(tier, 0) + hi - lo
+
+    def _promote_state(self, r: Request, load, loaded) -> None:
+        """_promote with recurrent layers: the loaded snapshot at depth load.state_depth goes into
+        a free state slot as the snapshot of r's prefix to that depth, with the loaded blocks the
+        pool lacks up to it; nothing is kept when the snapshot or a block before it did not come.
+        r's tier hits: the tokens past the pool's own snapshot that the load made resumable (those in
+        a loaded block counted to its tier, those in the pool to the snapshot's)."""
+        tiers, B = self.tiers, self.tiers.block_tokens
+        key, start, depth = r.cached_key(), load.first_block * B, load.state_depth
+        bounds = [start]
+        for tokens in loaded.tokens:
+            if list(tokens) != key[bounds[-1] : bounds[-1] + len(tokens)]:
+                break
+            bounds.append(bounds[-1] + len(tokens))
+        match = self.cache.match_prefix(key[:depth], r.cache_salt, split=True)
+        have, device_state = len(match.slots), self._state_depth(match)
+        if have < min(start, depth) and not r.cache.tier_relooked:
+            r.cache.tier_relooked, r.cache.tier_checked = True, False
+            return
+        gap = have < depth and not (start <= have and bounds[-1] >= depth)  # a block before it is missing
+        if loaded.state is None or device_state >= depth or gap:
+            self._count_load(loaded)
+            return
+        self.cache.lock(match.node)  # keep the prefix we extend while making room
+        slots = self.kv.allocate(depth - have) if have < depth else []
+        while slots is None and self._evict(depth - have - self.kv.num_free):
+            slots = self.kv.allocate(depth - have)
+        slot = self._state_slot() if slots is not None else None
+        self.cache.unlock(match.node)
+        if slot is None:
+            if slots:
+                self.kv.free(slots)
+            r.cache.tier_load = load  # done: tried again at the next step
+            return
+        self._count_load(loaded)
+        if slots:
+            tiers.write_rows(slots, loaded, have - start)
+            present = self.cache.insert(key[:depth], match.slots + slots, r.cache_salt)
+            if present > have:  # (cannot happen on the engine thread; kept safe)
+                self.kv.free(slots[: present - have])
+        tiers.write_state(slot, loaded)
+        if not self.cache.set_state(key[:depth], slot, r.cache_salt):
+            self.states.free(slot)
+        node = self.cache.match_prefix(key[:depth], r.cache_salt, split=True).node
+        self.cache.lock(node)
+        r.cache.tier_node = node
+        hits = {loaded.state_tier: max(0, min(have, depth) - device_state)}
+        for j in range(len(bounds) - 1):
+            lo, hi = max(have, bounds[j]), min(bounds[j + 1], depth)
+            if hi > lo:
+                hits[loaded.tiers[j]] = hits.get(loaded.tiers[j], 0) + hi - lo
+        for tier, n in hits.items():
+            if n:
+                tiers.stats.hit_tokens[tier] += n
+                if r.cache.num_cached_tokens is None:
+                    r.cache.tier_hits[tier] = r.cache.tier_hits.get(tier, 0) + n
 
     def _count_load(self, loaded) -> None:
         self.tiers.stats.num_loads += 1
@@ -465,6 +538,7 @@ class Scheduler:
         if len(r.slots) > r.num_tokens:  # draft slots of a verify chunk (preempted mid-schedule)
             self.kv.free(r.slots[r.num_tokens :])
             del r.slots[r.num_tokens :]
+        written = None  # the prefix to write through to the disk tier
         if self.cache is None:
             self.kv.free(r.slots)
         else:
@@ -479,18 +553,21 @@ class Scheduler:
                 else:
                     self.kv.free(r.slots[r.cache.num_shared : present])  # duplicates of what the tree holds
                 if self.tiers is not None:
-                    self.tiers.write_through(
-                        tokens,
-                        self.cache.match_prefix(tokens, r.cache_salt).slots,
-                        r.cache_salt,
-                        r.num_prompt_tokens,
-                    )
+                    written = tokens
             else:
                 self.kv.free(r.slots[r.cache.num_shared :])
             if r.cache.node is not None:
                 self.cache.unlock(r.cache.node)
         if self.states is not None:
             self._release_states(r, insert and self.cache is not None)
+        if written is not None:  # (with recurrent layers, with the snapshots on its path, r's now)
+            self.tiers.write_through(
+                written,
+                self.cache.match_prefix(written, r.cache_salt).slots,
+                r.cache_salt,
+                r.num_prompt_tokens,
+                self.cache.path_states(written, r.cache_salt) if self.states is not None else (),
+            )
         r.slots = []
         r.cache.num_shared = 0
         r.cache.window_demoted = 0

@@ -54,6 +54,25 @@ def test_evict_never_frees_locked():
     assert sorted(t.evict(100)) == [1, 2, 3]
 
 
+def test_evicted_snapshots_are_shown_to_the_hook_with_their_prefix():
+    """A hybrid model's snapshots go down to the KV tiers: `evict` shows each leaf's snapshot, and
+    `evict_states` each snapshot it drops alone (start = the prefix's length: its KV stays)."""
+    t = RadixCache()
+    freed = []
+    t.free_state = freed.append
+    t.insert([1, 2, 3, 4], [10, 11, 12, 13], "s")
+    assert t.set_state([1, 2], 7, "s") and t.set_state([1, 2, 3, 4], 8, "s")
+    assert t.path_states([1, 2, 3, 4, 5], "s") == [(2, 7), (4, 8)]
+    assert t.path_states([1, 2, 3], "s") == [(2, 7)] and t.path_states([1, 2]) == []
+    seen = []
+    t.match_prefix([1, 2, 3, 4], "s").node.last_access += 1  # the deeper snapshot used last
+    assert t.evict_states(1, lambda *a: seen.append(a)) == 1
+    assert seen == [([1, 2], [10, 11], 2, "s", 7)] and freed == [7]
+    assert t.evict(2, lambda *a: seen.append(a)) == [12, 13]
+    assert seen[1] == ([1, 2, 3, 4], [10, 11, 12, 13], 2, "s", 8) and freed == [7, 8]
+    assert t.num_states == 0 and t.total_tokens == 2
+
+
 def test_lock_survives_split():
     t = RadixCache()
     t.insert([1, 2, 3, 4], [1, 2, 3, 4])
