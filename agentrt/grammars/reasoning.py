@@ -4,15 +4,15 @@ the grammar that lets the reasoning run free and constrains only the answer afte
 incremental parser that splits model text into reasoning and answer.
 
 A reasoning model writes `<think> ... </think>` (Qwen3, QwQ, DeepSeek-R1 / V3.1+, GLM-4.5+, MiniMax-M2,
-SmolLM3, Nemotron, Kimi-K2-Thinking) or `[THINK] ... [/THINK]` (Magistral) before its answer. Its
-chat template may open the block itself (the generation prompt ends with `<think>\\n`: QwQ, R1,
-Qwen3-Thinking), close it empty to turn reasoning off (`<think>\\n\\n</think>\\n\\n` with Qwen3's
-`enable_thinking: false`), or leave it to the model. A constraint on such a request is the
-sequence `reasoning answer` (xgrammar's structural tag, as its builtin reasoning tags): the
-reasoning is any text without the end marker, then the end marker, at most a few whitespace
-characters, then the constrained answer. The end marker is the only way out of the reasoning, so the
-answer can neither be skipped nor written inside it, and the end-of-sequence token is masked until
-the answer is complete.
+SmolLM3, Nemotron, Kimi-K2-Thinking), `[THINK] ... [/THINK]` (Magistral) or `<|channel>thought ...
+<channel|>` (Gemma 4) before its answer. Its chat template may open the block itself (the generation
+prompt ends with `<think>\\n`: QwQ, R1, Qwen3-Thinking), close it empty to turn reasoning off
+(`<think>\\n\\n</think>\\n\\n` with Qwen3's `enable_thinking: false`), or leave it to the model. A
+constraint on such a request is the sequence `reasoning answer` (xgrammar's structural tag, as its
+builtin reasoning tags): the reasoning is any text without the end marker, then the end marker, at
+most a few whitespace characters, then the constrained answer. The end marker is the only way out
+of the reasoning, so the answer can neither be skipped nor written inside it, and the
+end-of-sequence token is masked until the answer is complete.
 
 A tool call can never be lost in the reasoning (vLLM #39056: a call written inside `<think>` stays
 reasoning there). Under a tool-call grammar (tool_choice "auto", "required" or named) the format's
@@ -56,10 +56,16 @@ class ReasoningFormat:
     header: str = ""
     """Text that opens a plain answer (Harmony's final channel, "<|channel|>final<|message|>"), not
     a tool call's answer (whose format opens its own channel); dropped from the content."""
+    empty: str = ""
+    """The closed empty block the family's own template writes to turn reasoning off, ending with
+    `end` (Gemma 4: "<|channel>thought\n<channel|>"); "" = the default below."""
 
     def empty_block(self, close_text: str = "") -> str:
         """A closed, empty reasoning block, then the separator: what ends a prompt to turn the
-        reasoning off (Qwen3 writes "<think>\n\n</think>\n\n")."""
+        reasoning off (Qwen3 writes "<think>\n\n</think>\n\n"; a format's own `empty`, the close
+        text before its end marker)."""
+        if self.empty:
+            return self.empty.removesuffix(self.end) + close_text + self.end
         if self.separator:
             return f"{self.start}{close_text}{self.end}{self.separator}"
         return f"{self.start}\n{close_text}\n{self.end}\n\n"
@@ -145,6 +151,10 @@ FORMATS = {
         separator="<|start|>assistant",
         header="<|channel|>final<|message|>",
     ),
+    # Gemma 4: a thought channel before the answer; its template closes it empty when thinking is off
+    "gemma4": ReasoningFormat(
+        "gemma4", "<|channel>thought", "<channel|>", empty="<|channel>thought\n<channel|>"
+    ),
 }
 ALIASES = {"deepseek_r1": "think", "qwen3": "think", "glm45": "think", "minimax": "think"}
 """vLLM's reasoning-parser names accepted by --reasoning-format for the same format."""
@@ -170,17 +180,23 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
         return FORMATS["harmony"]
     if "[THINK]" in t and "[/THINK]" in t:
         return FORMATS["magistral"]
+    if "<|channel>" in t and "<channel|>" in t:
+        return FORMATS["gemma4"]
     if "<think>" in t and "</think>" in t:
         return FORMATS["think"]
     return None
 
 
+UNSUPPORTED_REASONING: tuple[tuple[str, str], ...] = ()
+"""(a marker in a chat template, the name of its reasoning format) for the formats agentrt does not
+parse; none today (Gemma 4's thought channel, the last one, is `gemma4`)."""
+
+
 def unsupported_reasoning(chat_template: str | None) -> str | None:
     """The name of a reasoning format the template uses that agentrt does not parse (its reasoning
-    is then returned as content), else None: Gemma 4's thought channel."""
-    if "<|channel>" in (chat_template or "") and "<|start|>" not in (chat_template or ""):
-        return "gemma4"
-    return None
+    is then returned as content), else None (UNSUPPORTED_REASONING)."""
+    t = chat_template or ""
+    return next((name for marker, name in UNSUPPORTED_REASONING if marker in t), None)
 
 
 class ReasoningParser:

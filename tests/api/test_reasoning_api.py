@@ -224,6 +224,27 @@ def test_budget_zero_closes_the_block_in_the_prompt(name):
     assert prompt.endswith("</think>\n\n")
 
 
+def test_gemma4_thought_channel():
+    """Gemma 4's real template: thinking off by default (its generation prompt closes the thought
+    channel empty), optional with `enable_thinking` (the model may open the channel); a budget of 0
+    closes it as the template does, and the parser splits the channel from the answer."""
+    from agentrt.grammars.reasoning import ReasoningParser
+
+    name = "google-gemma-4-31B-it"
+    fmt = detect_reasoning(shared_path("chat_templates", f"{name}.jinja").read_text())
+    assert fmt is FORMATS["gemma4"]
+    assert _render(name).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    assert fmt.mode(_render(name)) == "off"
+    thinking = _render(name, enable_thinking=True)
+    assert fmt.mode(thinking) == "optional"
+    prompt, reasoning = ReasoningSetup(fmt).for_request(thinking, 0)
+    assert reasoning.mode == "off" and prompt == thinking + "<|channel>thought\n<channel|>"
+    parser = ReasoningParser(fmt, "optional")
+    pieces = [parser.feed(t) for t in ("<|channel>th", "ought\nThe user greets.<chan", "nel|>Hello!")]
+    pieces.append(parser.finish())
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == ("The user greets.", "Hello!")
+
+
 def test_earlier_reasoning_goes_to_the_template(tokenizer):
     """Interleaved thinking: an assistant turn's reasoning_content (or `reasoning`) reaches the chat
     template, which keeps it inside the current tool loop and drops it before the last user turn

@@ -94,7 +94,9 @@ def backend(tokenizer):
     b.shutdown()
 
 
-@pytest.mark.parametrize("fmt,mode", [("think", "open"), ("think", "optional"), ("harmony", "optional")])
+@pytest.mark.parametrize(
+    "fmt,mode", [("think", "open"), ("think", "optional"), ("harmony", "optional"), ("gemma4", "optional")]
+)
 def test_unique_strings_are_checked_in_the_answer_only(backend, tokenizer, fmt, mode):
     """A reasoning with a lone quote does not hide the answer's duplicate, and a reasoning quoting
     duplicates is free text, token by token and as whole strings. Both fail before the fix."""

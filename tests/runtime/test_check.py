@@ -214,6 +214,8 @@ def test_reasoning_formats_from_the_template():
     assert reasoning_format("{{ '<think>' }}") == "think tags (<think>...</think>)"
     assert reasoning_format("<|start|>assistant<|channel|>analysis") == "harmony (gpt-oss)"
     assert reasoning_format("[THINK]{{ m }}[/THINK]") == "[THINK] (Magistral)"
+    gemma4 = "{{ '<|channel>thought\\n<channel|>' }}"
+    assert reasoning_format(gemma4) == "gemma4 thought channel (<|channel>thought...<channel|>)"
     assert reasoning_format(None) == reasoning_format("{{ m }}") == "none"
 
 

@@ -61,6 +61,7 @@ __all__ = [
 
 REASONING_FORMATS = (  # (text in the chat template, the reasoning format it implies), first match wins
     ("<|channel|>", "harmony (gpt-oss)"),
+    ("<|channel>", "gemma4 thought channel (<|channel>thought...<channel|>)"),
     ("[THINK]", "[THINK] (Magistral)"),
     ("<think>", "think tags (<think>...</think>)"),
 )
