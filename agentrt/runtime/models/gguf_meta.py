@@ -31,6 +31,56 @@ from pathlib import Path
 # its newer reader): `gguf_hf_config` hands them to `AutoConfig.from_pretrained`, exact but slower.
 SPECIAL_GGUF_ARCHS = ("t5", "stablelm", "lfm2", "gpt-oss", "gpt_oss", "minimax-m2", "gemma4", "qwen35")
 
+REFUSED_GGUF_ARCHS: dict[str, tuple[str, str]] = {
+    "deepseek2": (
+        "deepseek_v3: DeepSeek V3, Kimi K2",
+        (
+            "transformers has no GGUF reader for it, and llama.cpp stores the latent attention in its own "
+            "absorbed layout (each layer's kv_b_proj split into a transposed attn_k_b and an attn_v_b, one "
+            "KV head of kv_lora_rank + the RoPE width, YaRN's mscale as a log multiplier)"
+        ),
+    ),
+    "qwen3next": (
+        "qwen3_next: Qwen3-Next",
+        (
+            "transformers has no GGUF reader for it (its reader covers Qwen3.5's qwen35 / qwen35moe), and "
+            "llama.cpp rewrites the Gated DeltaNet weights (in_proj_qkvz regrouped into attn_qkv and "
+            "attn_gate, ssm_a = -exp(A_log), every 1 + w norm stored with the 1 added)"
+        ),
+    ),
+    "gemma4": (
+        "gemma4: Gemma 4",
+        (
+            "transformers' GGUF reader maps only Gemma 4's plain sizes, not the per-layer head sizes and KV "
+            "heads, the sliding pattern, KV sharing, the per-layer input embeddings, the MoE block or the "
+            "logit softcap llama.cpp writes, so the model it builds is not the file's"
+        ),
+    ),
+    "granitehybrid": (
+        "granite4: Granite 4.0-H",
+        (
+            "transformers has no GGUF reader for it, and llama.cpp rewrites the Mamba-2 weights "
+            "(ssm_a = -exp(A_log), the conv kernel squeezed, the gated norm grouped) and keeps Granite's "
+            "multipliers as keys of its own"
+        ),
+    ),
+}
+"""GGUF `general.architecture` -> (agentrt family: the models, why agentrt does not read the file):
+the architectures llama.cpp writes for families agentrt runs from safetensors only
+(`refuse_unreadable_gguf`)."""
+
+
+def refuse_unreadable_gguf(metadata: dict) -> None:
+    """Raises ValueError for a GGUF whose `general.architecture` is in REFUSED_GGUF_ARCHS, naming
+    the architecture, the family, why, and the way out: "GGUF architecture 'qwen3next' (family
+    qwen3_next: Qwen3-Next) is not supported: ..., use the safetensors checkpoint". Reads metadata only."""
+    arch = str(metadata.get("general.architecture", ""))
+    if arch in REFUSED_GGUF_ARCHS:
+        family, why = REFUSED_GGUF_ARCHS[arch]
+        raise ValueError(
+            f"GGUF architecture '{arch}' (family {family}) is not supported: {why}, use the safetensors checkpoint"
+        )
+
 
 class StringArray(int):
     """A GGUF string array (a vocabulary, merges) read as its length only."""
@@ -229,7 +279,8 @@ def _read_header(buf) -> tuple[dict, tuple[GgufTensor, ...]]:
 
 def gguf_model_type(metadata: dict) -> str:
     """The transformers model_type of a GGUF's `general.architecture` (transformers' GGUF loader's
-    renames: qwen2moe / qwen3moe / gpt-oss get their underscores, gemma3 files hold the text model).
+    renames: qwen2moe / qwen3moe / gpt-oss get their underscores, gemma3 files hold the text model;
+    its newer reader's: qwen35 / qwen35moe are Qwen3.5's text models).
 
     llama.cpp writes Mistral models as `llama` and runs them as Llama, with no sliding window (it has
     no key for one). transformers' loader makes a Llama file whose general.name is exactly
@@ -241,6 +292,8 @@ def gguf_model_type(metadata: dict) -> str:
     renames = {
         "qwen2moe": "qwen2_moe",
         "qwen3moe": "qwen3_moe",
+        "qwen35moe": "qwen3_5_moe_text",  # before qwen35, which it contains
+        "qwen35": "qwen3_5_text",
         "gpt-oss": "gpt_oss",
         "minimax-m2": "minimax_m2",
     }
@@ -256,6 +309,7 @@ def gguf_hf_config(info: GgufInfo):
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     md, arch = info.metadata, str(info.metadata.get("general.architecture", ""))
+    refuse_unreadable_gguf(md)
     if any(s in arch for s in SPECIAL_GGUF_ARCHS):
         return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
     model_type = gguf_model_type(md)
@@ -418,6 +472,7 @@ def require_supported_gguf(path: Path):
     from agentrt.runtime.models.registry import MODEL_TYPES, arch_from_hf_config, model_class
 
     info = read_gguf(path)
+    refuse_unreadable_gguf(info.metadata)
     if any(s in str(info.metadata.get("general.architecture", "")) for s in SPECIAL_GGUF_ARCHS):
         model_type = gguf_model_type(info.metadata)
         model_class(MODEL_TYPES.get(model_type, model_type))

@@ -177,7 +177,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     logger.info("converting %s (first start only) -> %s", gguf_path, target)
     d, f = str(gguf_path.parent), gguf_path.name
@@ -187,6 +187,9 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         gguf_file=f,
         config=config,
         dtype=torch.float32,
+        # transformers' newer GGUF reader (Qwen3.5) would keep quantized blocks in its own modules when
+        # the `kernels` package is installed; the conversion wants plain float32 weights
+        quantization_config=GgufConfig(dequantize=True),
         output_loading_info=True,
         ignore_mismatched_sizes=True,  # reported below, naming them, instead of a RuntimeError
     )
