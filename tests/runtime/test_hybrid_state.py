@@ -195,3 +195,16 @@ def test_the_state_flags_reach_the_cache_config():
     assert (c.state_slots, c.state_snapshot_interval) == (96, 64)
     default = cache_config(p.parse_args([]))
     assert (default.state_slots, default.state_snapshot_interval) == (None, 256)
+
+
+def test_routers_and_the_shared_expert_gate_stay_dense(hybrid_dir):
+    """--quantization int8 takes every projection but the MoE routers and the shared expert's gate
+    (one output row: a rounding there scales the whole shared expert)."""
+    from agentrt.runtime.models.quant import linear_names
+    from agentrt.runtime.models.registry import arch_from_hf_config, build_model, read_hf_config
+
+    model = build_model(arch_from_hf_config(read_hf_config(hybrid_dir)), 64)
+    names = linear_names(model, include_lm_head=False)
+    assert not any(n.endswith((".mlp.gate", ".shared_expert_gate")) for n in names)
+    assert any(n.endswith("linear_attn.in_proj_qkvz") for n in names)
+    assert any(n.endswith("shared_expert.gate_up_proj") for n in names)

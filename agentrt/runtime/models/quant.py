@@ -325,13 +325,14 @@ def linear_names(model: nn.Module, include_lm_head: bool) -> list[str]:
     """Qualified names of the nn.Linear modules to quantize: every projection of the decoder layers
     (the experts of a MoE block included), plus `lm_head` when include_lm_head. Embeddings, norms and
     MoE routers (`mlp.gate`: small, and a rounding there flips which experts run, as vLLM keeps them
-    dense too) are never quantized."""
+    dense too) and the shared expert's one-output gate (`mlp.shared_expert_gate`, Qwen3-Next) are
+    never quantized."""
     return [
         name
         for name, mod in model.named_modules()
         if isinstance(mod, nn.Linear)
         and (include_lm_head or name != "lm_head")
-        and not name.endswith(".mlp.gate")
+        and not name.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
     ]
 
 
