@@ -39,6 +39,7 @@ FAMILY_NAMES = [
     "qwen3_next",
     "qwen3_5",
     "granite4",
+    "nemotron_h",
 ]
 DECODE_STEPS = 32  # single-token decodes compared after the prefill and the chunk (issue 35)
 

@@ -95,6 +95,24 @@ GRANITE4_DENSE = {  # the dense Granite 4.0 layout: no experts (the shared MLP a
     "position_embedding_type": "nope",
 }
 
+NEMOTRON_H = {  # one block per layer: Mamba-2 (4 heads of 16, 2 groups, state 16), MoE (8 squared-ReLU
+    # experts in 2 groups, 1 eligible, top-2, + a shared one), attention (NoPE), MLP, Mamba-2 (a Mamba-2
+    # block first: transformers' cache reads the sequence length from block 0)
+    "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
+    "head_dim": 16,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+}
+
 DEEPSEEK_V3 = {  # latent attention (q LoRA 24, latent 32, keys 16 + 8 rotated, values 12) with YaRN's
     # mscale on the softmax scale; layer 0 dense, then 8 experts in 2 groups (1 eligible), 1 shared
     "num_key_value_heads": 4,
@@ -140,6 +158,7 @@ def _families():
         MiniMaxM2Config,
         MistralConfig,
         MixtralConfig,
+        NemotronHConfig,
         Phi3Config,
         Qwen3_5TextConfig,
         Qwen3Config,
@@ -213,6 +232,7 @@ def _families():
         "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
         "granite4": (GraniteMoeHybridConfig, GRANITE4),
         "granite4_dense": (GraniteMoeHybridConfig, GRANITE4_DENSE),
+        "nemotron_h": (NemotronHConfig, NEMOTRON_H),
         "deepseek_v3_q_proj": (
             DeepseekV3Config,
             {**DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False},
@@ -253,9 +273,9 @@ def save_family(name: str, path: Path, tokenizer_dir: Path) -> Path:
             for n, t in [*model.named_parameters(), *model.named_buffers()]:
                 if n.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar", "scale")):
                     t.uniform_(0.5, 1.5)
-        if name.startswith("granite4"):  # norms, the Mamba skip D and dt bias: ones at init
+        if name.startswith(("granite4", "nemotron_h")):  # norms, the Mamba skip D (and dt bias): ones
             for n, t in model.named_parameters():
-                if n.endswith(("norm.weight", ".D", ".dt_bias")):
+                if n.endswith(("norm.weight", ".D")) or (name != "nemotron_h" and n.endswith(".dt_bias")):
                     t.uniform_(0.5, 1.5)
     model.save_pretrained(str(path))
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))

@@ -1,6 +1,8 @@
 """Gated MLPs: down(act(gate(x)) * up(x)) with SiLU (SwiGLU, Shazeer 2020) or GELU-tanh (GeGLU,
 Gemma), and gpt-oss's clamped SwiGLU (transformers `GptOssExperts._apply_gate`). Gate and up
-projections are one fused linear [2I, H] (gate rows first)."""
+projections are one fused linear [2I, H] (gate rows first). Non-gated MLPs, down(act(up(x))), with
+the squared ReLU (Nemotron-H: So et al. 2021, "Primer", arXiv 2109.08668); `make_mlp` picks by the
+activation's name."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamp")
+NON_GATED = ("relu2",)  # activations of the non-gated MLP (`MLP`)
 
 SWIGLU_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
 
@@ -54,3 +57,35 @@ class GatedMLP(nn.Module):
         if self.act == "silu":
             return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(gated_activation(self.gate_up_proj(x), self.act, self.limit))
+
+
+class MLP(nn.Module):
+    """forward(x [T, hidden]) -> [T, hidden]: down_proj(relu(up_proj(x)) ** 2), the non-gated MLP of
+    Nemotron-H (transformers `NemotronHMLP`, `NemotronHExperts`). Raises ValueError for an activation
+    not in NON_GATED."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "relu2", bias: bool = False):
+        super().__init__()
+        if act not in NON_GATED:
+            raise ValueError(f"unknown non-gated MLP activation '{act}' (known: {', '.join(NON_GATED)})")
+        self.act = act
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+def make_mlp(
+    hidden: int,
+    intermediate: int,
+    act: str = "silu",
+    bias: bool = False,
+    limit: float | None = None,
+    ops: LayerOps = TORCH_OPS,
+) -> GatedMLP | MLP:
+    """The MLP of activation `act`: `MLP` for a non-gated one (NON_GATED), else `GatedMLP`. Raises
+    ValueError for an activation neither knows."""
+    if act in NON_GATED:
+        return MLP(hidden, intermediate, act, bias)
+    return GatedMLP(hidden, intermediate, act, bias, limit, ops)

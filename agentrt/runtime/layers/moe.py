@@ -14,13 +14,15 @@ experts' gated MLPs. Routing as the references do it:
   two best biased scores, only the best `topk_groups` groups eligible); the weights are the chosen
   experts' unbiased scores, renormalised to sum 1 (plus 1e-20, as DeepSeek) when `renormalize`, then
   times `routed_scaling_factor`.
-Shared experts run on every token beside the routed ones: DeepSeek / GLM's `shared_experts` (one
-GatedMLP of n_shared_experts * moe_intermediate_size, added unweighted) or Qwen3-Next / Qwen3.5-MoE's
-`shared_expert` scaled by sigmoid(`shared_expert_gate`(x)), a linear [1, hidden].
+Shared experts run on every token beside the routed ones: DeepSeek / GLM / Nemotron-H's
+`shared_experts` (one MLP of n_shared_experts * moe_intermediate_size, added unweighted) or
+Qwen3-Next / Qwen3.5-MoE's `shared_expert` scaled by sigmoid(`shared_expert_gate`(x)), a linear
+[1, hidden]. Experts and shared experts are MLPs of the block's activation: gated (`GatedMLP`), or
+non-gated for Nemotron-H's squared ReLU (`relu2`: layers/mlp.py `MLP`).
 
 Tokens are grouped by expert (one stable sort of the token-expert pairs) and each expert runs once
 over its group: a loop over the experts that have tokens, never over tokens. Each expert is a
-`GatedMLP` of ordinary linear layers, so the CPU int8/int4 kernels and oneDNN packing apply to
+`GatedMLP` (or `MLP`) of ordinary linear layers, so the CPU int8/int4 kernels and oneDNN packing apply to
 experts as to any layer (formats.py). On CUDA the routed experts run as one Triton grouped GEMM
 (kernels/fused_moe.py) when it is available: it takes any routing's weights and ids; the shared
 experts stay ordinary layers.
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
-from agentrt.runtime.layers.mlp import GatedMLP
+from agentrt.runtime.layers.mlp import GatedMLP, make_mlp
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 
@@ -87,7 +89,8 @@ def _group_limited(choice: torch.Tensor, num_groups: int, topk_groups: int) -> t
 
 class SparseMoE(nn.Module):
     """forward(x [T, hidden]) -> [T, hidden]. `gate`: the router, a linear [E, hidden];
-    `experts`: E GatedMLPs; `e_score_correction_bias` [E] (correction_bias, `sigmoid_topk` only): a
+    `experts`: E MLPs of activation `act` (mlp.make_mlp: gated, or non-gated for relu2);
+    `e_score_correction_bias` [E] (correction_bias, `sigmoid_topk` only): a
     parameter the checkpoint fills, never trained; `shared_experts` (shared_intermediate > 0) or
     `shared_expert` + `shared_expert_gate` (shared_gate too): the shared expert(s). `expert_tokens`
     [E] int64 counts the tokens routed to each expert since the model was built (the engine's
@@ -127,17 +130,17 @@ class SparseMoE(nn.Module):
         self.num_groups, self.topk_groups, self.routed_scaling = num_groups, topk_groups, routed_scaling
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, intermediate, act, expert_bias, limit, ops) for _ in range(num_experts)
+            make_mlp(hidden, intermediate, act, expert_bias, limit, ops) for _ in range(num_experts)
         )
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts), requires_grad=False) if correction_bias else None
         )
         self.shared_gate = shared_gate and shared_intermediate > 0
         if self.shared_gate:  # Qwen3-Next / Qwen3.5-MoE
-            self.shared_expert = GatedMLP(hidden, shared_intermediate, ops=ops)
+            self.shared_expert = make_mlp(hidden, shared_intermediate, act, ops=ops)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         elif shared_intermediate > 0:  # DeepSeek V3 / GLM-4.5
-            self.shared_experts = GatedMLP(hidden, shared_intermediate, ops=ops)
+            self.shared_experts = make_mlp(hidden, shared_intermediate, act, ops=ops)
         self.has_shared = shared_intermediate > 0
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.act, self.limit, self.expert_bias = act, limit, expert_bias
@@ -192,7 +195,10 @@ class SparseMoE(nn.Module):
 
     def stackable(self) -> bool:
         """Whether every expert's projections are dense nn.Linear (the Triton kernel's input)."""
-        return all(type(e.gate_up_proj) is nn.Linear and type(e.down_proj) is nn.Linear for e in self.experts)
+        return all(
+            isinstance(e, GatedMLP) and type(e.gate_up_proj) is nn.Linear and type(e.down_proj) is nn.Linear
+            for e in self.experts
+        )
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts as one Triton grouped GEMM (kernels/fused_moe.py) over the stacked

@@ -69,8 +69,10 @@ class ModelArch:
     Hybrid models: `layer_mixers[i]` the token mixer of layer i, "attention" or a recurrent one
     ("gated_delta": layers/gated_delta.py, "mamba2": layers/mamba2.py; empty = attention
     everywhere), built from the Hugging Face config `mixer_config`; a recurrent layer keeps its state
-    in the state pool (runtime/recurrent_state.py) and no KV. `attn_output_gate`: the attention's
-    output is multiplied by sigmoid(gate), the gate projected with q (Qwen3-Next, Qwen3.5).
+    in the state pool (runtime/recurrent_state.py) and no KV. "none": the layer mixes no tokens
+    (Nemotron-H's MLP and MoE blocks, a family's own `layer_class`): no KV, no state.
+    `attn_output_gate`: the attention's output is multiplied by sigmoid(gate), the gate projected
+    with q (Qwen3-Next, Qwen3.5).
 
     The KV layout (`kv_layout`): `cache_specs` the shape of each KV cache (empty: one
     CacheSpec(num_kv_heads, head_dim, head_dim) per layer) and `layer_cache[i]` the cache layer i
@@ -151,16 +153,16 @@ class ModelArch:
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose mixer is recurrent (state, no KV), in order."""
-        return tuple(i for i, m in enumerate(self.layer_mixers) if m != "attention")
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m not in ("attention", "none"))
 
     def kv_layout(self) -> tuple[list[CacheSpec], tuple[int | None, ...]]:
         """(the KV caches' shapes, the cache index of each layer or None): what the KV pool is built
         from and how the model hands each layer its caches (by default one per attention layer;
-        recurrent layers have none)."""
+        recurrent layers and layers without a mixer have none)."""
         caches = self.layer_cache
         if not caches:
-            recurrent, n = set(self.recurrent_layers), 0
-            caches = tuple(None if i in recurrent else (n := n + 1) - 1 for i in range(self.num_layers))
+            keyless, n = {i for i, m in enumerate(self.layer_mixers) if m != "attention"}, 0
+            caches = tuple(None if i in keyless else (n := n + 1) - 1 for i in range(self.num_layers))
         count = len({c for c in caches if c is not None})
         specs = list(self.cache_specs) or [CacheSpec(self.num_kv_heads, self.head_dim, self.head_dim)] * count
         return specs, caches

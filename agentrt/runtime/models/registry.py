@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granite4", "GraniteMoeHybridForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -63,6 +64,7 @@ MODEL_TYPES = {  # config.model_type -> architecture, for configs without `archi
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 
