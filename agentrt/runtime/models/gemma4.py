@@ -221,6 +221,51 @@ def _kv_sharing(types: list[str], num_shared: int) -> list[int]:
     return source
 
 
+def _checked_layer_types(cfg, architecture: str) -> list[str]:
+    """The config's layer types, after the refusals of the module docstring (ValueError naming the
+    config field)."""
+    bidirectional = getattr(cfg, "use_bidirectional_attention", None)
+    if bidirectional not in (None, False, "vision"):
+        raise ValueError(
+            f"{architecture}: use_bidirectional_attention={bidirectional!r} is not supported "
+            "(a causal decoder: None, or 'vision', which is causal over text)"
+        )
+    if getattr(cfg, "attention_bias", False):
+        raise ValueError(f"{architecture}: attention_bias is not supported")
+    act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{architecture}: hidden_activation '{act}' is not supported (gelu_pytorch_tanh is)")
+    ple_vocab = getattr(cfg, "vocab_size_per_layer_input", 0) or 0
+    if getattr(cfg, "hidden_size_per_layer_input", 0) and ple_vocab < cfg.vocab_size:
+        raise ValueError(
+            f"{architecture}: vocab_size_per_layer_input ({ple_vocab}) is smaller than vocab_size "
+            f"({cfg.vocab_size}): tokens past it have no per-layer embedding"
+        )
+    n = cfg.num_hidden_layers
+    types = list(cfg.layer_types or [])[:n]
+    bad = [t for t in types if t not in LAYER_TYPES]
+    if len(types) != n or bad:
+        raise ValueError(
+            f"{architecture}: layer_types must name {n} layers from {LAYER_TYPES}, got {bad or types}"
+        )
+    return types
+
+
+def _kv_layout(cfg, types: list[str], shapes: list[tuple[int, int]]):
+    """(each layer's kind "own" / "k_eq_v" / "shared", one CacheSpec per writing layer, each layer's
+    cache index): Gemma4Arch's layer_kv, cache_specs and layer_cache."""
+    n = len(types)
+    source = _kv_sharing(types, getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False))
+    kinds = tuple(
+        "shared" if source[i] != i else ("k_eq_v" if k_eq_v and t == "full_attention" else "own")
+        for i, t in enumerate(types)
+    )
+    writers = [i for i in range(n) if source[i] == i]
+    specs = tuple(CacheSpec(shapes[i][0], shapes[i][1], shapes[i][1]) for i in writers)
+    return kinds, specs, tuple(writers.index(source[i]) for i in range(n))
+
+
 class Gemma4ForCausalLM(DecoderModel):
     """Gemma 4's decoder over the shared layers (module docstring): forward(input_ids [T] int64,
     positions [T] int64, k_caches, v_caches (one per CacheSpec), meta) -> hidden [T, hidden]."""
@@ -230,36 +275,10 @@ class Gemma4ForCausalLM(DecoderModel):
         """Raises ValueError naming the config field of a variant not supported (module docstring).
         Per-layer shapes come from `per_layer_config` (transformers raises on a global `head_dim`
         of such a config); the global ones are the first layer's."""
-        bidirectional = getattr(cfg, "use_bidirectional_attention", None)
-        if bidirectional not in (None, False, "vision"):
-            raise ValueError(
-                f"{architecture}: use_bidirectional_attention={bidirectional!r} is not supported "
-                "(a causal decoder: None, or 'vision', which is causal over text)"
-            )
-        if getattr(cfg, "attention_bias", False):
-            raise ValueError(f"{architecture}: attention_bias is not supported")
-        act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(
-                f"{architecture}: hidden_activation '{act}' is not supported (gelu_pytorch_tanh is)"
-            )
         n = cfg.num_hidden_layers
-        types = list(cfg.layer_types or [])[:n]
-        bad = [t for t in types if t not in LAYER_TYPES]
-        if len(types) != n or bad:
-            raise ValueError(
-                f"{architecture}: layer_types must name {n} layers from {LAYER_TYPES}, got {bad or types}"
-            )
+        types = _checked_layer_types(cfg, architecture)
         shapes = _layer_shapes(cfg, types)
-        source = _kv_sharing(types, getattr(cfg, "num_kv_shared_layers", 0) or 0)
-        k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False))
-        kinds = tuple(
-            "shared" if source[i] != i else ("k_eq_v" if k_eq_v and t == "full_attention" else "own")
-            for i, t in enumerate(types)
-        )
-        writers = [i for i in range(n) if source[i] == i]
-        specs = tuple(CacheSpec(shapes[i][0], shapes[i][1], shapes[i][1]) for i in writers)
-        layer_cache = tuple(writers.index(source[i]) for i in range(n))
+        kinds, specs, layer_cache = _kv_layout(cfg, types, shapes)
         rope_types = sorted(set(types))
         dims = {t: next(shapes[i][1] for i in range(n) if types[i] == t) for t in rope_types}
         ropes = tuple(rope_spec(cfg, dims[t], t) for t in rope_types)
@@ -267,11 +286,6 @@ class Gemma4ForCausalLM(DecoderModel):
         intermediate = tuple(cfg.intermediate_size * (wide if kinds[i] == "shared" else 1) for i in range(n))
         ple_dim = getattr(cfg, "hidden_size_per_layer_input", 0) or 0
         ple_vocab = getattr(cfg, "vocab_size_per_layer_input", 0) or 0
-        if ple_dim and ple_vocab < cfg.vocab_size:
-            raise ValueError(
-                f"{architecture}: vocab_size_per_layer_input ({ple_vocab}) is smaller than vocab_size "
-                f"({cfg.vocab_size}): tokens past it have no per-layer embedding"
-            )
         moe = {}
         if getattr(cfg, "enable_moe_block", False):
             moe = {
