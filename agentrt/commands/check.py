@@ -112,6 +112,7 @@ def check_model(
             "device": device,
             "dtype": dtype,
             "kv_cache_bytes": kv_cache_bytes,
+            "state_slots": run_cache_config.state_slots if run_cache_config is not None else None,
         }
         check_memory(report, files.arch, files.tensors, options)
         if run_config is None:

@@ -23,7 +23,7 @@ from agentrt.runtime.models.loader import (
     resolve_model_dir,
 )
 from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
-from agentrt.runtime.recurrent_state import StatePool
+from agentrt.runtime.recurrent_state import StatePool, plan_state_slots
 from agentrt.runtime.run_plan import plan_run
 
 logger = logging.getLogger(__name__)
@@ -231,24 +231,17 @@ class ModelRunner:
     def _make_states(self, cache_config, budget: int, max_num_seqs: int):
         """(the recurrent layers' StatePool, what the memory plan says of it), (None, "") for a model
         without recurrent layers: a working slot per running sequence (+1) and snapshot slots for
-        the prefix cache (`state_slots` in all, else a quarter of the KV budget, at least as many as
-        working slots). With the KV tiers, the snapshot interval is rounded up to a multiple of their
-        block (a snapshot goes down beside the block ending at its depth). Raises ValueError when the
-        budget cannot hold the working slots."""
+        the prefix cache (recurrent_state.plan_state_slots: `state_slots` in all, else a quarter of
+        the KV budget, at least as many as working slots). With the KV tiers, the snapshot interval
+        is rounded up to a multiple of their block (a snapshot goes down beside the block ending at
+        its depth). Raises ValueError when the budget cannot hold the working slots."""
         layers = self.arch.recurrent_layers
         if not layers:
             return None, ""
         shapes = [self.model.layers[i].linear_attn.state_shapes() for i in layers]
         per_slot = StatePool.bytes_per_slot_of(shapes)
         working = max_num_seqs + 1
-        slots = cache_config.state_slots or max(2 * working, budget // 4 // per_slot)
-        if slots * per_slot >= budget:
-            raise ValueError(
-                f"the KV budget ({budget:,} bytes) cannot hold {slots} recurrent states of {per_slot:,} "
-                f"bytes each besides the KV: raise kv_cache_bytes, or lower max_num_seqs / state_slots"
-            )
-        if slots <= working:
-            raise ValueError(f"state_slots={slots} must exceed max_num_seqs + 1 = {working}")
+        slots = plan_state_slots(budget, per_slot, max_num_seqs, cache_config.state_slots)
         pool = StatePool(shapes, slots, self.device)
         pool.snapshot_interval = every = cache_config.state_snapshot_interval
         if cache_config.kv_host_bytes or cache_config.kv_disk_dir:  # a block end each (kv_tiers keys them)

@@ -86,6 +86,25 @@ class StatePool:
         return {name: t[slot] for name, t in self.tensors[j].items()}
 
 
+def plan_state_slots(
+    budget: int, bytes_per_slot: int, max_num_seqs: int, state_slots: int | None = None
+) -> int:
+    """Slots of the state pool taken from a KV budget of `budget` bytes, as the engine sizes it:
+    `state_slots` when given, else a quarter of the budget, at least 2 x (max_num_seqs + 1) (one
+    working slot per running sequence and one spare; the rest hold prefix snapshots). Raises
+    ValueError when the slots take the whole budget or leave none for snapshots."""
+    working = max_num_seqs + 1
+    slots = state_slots or max(2 * working, budget // 4 // bytes_per_slot)
+    if slots * bytes_per_slot >= budget:
+        raise ValueError(
+            f"the KV budget ({budget:,} bytes) cannot hold {slots} recurrent states of {bytes_per_slot:,} "
+            f"bytes each besides the KV: raise kv_cache_bytes, or lower max_num_seqs / state_slots"
+        )
+    if slots <= working:
+        raise ValueError(f"state_slots={slots} must exceed max_num_seqs + 1 = {working}")
+    return slots
+
+
 def settle_verify(pool: StatePool, cache) -> None:
     """After a speculative verify chunk (request.CacheState `cache`): roll the working state back to
     the tokens kept (`verify_kept` of the chunk: the snapshot taken after them, unless all were

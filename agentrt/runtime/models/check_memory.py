@@ -1,6 +1,8 @@
 """`agentrt check`'s third layer (runtime/models/check.py): KV bytes per token at the run dtype
-(sliding-window layers counted with their window) and how many --max-model-len sequences the KV
-budget holds, as the engine's pool is built (kv_window.plan_window_pool for windowed models)."""
+(sliding-window layers counted with their window), a hybrid model's recurrent-state bytes per
+sequence, and how many --max-model-len sequences the KV budget holds, as the engine's pools are built
+(the state pool's share first: recurrent_state.plan_state_slots; kv_window.plan_window_pool for
+windowed models)."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
     """The third layer: the KV dtype and bytes per token of `arch`, and how many sequences of
     --max-model-len tokens the KV budget holds (the runner's rule on CUDA, the weights estimated from
     `tensors`: name -> (shape, elements)); `options`: max_model_len, max_num_seqs, device, dtype,
-    kv_cache_bytes. Adds its findings to `report`."""
+    kv_cache_bytes (and state_slots, None by default). Adds its findings to `report`."""
     device = options["device"]
     try:
         dev, dtype, why = _device_and_dtype(device, options["dtype"])
@@ -73,10 +75,24 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
         report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
         return
     kv = _report_kv(report, arch, dtype, why, n)
+    state_bytes = _report_state(report, arch)
     found = _kv_budget(report, dev, dtype, arch, kv, tensors, options)
     if found is None:
         return
     budget, source = found
+    if state_bytes and budget is not None:  # the state pool's share comes first, as the runner takes it
+        from agentrt.runtime.recurrent_state import plan_state_slots
+
+        try:
+            slots = plan_state_slots(budget, state_bytes, options["max_num_seqs"], options.get("state_slots"))
+        except ValueError as e:
+            report.add(ERROR, "capacity", str(e))
+            return
+        budget -= slots * state_bytes
+        source += (
+            f", less the recurrent-state pool's {slots * state_bytes:,} bytes ({slots:,} slots: "
+            f"{options['max_num_seqs'] + 1} working, the rest prefix snapshots)"
+        )
     window_pool = _window_pool(arch, kv, budget, options["max_num_seqs"], n)
     _report_capacity(report, kv, n, dev, budget, source, window_pool, options)
 
@@ -111,6 +127,53 @@ def _report_kv(report: CheckReport, arch, dtype, why: str, n: int) -> KVEstimate
         f"{kv.dtype} ({why}); {'; '.join(parts)}; one {n:,}-token sequence {kv.sequence_bytes(n):,} bytes",
     )
     return kv
+
+
+def state_shapes(arch) -> list[dict]:
+    """Per recurrent layer of `arch`, its mixer's `state_shapes()` ({name: (shape, dtype)}), read
+    from mixers built on the meta device (no memory). Raises what the mixer's from_hf_config raises
+    for a config it cannot read."""
+    import torch
+
+    from agentrt.runtime.models.base import RECURRENT_MIXERS
+
+    by_kind: dict[str, dict] = {}
+    with torch.device("meta"):
+        for i in arch.recurrent_layers:
+            kind = arch.layer_mixers[i]
+            if kind not in by_kind:
+                by_kind[kind] = RECURRENT_MIXERS[kind].from_hf_config(arch.mixer_config).state_shapes()
+    return [by_kind[arch.layer_mixers[i]] for i in arch.recurrent_layers]
+
+
+def _report_state(report: CheckReport, arch) -> int:
+    """Sets report.state_bytes and adds its finding for a model with recurrent layers: one
+    sequence's state (bytes; the engine's StatePool slot); 0 without recurrent layers (or after an
+    ERROR when the mixers cannot be built from the config)."""
+    if not arch.recurrent_layers:
+        return 0
+    from agentrt.runtime.recurrent_state import StatePool
+
+    try:
+        shapes = state_shapes(arch)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        report.add(ERROR, "recurrent state", f"the mixers cannot be built from the config: {e}")
+        return 0
+    total = report.state_bytes = StatePool.bytes_per_slot_of(shapes)
+    kinds = {arch.layer_mixers[i]: shape for i, shape in zip(arch.recurrent_layers, shapes)}
+    per_layer = "; ".join(
+        kind
+        + " "
+        + " + ".join(f"{name} {list(sh)} {str(dt).removeprefix('torch.')}" for name, (sh, dt) in d.items())
+        for kind, d in kinds.items()
+    )
+    report.add(
+        OK,
+        "recurrent state",
+        f"{len(arch.recurrent_layers)} of {arch.num_layers} layers: {total:,} bytes per sequence, held for "
+        f"each running sequence and each prefix snapshot beside the KV (per layer: {per_layer})",
+    )
+    return total
 
 
 def _kv_budget(report: CheckReport, dev, dtype, arch, kv: KVEstimate, tensors: dict, options: dict):

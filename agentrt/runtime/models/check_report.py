@@ -82,6 +82,7 @@ class CheckReport:
     stop_ids: tuple[int, ...] = ()
     kv: KVEstimate | None = None
     capacity: Capacity | None = None
+    state_bytes: int | None = None  # one sequence's recurrent state (bytes); None: no recurrent layers
 
     def add(self, level: str, topic: str, message: str) -> None:
         self.findings.append(Finding(level, topic, message))
