@@ -254,13 +254,15 @@ class ModelRunner:
         )
 
     def expert_load(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """(layer index, tokens routed to each expert since start) of every MoE layer; () for a dense
-        model. Plain reads (the HTTP thread calls it at scrape time)."""
-        return tuple(
-            (i, tuple(layer.mlp.expert_tokens.tolist()))
-            for i, layer in enumerate(getattr(self.model, "layers", ()))
-            if hasattr(layer.mlp, "expert_tokens")
-        )
+        """(layer index, tokens routed to each expert since start) of every MoE layer (its first module
+        counting `expert_tokens`: the MLP, or Gemma 4's MoE beside it); () for a dense model. Plain
+        reads (the HTTP thread calls it at scrape time)."""
+        load = []
+        for i, layer in enumerate(getattr(self.model, "layers", ())):
+            moe = next((m for m in layer.modules() if hasattr(m, "expert_tokens")), None)
+            if moe is not None:
+                load.append((i, tuple(moe.expert_tokens.tolist())))
+        return tuple(load)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk], return_hidden: bool = False):

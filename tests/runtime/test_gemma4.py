@@ -12,7 +12,7 @@ from agentrt.commands.check import check_model
 from agentrt.runtime.config import CacheConfig, ModelConfig
 from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.registry import arch_from_hf_config
-from tests.support.families import COMMON, GEMMA4, WINDOW
+from tests.support.families import COMMON, GEMMA4, WINDOW, save_family
 from tests.support.models import chunked_logits_error
 
 
@@ -117,3 +117,19 @@ def test_vision_bidirectional_mode_is_causal_over_text():
         Gemma4TextConfig(**{**COMMON, **GEMMA4, "use_bidirectional_attention": "vision"})
     )
     assert arch.layer_kv == ("own", "k_eq_v", "shared", "shared")
+
+
+def test_expert_load_counts_the_moe_beside_the_mlp(default_model_dir, tmp_path):
+    """Gemma 4's MoE block sits beside the dense MLP (`layer.moe`): its per-expert token counts reach
+    the runner's expert_load (the /metrics rows), top 2 of 4 experts per token in each of 3 layers."""
+    from agentrt.runtime.forward import SeqChunk
+
+    path = save_family("gemma4_moe", tmp_path / "gemma4_moe", default_model_dir)
+    runner = ModelRunner(
+        ModelConfig(model=str(path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+    )
+    ids = list(range(100, 130))
+    runner.execute([SeqChunk(ids, 0, runner.kv.allocate(len(ids)))])
+    load = runner.expert_load()
+    assert [i for i, _ in load] == [0, 1, 2]
+    assert all(len(counts) == 4 and sum(counts) == 2 * len(ids) for _, counts in load)
