@@ -72,6 +72,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 # ---- pure pieces --------------------------------------------------------------------------------
 
 
+EMBEDDING_NAMES = ("embed_tokens.weight", "backbone.embeddings.weight")
+"""How safetensors checkpoints name the token embedding (the latter: Nemotron-H's `backbone.`)."""
+
+
 def reasoning_format(template: str | None) -> str:
     """The reasoning format a chat template implies (REASONING_FORMATS), or "none"."""
     return next((name for marker, name in REASONING_FORMATS if marker in (template or "")), "none")
@@ -246,7 +250,7 @@ def _read_hf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
             f"{files} file{'s' if files > 1 else ''}, {params:,} parameters)",
         )
     m.tensors = {k: (t["shape"], prod(t["shape"])) for k, t in headers.items()}
-    embeds = sorted((k for k in m.tensors if k.endswith("embed_tokens.weight")), key=len)
+    embeds = sorted((k for k in m.tensors if k.endswith(EMBEDDING_NAMES)), key=len)
     heads = sorted((k for k in m.tensors if k.endswith("lm_head.weight")), key=len)
     m.embed, m.head = (embeds or [None])[0], (heads or [None])[0]
     m.stop_dir = path
@@ -281,7 +285,10 @@ def _check_shapes(report: CheckReport, m: ModelFiles, vocab: int, hidden: int, t
         return
     if m.embed is None:
         report.add(
-            ERROR, "embedding", "no embedding tensor (embed_tokens.weight / token_embd.weight) in the weights"
+            ERROR,
+            "embedding",
+            "no embedding tensor (embed_tokens.weight / backbone.embeddings.weight / token_embd.weight) "
+            "in the weights",
         )
         return
     problems = []

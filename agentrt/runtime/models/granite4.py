@@ -121,22 +121,19 @@ class GraniteMoeHybridForCausalLM(DecoderModel):
             logits_scaling=logits_scaling,
         )
 
-    @classmethod
-    def rename(cls, name: str) -> str:
+    def rename(self, name: str) -> str:
+        """DecoderModel.rename, of this model (not the class): the shared MLP is the MoE block's
+        shared experts, or the dense MLP when the model has no experts."""
         for pattern, target in RENAMES:
             name = pattern.sub(target, name)
-        return name
+        shared = ".mlp.shared_experts." if self.arch.num_experts else ".mlp."
+        name = name.replace(".shared_mlp.input_linear.", f"{shared}gate_up_proj.")
+        return name.replace(".shared_mlp.output_linear.", f"{shared}down_proj.")
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """DecoderModel's load with the shared MLP as the MoE block's shared experts (or as the dense
-        MLP), then the residual multiplier and the logits scaling folded in (module docstring).
-        Raises ValueError as DecoderModel.load_hf_state_dict does."""
-        target = ".mlp.shared_experts." if self.arch.num_experts else ".mlp."
-        renamed = {}
-        for name, value in tensors.items():
-            name = name.replace(".shared_mlp.input_linear.", f"{target}gate_up_proj.")
-            renamed[name.replace(".shared_mlp.output_linear.", f"{target}down_proj.")] = value
-        super().load_hf_state_dict(renamed)
+        """DecoderModel's load, then the residual multiplier and the logits scaling folded in (module
+        docstring). Raises ValueError as DecoderModel.load_hf_state_dict does."""
+        super().load_hf_state_dict(tensors)
         self._fold_multipliers()
 
     @torch.no_grad()

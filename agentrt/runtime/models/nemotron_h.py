@@ -166,29 +166,24 @@ class NemotronHForCausalLM(DecoderModel):
             **experts,
         )
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """DecoderModel's load of the checkpoint's names mapped onto the blocks (module docstring).
-        Raises ValueError as DecoderModel.load_hf_state_dict does."""
+    def rename(self, name: str) -> str | None:
+        """DecoderModel.rename, of this model (not the class): block N's `mixer.` is its
+        `linear_attn.`, `self_attn.` or `mlp.` by the block's kind (module docstring); None for the
+        multi-token-prediction head."""
+        name = re.sub(r"^backbone\.", "", name)
+        if name.startswith("mtp."):
+            return None  # not part of the decoder (transformers skips it too)
+        name = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}.get(name, name)
+        m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.*)", name)
+        if m is None:
+            return name
+        i, part, rest = int(m[1]), m[2], m[3]
+        if part == "norm":
+            return f"layers.{i}.input_layernorm.{rest}"
         kinds = self.arch.layer_mixers
-        renamed = {}
-        for name, value in tensors.items():
-            name = re.sub(r"^(backbone|model)\.", "", name)
-            if name.startswith("mtp."):
-                continue  # the multi-token-prediction head: not part of the decoder
-            name = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}.get(
-                name, name
-            )
-            m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.*)", name)
-            if m is not None:
-                i, part, rest = int(m[1]), m[2], m[3]
-                if part == "norm":
-                    name = f"layers.{i}.input_layernorm.{rest}"
-                else:
-                    kind = kinds[i] if i < len(kinds) else "none"
-                    rest = rest.replace("gate.e_score_correction_bias", "e_score_correction_bias")
-                    name = f"layers.{i}.{MODULE[kind]}.{rest}"
-            renamed[name] = value
-        super().load_hf_state_dict(renamed)
+        kind = kinds[i] if i < len(kinds) else "none"  # a layer past the model: refused by the load
+        rest = rest.replace("gate.e_score_correction_bias", "e_score_correction_bias")
+        return f"layers.{i}.{MODULE[kind]}.{rest}"
 
     @classmethod
     def split_experts(cls, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
