@@ -255,7 +255,9 @@ class CacheState:
     with recurrent layers (recurrent_state.py): state_slot the working state slot (None while not
     running); snapshots: (depth, slot) state snapshots taken by forwards, not yet in the tree;
     verify_states: scratch slots holding the state after 1, 2, ... tokens of a speculative verify
-    chunk, of which verify_kept tokens were kept (recurrent_state.settle_verify)."""
+    chunk, of which verify_kept tokens were kept (recurrent_state.settle_verify); tier_credit:
+    (depth, tokens per tier) that a snapshot loaded from a lower tier made resumable, counted into
+    tier_hits at admission if r resumes at or past that depth (the snapshot may be dropped before)."""
 
     node: TreeNode | None = None
     num_shared: int = 0
@@ -267,6 +269,7 @@ class CacheState:
     tier_relooked: bool = False
     tier_node: TreeNode | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
+    tier_credit: tuple[int, dict[str, int]] | None = None
     prefilled_since_insert: bool = False
     state_slot: int | None = None
     snapshots: list[tuple[int, int]] = field(default_factory=list)

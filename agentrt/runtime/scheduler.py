@@ -261,6 +261,13 @@ class Scheduler:
                     match = self.cache.match_prefix(key[:depth], r.cache_salt, split=True)
                 if snapshot is not None:
                     self.states.copy(snapshot, r.cache.state_slot)
+                credit, r.cache.tier_credit = r.cache.tier_credit, None
+                if credit is not None and depth >= credit[0]:  # the loaded snapshot is (still) there
+                    for tier, n in credit[1].items():
+                        if n:
+                            self.tiers.stats.hit_tokens[tier] += n
+                            if r.cache.num_cached_tokens is None:
+                                r.cache.tier_hits[tier] = r.cache.tier_hits.get(tier, 0) + n
             self.kv.touch(match.slots[-self.kv.window :] if self.kv.window else ())
             self.cache.lock(match.node)
             self.cache.touch(match.node)
@@ -478,11 +485,7 @@ class Scheduler:
             lo, hi = max(have, bounds[j]), min(bounds[j + 1], depth)
             if hi > lo:
                 hits[loaded.tiers[j]] = hits.get(loaded.tiers[j], 0) + hi - lo
-        for tier, n in hits.items():
-            if n:
-                tiers.stats.hit_tokens[tier] += n
-                if r.cache.num_cached_tokens is None:
-                    r.cache.tier_hits[tier] = r.cache.tier_hits.get(tier, 0) + n
+        r.cache.tier_credit = (depth, hits)  # counted when r resumes there (_admit)
 
     def _count_load(self, loaded) -> None:
         self.tiers.stats.num_loads += 1
@@ -524,7 +527,7 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        r.cache.tier_load = None
+        r.cache.tier_load = r.cache.tier_credit = None
         r.cache.hit_node = None
         if r.cache.tier_node is not None:
             self.cache.unlock(r.cache.tier_node)

@@ -78,11 +78,9 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_a_prefix_evicted_to_the_host_tier_resumes_from_its_snapshot(hybrid_dir, reference):
-    """A pool of 100 tokens: two other prompts push the first one's prefix out of it, down to the
-    host tier. A prompt sharing its first 40 tokens loads the blocks back and resumes from the
-    snapshot at 32 (the deepest block boundary with a snapshot at or below the match): 32 cached
-    tokens, all from the host tier, and transformers' tokens."""
+def _evicted_to_host(hybrid_dir, reference):
+    """(an engine with a host tier and a 100-token pool whose first prompt was served and pushed
+    down to the host tier by two others, a prompt sharing that prompt's first 40 tokens)."""
     engine = _engine(hybrid_dir, 100, kv_host_bytes=4 << 20)
     first = _prompt(1, 50)
     assert _run(engine, first).token_ids == reference(first)
@@ -90,11 +88,39 @@ def test_a_prefix_evicted_to_the_host_tier_resumes_from_its_snapshot(hybrid_dir,
         _run(engine, _prompt(seed, 50))
     second = first[:40] + _prompt(4, 20)
     assert engine.scheduler.cache.match_prefix(second, "").slots == [], "the prefix was not evicted"
+    return engine, second
+
+
+def test_a_prefix_evicted_to_the_host_tier_resumes_from_its_snapshot(hybrid_dir, reference):
+    """A pool of 100 tokens: two other prompts push the first one's prefix out of it, down to the
+    host tier. A prompt sharing its first 40 tokens loads the blocks back and resumes from the
+    snapshot at 32 (the deepest block boundary with a snapshot at or below the match): 32 cached
+    tokens, all from the host tier, and transformers' tokens."""
+    engine, second = _evicted_to_host(hybrid_dir, reference)
     out = _run(engine, second)
     engine.close()
     assert out.num_cached_tokens == 32, "the prefix must resume from the host tier's snapshot at 32"
     assert out.cached_tokens_by_tier == {"host": 32}
     assert out.token_ids == reference(second), "resuming from the loaded snapshot changed the tokens"
+
+
+def test_a_loaded_snapshot_dropped_before_admission_is_not_counted(hybrid_dir, reference, monkeypatch):
+    """A loaded snapshot can be dropped (state slots short) before its request is admitted: the
+    request then computes its prompt, and reports no cached tokens from the tier."""
+    from agentrt.runtime.scheduler import Scheduler
+
+    engine, second = _evicted_to_host(hybrid_dir, reference)
+    promote = Scheduler._promote_state
+
+    def promote_then_drop(self, r, load, loaded):
+        promote(self, r, load, loaded)
+        self.cache.evict_states(self.cache.num_states)
+
+    monkeypatch.setattr(Scheduler, "_promote_state", promote_then_drop)
+    out = _run(engine, second)
+    engine.close()
+    assert (out.num_cached_tokens, out.cached_tokens_by_tier) == (0, {})
+    assert out.token_ids == reference(second)
 
 
 def test_a_restart_with_the_disk_tier_resumes_from_the_snapshot(hybrid_dir, reference, tmp_path):
