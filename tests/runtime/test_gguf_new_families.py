@@ -73,20 +73,30 @@ QWEN35 = {
 }
 
 
-def _minimax_m2():
-    cls, overrides = family_config("minimax_m2")
-    return cls, {k: v for k, v in overrides.items() if not k.endswith("token_id")}
+def _from_families(name: str, **changes):
+    """tests/support/families.py's config of `name` without its special-token ids, with `changes`
+    (None: the key removed)."""
+    cls, overrides = family_config(name)
+    overrides = {k: v for k, v in {**overrides, **changes}.items() if v is not None}
+    return lambda: (cls, {k: v for k, v in overrides.items() if not k.endswith("token_id")})
 
 
-# family -> ((transformers config class name | factory, overrides), architecture agentrt runs it as)
+# family -> ((transformers config class name, overrides) | factory, architecture agentrt runs it as)
 FAMILIES = {
     "qwen3_5": (("Qwen3_5TextConfig", QWEN35), "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": (
         ("Qwen3_5MoeTextConfig", {**QWEN35, **HYBRID_MOE, "num_experts_per_tok": 2}),
         "Qwen3_5MoeForCausalLM",
     ),
-    "minimax_m2": (_minimax_m2, "MiniMaxM2ForCausalLM"),
+    "minimax_m2": (_from_families("minimax_m2"), "MiniMaxM2ForCausalLM"),
+    # llama.cpp fixes SmolLM3's NoPE layers at every 4th (transformers' default interval): 4 layers
+    "smollm3": (_from_families("smollm3", num_hidden_layers=4, no_rope_layers=None), "SmolLM3ForCausalLM"),
+    "gpt_oss": (_from_families("gpt_oss"), "GptOssForCausalLM"),
+    "glm4_moe": (_from_families("glm4_moe"), "Glm4MoeForCausalLM"),
 }
+# families transformers' GGUF readers cannot read (gguf_renamed.py): their quantized files are
+# compared with the float model rounded as the file stores it
+RENAMED = {"smollm3", "gpt_oss", "glm4_moe"}
 DECODE_STEPS = 32
 
 
@@ -119,11 +129,26 @@ def family(tmp_path_factory, vocab):
                     t.uniform_(0.5, 1.5)
                 elif n.endswith("e_score_correction_bias"):
                     t.normal_(0, 0.5)
+                elif n.endswith("sinks"):
+                    t.normal_(0, 1.0)
+                elif name == "gpt_oss" and n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    t.copy_(_mxfp4_round(t))
         path = root / name
         path.mkdir()
         return model, path
 
     return build
+
+
+def _mxfp4_round(t: torch.Tensor) -> torch.Tensor:
+    """A transformers gpt-oss expert stack ([E, H, 2I] / [E, I, H]) rounded to MXFP4 in blocks of 32
+    along its input dimension, as the released checkpoints hold it and as its GGUF stores it."""
+    import gguf
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    rows = t.transpose(1, 2).contiguous().numpy()  # [E, out, in]
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx).reshape(rows.shape)
+    return torch.from_numpy(rounded).transpose(1, 2)
 
 
 def _gguf(family, vocab, name: str, qtype: str = "F32") -> Path:
@@ -178,24 +203,70 @@ def test_f32_gguf_converts_to_the_family_and_matches_the_original_model(family, 
     assert err < 1e-4 * max(1.0, scale), f"{name}: F32 GGUF max logit error {err}"
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+def _prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    state = runner.kv.states.allocate() if runner.kv.states is not None else None
+    chunk = SeqChunk(ids, 0, runner.kv.allocate(len(ids)), num_logits=len(ids), state_slot=state)
+    return runner.execute([chunk])
+
+
+def _rounded_as_stored(model, name: str):
+    """A copy of `model` with every weight its Q8_0 GGUF stores as Q8_0 rounded through the gguf
+    package's Q8_0 (blocks of 32 along each row: a row permutation, a concatenation of rows or a
+    transpose of a stack's last two axes, all the converter does, leave those blocks whole); the
+    converter keeps vectors, biases and routers in F32, and gpt-oss's experts are MXFP4 already."""
+    import copy
+
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, t in rounded.state_dict().items():
+            f32 = (
+                n.endswith(("bias", "mlp.gate.weight", "mlp.router.weight"))
+                or ".experts." in n
+                and name == "gpt_oss"
+            )
+            if t.ndim >= 2 and t.shape[-1] % 32 == 0 and not f32:
+                t.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q8), q8)))
+    return rounded
+
+
+@pytest.mark.parametrize("name", sorted(RENAMED))
+def test_q8_0_gguf_of_a_renamed_family_is_the_model_rounded_as_stored(family, vocab, name):
+    """transformers cannot read these files, so the quantized conversion is held to the float model
+    rounded as the file stores it: every converted weight equal to it, and agentrt's logits too."""
+    from safetensors.torch import load_file
+
+    model, _ = family(name)
+    path = _gguf(family, vocab, name, "Q8_0")
+    expected = _rounded_as_stored(model, name)
+    converted = load_file(str(resolve_model_dir(str(path), path.parent / "cache") / "model.safetensors"))
+    weight_err = max((converted[k] - v).abs().max().item() for k, v in expected.state_dict().items())
+    ids = _prompt(2)
+    ours = _prefill_logits(_runner(path), ids)
+    with torch.no_grad():
+        ref, exact = (m(torch.tensor([ids])).logits[0] for m in (expected, model))
+    err = (ours - ref).abs().max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    q_err = (ours - exact).abs().max().item()
+    print(
+        f"{name} Q8_0: weights {weight_err:.1e}, vs the rounded model {err:.2e} (top-1 {agree:.2f}), vs the float one {q_err:.3f}"
+    )
+    assert weight_err == 0.0, (
+        f"{name} Q8_0: a converted weight differs by {weight_err} from its Q8_0 rounding"
+    )
+    assert err < 1e-4 and agree == 1.0, f"{name} Q8_0: {err} / {agree}"
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - RENAMED))
 def test_q8_0_gguf_matches_transformers_on_the_same_file(family, vocab, name):
     from transformers import AutoModelForCausalLM, GgufConfig
 
     path = _gguf(family, vocab, name, "Q8_0")
     runner = _runner(path)
     ids = _prompt(2)
-    ours = runner.execute(
-        [
-            SeqChunk(
-                ids,
-                0,
-                runner.kv.allocate(len(ids)),
-                num_logits=len(ids),
-                state_slot=runner.kv.states.allocate() if runner.kv.states is not None else None,
-            )
-        ]
-    )
+    ours = _prefill_logits(runner, ids)
     ref = AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
@@ -217,7 +288,7 @@ def test_check_names_the_family_of_the_gguf(family, vocab, name):
     report = check_model(str(path), max_model_len=256, kv_cache_bytes=1 << 20, device="cpu", dtype="float32")
     assert report.exit_status == 0 and not report.errors, report.describe()
     assert report.architecture == FAMILIES[name][1]
-    assert set(report.weight_bytes) == {"F32", "Q8_0"}
+    assert set(report.weight_bytes) == {"F32", "Q8_0"} | ({"MXFP4"} if name == "gpt_oss" else set())
 
 
 @pytest.mark.parametrize("arch", list(REFUSED_GGUF_ARCHS))
@@ -232,3 +303,33 @@ def test_refused_gguf_says_why_before_reading_tensors(vocab, arch, tmp_path):
     assert not (tmp_path / "cache").exists()
     report = check_model(str(path), device="cpu", dtype="float32")
     assert report.exit_status == 1 and any(e.message == message for e in report.errors), report.describe()
+
+
+@pytest.mark.parametrize(
+    ("drop", "extra", "message"),
+    [
+        (
+            ("blk.1.ffn_down.weight",),
+            {},
+            r"holds no tensor for 1 weights \(model.layers.1.mlp.down_proj.weight\)",
+        ),
+        (
+            (),
+            {"blk.0.attn_gate.weight": "zeros"},
+            r"1 tensors have no place in the model \(blk.0.attn_gate.weight\)",
+        ),
+    ],
+)
+def test_renamed_conversion_refuses_a_missing_or_unknown_tensor(
+    family, vocab, tmp_path, drop, extra, message
+):
+    """agentrt's own conversion (gguf_renamed.py) neither leaves a weight at random nor drops a tensor
+    it does not know: either names it, and nothing is cached."""
+    import numpy as np
+
+    model, _ = family("smollm3")
+    added = {name: np.zeros((64, 64), dtype=np.float32) for name in extra}
+    path = write_family_gguf(model, tmp_path / "broken.gguf", vocab, drop=drop, extra=added)
+    with pytest.raises(ValueError, match=message):
+        resolve_model_dir(str(path), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("gguf-*"))

@@ -30,7 +30,7 @@ FAMILY_ARCH = {
     "glm4_moe": "glm4moe",
 }
 # tensors llama.cpp's converter keeps in F32 whatever the file type (ModelBase.prepare_tensors:
-# 1-D tensors, the routers, the conv kernels)
+# besides 1-D tensors and biases, the routers, the conv kernels, the sinks)
 _F32_TENSORS = (".ffn_gate_inp.", ".ssm_conv1d.", ".attn_sinks.")
 
 
@@ -106,9 +106,10 @@ def _qwen35_metadata(w, cfg) -> None:
     w.add_rope_dimension_sections((sections + [0] * 4)[:4])
 
 
-def _text_model_metadata(w, cfg) -> None:
-    """TextModel.set_gguf_parameters for the keys these tiny configs have."""
-    w.add_block_count(cfg.num_hidden_layers)
+def _text_model_metadata(w, cfg, blocks: int | None = None) -> None:
+    """TextModel.set_gguf_parameters for the keys these tiny configs have (`blocks`: the block count
+    a converter sets instead of num_hidden_layers)."""
+    w.add_block_count(blocks or cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     if getattr(cfg, "intermediate_size", None):
@@ -204,13 +205,52 @@ def _smollm3_tensor(cfg, name: str, data: np.ndarray) -> list[tuple[str, np.ndar
     return [(name, data)]
 
 
+def _glm4_moe_metadata(w, cfg) -> None:
+    """Glm4MoeModel.set_gguf_parameters: TextModel's keys with the multi-token-prediction layers
+    counted as blocks, the rotary width, the expert counts and widths, the leading dense layers, the
+    sigmoid gating, the routed scale and renormalisation, the MTP layer count."""
+    import gguf
+
+    nextn = cfg.num_nextn_predict_layers
+    _text_model_metadata(w, cfg, cfg.num_hidden_layers + nextn)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_nextn_predict_layers(nextn)
+
+
+def _glm4_moe_nextn(model, out: dict[str, np.ndarray]) -> None:
+    """The multi-token-prediction block released GLM-4.5 checkpoints hold after their layers
+    (`model.layers.{L}.*`), which llama.cpp writes as blk.{L}: here the last layer's tensors again
+    and the nextn projections, random (transformers' model has no such block)."""
+    cfg = model.config
+    last, mtp = f"blk.{cfg.num_hidden_layers - 1}.", f"blk.{cfg.num_hidden_layers}."
+    for name in [n for n in out if n.startswith(last)]:
+        out[mtp + name.removeprefix(last)] = out[name].copy()
+    rng = np.random.default_rng(0)
+    h = cfg.hidden_size
+    out[f"{mtp}nextn.eh_proj.weight"] = rng.normal(0, 0.1, (h, 2 * h)).astype(np.float32)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        out[f"{mtp}nextn.{norm}.weight"] = np.ones(h, dtype=np.float32)
+
+
 FAMILIES = {  # model_type -> (metadata writer, tensor changes)
     "qwen3_5_text": (_qwen35_metadata, _qwen35_tensor),
     "qwen3_5_moe_text": (_qwen35_metadata, _qwen35_tensor),
     "minimax_m2": (_minimax_m2_metadata, _moe_tensor),
     "gpt_oss": (_gpt_oss_metadata, _gpt_oss_tensor),
     "smollm3": (_smollm3_metadata, _smollm3_tensor),
+    "glm4_moe": (_glm4_moe_metadata, _moe_tensor),
 }
+EXTRA_TENSORS = {"glm4_moe": _glm4_moe_nextn}  # model_type -> adds tensors the model has not
 # the expert stacks llama.cpp writes as MXFP4 whatever the file type (gpt-oss: repacked from the
 # checkpoint's own MXFP4 blocks)
 MXFP4_TENSORS = {"gpt_oss": ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
@@ -231,13 +271,23 @@ def _gguf_tensors(model, arch: str, modify) -> dict[str, np.ndarray]:
             out[new] = data
     if getattr(cfg, "tie_word_embeddings", False):
         out.pop("output.weight", None)
+    if cfg.model_type in EXTRA_TENSORS:
+        EXTRA_TENSORS[cfg.model_type](model, out)
     return out
 
 
-def write_family_gguf(model, path: Path, vocab: TinyVocab, qtype: str = "F32") -> Path:
+def write_family_gguf(
+    model,
+    path: Path,
+    vocab: TinyVocab,
+    qtype: str = "F32",
+    drop: tuple[str, ...] = (),
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write `model` (a float32 transformers causal LM of a family in FAMILIES) to `path` as llama.cpp's
-    converter would, its weight matrices stored as `qtype` (F32, F16, Q8_0, ...; 1-D tensors, routers
-    and conv kernels stay F32, as the converter keeps them)."""
+    converter would, its weight matrices stored as `qtype` (F32, F16, Q8_0, ...; 1-D tensors, biases,
+    routers and conv kernels stay F32, as the converter keeps them). The tensors named in `drop` are
+    left out and `extra` ones (GGUF name -> float32 array) added: broken files."""
     import gguf
 
     cfg = model.config
@@ -252,8 +302,14 @@ def write_family_gguf(model, path: Path, vocab: TinyVocab, qtype: str = "F32") -
     metadata(w, cfg)
     _add_vocab(w, vocab)
     mxfp4 = MXFP4_TENSORS.get(cfg.model_type, ())
-    for name, data in _gguf_tensors(model, arch, modify).items():
-        keep = data.ndim < 2 or any(s in f".{name}" for s in _F32_TENSORS) or data.shape[-1] % block
+    tensors = {**_gguf_tensors(model, arch, modify), **(extra or {})}
+    for name, data in ((n, d) for n, d in tensors.items() if n not in drop):
+        keep = (
+            data.ndim < 2
+            or not name.endswith(".weight")  # biases (ModelBase.prepare_tensors keeps them F32)
+            or any(s in f".{name}" for s in _F32_TENSORS)
+            or data.shape[-1] % block
+        )
         if name.endswith(mxfp4):
             mx = gguf.GGMLQuantizationType.MXFP4
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), mx), raw_dtype=mx)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 # GGUF architectures whose config transformers' loader builds with more than key renames (or with
 # its newer reader): `gguf_hf_config` hands them to `AutoConfig.from_pretrained`, exact but slower.
-SPECIAL_GGUF_ARCHS = ("t5", "stablelm", "lfm2", "gpt-oss", "gpt_oss", "minimax-m2", "gemma4", "qwen35")
+SPECIAL_GGUF_ARCHS = ("t5", "stablelm", "lfm2", "minimax-m2", "gemma4", "qwen35")
+# (gpt-oss, smollm3, glm4moe: gguf_renamed.py, which transformers' readers cannot read)
 
 REFUSED_GGUF_ARCHS: dict[str, tuple[str, str]] = {
     "deepseek2": (
@@ -302,14 +303,19 @@ def gguf_model_type(metadata: dict) -> str:
 
 
 def gguf_hf_config(info: GgufInfo):
-    """The transformers config serve's conversion would write for this GGUF, from its metadata.
-    Raises ValueError naming the architecture when transformers cannot read it (then the file
-    cannot be converted either)."""
+    """The transformers config serve's conversion would write for this GGUF, from its metadata (for
+    the architectures of gguf_renamed.py, agentrt's own). Raises ValueError naming the architecture
+    when it is refused (REFUSED_GGUF_ARCHS, saying why) or neither transformers nor agentrt can read
+    it (then the file cannot be converted either)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
+    from agentrt.runtime.models.gguf_renamed import RENAMED_GGUF_ARCHS, is_renamed, renamed_hf_config
+
     md, arch = info.metadata, str(info.metadata.get("general.architecture", ""))
     refuse_unreadable_gguf(md)
+    if is_renamed(md):
+        return renamed_hf_config(info)
     if any(s in arch for s in SPECIAL_GGUF_ARCHS):
         return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
     model_type = gguf_model_type(md)
@@ -317,8 +323,8 @@ def gguf_hf_config(info: GgufInfo):
     if arch not in GGUF_CONFIG_MAPPING and updated not in GGUF_CONFIG_MAPPING:
         raise ValueError(
             f"GGUF architecture '{arch}' is not one transformers can read (it reads "
-            f"{', '.join(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer'))}), so "
-            "agentrt cannot convert it"
+            f"{', '.join(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer'))}, qwen35, "
+            f"qwen35moe; agentrt itself reads {', '.join(RENAMED_GGUF_ARCHS)}), so agentrt cannot convert it"
         )
     experts = md.get(f"{arch}.expert_count")
     if arch == "llama" and experts:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from agentrt.runtime.models.gguf_meta import read_gguf, require_supported_gguf, rope_from_tensors
+from agentrt.runtime.models.gguf_renamed import is_renamed, renamed_state_dict
 from agentrt.runtime.models.weights import atomic_cache_dir
 from agentrt.runtime.platform import choose_dtype
 
@@ -166,9 +167,10 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
     The model is built from agentrt's config of the file (gguf_meta.gguf_hf_config: transformers'
     own key map plus the keys it drops, and the rope scaling llama.cpp stores as tensors), and
-    transformers' GGUF loader de-quantizes and renames the tensors into it. Raises ValueError,
-    before anything is cached, when that leaves a weight of the model unloaded (transformers would
-    initialise it at random and carry on).
+    transformers' GGUF loader de-quantizes and renames the tensors into it (gguf_renamed.py does both
+    for the architectures transformers cannot read whose llama.cpp layout is a renaming: SmolLM3,
+    GLM-4 MoE, gpt-oss). Raises ValueError, before anything is cached, when that leaves a weight of
+    the model unloaded (transformers would initialise it at random and carry on).
     """
     config = require_supported_gguf(gguf_path)
     if config is not None:
@@ -176,11 +178,17 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     target = Path(cache_dir) / f"gguf-{_file_sha256(gguf_path)[:20]}-{GGUF_CONVERSION}"
     if (target / "model.safetensors").is_file():
         return target
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     logger.info("converting %s (first start only) -> %s", gguf_path, target)
     d, f = str(gguf_path.parent), gguf_path.name
+    info = read_gguf(gguf_path)
+    if is_renamed(info.metadata):  # agentrt's own conversion: transformers cannot read these
+        from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+        state = renamed_state_dict(info, config)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(d, gguf_file=f)
+        return _write_converted(target, state, config, GenerationConfig.from_model_config(config), tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model, loading = AutoModelForCausalLM.from_pretrained(
         d,
@@ -200,16 +208,23 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
             f"{len(unloaded)} weights ({', '.join(unloaded[:4])}{', ...' if len(unloaded) > 4 else ''}), "
             "so agentrt cannot convert it"
         )
+    return _write_converted(target, model.state_dict(), model.config, model.generation_config, tokenizer)
+
+
+def _write_converted(target: Path, state: dict, config, generation_config, tokenizer) -> Path:
+    """Write a converted GGUF's cache entry `target` (float32 safetensors without a tied head, its
+    config without the GGUF quantization_config, generation config, tokenizer) atomically."""
+    from safetensors.torch import save_file
+
     with atomic_cache_dir(target) as tmp:
-        state = model.state_dict()
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
+        if getattr(config, "tie_word_embeddings", False):
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+        fields = config.to_dict()
+        fields.pop("quantization_config", None)
+        fields["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(fields, indent=2))
+        generation_config.to_json_file(str(tmp / "generation_config.json"))
         tokenizer.save_pretrained(str(tmp))
     return target
 
