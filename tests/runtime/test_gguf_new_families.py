@@ -18,7 +18,7 @@ Read: Qwen3.5 dense and MoE (transformers 5's newer GGUF reader: value heads til
 MiniMax M2 (its legacy reader; the correction bias drawn so that it steers the routing).
 
 Refused, each with a GGUF whose header names the architecture (gguf_meta.REFUSED_GGUF_ARCHS):
-deepseek2 (DeepSeek V3, Kimi K2), qwen3next, gemma4, granitehybrid. Before this, a `qwen35` file
+deepseek2 (DeepSeek V3, Kimi K2), qwen3next, gemma4, granitehybrid, nemotron_h(_moe). Before this, a `qwen35` file
 failed with "unsupported architecture 'qwen35'", and the refused ones with transformers' "not one
 transformers can read" or, for gemma4, a conversion that went ahead.
 """
@@ -37,11 +37,13 @@ from agentrt.runtime.config import CacheConfig, ModelConfig
 from agentrt.runtime.forward import SeqChunk
 from agentrt.runtime.model_runner import ModelRunner
 from agentrt.runtime.models.gguf_meta import REFUSED_GGUF_ARCHS
+from agentrt.runtime.models.gguf_renamed import RENAMED_GGUF_ARCHS
 from agentrt.runtime.models.loader import resolve_model_dir
 from tests.support.families import HYBRID, HYBRID_MOE, family_config
 from tests.support.gguf import tiny_vocab
 from tests.support.gguf_families import header_gguf, write_family_gguf
 from tests.support.models import chunked_logits_error
+from tests.support.paths import ROOT
 
 VOCAB = 384
 COMMON = {
@@ -333,3 +335,15 @@ def test_renamed_conversion_refuses_a_missing_or_unknown_tensor(
     with pytest.raises(ValueError, match=message):
         resolve_model_dir(str(path), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("gguf-*"))
+
+
+def test_readme_lists_every_gguf_architecture_read_or_refused():
+    """The README's GGUF table names every architecture agentrt reads itself or refuses, and the
+    Qwen3.5 ones transformers' newer reader reads."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("**GGUF files by family.**")
+    section = readme[start : readme.index("\n**", start + 1)]
+    for arch in (*REFUSED_GGUF_ARCHS, *RENAMED_GGUF_ARCHS, "qwen35", "qwen35moe", "minimax-m2"):
+        assert f"`{arch}`" in section, arch
+    for arch in REFUSED_GGUF_ARCHS:
+        assert re.search(rf"\| refused: [^|]*`{arch}`", section), arch

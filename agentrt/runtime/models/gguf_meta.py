@@ -57,6 +57,17 @@ REFUSED_GGUF_ARCHS: dict[str, tuple[str, str]] = {
             "logit softcap llama.cpp writes, so the model it builds is not the file's"
         ),
     ),
+    **{
+        arch: (
+            "nemotron_h: Nemotron-H, NVIDIA Nemotron Nano v2"
+            + (" (MoE blocks)" if arch.endswith("moe") else ""),
+            (
+                "transformers has no GGUF reader for it, and llama.cpp rewrites the Mamba-2 weights "
+                "(ssm_a = -exp(A_log), the conv kernel squeezed, the gated norm grouped)"
+            ),
+        )
+        for arch in ("nemotron_h", "nemotron_h_moe")
+    },
     "granitehybrid": (
         "granite4: Granite 4.0-H",
         (
