@@ -162,20 +162,43 @@ def recurrent_batch(chunks, pool: StatePool | None) -> RecurrentBatch | None:
 
 
 def run_recurrent(mixer, index: int, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-    """x [T, hidden] -> [T, hidden]: `mixer.forward_segment(x_seg [n, hidden], conv_state,
-    recurrent_state, fresh) -> [n, hidden]` over each sequence's rows, segment by segment between
-    its snapshot points, its states (recurrent layer `index` of the pool) read and updated in place;
-    after each segment that ends at a snapshot point, the states are copied into that snapshot's
-    slot. Each sequence's result depends on its own rows and state only (batch invariant)."""
-    out = torch.empty_like(x)
+    """x [T, hidden] -> [T, hidden] through a recurrent mixer in three stages (layers/gated_delta.py,
+    layers/mamba2.py): `project` every row of the batch at once; `scan` each sequence's rows, segment
+    by segment between its snapshot points, its states (recurrent layer `index` of the pool) read and
+    updated in place, copied into a snapshot's slot after the segment that ends there; the
+    sequences decoding one token (no snapshot) in one `scan_decode` over their gathered states;
+    `finish` every row at once. A row's result depends on its own sequence's rows and state only."""
+    rows = mixer.project(x)
     tensors = batch.pool.tensors[index]
+    single = [s for s in batch.seqs if s.end - s.start == 1 and not s.fresh and not s.snapshots]
+    core = None
+
+    def put(at, value: torch.Tensor) -> None:
+        nonlocal core
+        if core is None:
+            core = value.new_empty((x.shape[0], *value.shape[1:]))
+        core[at] = value
+
+    if len(single) > 1:
+        at = torch.tensor([s.start for s in single], device=x.device)
+        slots = torch.tensor([s.slot for s in single], device=x.device)
+        conv, rec = tensors["conv"].index_select(0, slots), tensors["recurrent"].index_select(0, slots)
+        put(at, mixer.scan_decode(tuple(r.index_select(0, at) for r in rows), conv, rec))
+        tensors["conv"].index_copy_(0, slots, conv)
+        tensors["recurrent"].index_copy_(0, slots, rec)
+    else:
+        single = []
+    batched = {id(s) for s in single}
     for seq in batch.seqs:
+        if id(seq) in batched:
+            continue
         states = {name: t[seq.slot] for name, t in tensors.items()}
         fresh, pos = seq.fresh, seq.start
         for n, snap in [*seq.snapshots, (seq.end - seq.start, None)]:
             end = seq.start + n
             if end > pos:
-                out[pos:end] = mixer.forward_segment(x[pos:end], states["conv"], states["recurrent"], fresh)
+                part = tuple(r[pos:end] for r in rows)
+                put(slice(pos, end), mixer.scan(part, states["conv"], states["recurrent"], fresh))
                 fresh, pos = False, end
             elif fresh:  # a snapshot of the empty prefix: zeros
                 for s in states.values():
@@ -184,4 +207,4 @@ def run_recurrent(mixer, index: int, x: torch.Tensor, batch: RecurrentBatch) -> 
             if snap is not None:
                 for name, t in tensors.items():
                     t[snap].copy_(states[name])
-    return out
+    return mixer.finish(core, rows, x.dtype)

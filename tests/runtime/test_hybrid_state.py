@@ -208,3 +208,38 @@ def test_routers_and_the_shared_expert_gate_stay_dense(hybrid_dir):
     assert not any(n.endswith((".mlp.gate", ".shared_expert_gate")) for n in names)
     assert any(n.endswith("linear_attn.in_proj_qkvz") for n in names)
     assert any(n.endswith("shared_expert.gate_up_proj") for n in names)
+
+
+def test_a_decode_step_gives_the_same_logits_alone_and_batched(hybrid_dir):
+    """Sequences decoding one token each run their scan as one batch over gathered states; a
+    sequence's logits must be the same bits as when it decodes alone (batch invariance), on the
+    C++ CPU kernels (the invariant configuration; the torch path's linear layers are not)."""
+    from agentrt.runtime.forward import SeqChunk
+
+    engine = Engine(
+        EngineConfig(
+            model=ModelConfig(model=str(hybrid_dir), device="cpu", dtype="float32", attention_backend="cpu"),
+            cache=CacheConfig(kv_cache_bytes=16 << 20),
+        )
+    )
+    runner, pool = engine.runner, engine.runner.kv.states
+    prompts = [_prompt(30 + i, n) for i, n in enumerate((20, 31, 9))]
+    states, slots = [], []
+    for ids in prompts:
+        s, kv = pool.allocate(), runner.kv.allocate(len(ids) + 1)
+        runner.execute([SeqChunk(ids, 0, kv[: len(ids)], state_slot=s)])
+        states.append(s)
+        slots.append(kv)
+    saved = {j: {k: t.clone() for k, t in layer.items()} for j, layer in enumerate(pool.tensors)}
+
+    def decode(which):
+        chunks = [SeqChunk([7], len(prompts[i]), slots[i], state_slot=states[i]) for i in which]
+        return runner.execute(chunks)
+
+    batched = decode([0, 1, 2])
+    for i in range(3):
+        for j, layer in saved.items():  # back to the state after the prompts
+            for k, t in layer.items():
+                pool.tensors[j][k].copy_(t)
+        alone = decode([i])
+        assert torch.equal(alone[0], batched[i]), f"sequence {i}'s logits differ batched"

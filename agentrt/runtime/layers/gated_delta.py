@@ -262,33 +262,56 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.to(dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.view(t, self.value_dim))
 
-    def forward_segment(
-        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
+    # The forward in three stages, so that a batch of sequences projects (and finishes) its rows in one
+    # call each and only the scan runs per sequence (recurrent_state.run_recurrent):
+    # project(x [T, hidden]) -> rows; scan(rows of one segment, states) -> core [n, Hv, Dv] float32;
+    # finish(core [T, Hv, Dv], rows, dtype) -> [T, hidden].
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> rows (mixed q|k|v [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv])."""
+        return self._project(x)
+
+    def scan(
+        self, rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
     ) -> torch.Tensor:
-        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype.
+        """`project`'s rows of n consecutive tokens of one sequence -> core output [n, Hv, Dv] float32;
         conv_state [conv_dim, K-1] and recurrent_state [Hv, Dk, Dv] (float32, `state_shapes`) hold the
-        state before x (read as zeros when `fresh`: the sequence starts with x) and are updated in place
-        to the state after x's last token. n == 1 runs the recurrence, n > 1 the chunked form; a
-        sequence split into any segments gives the outputs of one segment within float32 rounding."""
+        state before them (read as zeros when `fresh`) and are updated in place to the state after
+        the last. n == 1 runs the recurrence, n > 1 the chunked form."""
+        mixed, _, b, a = rows
         if fresh:
             conv_state.zero_()
             recurrent_state.zero_()
-        mixed, z, b, a = self._project(x)
         mixed = F.silu(causal_conv_segment(mixed, conv_state, self.conv1d.weight[:, 0], None))
         q, k, v, g, beta = self._qkv_gates(mixed, b, a)
-        if x.shape[0] == 1:
-            o = gated_delta_step(q[0], k[0], v[0], g[0], beta[0], recurrent_state)[None]
-        else:
-            o = gated_delta_chunked(q, k, v, g, beta, recurrent_state, self.chunk_size)
-        return self._output(o, z, x.dtype)
+        if mixed.shape[0] == 1:
+            return gated_delta_step(q[0], k[0], v[0], g[0], beta[0], recurrent_state)[None]
+        return gated_delta_chunked(q, k, v, g, beta, recurrent_state, self.chunk_size)
+
+    def scan_decode(self, rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences: rows of [B] tokens, conv_state [B, conv_dim, K-1],
+        recurrent_state [B, Hv, Dk, Dv] (float32, updated in place) -> core [B, Hv, Dv] float32."""
+        mixed, _, b, a = rows
+        mixed = F.silu(causal_conv_step(mixed, conv_state, self.conv1d.weight[:, 0], None))
+        q, k, v, g, beta = self._qkv_gates(mixed, b, a)
+        return gated_delta_step(q, k, v, g, beta, recurrent_state)
+
+    def finish(self, core: torch.Tensor, rows, dtype: torch.dtype) -> torch.Tensor:
+        """core [T, Hv, Dv] float32 and the rows it came from -> [T, hidden] in `dtype`."""
+        return self._output(core, rows[1], dtype)
+
+    def forward_segment(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
+    ) -> torch.Tensor:
+        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype (`scan`'s
+        states and rules); a sequence split into any segments gives the outputs of one segment
+        within float32 rounding."""
+        rows = self.project(x)
+        return self.finish(self.scan(rows, conv_state, recurrent_state, fresh), rows, x.dtype)
 
     def forward_decode(
         self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
     ) -> torch.Tensor:
         """One token of each of B sequences: x [B, hidden], conv_state [B, conv_dim, K-1],
         recurrent_state [B, Hv, Dk, Dv] (float32, updated in place) -> [B, hidden]."""
-        mixed, z, b, a = self._project(x)
-        mixed = F.silu(causal_conv_step(mixed, conv_state, self.conv1d.weight[:, 0], None))
-        q, k, v, g, beta = self._qkv_gates(mixed, b, a)
-        o = gated_delta_step(q, k, v, g, beta, recurrent_state)
-        return self._output(o, z, x.dtype)
+        rows = self.project(x)
+        return self.finish(self.scan_decode(rows, conv_state, recurrent_state), rows, x.dtype)

@@ -242,42 +242,60 @@ class Mamba2Mixer(nn.Module):
         shape = (t, self.n_groups, self.state_size)
         return x, b.reshape(shape), c.reshape(shape), dt
 
-    def _output(
-        self, y: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype
+    # The forward in three stages (as GatedDeltaNet's): project(x [T, hidden]) -> rows;
+    # scan(rows of one segment, states) -> core [n, H, P] float32 (the D skip included);
+    # finish(core [T, H, P], rows, dtype) -> [T, hidden].
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> rows (gate [T, I], xBC [T, conv_dim], raw dt [T, H])."""
+        return tuple(self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1))
+
+    def scan(
+        self, rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
     ) -> torch.Tensor:
-        """Scan output y [T, H, P] float32, scan input x [T, H, P], gate [T, I] -> [T, hidden] in `dtype`."""
-        y = y + x.float() * self.D.float()[:, None]
-        y = self.norm(y.to(dtype).reshape(y.shape[0], self.intermediate), gate)
+        """`project`'s rows of n consecutive tokens of one sequence -> core [n, H, P] float32;
+        conv_state [conv_dim, K-1] and recurrent_state [H, P, N] (float32, `state_shapes`) hold the state
+        before them (read as zeros when `fresh`) and are updated in place to the state after the last.
+        n == 1 runs the recurrence, n > 1 the chunked form."""
+        _, xbc, dt = rows
+        if fresh:
+            conv_state.zero_()
+            recurrent_state.zero_()
+        xbc = F.silu(causal_conv_segment(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
+        xs, b, c, dt = self._split(xbc, dt)
+        a = -self.A_log.float().exp()
+        if xbc.shape[0] == 1:
+            y = ssd_step(xs[0], dt[0], a, b[0], c[0], recurrent_state)[None]
+        else:
+            y = ssd_chunked(xs, dt, a, b, c, recurrent_state, self.chunk_size)
+        return y + xs.float() * self.D.float()[:, None]
+
+    def scan_decode(self, rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences: rows of [B] tokens, conv_state [B, conv_dim, K-1],
+        recurrent_state [B, H, P, N] (float32, updated in place) -> core [B, H, P] float32."""
+        _, xbc, dt = rows
+        xbc = F.silu(causal_conv_step(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
+        xs, b, c, dt = self._split(xbc, dt)
+        y = ssd_step(xs, dt, -self.A_log.float().exp(), b, c, recurrent_state)
+        return y + xs.float() * self.D.float()[:, None]
+
+    def finish(self, core: torch.Tensor, rows, dtype: torch.dtype) -> torch.Tensor:
+        """core [T, H, P] float32 and the rows it came from -> [T, hidden] in `dtype` (gated norm, out_proj)."""
+        y = self.norm(core.to(dtype).reshape(core.shape[0], self.intermediate), rows[0])
         return self.out_proj(y)
 
     def forward_segment(
         self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
     ) -> torch.Tensor:
-        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype.
-        conv_state [conv_dim, K-1] and recurrent_state [H, P, N] (float32, `state_shapes`) hold the state
-        before x (read as zeros when `fresh`: the sequence starts with x) and are updated in place to
-        the state after x's last token. n == 1 runs the recurrence, n > 1 the chunked form; a sequence
-        split into any segments gives the outputs of one segment within float32 rounding."""
-        if fresh:
-            conv_state.zero_()
-            recurrent_state.zero_()
-        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        xbc = F.silu(causal_conv_segment(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
-        xs, b, c, dt = self._split(xbc, dt)
-        a = -self.A_log.float().exp()
-        if x.shape[0] == 1:
-            y = ssd_step(xs[0], dt[0], a, b[0], c[0], recurrent_state)[None]
-        else:
-            y = ssd_chunked(xs, dt, a, b, c, recurrent_state, self.chunk_size)
-        return self._output(y, xs, gate, x.dtype)
+        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype (`scan`'s
+        states and rules); a sequence split into any segments gives the outputs of one segment
+        within float32 rounding."""
+        rows = self.project(x)
+        return self.finish(self.scan(rows, conv_state, recurrent_state, fresh), rows, x.dtype)
 
     def forward_decode(
         self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
     ) -> torch.Tensor:
         """One token of each of B sequences: x [B, hidden], conv_state [B, conv_dim, K-1],
         recurrent_state [B, H, P, N] (float32, updated in place) -> [B, hidden]."""
-        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        xbc = F.silu(causal_conv_step(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
-        xs, b, c, dt = self._split(xbc, dt)
-        y = ssd_step(xs, dt, -self.A_log.float().exp(), b, c, recurrent_state)
-        return self._output(y, xs, gate, x.dtype)
+        rows = self.project(x)
+        return self.finish(self.scan_decode(rows, conv_state, recurrent_state), rows, x.dtype)
