@@ -27,12 +27,8 @@ does not hold, raises ValueError naming it: nothing is guessed or left at random
 from __future__ import annotations
 
 from math import prod
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from agentrt.runtime.models.gguf_meta import GgufInfo
 
 RENAMED_GGUF_ARCHS = ("smollm3", "glm4moe", "gpt-oss")
 _MODEL_TYPES = {"smollm3": "smollm3", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
@@ -43,114 +39,125 @@ def is_renamed(metadata: dict) -> bool:
     return str(metadata.get("general.architecture", "")) in RENAMED_GGUF_ARCHS
 
 
-def _key(md: dict, arch: str, name: str, default=None):
-    value = md.get(f"{arch}.{name}", default)
-    return value[0] if isinstance(value, list) and len(value) == 1 else value
+class _Metadata:
+    """A GGUF's `<arch>.*` keys (a one-element array read as its element) and tensor names."""
+
+    def __init__(self, info) -> None:
+        self.md, self.arch = info.metadata, str(info.metadata["general.architecture"])
+        self.names = {t.name for t in info.tensors}
+
+    def get(self, name: str, default=None):
+        value = self.md.get(f"{self.arch}.{name}", default)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def need(self, name: str):
+        """The key's value; ValueError naming it when the file has none."""
+        value = self.get(name)
+        if value is None:
+            raise ValueError(f"GGUF architecture '{self.arch}': the metadata has no '{self.arch}.{name}'")
+        return value
 
 
-def _require(md: dict, arch: str, name: str):
-    value = _key(md, arch, name)
-    if value is None:
-        raise ValueError(f"GGUF architecture '{arch}': the metadata has no '{arch}.{name}'")
-    return value
-
-
-def renamed_hf_config(info: GgufInfo):
-    """The transformers config of a GGUF in RENAMED_GGUF_ARCHS, from its metadata and tensor names
-    (a bias or a q/k norm is there or not). Raises ValueError naming a missing key, or a value
-    transformers' model cannot take (GLM-4 MoE's gating other than sigmoid; a SmolLM3 key length
-    other than hidden / heads)."""
+def renamed_hf_config(info):
+    """The transformers config of a GGUF (gguf_meta.GgufInfo) in RENAMED_GGUF_ARCHS, from its
+    metadata and tensor names (a bias or a q/k norm is there or not). Raises ValueError naming a
+    missing key, or a value transformers' model cannot take (GLM-4 MoE's gating other than sigmoid;
+    a SmolLM3 key length other than hidden / heads)."""
     from transformers import AutoConfig
 
-    from agentrt.runtime.models.gguf_meta import StringArray
-
-    md, arch = info.metadata, str(info.metadata["general.architecture"])
-    names = {t.name for t in info.tensors}
-
-    def key(name, default=None):
-        return _key(md, arch, name, default)
-
-    def need(name):
-        return _require(md, arch, name)
-
-    tokens = md.get("tokenizer.ggml.tokens")
+    m = _Metadata(info)
+    tokens = m.md.get("tokenizer.ggml.tokens")  # gguf_meta.StringArray: the vocabulary's length
     config = {
-        "vocab_size": int(key("vocab_size") or (int(tokens) if isinstance(tokens, StringArray) else 0)),
-        "max_position_embeddings": int(need("context_length")),
-        "hidden_size": int(need("embedding_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": int(need("attention.head_count")),
-        "num_key_value_heads": int(key("attention.head_count_kv") or need("attention.head_count")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+        "vocab_size": int(m.get("vocab_size") or (int(tokens) if isinstance(tokens, int) else 0)),
+        "max_position_embeddings": int(m.need("context_length")),
+        "hidden_size": int(m.need("embedding_length")),
+        "num_hidden_layers": int(m.need("block_count")),
+        "num_attention_heads": int(m.need("attention.head_count")),
+        "num_key_value_heads": int(m.get("attention.head_count_kv") or m.need("attention.head_count")),
+        "rms_norm_eps": float(m.need("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in m.names,
+        "bos_token_id": m.md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": m.md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": m.md.get("tokenizer.ggml.padding_token_id"),
+        "rope_parameters": _rope(m),
     }
-    if key("feed_forward_length") is not None:
-        config["intermediate_size"] = int(key("feed_forward_length"))
-    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
-    scaling = key("rope.scaling.type")
-    if scaling in ("linear", "yarn") and key("rope.scaling.factor"):
-        rope |= {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
-        if key("rope.scaling.original_context_length"):
-            rope["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+    if m.get("feed_forward_length") is not None:
+        config["intermediate_size"] = int(m.get("feed_forward_length"))
+    head_dim = int(m.get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"])
+    family = {"smollm3": _smollm3, "glm4moe": _glm4moe, "gpt-oss": _gpt_oss}[m.arch]
+    return AutoConfig.for_model(_MODEL_TYPES[m.arch], **family(m, config, head_dim))
+
+
+def _rope(m: _Metadata) -> dict:
+    """rope_parameters from rope.freq_base and a linear / YaRN rope.scaling.*."""
+    rope = {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 10000.0))}
+    scaling = m.get("rope.scaling.type")
+    if scaling in ("linear", "yarn") and m.get("rope.scaling.factor"):
+        rope |= {"rope_type": scaling, "factor": float(m.get("rope.scaling.factor"))}
+        if m.get("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = int(m.get("rope.scaling.original_context_length"))
         for name in ("beta_fast", "beta_slow"):
-            if key(f"rope.scaling.yarn_{name}") is not None:
-                rope[name] = float(key(f"rope.scaling.yarn_{name}"))
-    head_dim = int(key("attention.key_length") or config["hidden_size"] // config["num_attention_heads"])
-    if arch == "smollm3":
-        if head_dim * config["num_attention_heads"] != config["hidden_size"]:
-            raise ValueError(
-                f"GGUF architecture 'smollm3': key length {head_dim} x {config['num_attention_heads']} heads "
-                f"is not the hidden size {config['hidden_size']} (SmolLM3's head size is hidden / heads)"
-            )
-        config |= {
-            "attention_bias": "blk.0.attn_q.bias" in names,
-            "mlp_bias": "blk.0.ffn_up.bias" in names,
-            "no_rope_layer_interval": 4,  # llama.cpp's n_no_rope_layer_step for smollm3
-        }
-    elif arch == "glm4moe":
-        gating = key("expert_gating_func", 2)
-        if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
-            raise ValueError(
-                f"GGUF architecture 'glm4moe': expert_gating_func {gating}, GLM-4 MoE's is 2 (sigmoid)"
-            )
-        nextn = int(key("nextn_predict_layers", 0))
-        rope["partial_rotary_factor"] = int(key("rope.dimension_count", head_dim // 2)) / head_dim
-        config |= {
-            "num_hidden_layers": config["num_hidden_layers"] - nextn,
-            "num_nextn_predict_layers": nextn,
-            "head_dim": head_dim,
-            "n_routed_experts": int(need("expert_count")),
-            "num_experts_per_tok": int(need("expert_used_count")),
-            "moe_intermediate_size": int(need("expert_feed_forward_length")),
-            "n_shared_experts": int(key("expert_shared_count", 0)),
-            "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
-            "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
-            "norm_topk_prob": bool(key("expert_weights_norm", False)),
-            "n_group": int(key("expert_group_count", 1)),
-            "topk_group": int(key("expert_group_used_count", 1)),
-            "attention_bias": "blk.0.attn_q.bias" in names,
-            "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
-        }
-    else:  # gpt-oss: llama.cpp's swa pattern 2 (layer 0 windowed), YaRN without truncation
-        n = config["num_hidden_layers"]
-        if rope["rope_type"] == "yarn":
-            rope["truncate"] = False
-        config |= {
-            "head_dim": head_dim,
-            "num_local_experts": int(need("expert_count")),
-            "num_experts_per_tok": int(need("expert_used_count")),
-            "sliding_window": int(need("attention.sliding_window")),
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
-        }
-    config["rope_parameters"] = rope
-    return AutoConfig.for_model(_MODEL_TYPES[arch], **config)
+            if m.get(f"rope.scaling.yarn_{name}") is not None:
+                rope[name] = float(m.get(f"rope.scaling.yarn_{name}"))
+    return rope
 
 
-def _dequantize(info: GgufInfo, t) -> np.ndarray:
-    """Tensor `t` of the file as float32 in torch order (rows first)."""
+def _smollm3(m: _Metadata, config: dict, head_dim: int) -> dict:
+    if head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        raise ValueError(
+            f"GGUF architecture 'smollm3': key length {head_dim} x {config['num_attention_heads']} heads "
+            f"is not the hidden size {config['hidden_size']} (SmolLM3's head size is hidden / heads)"
+        )
+    return config | {
+        "attention_bias": "blk.0.attn_q.bias" in m.names,
+        "mlp_bias": "blk.0.ffn_up.bias" in m.names,
+        "no_rope_layer_interval": 4,  # llama.cpp's n_no_rope_layer_step for smollm3
+    }
+
+
+def _glm4moe(m: _Metadata, config: dict, head_dim: int) -> dict:
+    gating = m.get("expert_gating_func", 2)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise ValueError(
+            f"GGUF architecture 'glm4moe': expert_gating_func {gating}, GLM-4 MoE's is 2 (sigmoid)"
+        )
+    nextn = int(m.get("nextn_predict_layers", 0))
+    rotary = int(m.get("rope.dimension_count", head_dim // 2)) / head_dim
+    return config | {
+        "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": rotary},
+        "num_hidden_layers": config["num_hidden_layers"] - nextn,  # the MTP block counts as blocks
+        "num_nextn_predict_layers": nextn,
+        "head_dim": head_dim,
+        "n_routed_experts": int(m.need("expert_count")),
+        "num_experts_per_tok": int(m.need("expert_used_count")),
+        "moe_intermediate_size": int(m.need("expert_feed_forward_length")),
+        "n_shared_experts": int(m.get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+        "n_group": int(m.get("expert_group_count", 1)),
+        "topk_group": int(m.get("expert_group_used_count", 1)),
+        "attention_bias": "blk.0.attn_q.bias" in m.names,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in m.names,
+    }
+
+
+def _gpt_oss(m: _Metadata, config: dict, head_dim: int) -> dict:
+    """llama.cpp's fixed swa pattern 2 (layer 0 windowed); YaRN without truncation."""
+    rope = config["rope_parameters"]
+    n = config["num_hidden_layers"]
+    return config | {
+        "rope_parameters": rope | ({"truncate": False} if rope["rope_type"] == "yarn" else {}),
+        "head_dim": head_dim,
+        "num_local_experts": int(m.need("expert_count")),
+        "num_experts_per_tok": int(m.need("expert_used_count")),
+        "sliding_window": int(m.need("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+    }
+
+
+def _dequantize(info, t) -> np.ndarray:
+    """Tensor `t` (gguf_meta.GgufTensor) of the file as float32 in torch order (rows first)."""
     import gguf
 
     if t.nbytes is None:
@@ -168,10 +175,11 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def renamed_state_dict(info: GgufInfo, config) -> dict:
-    """The weights of a GGUF in RENAMED_GGUF_ARCHS as the transformers model of `config` names them
-    (float32 torch tensors), llama.cpp's reshaping undone. Raises ValueError naming the weights the
-    file does not hold, the file's tensors the model has no place for, or a shape that differs."""
+def renamed_state_dict(info, config) -> dict:
+    """The weights of a GGUF (gguf_meta.GgufInfo) in RENAMED_GGUF_ARCHS as the transformers model of
+    `config` names them (float32 torch tensors), llama.cpp's reshaping undone. Raises ValueError
+    naming the weights the file does not hold, the file's tensors the model has no place for, or a
+    shape that differs."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
