@@ -493,3 +493,48 @@ def test_check_says_how_the_checkpoint_is_read(gpt_oss_mxfp4, qwen3_fp8):
     assert "block-FP8 weights (128x128 blocks), de-quantized at load" in " ".join(
         f.message for f in fp.of("weights")
     )
+
+
+def _family_names() -> list[str]:
+    from tests.support.families import _families
+
+    return sorted(_families())
+
+
+@pytest.mark.parametrize("family", _family_names())
+def test_fp8_loads_bit_equal_in_every_family(family, tmp_path):
+    """Every family's tiny model as save_pretrained writes it (the checkpoint names), each projection
+    and stacked expert tensor block-FP8 (blocks of 24 x 40, so edges everywhere): agentrt's model
+    loaded from it equals the one loaded from transformers' block de-quantization, bit for bit."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import AutoModelForCausalLM
+
+    from agentrt.runtime.models.formats import _build_dense
+    from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
+
+    block = (24, 40)
+    cls, overrides = family_config(family)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cls(**{**COMMON, **overrides}), dtype=torch.float32).save_pretrained(
+        str(tmp_path)
+    )
+    state = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    quantized, dequantized = {}, {}
+    for name, value in state.items():
+        if value.dim() >= 2 and name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+            w, scale = fp8_quantize(value, block)
+            quantized[name], quantized[name + "_scale_inv"] = w, scale
+            dequantized[name] = fp8._dequantize_fp8_weight(w, scale, list(block), torch.float32)
+        else:
+            quantized[name] = dequantized[name] = value
+    assert len(quantized) > len(state), "no tensor was quantized"
+    config = read_hf_config(tmp_path)
+    config.quantization_config = {**FP8_CONFIG, "weight_block_size": list(block)}
+    arch = arch_from_hf_config(config)
+    ours = _build_dense(arch, 64, torch.float32, "cpu", quantized).state_dict()
+    expected = _build_dense(arch, 64, torch.float32, "cpu", dequantized).state_dict()
+    assert ours.keys() == expected.keys()
+    for name in ours:
+        _bits_equal(ours[name], expected[name])

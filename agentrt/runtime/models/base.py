@@ -249,7 +249,8 @@ class DecoderModel(nn.Module):
         groups: dict[str, dict[int, torch.Tensor]] = {}
         # the checkpoint's tensors, last first, each quantized one de-quantized to the model's dtype
         # as it is reached (checkpoint_quant.py); split experts are taken before the next
-        source = checkpoint_tensors(tensors, self.arch.checkpoint_quant, self.embed_tokens.weight.dtype)
+        tensors = checkpoint_tensors(tensors, self.arch.checkpoint_quant, self.embed_tokens.weight.dtype)
+        source = ((name, tensors[name]) for name in reversed(list(tensors)))
         pending: list[tuple[str, torch.Tensor]] = []
         while pending or (item := next(source, None)) is not None:
             name, value = pending.pop() if pending else item

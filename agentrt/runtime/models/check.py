@@ -39,7 +39,7 @@ from agentrt.runtime.models.check_report import (
     Finding,
     KVEstimate,
 )
-from agentrt.runtime.models.checkpoint_quant import loaded_elements
+from agentrt.runtime.models.checkpoint_quant import checkpoint_tensors, loaded_elements
 from agentrt.runtime.models.config import check_config_counts
 from agentrt.runtime.models.gguf_meta import StringArray, gguf_four_bit_layers, gguf_hf_config, read_gguf
 
@@ -328,7 +328,8 @@ def _check_layout(report: CheckReport, arch, m: ModelFiles) -> None:
     try:
         with torch.device("meta"):
             model = build_model(arch, 1)
-            model.load_hf_state_dict({name: torch.empty(shape) for name, (shape, _) in m.tensors.items()})
+            shapes = {name: torch.empty(shape) for name, (shape, _) in m.tensors.items()}
+            model.load_hf_state_dict(checkpoint_tensors(shapes, arch.checkpoint_quant, torch.float32))
     except (ValueError, RuntimeError) as e:
         report.add(ERROR, "weights", f"serve would refuse them at load: {e}")
         return

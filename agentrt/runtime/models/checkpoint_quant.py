@@ -1,8 +1,9 @@
 """Quantized checkpoints as released, de-quantized at load: which `quantization_config` agentrt reads
 (`checkpoint_quant`, refusing every other before a weight is read), the de-quantization of each format
 (`dequantize_mxfp4`, `dequantize_fp8_blocks`), and the one seam where the loader meets them
-(`checkpoint_tensors`: raw checkpoint tensors in, the de-quantized tensors the family's names expect
-out, for every family and for stacked and per-expert weights alike).
+(`checkpoint_tensors`: the raw checkpoint tensors seen as the de-quantized ones the family's names
+expect, before any family code reads them, for every family and for stacked and per-expert weights
+alike).
 
 - `mxfp4` (gpt-oss as released): the MoE experts' `gate_up_proj_blocks` / `down_proj_blocks` uint8
   [E, rows, cols / 32, 16] (two e2m1 values a byte, the low nibble first) with `_scales` uint8
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -216,31 +217,60 @@ def dequantize_fp8_blocks(
 # ---- the loader's seam -----------------------------------------------------------------------------
 
 
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors as the families load them (read-only): each quantized tensor
+    de-quantized to `dtype` under its unquantized name (MXFP4 `...experts.gate_up_proj_blocks` +
+    `_scales` -> `...experts.gate_up_proj` [E, H, 2I]; FP8 `X` + `X_scale_inv` -> `X`, `.weight` and
+    stacked expert tensors alike) every time it is read, never kept: a loader that reads each once
+    and drops it holds one de-quantized tensor at a time. The scales are not among the names. Reading
+    raises ValueError naming the tensor when its shapes do not fit its format."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], quant: CheckpointQuant, dtype: torch.dtype):
+        self.raw, self.quant, self.dtype = tensors, quant, dtype
+        scale_suffix = "_scales" if quant.method == "mxfp4" else "_scale_inv"
+        self.names: dict[str, str] = {}  # name -> raw name
+        for name in tensors:
+            if name.endswith(scale_suffix):
+                continue  # read with its weight
+            if quant.method == "mxfp4" and name.endswith("_blocks"):
+                self.names[name.removesuffix("_blocks")] = name
+            else:
+                self.names[name] = name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        raw = self.names[name]
+        value = self.raw[raw]
+        try:
+            if raw != name:  # MXFP4 blocks
+                return dequantize_mxfp4(value, self.raw[name + "_scales"], self.dtype)
+            if self.quant.method == "fp8" and name + "_scale_inv" in self.raw:
+                scale = self.raw[name + "_scale_inv"]
+                return dequantize_fp8_blocks(value, scale, self.quant.block_size, self.dtype)
+        except ValueError as e:
+            raise ValueError(f"weight '{name}': {e}") from None
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def checkpoint_tensors(
-    tensors: dict[str, torch.Tensor], quant: CheckpointQuant | None, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (name, tensor) pairs as the family loads them, last first (the loader's
-    order): with `quant`, each quantized tensor de-quantized to `dtype` under its unquantized name
-    (MXFP4 `...experts.gate_up_proj_blocks` + `_scales` -> `...experts.gate_up_proj` [E, H, 2I];
-    FP8 `X` + `X_scale_inv` -> `X`, for `.weight` and stacked expert tensors alike), one at a time
-    (a consumer that drops each keeps one de-quantized tensor in memory). Raises ValueError, before
-    yielding anything, for a scale without its weight or a weight without its scale, MXFP4 blocks on
-    a tensor that is not an expert's gate_up_proj / down_proj, or a float8 tensor in a checkpoint
-    that does not declare fp8; and while yielding, for a tensor whose shapes do not fit its format."""
+    tensors: Mapping[str, torch.Tensor], quant: CheckpointQuant | None, dtype: torch.dtype
+) -> Mapping[str, torch.Tensor]:
+    """`tensors` (name -> tensor, as read from the checkpoint) as the family loads them: a
+    CheckpointTensors view with `quant`, `tensors` itself without (or when it is one already).
+    Raises ValueError, before any tensor is de-quantized, for a scale without its weight or a weight
+    without its scale, MXFP4 blocks on a tensor that is not an expert's gate_up_proj / down_proj, or
+    a float8 tensor in a checkpoint that does not declare fp8."""
+    if isinstance(tensors, CheckpointTensors):
+        return tensors
     method = quant.method if quant else None
     for name, value in tensors.items():
         _check_partners(name, value, tensors, method)
-    for name, value in reversed(tensors.items()):
-        if method == "mxfp4" and name.endswith("_blocks"):
-            base = name.removesuffix("_blocks")
-            yield base, _named(base, dequantize_mxfp4, value, tensors[base + "_scales"], dtype)
-        elif method == "fp8" and name + "_scale_inv" in tensors:
-            scale = tensors[name + "_scale_inv"]
-            yield name, _named(name, dequantize_fp8_blocks, value, scale, quant.block_size, dtype)
-        elif not (method == "mxfp4" and name.endswith("_scales")) and not (
-            method == "fp8" and name.endswith("_scale_inv")
-        ):  # a scale is read with its weight
-            yield name, value
+    return tensors if quant is None else CheckpointTensors(tensors, quant, dtype)
 
 
 def _check_partners(name: str, value: torch.Tensor, tensors: dict, method: str | None) -> None:
@@ -268,13 +298,6 @@ def _check_partners(name: str, value: torch.Tensor, tensors: dict, method: str |
         partner = ("FP8 weight", "scale", name + "_scale_inv")
     if partner is not None and partner[2] not in tensors:
         raise ValueError(f"{partner[0]} '{name}' has no {partner[1]} ('{partner[2]}')")
-
-
-def _named(name: str, fn, *args) -> torch.Tensor:
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ValueError(f"weight '{name}': {e}") from None
 
 
 def loaded_elements(name: str, shape: tuple[int, ...], quant: CheckpointQuant | None) -> int:

@@ -25,6 +25,7 @@ import torch
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.hugepages import move_to_hugepages
 from agentrt.runtime.models.base import DecoderModel
+from agentrt.runtime.models.checkpoint_quant import checkpoint_tensors
 from agentrt.runtime.models.config import ModelArch
 from agentrt.runtime.models.cpu_linear import pack_linears
 from agentrt.runtime.models.quant import (
@@ -161,7 +162,8 @@ def _build_dense(
     with torch.device("meta"):
         model = build_model(arch, max_positions, ops)
     model = model.to(dtype).to_empty(device=device)  # dtype on meta: no copy
-    model.load_hf_state_dict(tensors)
+    # quantized checkpoints read de-quantized, also by families that rework the tensors first
+    model.load_hf_state_dict(checkpoint_tensors(tensors, arch.checkpoint_quant, dtype))
     return model
 
 

@@ -50,9 +50,11 @@ class GptOssForCausalLM(DecoderModel):
             return None
         out = []
         for e in range(value.shape[0]):
-            w = value[e]
-            if m[2] == "gate_up_proj":  # [H, 2I] interleaved (or [2I] bias) -> gate rows, then up rows
-                w = torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1)
+            # weights [in, out] -> [out, in] as a view (laid out so already where MXFP4 was de-quantized:
+            # rows are then taken, not transposed); biases [out]
+            w = value[e] if m[3] else value[e].t()
+            if m[2] == "gate_up_proj":  # 2I interleaved gate, up -> gate rows, then up rows
+                w = torch.cat((w[0::2], w[1::2]))
             kind = "bias" if m[3] else "weight"
-            out.append((f"{m[1]}.{e}.{m[2]}.{kind}", w if m[3] else w.t().contiguous()))
+            out.append((f"{m[1]}.{e}.{m[2]}.{kind}", w))
         return out
