@@ -225,10 +225,13 @@ class Speculator:
         self.method = config.method
         self.k = config.num_speculative_tokens
         self.ngram = self.draft = self.heads = None
-        if runner.arch.recurrent_layers and self.method in ("medusa", "draft"):
+        if runner.arch.recurrent_layers and (
+            self.method == "medusa" or (self.method == "draft" and config.draft_model is None)
+        ):
+            what = "medusa (a draft tree)" if self.method == "medusa" else "a self-draft (draft_layers)"
             raise ValueError(
-                f"speculative method '{self.method}' is not supported with recurrent (linear-attention / "
-                "SSM) layers: use ngram"
+                f"speculative decoding with {what} is not supported with recurrent (linear-attention / "
+                "SSM) layers: use ngram or a draft model"
             )
         if self.method == "ngram":
             self.ngram = NgramProposer(self.k, config.ngram_min, config.ngram_max)
@@ -288,6 +291,8 @@ class Speculator:
             CacheConfig(kv_cache_bytes=1 << 20),
             max_num_seqs=1,
         )  # a small pool, replaced below
+        if draft.arch.recurrent_layers:
+            raise ValueError("a draft model with recurrent (linear-attention / SSM) layers is not supported")
         if draft.arch.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({draft.arch.vocab_size}) differs from the target's "

@@ -179,8 +179,24 @@ def test_state_slots_that_do_not_fit_the_budget_are_refused(hybrid_dir):
 
 
 def test_speculation_that_needs_a_tree_or_draft_layers_is_refused(hybrid_dir):
-    with pytest.raises(ValueError, match="not supported with recurrent"):
+    with pytest.raises(ValueError, match="self-draft .* not supported with recurrent"):
         _engine(hybrid_dir, speculative=SpecConfig(method="draft", draft_layers=1))
+
+
+def test_a_dense_draft_model_speculates_for_a_hybrid_target(hybrid_dir, tmp_path, default_model_dir):
+    """A draft model's chain is verified like an n-gram draft: the hybrid target's state rolls back to
+    the last accepted token, so the tokens are the unspeculated run's; a hybrid draft is refused."""
+    draft = save_family("qwen3", tmp_path / "draft", default_model_dir)
+    prompt = _prompt(40, 37)
+    plain = _run(_engine(hybrid_dir), [prompt])[0].token_ids
+    spec = _engine(
+        hybrid_dir, speculative=SpecConfig(method="draft", draft_model=str(draft), num_speculative_tokens=3)
+    )
+    assert _run(spec, [prompt])[0].token_ids == plain
+    s = spec.stats
+    assert s.num_spec_steps > 0 and s.num_accepted_tokens < s.num_draft_tokens
+    with pytest.raises(ValueError, match="draft model with recurrent"):
+        _engine(hybrid_dir, speculative=SpecConfig(method="draft", draft_model=str(hybrid_dir)))
 
 
 def test_the_state_flags_reach_the_cache_config():
