@@ -160,6 +160,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             "mistral",
             "mistral_v11",
             "phi4_mini",
+            "granite",
+            "nemotron_json",
             "qwen3_coder",
             "glm45",
             "deepseek_v3_1",

@@ -5,11 +5,12 @@ grammar as content. See agentrt/api/tools/ for the request and response side.
 Styles of format (``ToolCallFormat.style``):
 
 - ``json``: a JSON call object ``{"name": ..., "arguments": {...}}`` after a marker (hermes
-  ``<tool_call>``, phi4_mini ``<|tool_call|>``, mistral ``[TOOL_CALLS][...]``: one list of every call
-  of the turn, as Mistral's templates write it) or alone (llama3_json, calls separated by ``; ``,
-  optionally after ``<|python_tag|>``; a Llama built-in tool also as ``<|python_tag|>NAME.call(k=v)``);
-  mistral's newer ``[TOOL_CALLS]name[ARGS]{...}`` is parsed by the same machine (mistral_v11 is its
-  grammar);
+  ``<tool_call>``, phi4_mini ``<|tool_call|>``; one list of every call of the turn: mistral
+  ``[TOOL_CALLS][...]`` as Mistral's templates write it, granite ``<|tool_call|>[...]`` (Granite
+  3.x), nemotron_json ``<TOOLCALL>[...]</TOOLCALL>`` (Nemotron Nano v2)) or alone (llama3_json,
+  calls separated by ``; ``, optionally after ``<|python_tag|>``; a Llama built-in tool also as
+  ``<|python_tag|>NAME.call(k=v)``); mistral's newer ``[TOOL_CALLS]name[ARGS]{...}`` is parsed by
+  the same machine (mistral_v11 is its grammar);
 - ``tagged``: the name between special tokens, then the arguments as JSON, inside a section
   (deepseek_v3_1 ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
   <｜tool▁calls▁end｜>``, kimi_k2 ``<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0
@@ -24,7 +25,9 @@ Styles of format (``ToolCallFormat.style``):
   MiniMax M2's is the same markup without the prefix nor the attribute (strings raw, other values
   JSON): ``<minimax:tool_call>\\n<invoke name="name">\\n<parameter name="k">v</parameter>\\n</invoke>
   \\n</minimax:tool_call>``;
-- ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3).
+- ``pythonic``: a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Gemma 3);
+- ``gemma4`` (Gemma 4): ``<|tool_call>call:name{k:<|"|>v<|"|>,n:2}<tool_call|>``, calls back to back,
+  strings between ``<|"|>`` (no escaping), keys bare at every depth (grammars/tool_args_gemma4.py).
 
 harmony (gpt-oss) is tagged without a section: ``<|channel|>commentary to=functions.NAME
 <|constrain|>json<|message|>{...}`` then the stop token ``<|call|>``.
@@ -48,6 +51,7 @@ from agentrt.grammars.tool_args import (
     rename,
     xml_arguments_ebnf,
 )
+from agentrt.grammars.tool_args_gemma4 import gemma4_arguments_ebnf, gemma4_members
 
 HARMONY_CALL = "<|channel|>commentary to=functions."
 """How gpt-oss opens a call (Harmony): the commentary channel, addressed to the function."""
@@ -64,17 +68,29 @@ _BUILTIN_ROOT = "llama_builtin_call_root"
 _MISTRAL_ID = "(" + lit(', "id": "') + " [A-Za-z0-9]{9} " + lit('"') + ")?"
 """EBNF: the 9-character call id Mistral's templates write after a call's arguments (optional)."""
 
+JSON_LISTS = {
+    "mistral": (("[TOOL_CALLS][", "[TOOL_CALLS] ["), _MISTRAL_ID),
+    "granite": (("<|tool_call|>[",), ""),
+    "nemotron_json": (("<TOOLCALL>[",), ""),
+}
+"""The formats whose calls of a turn are one JSON list after the marker (and before the format's
+close): format -> (the openings the grammar allows, what an item may hold after its arguments:
+an EBNF expression, "" for nothing). Mistral Small 3.1's template writes a space before the list
+and both Mistral templates a 9-character id in each item."""
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
     """name; marker: text that opens a block of calls in model text; marker_in_body: the marker is
     the start of the call object itself (llama3_json) rather than a wrapper; close: text that ends
     a block (hermes); args_key: the key holding the arguments; list_style: a block is a JSON list of
-    calls (mistral); separator: between calls of one block (list / llama3) or between blocks;
-    skip_special_tokens: whether decoded text may drop special tokens (a marker that is a special
-    token must stay in the text); style: json / tagged / xml / dsml / pythonic (module docstring);
+    calls (mistral, granite, nemotron_json: JSON_LISTS); separator: between calls of one block
+    (list / llama3) or between blocks; skip_special_tokens: whether decoded text may drop special
+    tokens (a marker that is a special token must stay in the text); style: json / tagged / xml /
+    dsml / pythonic / gemma4 (module docstring);
     section: (begin, end) around the calls (tagged, dsml); call_begin / name_end / call_end: the text
-    before a call's name, between the name and its arguments, after the arguments (tagged, xml, dsml);
+    before a call's name, between the name and its arguments, after the arguments (tagged, xml, dsml,
+    gemma4);
     name_prefix: before the name inside call_begin..name_end (kimi_k2 "functions."); call_index: a
     ":N" index follows the name (kimi_k2); xml: how a parameter is written (xml, dsml)."""
 
@@ -102,19 +118,20 @@ class ToolCallFormat:
         if self.name == "mistral_v11":
             return f"[TOOL_CALLS]{tool}[ARGS]"
         head = f'{{"name": {json.dumps(tool, ensure_ascii=False)}, "{self.args_key}": '
-        return {"hermes": "<tool_call>\n", "mistral": "[TOOL_CALLS][", "phi4_mini": "<|tool_call|>"}.get(
-            self.name, ""
-        ) + head
+        if self.name in JSON_LISTS:
+            return f"{self.marker}[{head}"
+        return {"hermes": "<tool_call>\n", "phi4_mini": "<|tool_call|>"}.get(self.name, "") + head
 
     def tag_end(self) -> str:
         if self.style != "json":
             return self.call_end
         ends = {
             "hermes": "}\n</tool_call>",
-            "mistral": "}]",
             "mistral_v11": "",
             "phi4_mini": "}<|/tool_call|>",
         }
+        if self.name in JSON_LISTS:
+            return "}]" + self.close
         return ends.get(self.name, "}")
 
     @property
@@ -131,14 +148,14 @@ class ToolCallFormat:
         (one block; kimi_k2 numbers them from `first_index`)."""
         if not calls:
             return ""
-        if self.style in ("xml", "dsml", "pythonic"):
+        if self.style in ("xml", "dsml", "pythonic", "gemma4"):
             calls = [(n, a if isinstance(a, dict) else {}) for n, a in calls]
         if self.style == "pythonic":
             items = ", ".join(f"{n}({', '.join(f'{k}={_js(v)}' for k, v in a.items())})" for n, a in calls)
             return f"[{items}]"
-        if self.name == "mistral":
+        if self.name in JSON_LISTS:
             items = ", ".join(f'{{"name": {_js(n)}, "arguments": {_js(a)}}}' for n, a in calls)
-            return f"[TOOL_CALLS][{items}]"
+            return f"{self.marker}[{items}]{self.close}"
         parts = []
         for i, (n, a) in enumerate(calls):
             begin = self.tag_begin(n)
@@ -146,6 +163,8 @@ class ToolCallFormat:
                 begin += f"{first_index + i}{self.name_end}"
             if self.xml is not None:
                 body = self.xml.sep.join(self.xml.render(k, v) for k, v in a.items())
+            elif self.style == "gemma4":
+                body = gemma4_members(a)
             else:
                 body = _js(a)
             parts.append(begin + body + self.tag_end())
@@ -198,6 +217,20 @@ FORMATS = {
     ),
     "phi4_mini": ToolCallFormat(
         "phi4_mini", "<|tool_call|>", "<|/tool_call|>", "arguments", separator="", skip_special_tokens=False
+    ),
+    # Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (no close; Granite 4 is hermes)
+    "granite": ToolCallFormat(
+        "granite", "<|tool_call|>", "", "arguments", list_style=True, separator="", skip_special_tokens=False
+    ),
+    # Nemotron Nano v2 (Nemotron-H): `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`
+    "nemotron_json": ToolCallFormat(
+        "nemotron_json",
+        "<TOOLCALL>",
+        "</TOOLCALL>",
+        "arguments",
+        list_style=True,
+        separator="",
+        skip_special_tokens=False,
     ),
     "qwen3_coder": ToolCallFormat(
         "qwen3_coder",
@@ -276,6 +309,18 @@ FORMATS = {
         skip_special_tokens=False,
     ),
     "pythonic": ToolCallFormat("pythonic", "[", "]", style="pythonic", separator=", "),
+    # Gemma 4: as its template writes calls (back to back, no separator)
+    "gemma4": ToolCallFormat(
+        "gemma4",
+        "<|tool_call>",
+        "<tool_call|>",
+        style="gemma4",
+        call_begin="<|tool_call>call:",
+        name_end="{",
+        call_end="}<tool_call|>",
+        separator="",
+        skip_special_tokens=False,
+    ),
     # gpt-oss: a call is a message on the commentary channel to its recipient; <|call|> (a stop
     # token) ends it and the turn, so one call per output
     "harmony": ToolCallFormat(
@@ -296,7 +341,8 @@ def arguments_ebnf(fmt_name: str, tool: dict, dropped: list[str], ws: dict, sche
     """EBNF (root `root`) of `tool`'s arguments ({"name", "parameters", "strict"}) in format
     `fmt_name`: the JSON grammar of its parameters (`schema_ebnf`, the pipeline's faithful JSON
     Schema grammar, passed in to keep this module below the pipeline), or XML parameters / Python
-    keyword arguments built from it (grammars/tool_args.py)."""
+    keyword arguments built from it (grammars/tool_args.py), or Gemma 4's values
+    (grammars/tool_args_gemma4.py)."""
     fmt = FORMATS[fmt_name]
     if fmt.style in ("xml", "dsml"):
         return xml_arguments_ebnf(
@@ -304,6 +350,8 @@ def arguments_ebnf(fmt_name: str, tool: dict, dropped: list[str], ws: dict, sche
         )
     if fmt.style == "pythonic":
         return pythonic_arguments_ebnf(tool["parameters"], tool["strict"], dropped, ws, schema_ebnf, fmt.name)
+    if fmt.style == "gemma4":
+        return gemma4_arguments_ebnf(tool["parameters"], tool["strict"], dropped, ws, schema_ebnf)
     ebnf = schema_ebnf(tool["parameters"], tool["strict"], dropped, ws)
     if fmt.name == "llama3_json" and tool["name"] in LLAMA_BUILTIN_TOOLS:
         ebnf += _builtin_call_rules(tool, dropped, ws, schema_ebnf)
@@ -345,8 +393,8 @@ def structural_tag(plan_value: dict, args_grammars: list[str]) -> dict:
         return _pythonic_tag(tools, args_grammars, parallel, required)
     if fmt.name == "llama3_json":
         return _llama_tag(fmt, tools, args_grammars, parallel, required)
-    if fmt.name == "mistral":
-        return _mistral_tag(fmt, tools, args_grammars, parallel, required)
+    if fmt.name in JSON_LISTS:
+        return _json_list_tag(fmt, tools, args_grammars, parallel, required)
     tags = [_tag(fmt, t["name"], g) for t, g in zip(tools, args_grammars)]
     if fmt.section is not None:
         inner = {
@@ -455,31 +503,34 @@ def _llama_tag(
     return {"type": "structural_tag", "format": body}
 
 
-def _mistral_tag(
+def _json_list_tag(
     fmt: ToolCallFormat, tools: list[dict], args: list[str], parallel: bool, required: bool
 ) -> dict:
-    """Mistral (Nemo, Small 3.1): every call of the turn in one list, as the templates write it:
-    `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "<9 characters>"}, ...]` (Small 3.1's
-    template puts a space before the list; the id is optional). A tag per tool for the first call,
-    the further calls (parallel) in its content, the list then ends the output."""
-    end = f'{_MISTRAL_ID} "}}"'
+    """Every call of the turn in one JSON list after the marker (JSON_LISTS), as the family's
+    template writes it: mistral (Nemo, Small 3.1) `[TOOL_CALLS][{"name": ..., "arguments": {...},
+    "id": "<9 characters>"}, ...]` (Small 3.1's template puts a space before the list; the id is
+    optional), granite `<|tool_call|>[...]`, nemotron_json `<TOOLCALL>[...]</TOOLCALL>`. A tag per
+    tool (and opening) for the first call, the further calls (parallel) in its content; the list
+    (and the format's close) then ends the output."""
+    openings, item_tail = JSON_LISTS[fmt.name]
+    end = f'{item_tail} "}}"'.strip()
     more = None
     if parallel:
         heads = [(f'{{"name": {_js(t["name"])}, "arguments": ', g) for t, g in zip(tools, args)]
         more = calls_list_ebnf(heads, tail=end, separator=", ")
     tags = []
-    for opening in ("[TOOL_CALLS][", "[TOOL_CALLS] ["):
+    for opening in openings:
         for t, g in zip(tools, args):
             elements = [{"type": "grammar", "grammar": g}, {"type": "grammar", "grammar": f"root ::= {end}"}]
             if more is not None:
                 elements.append({"type": "grammar", "grammar": more})
-            begin = opening + fmt.tag_begin(t["name"])[len("[TOOL_CALLS][") :]
+            begin = opening + fmt.tag_begin(t["name"])[len(fmt.marker) + 1 :]
             tags.append(
                 {
                     "type": "tag",
                     "begin": begin,
                     "content": {"type": "sequence", "elements": elements},
-                    "end": "]",
+                    "end": "]" + fmt.close,
                 }
             )
     return _one_list(tags, [fmt.trigger], required)

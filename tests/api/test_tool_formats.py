@@ -40,7 +40,7 @@ TEMPLATES = {
     "GLM-4.6": ("glm45", None),
     "HuggingFaceTB-SmolLM3-3B": ("hermes", None),  # no tool syntax at all: generic, no warning
     "MiniMax-M2": ("minimax_m2", None),
-    "NVIDIA-Nemotron-Nano-v2": ("hermes", "nemotron"),
+    "NVIDIA-Nemotron-Nano-v2": ("nemotron_json", None),
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("hermes", None),
     "Qwen-QwQ-32B": ("hermes", None),
     "Qwen-Qwen3-0.6B": ("hermes", None),
@@ -50,7 +50,7 @@ TEMPLATES = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("hermes", "deepseek_r1"),
     "deepseek-ai-DeepSeek-V3.1": ("deepseek_v3_1", None),
     "google-gemma-4-31B-it": ("hermes", "gemma4"),
-    "ibm-granite-granite-3.3-2B-Instruct": ("hermes", "granite"),
+    "ibm-granite-granite-3.3-2B-Instruct": ("granite", None),
     "llama-cpp-microsoft-Phi-4-mini-instruct": ("phi4_mini", None),
     "meta-llama-Llama-3.2-3B-Instruct": ("llama3_json", None),
     "meta-llama-Llama-3.3-70B-Instruct": ("llama3_json", None),
@@ -78,6 +78,8 @@ NEW = [
     "mistral_v11",
     "phi4_mini",
     "pythonic",
+    "granite",
+    "nemotron_json",
 ]
 
 # ---- detection ------------------------------------------------------------------------------
@@ -138,6 +140,12 @@ RENDERED_CALL = {
     "phi4_mini": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}<|/tool_call|>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
     "pythonic": '[get_weather(city="Paris", days=2), get_time()]',
+    # Granite 3.3's template renders no earlier calls: written in the content as the model writes them
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time"',
+    "nemotron_json": (
+        '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "arguments": {}}]</TOOLCALL>'
+    ),
     # gpt-oss's template writes the recipient in the role header; the model's own calls put it on
     # the channel (the grammar's form): both are Harmony
     "harmony": 'assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}<|call|>',
@@ -221,6 +229,26 @@ SCRIPTS = {
             "",
             [T, ("get_weather", {"city": "Rome"})],
         ),
+    ],
+    "granite": [
+        (  # Granite 3.x writes the list alone; keys in another order are read whole
+            '<|tool_call|>[{"arguments": {"city": "Rome"}, "name": "get_weather"}, {"name": "get_time", "arguments": {}}]',
+            "",
+            [("get_weather", {"city": "Rome"}), T],
+        ),
+        (
+            '<|tool_call|>[{"name": "rm_rf", "arguments": {}}]',
+            '<|tool_call|>[{"name": "rm_rf", "arguments": {}}]',
+            [],
+        ),
+    ],
+    "nemotron_json": [
+        (
+            'Let me check.\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</TOOLCALL>\n',
+            "Let me check.\n\n",
+            [("get_weather", {"city": "Rome"})],
+        ),
+        ("The <TOOLCALL> tag opens calls.", "The <TOOLCALL> tag opens calls.", []),
     ],
     "qwen3_coder": [
         (

@@ -80,8 +80,8 @@ def test_a_hit_between_two_snapshots_gives_transformers_tokens(path):
 
 
 def test_agentrt_check_reads_the_family_and_its_template(path):
-    """The Nano v2 template's `<TOOLCALL>[...]` calls have no parser here: check names the syntax
-    (the generic hermes prompt is used, with a warning); its reasoning is `<think>` tags, opened by
+    """The Nano v2 template's `<TOOLCALL>[...]</TOOLCALL>` calls are the nemotron_json format (the
+    template renders the tools and earlier calls itself); its reasoning is `<think>` tags, opened by
     the generation prompt unless /no_think closes them."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -98,13 +98,11 @@ def test_agentrt_check_reads_the_family_and_its_template(path):
     assert "5 layers" in report.describe()
     # the one attention block keeps K/V: 2 KV heads x 16 x 2 (K and V) x 4 bytes
     assert (report.kv.pool_bytes_per_token, report.kv.full_layers) == (256, 1)
-    assert report.tool_format == "hermes" and report.reasoning_format == "think tags (<think>...</think>)"
+    assert report.tool_format == "nemotron_json"
+    assert report.reasoning_format == "think tags (<think>...</think>)"
+    assert "tool calls nemotron_json (the template renders tools)" in report.describe()
     found = detect(template.read_text())
-    assert (found.name, found.native, found.unsupported) == (
-        "hermes",
-        False,
-        "nemotron (<TOOLCALL>[...]</TOOLCALL>)",
-    )
+    assert (found.name, found.native, found.unsupported) == ("nemotron_json", True, None)
     fmt = detect_reasoning(template.read_text())
     assert fmt is FORMATS["think"]
     modes = []

@@ -2,7 +2,7 @@
 
 ``detect(template)`` -> ``Detected``: the format (a name in grammars/tool_calls.FORMATS), whether the
 template renders the tool definitions and the assistant's earlier calls itself, and, for a template
-written for a call syntax no parser here reads (Gemma 4, the R1 distills, Nemotron, ...), that
+written for a call syntax no parser here reads (Gemma 4, the R1 distills, Command-R7B), that
 syntax's name: such a model gets the generic prompt (hermes), with a start-up
 warning naming both (rendering.ToolPrompt.for_template), never silently garbled calls.
 
@@ -15,10 +15,12 @@ The table (first match wins; README "Tool-call formats"):
 | ``<|channel|>`` + ``<|call|>``                    | harmony         |
 | ``｜DSML｜``                                       | deepseek_v3_2   |
 | ``<minimax:tool_call>`` + ``<invoke name=``       | minimax_m2      |
+| ``<TOOLCALL>``                                    | nemotron_json   |
 | ``<｜tool▁sep｜>`` (without R1's ```` ```json ````)  | deepseek_v3_1   |
 | ``<|tool_calls_section_begin|>`` / ``tool_declare`` | kimi_k2       |
 | ``[TOOL_CALLS]`` + ``[ARGS]``                     | mistral_v11     |
 | ``[TOOL_CALLS]``                                  | mistral         |
+| ``<|tool_call|>`` + ``available_tools``           | granite         |
 | ``<|tool_call|>`` + ``<|/tool_call|>``            | phi4_mini       |
 | "python list of the function calls"               | pythonic        |
 | ``<tool_call>``                                   | hermes          |
@@ -55,9 +57,7 @@ UNSUPPORTED = (
         "deepseek_r1 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME ```json ...)",
     ),
     (("<|tool_call>",), "gemma4 (<|tool_call>call:NAME{...}<tool_call|>)"),
-    (("<TOOLCALL>",), "nemotron (<TOOLCALL>[...]</TOOLCALL>)"),
     (("<|START_ACTION|>",), "command_r (<|START_ACTION|>[...]<|END_ACTION|>)"),
-    (("<|tool_call|>", "available_tools"), "granite (<|tool_call|>[...])"),
 )
 
 
@@ -76,6 +76,8 @@ def detect(template: str | None) -> Detected:
         return Detected("deepseek_v3_2", True, tools_in_template=renders_tools)
     if "<minimax:tool_call>" in t and "<invoke name=" in t:
         return Detected("minimax_m2", True, tools_in_template=renders_tools)
+    if "<TOOLCALL>" in t:
+        return Detected("nemotron_json", renders_tools, calls_in_template=renders_calls)
     for markers, name in UNSUPPORTED:
         if all(m in t for m in markers):
             return Detected("hermes", False, unsupported=name)
@@ -85,6 +87,8 @@ def detect(template: str | None) -> Detected:
         return Detected("kimi_k2", True, calls_in_template=renders_calls)
     if "[TOOL_CALLS]" in t:
         return Detected("mistral_v11" if "[ARGS]" in t else "mistral", renders_tools)
+    if "<|tool_call|>" in t and "available_tools" in t:  # Granite 3.x: renders no earlier calls
+        return Detected("granite", renders_tools, calls_in_template=renders_calls)
     if "<|tool_call|>" in t and "<|/tool_call|>" in t:
         return Detected("phi4_mini", renders_tools)
     if "python list of the function calls" in t:

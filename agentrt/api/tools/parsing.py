@@ -116,7 +116,7 @@ class JsonCalls(KeywordArgs):
         if s[0] == "[":
             self._block += self._buf[: len(self._buf) - len(s) + 1]
             self._buf, self._in_list = s[1:], True
-        elif s[0] != "{" and self.fmt.list_style:
+        elif s[0] != "{" and self.fmt.marker == "[TOOL_CALLS]":  # mistral's name[ARGS]{...}
             self._state = "v11"
             return
         self._state = "obj"
