@@ -169,6 +169,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             "minimax_m2",
             "kimi_k2",
             "pythonic",
+            "gemma4",
             "harmony",
         ],
         help="how the model writes tool calls (default: read from its chat template; templates "

@@ -6,7 +6,8 @@ whatever the chunking. One machine per style of format (grammars/tool_calls.py):
 here (hermes, llama3_json with or without ``<|python_tag|>`` and Llama's built-in
 ``<|python_tag|>NAME.call(k=v)``, mistral's list and ``[ARGS]`` styles, phi4_mini), ``TaggedCalls``
 (parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls`` (parse_xml.py: qwen3_coder, glm45),
-``DsmlCalls`` (parse_dsml.py: deepseek_v3_2, minimax_m2), ``PythonicCalls`` (parse_pythonic.py). (The request side:
+``DsmlCalls`` (parse_dsml.py: deepseek_v3_2, minimax_m2), ``PythonicCalls`` (parse_pythonic.py),
+``Gemma4Calls`` (parse_gemma4.py). (The request side:
 validation.py and rendering.py beside this module.)
 """
 
@@ -19,6 +20,7 @@ import regex
 
 from agentrt.api.tools.events import MAX_HEAD_CHARS, JsonScan, Machine, ParseEvent, ToolCall, new_call_id
 from agentrt.api.tools.parse_dsml import DsmlCalls
+from agentrt.api.tools.parse_gemma4 import Gemma4Calls
 from agentrt.api.tools.parse_pythonic import KeywordArgs, PythonicCalls
 from agentrt.api.tools.parse_tagged import TaggedCalls
 from agentrt.api.tools.parse_xml import XmlCalls
@@ -50,6 +52,7 @@ class ToolCallParser:
             "xml": XmlCalls,
             "dsml": DsmlCalls,
             "pythonic": PythonicCalls,
+            "gemma4": Gemma4Calls,
         }[fmt.style]
         self.fmt = fmt
         self._m: Machine = machine(fmt, names, schemas)
