@@ -4,7 +4,8 @@
 streaming and non-streaming responses, so streamed deltas concatenate to the non-streamed result
 whatever the chunking. One machine per style of format (grammars/tool_calls.py): ``JsonCalls``
 here (hermes, llama3_json with or without ``<|python_tag|>`` and Llama's built-in
-``<|python_tag|>NAME.call(k=v)``, mistral's list and ``[ARGS]`` styles, phi4_mini), ``TaggedCalls``
+``<|python_tag|>NAME.call(k=v)``, mistral's list and ``[ARGS]`` styles, phi4_mini, the lists of
+granite and nemotron_json), ``TaggedCalls``
 (parse_tagged.py: deepseek_v3_1, kimi_k2, harmony), ``XmlCalls`` (parse_xml.py: qwen3_coder, glm45),
 ``DsmlCalls`` (parse_dsml.py: deepseek_v3_2, minimax_m2), ``PythonicCalls`` (parse_pythonic.py),
 ``Gemma4Calls`` (parse_gemma4.py). (The request side:
