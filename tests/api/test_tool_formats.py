@@ -49,7 +49,7 @@ TEMPLATES = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": ("hermes", "deepseek_r1"),
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("hermes", "deepseek_r1"),
     "deepseek-ai-DeepSeek-V3.1": ("deepseek_v3_1", None),
-    "google-gemma-4-31B-it": ("hermes", "gemma4"),
+    "google-gemma-4-31B-it": ("gemma4", None),
     "ibm-granite-granite-3.3-2B-Instruct": ("granite", None),
     "llama-cpp-microsoft-Phi-4-mini-instruct": ("phi4_mini", None),
     "meta-llama-Llama-3.2-3B-Instruct": ("llama3_json", None),
@@ -80,6 +80,7 @@ NEW = [
     "pythonic",
     "granite",
     "nemotron_json",
+    "gemma4",
 ]
 
 # ---- detection ------------------------------------------------------------------------------
@@ -140,6 +141,11 @@ RENDERED_CALL = {
     "phi4_mini": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}<|/tool_call|>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
     "pythonic": '[get_weather(city="Paris", days=2), get_time()]',
+    # Gemma 4: keys bare and sorted, strings between <|"|>, calls back to back, then the results
+    "gemma4": (
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|><|tool_call>call:get_time{}'
+        '<tool_call|><|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+    ),
     # Granite 3.3's template renders no earlier calls: written in the content as the model writes them
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time"',
     "nemotron_json": (
@@ -331,6 +337,47 @@ SCRIPTS = {
             "See [docs] and [1, 2] and [get_time] and f(x).",
             [],
         ),
+    ],
+    "gemma4": [
+        (
+            (  # calls back to back; strings raw (brackets, quotes, the end marker inside); nested values
+                'Let me look.<|tool_call>call:get_weather{city:<|"|>San "Jose" {CA}<tool_call|>\n<|"|>,days:3,'
+                'opts:{hourly:true,tags:[<|"|>a<|"|>,-1.5e3,null,[]],w:{}}}<tool_call|><|tool_call>call:get_time{}'
+                "<tool_call|>"
+            ),
+            "Let me look.",
+            [
+                (
+                    "get_weather",
+                    {
+                        "city": 'San "Jose" {CA}<tool_call|>\n',
+                        "days": 3,
+                        "opts": {"hourly": True, "tags": ["a", -1500.0, None, []], "w": {}},
+                    },
+                ),
+                T,
+            ],
+        ),
+        (  # whitespace between tokens, a quoted key, Python's literals (the template writes None so)
+            (
+                '<|tool_call>call:get_weather{ <|"|>city<|"|> : <|"|>Rome<|"|> , days:2, opts:{hourly:True,x:None} }'
+                "<tool_call|>\n"
+            ),
+            "",
+            [("get_weather", {"city": "Rome", "days": 2, "opts": {"hourly": True, "x": None}})],
+        ),
+        (
+            "<|tool_call>call:rm_rf{}<tool_call|>",
+            "<|tool_call>call:rm_rf{}<tool_call|>",
+            [],
+        ),
+        ("The <|tool_call> token opens calls.", "The <|tool_call> token opens calls.", []),
+        (  # not the syntax inside a call: the call ends there (brackets closed), the rest is text
+            "<|tool_call>call:get_weather{city:Rome days:2}<tool_call|> Done.",
+            "days:2}<tool_call|> Done.",
+            [("get_weather", {"city": "Rome"})],
+        ),
+        ("<|tool_call>call:get_time{} Done.", " Done.", [T]),  # no end marker: the call ends with its braces
     ],
 }
 

@@ -2,7 +2,7 @@
 
 ``detect(template)`` -> ``Detected``: the format (a name in grammars/tool_calls.FORMATS), whether the
 template renders the tool definitions and the assistant's earlier calls itself, and, for a template
-written for a call syntax no parser here reads (Gemma 4, the R1 distills, Command-R7B), that
+written for a call syntax no parser here reads (the R1 distills, Command-R7B), that
 syntax's name: such a model gets the generic prompt (hermes), with a start-up
 warning naming both (rendering.ToolPrompt.for_template), never silently garbled calls.
 
@@ -16,6 +16,7 @@ The table (first match wins; README "Tool-call formats"):
 | ``｜DSML｜``                                       | deepseek_v3_2   |
 | ``<minimax:tool_call>`` + ``<invoke name=``       | minimax_m2      |
 | ``<TOOLCALL>``                                    | nemotron_json   |
+| ``<|tool_call>`` + ``call:`` (Gemma 4)              | gemma4          |
 | ``<｜tool▁sep｜>`` (without R1's ```` ```json ````)  | deepseek_v3_1   |
 | ``<|tool_calls_section_begin|>`` / ``tool_declare`` | kimi_k2       |
 | ``[TOOL_CALLS]`` + ``[ARGS]``                     | mistral_v11     |
@@ -30,7 +31,10 @@ The table (first match wins; README "Tool-call formats"):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_TOOL_ROLE = re.compile(r"""[!=]=\s*['"]tool['"]""")
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,17 @@ class Detected:
     prompt); tools_in_template: it renders the tool definitions (else the format's own tools
     prompt goes into the system message); calls_in_template: it renders the assistant's earlier
     calls (else they are written as text in the format's syntax); single_call_turns: it takes one
-    call per assistant message (Llama 3.x: a turn with several is split); unsupported: the call
-    syntax of a template no parser reads (the model gets the generic prompt)."""
+    call per assistant message (Llama 3.x: a turn with several is split); tool_responses: it takes
+    tool results as `tool_responses` ({name, response}) on the assistant message that made the
+    calls, not as tool messages (Gemma 4's first template; rendering.py moves them there);
+    unsupported: the call syntax of a template no parser reads (the model gets the generic prompt)."""
 
     name: str
     native: bool
     tools_in_template: bool = True
     calls_in_template: bool = True
     single_call_turns: bool = False
+    tool_responses: bool = False
     unsupported: str | None = None
 
 
@@ -56,7 +63,6 @@ UNSUPPORTED = (
         ("<｜tool▁sep｜>", "```json"),
         "deepseek_r1 (<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME ```json ...)",
     ),
-    (("<|tool_call>",), "gemma4 (<|tool_call>call:NAME{...}<tool_call|>)"),
     (("<|START_ACTION|>",), "command_r (<|START_ACTION|>[...]<|END_ACTION|>)"),
 )
 
@@ -78,6 +84,9 @@ def detect(template: str | None) -> Detected:
         return Detected("minimax_m2", True, tools_in_template=renders_tools)
     if "<TOOLCALL>" in t:
         return Detected("nemotron_json", renders_tools, calls_in_template=renders_calls)
+    if "<|tool_call>" in t and "call:" in t:  # a template that reads role "tool" messages says so
+        results = "tool_responses" in t and not _TOOL_ROLE.search(t)
+        return Detected("gemma4", True, tools_in_template=renders_tools, tool_responses=results)
     for markers, name in UNSUPPORTED:
         if all(m in t for m in markers):
             return Detected("hermes", False, unsupported=name)

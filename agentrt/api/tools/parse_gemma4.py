@@ -194,18 +194,17 @@ class Gemma4Calls(Machine):
         if final and self._cut_off:
             self._state = "cut"
             return
-        self._buf = self._buf.removeprefix(END)  # the call's end before its brackets closed
+        ended = self._buf.startswith(END)  # the call's end before its brackets closed
+        self._buf = self._buf.removeprefix(END)
         while self._stack:
             self._add_args(ev, self._stack.pop()[0])
-        self._state = "gap" if self._buf.lstrip() == "" else "text"
+        self._state = "gap" if ended else "text"
 
     def _on_end(self, ev, final):
         s = self._buf.lstrip()
         if s.startswith(END):
             self._buf, self._state = s[len(END) :], "gap"
-        elif self._waiting(s, final, END):
-            self._buf = s
-        else:
+        elif not self._waiting(s, final, END):
             self._state = "text"  # no end marker: the call ended with its arguments
 
     def _on_gap(self, ev, final):

@@ -4,7 +4,8 @@ detection.py), and the messages and tool definitions handed to the chat template
 With a *native* template (one that renders tools itself) tool calls and results pass through in
 Hugging Face's shape, adjusted to what the family's template expects (DeepSeek V3.1's arguments as
 JSON text, V3.2's as an object whose values its template types, Mistral's 9-character call ids, Kimi's `functions.NAME:N` ids, Qwen3-Coder's non-string values
-as JSON, one call per turn for Llama 3.x); where the template renders no tool list (DeepSeek V3.1)
+as JSON, one call per turn for Llama 3.x, tool results moved onto the calling turn as
+`tool_responses` for Gemma 4's first template); where the template renders no tool list (DeepSeek V3.1)
 the family's own tools prompt goes into the system message, and where it renders no earlier calls
 (Kimi K2's first template) they are written as text in the family's syntax. Otherwise the
 *generic* format (hermes) is used: tool definitions go into the system prompt (``TOOLS_PROMPT``),
@@ -202,7 +203,49 @@ def _native_messages(messages: list[dict], fmt: ToolCallFormat, d: Detected) -> 
             tid = m.get("tool_call_id")
             msg["tool_call_id"] = ids.get(tid, tid)
         out.append(msg)
+    return _results_on_calls(out) if d.tool_responses else out
+
+
+def _results_on_calls(messages: list[dict]) -> list[dict]:
+    """Gemma 4's first template (Detected.tool_responses) renders no tool message: it takes the
+    results as `tool_responses` ({name, response}) on the assistant message that made the calls,
+    after which the model's turn goes on (no `<turn|>`, no new `<|turn>model`). So each tool
+    message moves onto the calling message (its name: the call's, found by id; its response: the
+    object when the content is a JSON object's text, else the text), and an answer-only assistant
+    message right after the results joins that message's content (Google's documented shape: calls,
+    results, then the answer, one model turn). A calling message that had content of its own keeps
+    it (the template writes it after the results) and the next message opens a new turn."""
+    out: list[dict] = []
+    for m in messages:
+        last = out[-1] if out else None
+        if m["role"] == "tool" and last is not None and last.get("tool_calls"):
+            names = {c.get("id"): c["function"]["name"] for c in last["tool_calls"]}
+            result = {
+                "name": names.get(m.get("tool_call_id"), "unknown"),
+                "response": _response(m["content"]),
+            }
+            last.setdefault("tool_responses", []).append(result)
+            continue
+        if (
+            m["role"] == "assistant"
+            and last is not None
+            and last.get("tool_responses")
+            and not last["content"]
+            and not m.get("tool_calls")
+        ):
+            last["content"] = m["content"]
+            continue
+        out.append(m)
     return out
+
+
+def _response(content: str):
+    """A tool result for `tool_responses`: the object a JSON object's text holds, else the text."""
+    try:
+        value = json.loads(content)
+    except (ValueError, RecursionError):
+        return content
+    return value if isinstance(value, dict) else content
 
 
 def _template_id(fmt: ToolCallFormat, call: dict, n: int) -> str | None:
