@@ -5,15 +5,17 @@ Gemma 4's chat template writes a call as ``<|tool_call>call:NAME{key:value,...}<
 several back to back. A value is ``<|"|>text<|"|>`` (a string: the text raw, no escaping, so a
 string holding ``<|"|>`` cannot be written), a number as JSON writes it, ``true`` / ``false`` /
 ``null``, ``[v,...]`` or ``{key:v,...}``; keys are bare at every depth, each object's keys sorted
-(Jinja's ``dictsort``: by the lower-cased key), no whitespace anywhere. A key that cannot be
-written bare (empty, or holding whitespace or one of ``:,{}[]<>``) is written between ``<|"|>``, as
-the template writes the keys of tool declarations; the parser (api/tools/parse_gemma4.py) reads both.
+(Jinja's ``dictsort``: by the lower-cased key), no whitespace between tokens. A key that cannot be
+written bare (empty, holding a line break or one of ``:,{}[]<>``, or a space at an end) is written
+between ``<|"|>``, as the template writes the keys of tool declarations (its calls write every key
+bare, which cannot be read back for those); the parser (api/tools/parse_gemma4.py) reads both.
 
 The JSON grammars of sub-schemas cannot be reused whole here (strings and keys are written
 differently), so each normalized sub-schema (json_schema/: the same faithful normalization as
 ``response_format``) is turned into this syntax:
 
-- numbers, integers, booleans and null: their JSON grammar (``schema_ebnf``), the same text;
+- numbers, integers and booleans: their JSON grammar (``schema_ebnf``), the same text; null as
+  ``null`` or ``None`` (the template writes a None so; both read back as null);
 - strings: free text that never holds ``<|"|>``; with a length range only, that many characters
   other than ``"`` (stricter: no ``"``, so the closing quote can never be written early); with a
   pattern, a format the normalizer turns into a pattern, or negated patterns, json_schema's raw
@@ -44,11 +46,15 @@ from agentrt.grammars.tool_args import _STRING_ROOT, _Builder, _object_parts, _s
 QUOTE = '<|"|>'
 """Gemma 4's string delimiter (one special token of its vocabulary)."""
 
-BARE_KEY = re.compile(r"[^\s:,{}\[\]<>]+")
-"""A key written without quotes (what the parser reads as a bare key)."""
+BARE_KEY = re.compile(r"[^\s:,{}\[\]<>](?:[^:,{}\[\]<>\r\n]*[^\s:,{}\[\]<>])?")
+"""A key written without quotes, as the template writes every key (what the parser reads as a bare
+key: none of `:,{}[]<>`, no line break, no space at either end)."""
 
-_OPEN_KEY = "[A-Za-z_] [A-Za-z0-9_]*"  # the keys offered where an object declares no property
+MAX_KEY_CHARS = 256
+"""The longest key the parser reads (a longer one is not a key: bounded work per feed)."""
+_OPEN_KEY = "[A-Za-z_] [A-Za-z0-9_]{0,63}"  # the keys offered where an object declares no property
 _STRING_KEYS = {"type", "minLength", "maxLength", "pattern", "format", "allOf", "not"}
+_NULL = '"null" | "None"'
 _NUMBER = '"-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+\\-]? [0-9]+)?'
 
 
@@ -128,7 +134,9 @@ class _Gemma4(_Builder):
             return self.rule(" | ".join(f"({a})" for a in alts))
         if "enum" in s or "const" in s:
             values = s["enum"] if "enum" in s else [s["const"]]
-            alts = [lit(gemma4_value(v)) for v in values if writable(v)]
+            alts = [lit(gemma4_value(v)) for v in values if writable(v)] + (
+                ['"None"'] if None in values else []
+            )
             return self.rule(" | ".join(alts) or "[^\\0-\\U0010ffff]")
         t = s.get("type")
         if t == "string":
@@ -137,7 +145,9 @@ class _Gemma4(_Builder):
             return self.object(s, pointer)
         if t == "array":
             return self.array(s, pointer)
-        if t in ("number", "integer", "boolean", "null"):
+        if t == "null":
+            return self.rule(_NULL)
+        if t in ("number", "integer", "boolean"):
             return self.add(self.schema_ebnf(s, None, [], self.ws))  # the JSON text is this syntax's
         if t is None:
             return self.any_value()
@@ -202,9 +212,10 @@ class _Gemma4(_Builder):
         ones present; `extra` (a schema or None): other members with identifier keys."""
         parts = []
         for k in dictsort(k for k, v in props.items() if v is not False):
-            if QUOTE in k:
+            if QUOTE in k or len(k) > MAX_KEY_CHARS:
                 raise ValueError(
-                    f"property name {k!r} holds {QUOTE}, which the gemma4 call format cannot write"
+                    f"property name {k[:40]!r} cannot be written in the gemma4 call format "
+                    f"(it holds {QUOTE} or is longer than {MAX_KEY_CHARS} characters)"
                 )
             value = self.value(props[k], f"{pointer}/properties/{k}")
             parts.append((self.rule(f"{lit(gemma4_key(k) + ':')} {value}"), k in required))
@@ -251,7 +262,7 @@ class _Gemma4(_Builder):
             raw = p + "raw"
             q = lit(QUOTE)
             self.rules += [
-                f'{v} ::= {p}str | {p}num | "true" | "false" | "null" | {p}obj | {p}arr',
+                f'{v} ::= {p}str | {p}num | "true" | "false" | {_NULL} | {p}obj | {p}arr',
                 f"{p}str ::= {q} {raw} {q}",
                 excluding(raw, QUOTE).strip(),
                 f"{p}num ::= {_NUMBER}",

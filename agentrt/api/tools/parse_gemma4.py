@@ -25,15 +25,16 @@ import regex
 
 from agentrt.api.tools.events import MAX_HEAD_CHARS, Machine, held_back
 from agentrt.api.tools.values import literal
-from agentrt.grammars.tool_args_gemma4 import QUOTE
+from agentrt.grammars.tool_args_gemma4 import MAX_KEY_CHARS, QUOTE
 
 MARKER, END = "<|tool_call>", "<tool_call|>"
 _HEAD = regex.compile(r"\s*call:([A-Za-z0-9_.:\-]{1,256})\s*\{")
 _KEY = regex.compile(
-    r'(?:<\|"\|>((?:(?!<\|"\|>).){0,256})<\|"\|>|([^\s:,{}\[\]<>]{1,256}))\s*:', regex.DOTALL
+    rf'(?:<\|"\|>((?:(?!<\|"\|>).){{0,{MAX_KEY_CHARS}}})<\|"\|>|([^\s:,{{}}\[\]<>](?:[^:,{{}}\[\]<>\r\n]{{0,{MAX_KEY_CHARS - 2}}}[^\s:,{{}}\[\]<>])?))\s*:',
+    regex.DOTALL,
 )
 _BARE = regex.compile(r"[^\s,\]}<]*")
-_MAX_KEY = 300
+_MAX_KEY = MAX_KEY_CHARS + 50  # a key's text, its quotes and the spaces before its ":"
 
 
 class Gemma4Calls(Machine):
