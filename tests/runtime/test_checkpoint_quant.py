@@ -474,12 +474,23 @@ def test_fp8_scale_grid_and_missing_scale_are_refused(qwen3_fp8, tmp_path):
     ]
 
     d = _edited(path, tmp_path / "noscale", lambda t: t.pop(name + "_scale_inv"))
-    assert f"FP8 weight '{name}' has no scale ('{name}_scale_inv')" in _serve_refuses(d)
+    refused = _serve_refuses(d)
+    assert f"FP8 weight '{name}' has no scale ('{name}_scale_inv')" in refused
+    report = check_model(str(d), max_model_len=64, **CPU)  # told by the header's dtype
+    assert [(e.topic, e.message) for e in report.errors] == [
+        ("weights", f"serve would refuse them at load: {refused}")
+    ]
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
     d = shutil.copytree(path, tmp_path / "noconfig")
+    _hollow(d)
     (d / "config.json").write_text(json.dumps(config))
-    assert "is float8_e4m3fn but config.json's quantization_config does not declare" in _serve_refuses(d)
+    refused = _serve_refuses(d)
+    assert "is float8_e4m3fn but config.json's quantization_config does not declare" in refused
+    report = check_model(str(d), max_model_len=64, **CPU)
+    assert [(e.topic, e.message) for e in report.errors] == [
+        ("weights", f"serve would refuse them at load: {refused}")
+    ]
 
 
 def test_check_says_how_the_checkpoint_is_read(gpt_oss_mxfp4, qwen3_fp8):

@@ -66,6 +66,19 @@ REASONING_FORMATS = (  # (text in the chat template, the reasoning format it imp
     ("<think>", "think tags (<think>...</think>)"),
 )
 
+SAFETENSORS_DTYPES = {  # a safetensors header's dtype -> torch's name; others are read as float32
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U8": "uint8",
+    "I8": "int8",
+    "I32": "int32",
+    "I64": "int64",
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
@@ -152,6 +165,7 @@ class ModelFiles:
     vocab: int | None = None
     path: Path | None = None
     four_bit: bool | None = None
+    dtypes: dict[str, str] = field(default_factory=dict)  # name -> safetensors dtype (a directory's)
 
 
 def _locate(model: str, report: CheckReport) -> tuple[str, Path] | None:
@@ -250,6 +264,7 @@ def _read_hf_model(path: Path, report: CheckReport, m: ModelFiles) -> None:
             f"{files} file{'s' if files > 1 else ''}, {params:,} parameters)",
         )
     m.tensors = {k: (t["shape"], prod(t["shape"])) for k, t in headers.items()}
+    m.dtypes = {k: t["dtype"] for k, t in headers.items()}
     embeds = sorted((k for k in m.tensors if k.endswith(EMBEDDING_NAMES)), key=len)
     heads = sorted((k for k in m.tensors if k.endswith("lm_head.weight")), key=len)
     m.embed, m.head = (embeds or [None])[0], (heads or [None])[0]
@@ -328,7 +343,12 @@ def _check_layout(report: CheckReport, arch, m: ModelFiles) -> None:
     try:
         with torch.device("meta"):
             model = build_model(arch, 1)
-            shapes = {name: torch.empty(shape) for name, (shape, _) in m.tensors.items()}
+            shapes = {  # the headers' dtypes: quantized tensors are told by theirs (checkpoint_quant.py)
+                name: torch.empty(
+                    shape, dtype=getattr(torch, SAFETENSORS_DTYPES.get(m.dtypes.get(name), "float32"))
+                )
+                for name, (shape, _) in m.tensors.items()
+            }
             model.load_hf_state_dict(checkpoint_tensors(shapes, arch.checkpoint_quant, torch.float32))
     except (ValueError, RuntimeError) as e:
         report.add(ERROR, "weights", f"serve would refuse them at load: {e}")
