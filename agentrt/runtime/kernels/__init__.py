@@ -6,6 +6,7 @@ the CPU path. This module holds the Triton kernels' shared helpers (whether Trit
 Triton (CUDA):
 - paged decode attention (split-K, GQA): decode_attention.py
 - extend attention (prefill of new tokens over a cached prefix, causal): extend_attention.py
+- multi-head latent attention over the one-head latent rows, decode (split-K) and extend: mla_attention.py
 - their shared blocks (page-table loads, the online-softmax step): paged.py
 - fused RoPE + KV store into the pool: rope_store.py
 - token-bitmask apply on the logits: bitmask.py

@@ -280,7 +280,7 @@ def decode_attention(
     part_out, part_lse = _split_pass(
         q, pool, page_table, page_rows, seq_lens, sm_scale, num_splits, split_tokens, window, page_size
     )
-    _merge_pass(part_out, part_lse, out, sinks, num_splits)
+    merge_splits(part_out, part_lse, out, sinks, num_splits)
     return out
 
 
@@ -366,9 +366,11 @@ def _split_pass(
     return part_out, part_lse
 
 
-def _merge_pass(part_out, part_lse, out, sinks, num_splits) -> None:
+def merge_splits(part_out, part_lse, out, sinks, num_splits) -> None:
     """Second pass: merges each head's splits (and its sink, if any) into out [B, H, D] over a fixed
-    MAX_SPLITS-wide vector, so the sum order does not depend on the batch."""
+    MAX_SPLITS-wide vector, so the sum order does not depend on the batch. part_out [B, H, splits, D]
+    and part_lse [B, H, splits] float32 (lse -inf: an empty split); sinks float32 [H] or None; out
+    in any float dtype with a contiguous last dimension (also kernels/mla_attention.py's)."""
     batch, num_heads, _, head_dim = part_out.shape
     block_d = triton.next_power_of_2(head_dim)
     _decode_merge_kernel[(batch, num_heads)](

@@ -54,17 +54,21 @@ def _rope_store_kernel(
     PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     QUANT: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     # HALF = rotary_dim // 2: features [0, HALF) pair with [HALF, 2 * HALF); features
     # [2 * HALF, 2 * HALF + PASS) (partial rotary, PASS = head_dim - rotary_dim) are copied as is.
+    # Program (t, hb) rotates q heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of token t; hb 0 also
+    # stores its K (and V, HAS_V) rows.
     t = tl.program_id(0)
+    hb = tl.program_id(1)
     pos = tl.load(Positions + t)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     c = tl.load(Cos + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
     s = tl.load(Sin + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
 
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     qm = (offs_h < NUM_HEADS)[:, None] & d_mask[None, :]
     qp = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
@@ -81,7 +85,7 @@ def _rope_store_kernel(
         tl.store(opp, tl.load(qpp, mask=qpm, other=0.0).to(QOut.dtype.element_ty), mask=qpm)
 
     slot = tl.load(SlotMapping + t)
-    if slot >= 0:
+    if (slot >= 0) & (hb == 0):
         offs_kh = tl.arange(0, BLOCK_KH)
         h_mask = offs_kh < NUM_KV_HEADS
         km = h_mask[:, None] & d_mask[None, :]
@@ -102,34 +106,41 @@ def _rope_store_kernel(
             # amax, 127 / amax, round half to even (the 1.5 * 2^23 trick: exact for |x| < 2^22)
             kr1 = (k1 * c - k2 * s).to(K.dtype.element_ty).to(tl.float32)
             kr2 = (k2 * c + k1 * s).to(K.dtype.element_ty).to(tl.float32)
-            v1 = tl.load(vp, mask=km, other=0.0).to(tl.float32)
-            v2 = tl.load(vp + HALF, mask=km, other=0.0).to(tl.float32)
             kx = tl.load(kpp, mask=kpm, other=0.0).to(tl.float32)
-            vx = tl.load(vpp, mask=kpm, other=0.0).to(tl.float32)
             k_amax = tl.maximum(tl.max(tl.abs(kr1), 1), tl.max(tl.abs(kr2), 1))
-            v_amax = tl.maximum(tl.max(tl.abs(v1), 1), tl.max(tl.abs(v2), 1))
             if PASS > 0:
                 k_amax = tl.maximum(k_amax, tl.max(tl.abs(kx), 1))
-                v_amax = tl.maximum(v_amax, tl.max(tl.abs(vx), 1))
             k_inv = _inv_scale(k_amax)
-            v_inv = _inv_scale(v_amax)
             tl.store(kc, _round_int8(kr1 * k_inv[:, None]), mask=km)
             tl.store(kc + HALF, _round_int8(kr2 * k_inv[:, None]), mask=km)
-            tl.store(vc, _round_int8(v1 * v_inv[:, None]), mask=km)
-            tl.store(vc + HALF, _round_int8(v2 * v_inv[:, None]), mask=km)
             if PASS > 0:
                 tl.store(kcp, _round_int8(kx * k_inv[:, None]), mask=kpm)
-                tl.store(vcp, _round_int8(vx * v_inv[:, None]), mask=kpm)
             tl.store(KScale + slot * stride_kss + offs_kh, _scale(k_amax), mask=h_mask)
-            tl.store(VScale + slot * stride_vss + offs_kh, _scale(v_amax), mask=h_mask)
+            if HAS_V:
+                v1 = tl.load(vp, mask=km, other=0.0).to(tl.float32)
+                v2 = tl.load(vp + HALF, mask=km, other=0.0).to(tl.float32)
+                vx = tl.load(vpp, mask=kpm, other=0.0).to(tl.float32)
+                v_amax = tl.maximum(tl.max(tl.abs(v1), 1), tl.max(tl.abs(v2), 1))
+                if PASS > 0:
+                    v_amax = tl.maximum(v_amax, tl.max(tl.abs(vx), 1))
+                v_inv = _inv_scale(v_amax)
+                tl.store(vc, _round_int8(v1 * v_inv[:, None]), mask=km)
+                tl.store(vc + HALF, _round_int8(v2 * v_inv[:, None]), mask=km)
+                if PASS > 0:
+                    tl.store(vcp, _round_int8(vx * v_inv[:, None]), mask=kpm)
+                tl.store(VScale + slot * stride_vss + offs_kh, _scale(v_amax), mask=h_mask)
         else:
             tl.store(kc, (k1 * c - k2 * s).to(KCache.dtype.element_ty), mask=km)
             tl.store(kc + HALF, (k2 * c + k1 * s).to(KCache.dtype.element_ty), mask=km)
-            tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
-            tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
             if PASS > 0:
                 tl.store(kcp, tl.load(kpp, mask=kpm, other=0.0).to(KCache.dtype.element_ty), mask=kpm)
-                tl.store(vcp, tl.load(vpp, mask=kpm, other=0.0).to(VCache.dtype.element_ty), mask=kpm)
+            if HAS_V:
+                tl.store(vc, tl.load(vp, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km)
+                tl.store(
+                    vc + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(VCache.dtype.element_ty), mask=km
+                )
+                if PASS > 0:
+                    tl.store(vcp, tl.load(vpp, mask=kpm, other=0.0).to(VCache.dtype.element_ty), mask=kpm)
 
 
 @triton.jit
@@ -166,10 +177,13 @@ def _rotary_half(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
     return half
 
 
+ROPE_STORE_TILE = 16384  # q elements per program at most (heads x padded features), else head blocks
+
+
 def rope_and_store(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
@@ -187,13 +201,19 @@ def rope_and_store(
     k_cache / v_cache: [S, Hkv, D] tensors (written in their dtype), or an int8 pool's
     kv_cache.QuantizedKV pair: each token's K and V head rows quantized as kv_cache.quantize_kv (the
     rotated key rounded to k's dtype first, as the torch path has it), the same bytes for the same
-    rows. Math in fp32. Returns the rotated q [T, H, D] (`q_out` if
+    rows. Math in fp32. v and v_cache None: no V (multi-head latent attention's rows are K's
+    alone), only k is stored. Returns the rotated q [T, H, D] (`q_out` if
     given, else a new tensor). Raises ValueError on a rotary_dim of 0 or over D, cos / sin tables
-    of different shapes, or a non-contiguous last dim.
+    of different shapes, a non-contiguous last dim, or only one of v and v_cache given.
+    A program rotates at most ROPE_STORE_TILE of q's (padded) elements: wide heads (latent
+    attention's 128 x 576) are cut into blocks of heads.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+    has_v = v is not None
+    if has_v != (v_cache is not None):
+        raise ValueError("rope_and_store: v and v_cache go together")
+    if q.stride(2) != 1 or k.stride(2) != 1 or (has_v and v.stride(2) != 1):
         raise ValueError("rope_and_store needs contiguous head vectors")
     half = _rotary_half(cos, sin, head_dim)
     if q_out is None:
@@ -201,8 +221,14 @@ def rope_and_store(
     if num_tokens == 0:
         return q_out
     passthrough = head_dim - 2 * half
+    if not has_v:  # placeholders, never read
+        v, v_cache = k, k_cache
     k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
-    _rope_store_kernel[(num_tokens,)](
+    block_half = triton.next_power_of_2(half)
+    block_pass = triton.next_power_of_2(max(passthrough, 1))
+    fit = max(1, ROPE_STORE_TILE // (2 * block_half + block_pass))  # heads per program, a power of 2
+    block_h = min(triton.next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))
+    _rope_store_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         q,
         k,
         v,
@@ -233,19 +259,20 @@ def rope_and_store(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_H=block_h,
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HALF=block_half,
         PASS=passthrough,
-        BLOCK_PASS=triton.next_power_of_2(max(passthrough, 1)),
+        BLOCK_PASS=block_pass,
         QUANT=quant,
+        HAS_V=has_v,
     )
     return q_out
 
 
 def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
     """Torch reference of `rope_and_store` (fp32 math, then the tensors' dtypes; an int8 pool's rows
-    quantized by kv_cache.store_kv); partial rotary
+    quantized by kv_cache.store_kv; v None: no V stored); partial rotary
     (rotary_dim = 2 * cos.shape[-1] < head_dim) leaves features [rotary_dim, head_dim) as they are."""
     half = _rotary_half(cos, sin, q.shape[-1])
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
@@ -257,5 +284,6 @@ def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_ca
 
     keep = slot_mapping >= 0
     store_kv(k_cache, slot_mapping[keep], rot(k)[keep])
-    store_kv(v_cache, slot_mapping[keep], v[keep])
+    if v is not None:
+        store_kv(v_cache, slot_mapping[keep], v[keep])
     return rot(q)
