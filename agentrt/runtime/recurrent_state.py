@@ -12,6 +12,7 @@ of that snapshot, and the tokens past it are recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +140,20 @@ class RecurrentBatch:
 
     pool: StatePool
     seqs: list[SeqState]
+    memo: dict = field(default_factory=dict)  # values every recurrent layer of this forward shares
+
+    def decoding(self, min_batch: int, device: torch.device):
+        """(the sequences decoding one token: no snapshot, not fresh, [] when fewer than `min_batch`;
+        their rows [B] int64; their working slots [B] int64), built once per forward."""
+        key = ("decoding", min_batch)
+        if key not in self.memo:
+            single = [s for s in self.seqs if s.end - s.start == 1 and not s.fresh and not s.snapshots]
+            if len(single) < min_batch:
+                single = []
+            at = torch.tensor([s.start for s in single], dtype=torch.int64, device=device)
+            slots = torch.tensor([s.slot for s in single], dtype=torch.int64, device=device)
+            self.memo[key] = (single, at, slots)
+        return self.memo[key]
 
 
 def recurrent_batch(chunks, pool: StatePool | None) -> RecurrentBatch | None:
@@ -161,44 +176,43 @@ def recurrent_batch(chunks, pool: StatePool | None) -> RecurrentBatch | None:
     return RecurrentBatch(pool, seqs)
 
 
-def run_recurrent(mixer, index: int, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-    """x [T, hidden] -> [T, hidden] through a recurrent mixer in three stages (layers/gated_delta.py,
-    layers/mamba2.py): `project` every row of the batch at once; `scan` each sequence's rows, segment
-    by segment between its snapshot points, its states (recurrent layer `index` of the pool) read and
-    updated in place, copied into a snapshot's slot after the segment that ends there; the
-    sequences decoding one token (no snapshot) in one `scan_decode` over their gathered states;
-    `finish` every row at once. A row's result depends on its own sequence's rows and state only."""
-    rows = mixer.project(x)
-    tensors = batch.pool.tensors[index]
-    single = [s for s in batch.seqs if s.end - s.start == 1 and not s.fresh and not s.snapshots]
-    core = None
+@dataclass(frozen=True)
+class Scans:
+    """How a backend runs the middle stage of `run_recurrent` (the scan) for one kind of mixer.
 
-    def put(at, value: torch.Tensor) -> None:
-        nonlocal core
-        if core is None:
-            core = value.new_empty((x.shape[0], *value.shape[1:]))
-        core[at] = value
+    decode(mixer, rows, tensors, slots) -> core [B, ...]: one token of each of B sequences (`project`'s
+    rows of those tokens, slots [B] int64 their working slots in the layer's state `tensors`, whose
+    rows are updated in place); taken when at least `min_decode_batch` sequences decode one token
+    (no snapshot, not fresh). segments(mixer, rows, tensors, seqs, memo) -> [(row index, core)]: the
+    other sequences (SeqState) of the batch, states updated and snapshots written as `run_recurrent`
+    says; `memo` a dict that lives for one forward (what every recurrent layer of it can share)."""
 
-    if len(single) > 1:
-        at = torch.tensor([s.start for s in single], device=x.device)
-        slots = torch.tensor([s.slot for s in single], device=x.device)
-        conv, rec = tensors["conv"].index_select(0, slots), tensors["recurrent"].index_select(0, slots)
-        put(at, mixer.scan_decode(tuple(r.index_select(0, at) for r in rows), conv, rec))
-        tensors["conv"].index_copy_(0, slots, conv)
-        tensors["recurrent"].index_copy_(0, slots, rec)
-    else:
-        single = []
-    batched = {id(s) for s in single}
-    for seq in batch.seqs:
-        if id(seq) in batched:
-            continue
+    decode: Callable
+    segments: Callable
+    min_decode_batch: int = 2
+
+
+def gathered_decode(mixer, rows, tensors: dict, slots: torch.Tensor) -> torch.Tensor:
+    """Scans.decode in torch: the states of `slots` gathered, `mixer.scan_decode`, scattered back."""
+    conv, rec = tensors["conv"].index_select(0, slots), tensors["recurrent"].index_select(0, slots)
+    core = mixer.scan_decode(rows, conv, rec)
+    tensors["conv"].index_copy_(0, slots, conv)
+    tensors["recurrent"].index_copy_(0, slots, rec)
+    return core
+
+
+def segment_scans(mixer, rows, tensors: dict, seqs: list[SeqState], memo: dict) -> list:
+    """Scans.segments in torch: `mixer.scan` per sequence, segment by segment between its snapshot
+    points, on its slot's states in place."""
+    out = []
+    for seq in seqs:
         states = {name: t[seq.slot] for name, t in tensors.items()}
         fresh, pos = seq.fresh, seq.start
         for n, snap in [*seq.snapshots, (seq.end - seq.start, None)]:
             end = seq.start + n
             if end > pos:
                 part = tuple(r[pos:end] for r in rows)
-                put(slice(pos, end), mixer.scan(part, states["conv"], states["recurrent"], fresh))
+                out.append((slice(pos, end), mixer.scan(part, states["conv"], states["recurrent"], fresh)))
                 fresh, pos = False, end
             elif fresh:  # a snapshot of the empty prefix: zeros
                 for s in states.values():
@@ -207,4 +221,38 @@ def run_recurrent(mixer, index: int, x: torch.Tensor, batch: RecurrentBatch) -> 
             if snap is not None:
                 for name, t in tensors.items():
                     t[snap].copy_(states[name])
+    return out
+
+
+TORCH_SCANS = Scans(gathered_decode, segment_scans)
+
+
+def run_recurrent(
+    mixer, index: int, x: torch.Tensor, batch: RecurrentBatch, scans: Scans = TORCH_SCANS
+) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden] through a recurrent mixer in three stages (layers/gated_delta.py,
+    layers/mamba2.py): `project` every row of the batch at once; scan each sequence's rows, segment
+    by segment between its snapshot points, its states (recurrent layer `index` of the pool) read and
+    updated in place, copied into a snapshot's slot after the segment that ends there (`scans.segments`),
+    the sequences decoding one token (no snapshot) in one `scans.decode` (torch's: over their gathered
+    states; the Triton backend's: kernels addressing the pool's slots); `finish` every row at once. A
+    row's result depends on its own sequence's rows and state only."""
+    rows = mixer.project(x)
+    tensors = batch.pool.tensors[index]
+    single, at, slots = batch.decoding(scans.min_decode_batch, x.device)
+    core = None
+
+    def put(where, value: torch.Tensor) -> None:
+        nonlocal core
+        if core is None:
+            core = value.new_empty((x.shape[0], *value.shape[1:]))
+        core[where] = value
+
+    if single:
+        put(at, scans.decode(mixer, tuple(r.index_select(0, at) for r in rows), tensors, slots))
+    batched = {id(s) for s in single}
+    rest = [s for s in batch.seqs if id(s) not in batched]
+    if rest:
+        for where, value in scans.segments(mixer, rows, tensors, rest, batch.memo):
+            put(where, value)
     return mixer.finish(core, rows, x.dtype)

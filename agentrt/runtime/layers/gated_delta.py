@@ -242,19 +242,30 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(t, self.num_v_heads, self.head_v_dim)
         return mixed, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
+    def split_heads(self, mixed: torch.Tensor):
+        """Activated conv output [T, conv_dim] -> views q, k [T, Hk, Dk], v [T, Hv, Dv] (raw: not
+        normalised, key heads not repeated; the last dim contiguous)."""
+        t = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        heads_k = (t, self.num_k_heads, self.head_k_dim)
+        return q.view(heads_k), k.view(heads_k), v.view(t, self.num_v_heads, self.head_v_dim)
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project`'s b, a [T, Hv] -> g (log decay, -exp(A_log) softplus(a + dt_bias)), beta
+        (sigmoid(b)), both [T, Hv] float32."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, b.float().sigmoid()
+
     def _qkv_gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """Activated conv output [T, conv_dim], b, a -> q, k [T, Hv, Dk] (normalised, q scaled, key heads
         repeated per value head), v [T, Hv, Dv], g, beta [T, Hv] float32."""
-        t = mixed.shape[0]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.float().view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = l2norm(k.float().view(t, self.num_k_heads, self.head_k_dim))
+        q, k, v = self.split_heads(mixed)
+        q = l2norm(q.float()) * self.head_k_dim**-0.5
+        k = l2norm(k.float())
         if self.num_v_heads != self.num_k_heads:
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        v = v.float().view(t, self.num_v_heads, self.head_v_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return q, k, v, g, b.float().sigmoid()
+        return (q, k, v.float(), *self.gates(b, a))
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Core output o [T, Hv, Dv] float32, gate z [T, Hv, Dv] -> [T, hidden] in `dtype`."""

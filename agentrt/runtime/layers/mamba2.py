@@ -229,7 +229,7 @@ class Mamba2Mixer(nn.Module):
             "recurrent": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
         }
 
-    def _split(self, xbc: torch.Tensor, dt: torch.Tensor):
+    def split(self, xbc: torch.Tensor, dt: torch.Tensor):
         """Activated conv output [T, conv_dim], raw dt [T, H] -> x [T, H, P], B, C [T, G, N], dt [T, H]
         float32 (softplus, limits)."""
         t = xbc.shape[0]
@@ -261,7 +261,7 @@ class Mamba2Mixer(nn.Module):
             conv_state.zero_()
             recurrent_state.zero_()
         xbc = F.silu(causal_conv_segment(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
-        xs, b, c, dt = self._split(xbc, dt)
+        xs, b, c, dt = self.split(xbc, dt)
         a = -self.A_log.float().exp()
         if xbc.shape[0] == 1:
             y = ssd_step(xs[0], dt[0], a, b[0], c[0], recurrent_state)[None]
@@ -274,7 +274,7 @@ class Mamba2Mixer(nn.Module):
         recurrent_state [B, H, P, N] (float32, updated in place) -> core [B, H, P] float32."""
         _, xbc, dt = rows
         xbc = F.silu(causal_conv_step(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias))
-        xs, b, c, dt = self._split(xbc, dt)
+        xs, b, c, dt = self.split(xbc, dt)
         y = ssd_step(xs, dt, -self.A_log.float().exp(), b, c, recurrent_state)
         return y + xs.float() * self.D.float()[:, None]
 
