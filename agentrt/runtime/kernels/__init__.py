@@ -13,6 +13,9 @@ Triton (CUDA):
 - the experts of a sparse MoE block as grouped GEMMs: fused_moe.py
 - batch-invariant matmul and RMSNorm: batch_invariant.py
 - the gated delta rule's decode step over a state pool (Gated DeltaNet): gated_delta_decode.py
+- the chunked gated delta rule for prefill, snapshots at segment ends: gated_delta_chunk.py
+- the short convolution's decode step over a state pool (Gated DeltaNet, Mamba-2): conv_step.py
+- the Mamba-2 (SSD) decode step over a state pool: ssd_decode.py
 
 C++ (CPU): one library built on first use and loaded as torch ops by cpu_kernels.py (its docstring
 lists the sources): attention over the KV pool, the fused layer ops, the int8 / int4 matmuls and a
