@@ -58,6 +58,8 @@ class RunPlan:
     kv_dtype: torch.dtype
     ops: LayerOps
     max_model_len: int
+    recurrent: str = ""  # how a hybrid model's recurrent layers run ("" without them)
+    recurrent_reason: str = ""
 
     @property
     def cpu_kernels(self) -> bool:
@@ -76,6 +78,7 @@ class RunPlan:
                 ("linear kernel", self.linear_kernel, self.linear_reason),
                 ("layer ops", self.ops.name, "chosen with the attention backend and the linear kernel"),
                 ("KV cache", kv_dtype_name(self.kv_dtype), f"context {self.max_model_len} tokens"),
+                *([("recurrent layers", self.recurrent, self.recurrent_reason)] if self.recurrent else ()),
             )
         )
 
@@ -105,6 +108,26 @@ def _layout_backend(requested: str, backend: str, reason: str, arch: ModelArch) 
     if backend == "cpu" and arch.mla is not None:
         reason += "; latent attention by gather + SDPA (the C++ kernel reads K and V of one width)"
     return backend, reason
+
+
+def _recurrent_plan(model_config: ModelConfig, backend: str, device: torch.device, arch: ModelArch):
+    """(how the recurrent layers run, why), ("", "") for a model without them: on the Triton backend
+    by its kernels per mixer kind (backends/triton_recurrent.py), decode without CUDA graphs; on
+    torch / cpu by the mixers' torch scans."""
+    kinds = sorted({arch.layer_mixers[i] for i in arch.recurrent_layers})
+    if not kinds:
+        return "", ""
+    if backend != "triton":
+        return (
+            "torch scans (chunked prefill, batched decode step)",
+            f"attention {backend}: the recurrent kernels are the Triton backend's",
+        )
+    from agentrt.runtime.backends import GRAPHS_SKIP_RECURRENT
+    from agentrt.runtime.backends.triton_recurrent import DESCRIPTIONS
+
+    how = "; ".join(DESCRIPTIONS.get(k, f"{k} by its torch scan") for k in kinds)
+    graphs = device.type == "cuda" and not model_config.enforce_eager
+    return how, f"attention triton{'; decode eager: ' + GRAPHS_SKIP_RECURRENT if graphs else ''}"
 
 
 def _decode_plan(model_config: ModelConfig, backend: str, device: torch.device, arch: ModelArch):
@@ -210,4 +233,5 @@ def plan_run(
         device, dtype, dtype_reason, threads, threads_reason, backend, backend_reason, compiled, decode_reason,
         quantization, lm_head, group, quant_reason, kernel, kernel_reason, kv_dtype,
         TORCH_OPS if compiled else choose_layer_ops(backend, kernel), max_model_len,
+        *_recurrent_plan(model_config, backend, device, arch),
     )  # fmt: skip

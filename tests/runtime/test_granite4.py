@@ -113,23 +113,30 @@ def test_agentrt_check_reads_the_family(dirs):
     assert "all 44 tensors have the names and shapes the model loads" in report.describe()
 
 
-def test_the_mamba_layers_run_on_torch_not_triton(dirs, monkeypatch):
-    """The Triton backend's metadata has no state pool: a requested triton is refused naming the
-    recurrent layers (it was an AttributeError on the first Mamba-2 layer), `auto` on CUDA takes
-    torch and says why."""
+def test_the_mamba_layers_run_on_the_triton_backend(dirs, monkeypatch):
+    """The Triton backend runs the Mamba-2 layers (backends/triton_recurrent.py: its decode kernels
+    over the state pool; d72cff3 refused a requested triton naming the recurrent layers), `auto` on
+    CUDA takes it for a hybrid too, and the plan says how the recurrent layers run."""
     from agentrt.runtime import run_plan
+    from agentrt.runtime.kernels import triton_usable
     from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
 
     path = dirs["granite4"]
-    with pytest.raises(ValueError, match="attention_backend 'triton' does not implement recurrent"):
-        ModelRunner(ModelConfig(model=str(path), attention_backend="triton", **CPU), CacheConfig())
-    monkeypatch.setattr(run_plan, "choose_attention_backend", lambda *a: ("triton", "auto: CUDA"))
+    if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("needs triton (TRITON_INTERPRET=1 on CPU)")
+    runner = ModelRunner(ModelConfig(model=str(path), attention_backend="triton", **CPU), CacheConfig())
+    assert runner.attention_backend == "triton"
     arch = arch_from_hf_config(read_hf_config(path))
-    plan = run_plan.plan_run(ModelConfig(model=str(path), **CPU), CacheConfig(), arch, path)
-    assert (plan.backend, plan.backend_reason) == (
-        "torch",
-        "auto: the Triton attention does not implement recurrent",
+    plan = run_plan.plan_run(
+        ModelConfig(model=str(path), attention_backend="triton", **CPU), CacheConfig(), arch, path
     )
+    assert (plan.recurrent, plan.recurrent_reason) == (
+        "Mamba-2 decode by the Triton kernels, its prefill by the torch SSD scan",
+        "attention triton",
+    )
+    monkeypatch.setattr(run_plan, "choose_attention_backend", lambda *a: ("triton", "auto: CUDA"))
+    plan = run_plan.plan_run(ModelConfig(model=str(path), **CPU), CacheConfig(), arch, path)
+    assert (plan.backend, plan.backend_reason) == ("triton", "auto: CUDA")
 
 
 def _config(**overrides):

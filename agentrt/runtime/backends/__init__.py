@@ -27,6 +27,9 @@ import torch
 from agentrt.runtime.backends.torch_attention import TorchBackend, build_torch_metadata
 from agentrt.runtime.forward import TORCH_OPS, BatchInputs, LayerOps, SeqChunk, run_forward
 
+# Why a hybrid model's decode on the Triton backend runs eagerly (the start line and run_plan say it)
+GRAPHS_SKIP_RECURRENT = "CUDA graphs do not capture the recurrent layers' state updates"
+
 
 class Backend(Protocol):
     """name: the attention backend (`torch`, `cpu`, `triton`); reason: why it was chosen."""
@@ -86,13 +89,16 @@ def make_backend(
     `kv`. compiled: decode through the AOTInductor graphs (CPU; `cache_dir`, `threads` key the
     build); the Triton backend's slot table holds 2 x max_num_seqs + 8 sequences of max_len + 128
     slots (a verify chunk may hold 65 tokens past the context), its CUDA graphs the
-    `graph_batch_sizes` up to max_num_seqs (captured with capture_graphs). Raises ValueError for an
-    unknown name."""
+    `graph_batch_sizes` up to max_num_seqs (captured with capture_graphs; none for a model with
+    recurrent layers, whose decode runs eagerly). Raises ValueError for an unknown name."""
     if name == "triton":
         from agentrt.runtime.backends.cuda_graph import CudaGraphBackend
         from agentrt.runtime.backends.triton import TritonBackend
 
         eager = TritonBackend(model, kv, device, 2 * max_num_seqs + 8, max_len + 128, reason)
+        if model.arch.recurrent_layers:  # the graphs' static metadata carries no state slots
+            eager.graph_note = GRAPHS_SKIP_RECURRENT if capture_graphs else ""
+            return eager
         sizes = [b for b in graph_batch_sizes if b <= max(max_num_seqs, 1)] or [1]
         return CudaGraphBackend(eager, sizes, capture_graphs)
     if name not in ("torch", "cpu"):

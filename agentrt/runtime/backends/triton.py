@@ -21,6 +21,7 @@ from agentrt.runtime.forward import BatchInputs, SeqChunk, flatten_chunks, run_f
 from agentrt.runtime.kernels.decode_attention import decode_attention, decode_splits
 from agentrt.runtime.kernels.extend_attention import extend_attention
 from agentrt.runtime.kernels.rope_store import rope_and_store
+from agentrt.runtime.recurrent_state import RecurrentBatch, StatePool, recurrent_batch, run_recurrent
 
 # The Triton backend replaces the attention alone (rope_and_store, attend): every other layout feature
 # (models/config.py ModelArch.layout_features: norms, MLPs, MoE routing, biases) runs as the layers'
@@ -28,7 +29,6 @@ from agentrt.runtime.kernels.rope_store import rope_and_store
 UNSUPPORTED = frozenset(
     {
         "mla",  # multi-head latent attention: K and V of different widths, one cache
-        "recurrent",  # linear-attention / SSM layers: its metadata carries no state pool (run_recurrent)
     }
 )
 
@@ -123,12 +123,22 @@ class TritonAttentionMetadata:
     cos_table: torch.Tensor | None = None
     sin_table: torch.Tensor | None = None
     swa_map: torch.Tensor | None = None  # [num_slots] int64 slot -> window row (kv_window.py), or None
+    recurrent: RecurrentBatch | None = None  # the recurrent layers' sequences and state pool, or None
     _window_view: TritonAttentionMetadata | None = None
 
     def prepare_rope(self, positions, cos_table, sin_table, dtype) -> None:
         """Keep the fp32 cos/sin tables [max_positions, head_dim // 2]; the kernel gathers rows."""
         self.cos_table, self.sin_table = cos_table, sin_table
         self._window_view = None
+
+    def run_recurrent(self, mixer, index: int, x: torch.Tensor) -> torch.Tensor:
+        """forward.ForwardMeta.run_recurrent, scanned by the Triton kernels over the state pool's
+        slots in place (backends/triton_recurrent.py)."""
+        from agentrt.runtime.backends.triton_recurrent import triton_scans
+
+        if self.recurrent is None:
+            raise ValueError("this forward has no recurrent state pool")
+        return run_recurrent(mixer, index, x, self.recurrent, triton_scans(mixer))
 
     def layer_view(self, window: int | None) -> TritonAttentionMetadata:
         """The metadata a layer with sliding window `window` reads (forward.ForwardMeta.layer_view)."""
@@ -221,10 +231,16 @@ class TritonAttentionMetadata:
 
 
 def build_triton_metadata(
-    chunks: list[SeqChunk], table: SlotTable, dev: torch.device, swa_map: torch.Tensor | None = None
+    chunks: list[SeqChunk],
+    table: SlotTable,
+    dev: torch.device,
+    swa_map: torch.Tensor | None = None,
+    states: StatePool | None = None,
 ) -> BatchInputs:
     """Inputs of the Triton path for a flat batch of SeqChunks; uploads the chunks' new slots to
-    `table`. swa_map: a sliding-window pool's slot -> row map."""
+    `table`. swa_map: a sliding-window pool's slot -> row map; states: the recurrent layers' state
+    pool (recurrent_state.recurrent_batch, which raises ValueError for a chunk without a state slot
+    or with a draft tree), or None."""
     ids, positions, new_slots, logit_idx = flatten_chunks(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     prefix_lens = [c.context_len for c in chunks]
@@ -244,6 +260,7 @@ def build_triton_metadata(
         page_rows=torch.tensor(rows, **i32),
         is_decode=is_decode,
         swa_map=swa_map,
+        recurrent=recurrent_batch(chunks, states),
     )
     if is_decode:
         meta.seq_lens = torch.tensor([p + 1 for p in prefix_lens], **i32)
@@ -275,11 +292,14 @@ class TritonBackend:
         self.slot_table = SlotTable(num_rows, max_len, device)
 
     def prepare(self, chunks: list[SeqChunk]) -> BatchInputs:
-        return build_triton_metadata(chunks, self.slot_table, self.device, self.kv.swa_map)
+        return build_triton_metadata(chunks, self.slot_table, self.device, self.kv.swa_map, self.kv.states)
 
     def run(self, chunks: list[SeqChunk], return_hidden: bool = False):
         """Logits [N, vocab] fp32 (with return_hidden, and the hidden rows): forward.run_forward."""
         return run_forward(self.model, self.kv.k, self.kv.v, chunks, self.prepare, self.device, return_hidden)
 
+    # why decode does not replay CUDA graphs here (set by backends.make_backend), or ""
+    graph_note: str = ""
+
     def describe(self) -> str:
-        return "decode eager"
+        return f"decode eager ({self.graph_note})" if self.graph_note else "decode eager"

@@ -7,8 +7,8 @@ prefill) cut down to two kernels of our own, chunks of 64 tokens:
 
 1. `_wu_kernel`, one program per (chunk, value head), all chunks in parallel: the chunk-local cumulative
    log decay, the strictly lower matrix A = beta_i (k_i . k_j) exp(g_i - g_j), its unit-lower inverse
-   (I + A)^-1 by forward substitution (FLA's `solve_tril`, done on the whole 64 x 64 tile), and the
-   UT-transformed keys w = (I + A)^-1 (beta k exp(g)) and values u = (I + A)^-1 (beta v) (FLA's
+   (I + A)^-1 (FLA's `solve_tril`: the 16 x 16 diagonal blocks by forward substitution, all four at
+   once, then the blocks below them; `_unit_lower_inverse`), and the UT-transformed keys w = (I + A)^-1 (beta k exp(g)) and values u = (I + A)^-1 (beta v) (FLA's
    `recompute_w_u`): what each token writes given the chunk's start state S is u - w S.
 2. `_scan_kernel`, one program per (sequence, value head, block of value channels), the chunks of that
    sequence in order (FLA's `chunk_gated_delta_rule_fwd_h` with its output kernel `chunk_fwd_o` fused
@@ -20,7 +20,9 @@ prefill) cut down to two kernels of our own, chunks of 64 tokens:
 q and k are L2-normalised in the kernels (FLA's `use_qk_l2norm_in_kernel`) and read per key head (a
 value head h reads key head h // (Hv / Hk): no repeated copies). Every product is float32 ("ieee"
 `tl.dot`), as the torch form (layers.gated_delta.gated_delta_chunked) computes it; the cumulative
-decay is float32 here (the torch form takes it in float64), exact enough within a 64-token chunk.
+decay is float32 here (the torch form takes it in float64), exact enough within a 64-token chunk
+(measured on keys nearly parallel, beta ~1, decay ~1 over 128 tokens: 2.1e-7 from a float64
+recurrence, the torch form 3.0e-7).
 
 `gated_delta_chunk_ref` is the torch reference (`gated_delta_chunked` segment by segment);
 tests/runtime/test_triton_gated_delta.py compares the two under TRITON_INTERPRET=1.
