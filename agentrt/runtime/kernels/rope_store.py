@@ -208,8 +208,7 @@ def rope_and_store(
     A program rotates at most ROPE_STORE_TILE of q's (padded) elements: wide heads (latent
     attention's 128 x 576) are cut into blocks of heads.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_tokens, _, head_dim = q.shape
     has_v = v is not None
     if has_v != (v_cache is not None):
         raise ValueError("rope_and_store: v and v_cache go together")
@@ -220,8 +219,18 @@ def rope_and_store(
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
+    _launch(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q_out, half)
+    return q_out
+
+
+def _launch(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q_out, half: int) -> None:
+    """One program per (token, block of q heads), a block of a power of 2 heads holding at most
+    ROPE_STORE_TILE padded q elements; v None: no V stored (k and its cache stand in, never read)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    has_v = v is not None
     passthrough = head_dim - 2 * half
-    if not has_v:  # placeholders, never read
+    if not has_v:
         v, v_cache = k, k_cache
     k_cache, v_cache, k_scale, v_scale, stride_kss, stride_vss, quant = pool_args(k_cache, v_cache)
     block_half = triton.next_power_of_2(half)
@@ -267,7 +276,6 @@ def rope_and_store(
         QUANT=quant,
         HAS_V=has_v,
     )
-    return q_out
 
 
 def rope_and_store_ref(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
