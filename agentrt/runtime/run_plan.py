@@ -223,7 +223,11 @@ def plan_run(
                 "(--kv-cache-dtype)"
             )
         if problem is None and arch.mla is not None:
-            problem = "multi-head latent attention is attended by gather + SDPA, which is not batch-invariant"
+            problem = (
+                "multi-head latent attention's absorbed projections (torch einsums) are not batch-invariant"
+                if backend == "triton"
+                else "multi-head latent attention is attended by gather + SDPA, which is not batch-invariant"
+            )
         if problem is not None:
             raise ValueError(f"--deterministic: {problem}")
     kernel, kernel_reason = choose_linear_kernel(

@@ -143,20 +143,25 @@ def test_kimi_k2_config_is_read_as_deepseek_v3(dirs, tmp_path):
     assert torch.equal(out[0], out[1])
 
 
-def test_latent_attention_runs_on_torch_not_triton(dirs, monkeypatch):
-    """The Triton kernels read K and V of one width: `auto` on CUDA takes torch and says why, a
-    requested triton is refused naming the layer; the C++ whole-stack op and the compiled decode
-    leave the model (their allow-lists lack mla), and the cpu backend says its C++ attention kernel
-    does not attend the latent; --deterministic refuses the model (gather + SDPA is not
-    batch-invariant)."""
+def test_latent_attention_backends(dirs, monkeypatch):
+    """The Triton backend runs the latent attention (kernels/mla_attention.py; its logits against
+    transformers: test_model_families' triton case) and `auto` on CUDA keeps it; the C++ whole-stack
+    op and the compiled decode leave the model (their allow-lists lack mla), and the cpu backend
+    says its C++ attention kernel does not attend the latent; --deterministic refuses the model on
+    every backend (gather + SDPA, or the absorbed projections' einsums, are not batch-invariant)."""
     from agentrt.runtime import run_plan
     from agentrt.runtime.backends import compiled_decode, cpu_stack
+    from agentrt.runtime.kernels import triton_usable
     from agentrt.runtime.models.registry import arch_from_hf_config, read_hf_config
 
     arch = arch_from_hf_config(read_hf_config(dirs["deepseek_v3"]))
     assert "mla" in cpu_stack.unsupported(arch) and "mla" in compiled_decode.unsupported(arch)
-    with pytest.raises(ValueError, match="attention_backend 'triton' does not implement mla"):
-        _runner(dirs["deepseek_v3"], attention_backend="triton")
+    if triton_usable(torch.device("cpu")):
+        assert _runner(dirs["deepseek_v3"], attention_backend="triton").attention_backend == "triton"
+        with pytest.raises(
+            ValueError, match="--deterministic: .* absorbed projections .* not batch-invariant"
+        ):
+            _runner(dirs["deepseek_v3"], attention_backend="triton", deterministic=True)
     runner = _runner(dirs["deepseek_v3"], attention_backend="cpu")
     assert "latent attention by gather + SDPA" in runner.plan.backend_reason
     assert "mla" in runner.decode  # layer by layer: the stack op does not implement mla
@@ -168,10 +173,7 @@ def test_latent_attention_runs_on_torch_not_triton(dirs, monkeypatch):
     plan = run_plan.plan_run(
         ModelConfig(model=str(dirs["deepseek_v3"]), **CPU), CacheConfig(), arch, dirs["deepseek_v3"]
     )
-    assert (plan.backend, plan.backend_reason) == (
-        "torch",
-        "auto: the Triton attention does not implement mla",
-    )
+    assert (plan.backend, plan.backend_reason) == ("triton", "auto: CUDA")
 
 
 # (template, tool-call format, reasoning format of grammars/reasoning.py, where a default prompt

@@ -118,12 +118,24 @@ def test_greedy_tokens_match_transformers_batched_cached_chunked_speculated(fami
 @pytest.mark.parametrize("decode_steps", [4, pytest.param(DECODE_STEPS, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "family",
-    ["gemma3", "gpt_oss", "qwen3_moe", "phi3", "smollm3", "gemma4", "qwen3_next", "qwen3_5", "granite4"],
+    [
+        "gemma3",
+        "gpt_oss",
+        "qwen3_moe",
+        "phi3",
+        "smollm3",
+        "gemma4",
+        "deepseek_v3",
+        "qwen3_next",
+        "qwen3_5",
+        "granite4",
+    ],
 )
 def test_triton_path_logits_match_transformers(family_dirs, family, decode_steps):
     """The Triton attention kernels (the interpreter on a CPU) with windows, sinks, per-layer RoPE and
     partial rotary (phi3), NoPE layers (smollm3: the identity RoPE), caches of two shapes and layers
-    reading an earlier layer's cache (gemma4): a 40-token prefill, a 20-token
+    reading an earlier layer's cache (gemma4), multi-head latent attention (deepseek_v3: the latent
+    kernels, kernels/mla_attention.py): a 40-token prefill, a 20-token
     chunk and `decode_steps` decodes (32 in the slow variant: each interpreted decode step costs ~0.7 s
     here). The hybrids' recurrent layers run the Triton backend's kernels over the state pool
     (backends/triton_recurrent.py: Gated DeltaNet's chunked prefill and decode step in qwen3_next /

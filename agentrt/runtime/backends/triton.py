@@ -5,7 +5,8 @@ the per-forward metadata that drives the kernels in runtime/kernels/.
 A batch where every sequence decodes one token runs the split-K decode kernel (and can be
 replayed from a CUDA graph, see cuda_graph.py); any other batch (prefill chunks, speculative
 verify chunks, mixed) runs the extend kernel for all its sequences, a decode being an extend of
-one token.
+one token. Multi-head latent attention layers (layers/mla.py) run kernels/mla_attention.py's decode
+and extend forms the same way.
 """
 
 from __future__ import annotations
@@ -20,17 +21,14 @@ import torch
 from agentrt.runtime.forward import BatchInputs, SeqChunk, flatten_chunks, run_forward
 from agentrt.runtime.kernels.decode_attention import decode_attention, decode_splits
 from agentrt.runtime.kernels.extend_attention import extend_attention
+from agentrt.runtime.kernels.mla_attention import mla_decode, mla_extend
 from agentrt.runtime.kernels.rope_store import rope_and_store
 from agentrt.runtime.recurrent_state import RecurrentBatch, StatePool, recurrent_batch, run_recurrent
 
 # The Triton backend replaces the attention alone (rope_and_store, attend): every other layout feature
 # (models/config.py ModelArch.layout_features: norms, MLPs, MoE routing, biases) runs as the layers'
 # own torch ops under it. These attention layouts its kernels do not implement:
-UNSUPPORTED = frozenset(
-    {
-        "mla",  # multi-head latent attention: K and V of different widths, one cache
-    }
-)
+UNSUPPORTED: frozenset[str] = frozenset()
 
 
 def unsupported(arch) -> frozenset[str]:
@@ -170,30 +168,32 @@ class TritonAttentionMetadata:
         """qkv [T, (H + 2 Hkv) D], heads (H, Hkv, D) -> (q [T, H, D] rotated, k [T, Hkv, D] unrotated:
         the kernels read K from the pool, v [T, Hkv, D]); k rotated and v are written to the pool in one
         kernel. rope: the layer's (cos, sin) tables [max_positions, rotary_dim // 2], None = the
-        model's first. Raises NotImplementedError for a V of another width than D (v_dim: multi-head
-        latent attention, which `unsupported` keeps off this backend)."""
+        model's first. v_dim 0: qkv holds no V and none is stored (multi-head latent attention, v
+        [T, Hkv, 0]). Raises NotImplementedError for another V width than D or 0."""
         num_heads, num_kv_heads, head_dim = heads
-        if v_dim is not None and v_dim != head_dim:
-            raise NotImplementedError(
-                "the Triton attention stores K and V of one width (no latent attention)"
-            )
+        if v_dim is not None and v_dim not in (0, head_dim):
+            raise NotImplementedError("the Triton attention stores V of K's width or none (v_dim 0)")
         t = qkv.shape[0]
-        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        v_dim = head_dim if v_dim is None else v_dim
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * v_dim], dim=-1)
         q = q.reshape(t, num_heads, head_dim)
         k = k.reshape(t, num_kv_heads, head_dim)
-        v = v.reshape(t, num_kv_heads, head_dim)
+        v = v.reshape(t, num_kv_heads, v_dim)
         cos_table, sin_table = self.rope_rows(rope)
-        q = rope_and_store(q, k, v, cos_table, sin_table, self.positions, self.slot_mapping, k_cache, v_cache)
+        v_in, v_out = (v, v_cache) if v_dim else (None, None)
+        q = rope_and_store(
+            q, k, v_in, cos_table, sin_table, self.positions, self.slot_mapping, k_cache, v_out
+        )
         return q, k, v
 
     def attend(
         self, q, k, v, k_cache, v_cache, *, scale=None, window=None, sinks=None, value_dim=None
     ) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V come from the pool (the new tokens' are stored). scale,
-        window, sinks: as forward.ForwardMeta.attend. Raises NotImplementedError for value_dim
-        (multi-head latent attention, which `unsupported` keeps off this backend)."""
+        window, sinks: as forward.ForwardMeta.attend. value_dim: multi-head latent attention, out
+        [T, H, value_dim] (`attend_latent`)."""
         if value_dim is not None:
-            raise NotImplementedError("the Triton attention reads V from its own cache (no latent attention)")
+            return self.attend_latent(q, k_cache, scale, value_dim, window, sinks)
         extra = {}
         if window is not None:
             extra["window"] = window
@@ -228,6 +228,24 @@ class TritonAttentionMetadata:
             page_rows=self.page_rows,
             **extra,
         )
+
+    def attend_latent(self, q, k_cache, scale, value_dim: int, window=None, sinks=None) -> torch.Tensor:
+        """Multi-head latent attention (layers/mla.py) by kernels/mla_attention.py: q [T, H, D] over
+        the one-head rows k_cache [S, 1, D], the values their last value_dim features -> [T, H,
+        value_dim]; the split-K decode kernel for a decode batch, else its extend form (trees too).
+        Raises NotImplementedError for a window or sinks (no latent-attention model has them)."""
+        if window is not None or sinks is not None:
+            raise NotImplementedError("the Triton latent attention takes no window or sinks")
+        if self.is_decode:
+            return mla_decode(
+                q, k_cache, self.page_table, self.seq_lens, value_dim, sm_scale=scale,
+                num_splits=self.num_splits, page_rows=self.page_rows,
+            )  # fmt: skip
+        return mla_extend(
+            q, k_cache, self.q_starts, self.q_lens, self.prefix_lens, self.page_table, self.max_q_len,
+            value_dim, sm_scale=scale, page_rows=self.page_rows, tree_mask=self.tree_mask,
+            tree_offsets=self.tree_offsets, out=q.new_zeros(*q.shape[:2], value_dim),
+        )  # fmt: skip
 
 
 def build_triton_metadata(
