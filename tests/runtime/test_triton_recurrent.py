@@ -210,3 +210,48 @@ def test_the_plan_says_how_the_recurrent_layers_run(qwen3_next_dir, monkeypatch)
         how[1]
         == "attention triton; decode eager: CUDA graphs do not capture the recurrent layers' state updates"
     )
+
+
+@pytest.mark.slow
+def test_the_engine_on_triton_gives_the_torch_backends_tokens(qwen3_next_dir, monkeypatch):
+    """A hybrid model served on the Triton backend (interpreted: ~30 s): two prompts batched, one again
+    from the prefix cache (resumed from its snapshot at the prompt's last token but one), then with
+    16-token prefill chunks and speculation whose verify chunks keep 0, 1 or 2 draft tokens and
+    reject the rest (the proposer made to draft the torch run's tokens then a wrong one, as
+    test_hybrid_state does; the state rolled back through the per-token snapshots): the torch
+    backend's greedy tokens and cached counts each time."""
+    from agentrt.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+    from agentrt.runtime.engine import Engine
+    from agentrt.runtime.request import SamplingParams
+    from agentrt.speculative.ngram import NgramProposer
+
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (30, 33)]
+    stats = []
+
+    def run(backend, **kw):
+        model = ModelConfig(
+            model=str(qwen3_next_dir), device="cpu", dtype="float32", attention_backend=backend
+        )
+        cache = CacheConfig(kv_cache_bytes=16 << 20, state_snapshot_interval=16)
+        engine = Engine(EngineConfig(model=model, cache=cache, **kw))
+        params = SamplingParams(temperature=0, max_tokens=8, logit_bias={t: -100.0 for t in engine.stop_ids})
+        out = [o.token_ids for o in engine.generate([(ids, params, None) for ids in prompts])]
+        again = [(o.token_ids, o.num_cached_tokens) for o in engine.generate([(prompts[0], params, None)])]
+        stats.append(engine.stats)
+        return out, again
+
+    want = run("torch")
+    assert want[1][0][1] > 0  # the second time resumes from a snapshot
+    assert run("triton") == want
+    wrong = next(t for t in range(100, 200) if all(t not in out for out in want[0]))
+
+    def propose(self, token_ids, k=None):
+        i = 0 if token_ids[: len(prompts[0])] == prompts[0] else 1
+        m = len(token_ids) - len(prompts[i])
+        return (want[0][i][m : m + m % 3] + [wrong] * 3)[:k]
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3)
+    assert run("triton", scheduler=SchedulerConfig(max_num_batched_tokens=16), speculative=spec) == want
+    assert 0 < stats[-1].num_accepted_tokens < stats[-1].num_draft_tokens
