@@ -188,16 +188,19 @@ class RadixCache:
             depth -= len(n.key)
         return 0, None
 
-    def evict_states(self, num_states: int, on_evict: EvictHook | None = None) -> int:
-        """Drop up to `num_states` snapshots, least recently used first, keeping their KV; returns
-        how many were dropped (their slots go to `free_state`). `on_evict` sees each one before it
-        goes, as `evict` shows a leaf (start = the prefix's length: its KV stays)."""
+    def evict_states(
+        self, num_states: int, on_evict: EvictHook | None = None, keep: int | None = None
+    ) -> int:
+        """Drop up to `num_states` snapshots, least recently used first (those on locked paths last,
+        the snapshot in slot `keep` never), keeping their KV; returns how many were dropped (their
+        slots go to `free_state`). `on_evict` sees each one before it goes, as `evict` shows a leaf
+        (start = the prefix's length: its KV stays)."""
         nodes = []
         stack = [c for r in self._roots.values() for c in r.children.values()]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if n.state is not None:
+            if n.state is not None and n.state != keep:
                 nodes.append(n)
         nodes.sort(key=lambda n: (n.lock_ref > 0, n.last_access))
         for n in nodes[:num_states]:

@@ -158,8 +158,9 @@ class Scheduler:
     def _plan_snapshots(self, r: Request, context_len: int, n: int) -> tuple[tuple[int, int], ...]:
         """State snapshots a chunk of r takes (with the prefix cache on): at each multiple of the
         pool's snapshot_interval inside the chunk and at the prompt's last token but one (what a
-        request with the same prompt resumes from), each into a free state slot (a snapshot-only LRU
-        eviction makes one; none is taken when that fails). Not in a verify chunk (draft tokens)."""
+        request with the same prompt resumes from), each into a free state slot (a point without
+        one is skipped: stored snapshots are dropped, LRU, only to give a request its working
+        slot). Not in a verify chunk (draft tokens)."""
         if self.cache is None or r.spec.draft is not None:
             return ()
         every = self.states.snapshot_interval
@@ -168,9 +169,11 @@ class Scheduler:
             depths.add(r.num_prompt_tokens - 1)
         out = []
         for depth in sorted(d for d in depths if d > context_len):
-            slot = self._state_slot()
+            # free slots only: a prefill's snapshots never drop a stored one (another agent's end
+            # of turn, which it returns to), so one long prompt cannot wipe the others' prefixes
+            slot = self._state_slot(evict=False)
             if slot is None:
-                break
+                continue
             r.cache.snapshots.append((depth, slot))
             out.append((depth - context_len, slot))
         return tuple(out)
@@ -190,13 +193,24 @@ class Scheduler:
             r.cache.verify_states.append(slot)
         return True
 
-    def _state_slot(self) -> int | None:
-        """A free state slot, dropping the least recently used snapshot when none is free."""
+    def _state_slot(self, keep: int | None = None, evict: bool = True) -> int | None:
+        """A free state slot, dropping the least recently used snapshot (never the one in slot
+        `keep`) when none is free and `evict`."""
         slot = self.states.allocate()
         hook = self.tiers.on_evict if self.tiers is not None else None  # the snapshot goes down
-        if slot is None and self.cache is not None and self.cache.evict_states(1, hook):
+        if slot is None and evict and self.cache is not None and self.cache.evict_states(1, hook, keep):
             slot = self.states.allocate()
         return slot
+
+    def _resume_snapshot(self, r: Request) -> int | None:
+        """The slot of the snapshot r would resume from (the deepest one in its usable cached
+        prefix), or None: what making room for r's working slot must not drop."""
+        key = r.cached_key()
+        match = self.cache.match_prefix(key, r.cache_salt, split=True)
+        usable = self.kv.usable_prefix(match.slots)
+        if usable < len(match.slots):
+            match = self.cache.match_prefix(key[:usable], r.cache_salt, split=True)
+        return self.cache.deepest_state(match.node)[1]
 
     def _attach_snapshots(self, r: Request, upto: int) -> None:
         """Hand r's snapshots at depths <= upto (their tokens now in the tree) to the radix tree."""
@@ -245,7 +259,8 @@ class Scheduler:
         slot, a copy of the deepest snapshot of the prefix, which is cut there; False, r left
         waiting, when no state slot is free). (Memory is checked by _allocate.)"""
         if self.states is not None:
-            r.cache.state_slot = self._state_slot()
+            keep = self._resume_snapshot(r) if self.cache is not None else None
+            r.cache.state_slot = self._state_slot(keep)
             if r.cache.state_slot is None:
                 return False
         self.waiting.remove(r)

@@ -259,3 +259,53 @@ def test_a_decode_step_gives_the_same_logits_alone_and_batched(hybrid_dir):
                 pool.tensors[j][k].copy_(t)
         alone = decode([i])
         assert torch.equal(alone[0], batched[i]), f"sequence {i}'s logits differ batched"
+
+
+def test_qwen3_5_with_its_vision_tower_serves_its_text_model(tmp_path, default_model_dir):
+    """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: model.language_model.* and
+    the vision tower's model.visual.*): the text model loads, the tower is not read, and the logits
+    are transformers' own on text."""
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from agentrt.runtime.forward import SeqChunk
+    from agentrt.runtime.model_runner import ModelRunner
+    from tests.support.families import COMMON, HYBRID
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config(
+        text_config={**COMMON, **HYBRID},
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        },
+    )
+    hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    AutoTokenizer.from_pretrained(str(default_model_dir)).save_pretrained(str(tmp_path))
+    runner = ModelRunner(
+        ModelConfig(model=str(tmp_path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+    )
+    ids = _prompt(50, 30)
+    slots, state = runner.kv.allocate(30), runner.kv.states.allocate()
+    ours = runner.execute([SeqChunk(ids, 0, slots, num_logits=30, state_slot=state)])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_a_returning_agent_keeps_its_snapshot_on_a_tight_state_pool(hybrid_dir, reference):
+    """Three agents taking turns, one running at a time, 5 state slots: making room for a returning
+    agent's working slot must not drop the very snapshot it resumes from (the least recently used
+    one in round-robin traffic), so every returning turn hits its previous turn's end."""
+    engine = _engine(hybrid_dir, interval=1000, state_slots=5, scheduler=SchedulerConfig(max_num_seqs=1))
+    history = {a: _prompt(60 + a, 20) for a in range(3)}
+    for turn in range(3):
+        for a in range(3):
+            prompt = history[a]
+            (out,) = _run(engine, [prompt])
+            if turn:
+                assert out.num_cached_tokens >= len(prompt) - 9, f"agent {a} turn {turn}: no resume"
+            history[a] = prompt + out.token_ids + _prompt(100 + 10 * turn + a, 8)

@@ -32,7 +32,7 @@ PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 PACKED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 RECURRENT_MIXERS = {"gated_delta": GatedDeltaNet, "mamba2": Mamba2Mixer}
-SKIPPED = ("rotary_emb", "vision_tower", "multi_modal_projector", "vision_model")
+SKIPPED = ("rotary_emb", "vision_tower", "multi_modal_projector", "vision_model", "visual.", "mm_projector")
 
 
 class DecoderLayer(nn.Module):
