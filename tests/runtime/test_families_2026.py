@@ -109,3 +109,37 @@ def test_glm_multi_token_prediction_layer_is_skipped(dirs, tmp_path):
         )
         out.append(runner.execute([SeqChunk(ids, 0, runner.kv.allocate(len(ids)))]))
     assert torch.equal(out[0], out[1])
+
+
+def test_an_eos_id_outside_the_vocabulary_is_not_a_stop_id(dirs, tmp_path):
+    """MiniMax M2's config class defaults eos_token_id to 200020; a checkpoint whose tokenizer is
+    smaller keeps it in generation_config.json. It is not used as a stop id (a grammar matcher
+    refuses one past the vocabulary: every json_schema request failed with a 500), and check warns."""
+    import json
+    import shutil
+
+    from agentrt.runtime.models.loader import collect_stop_ids
+    from agentrt.runtime.models.registry import read_hf_config
+    from agentrt.runtime.request import SamplingParams
+
+    path = tmp_path / "m"
+    shutil.copytree(dirs["minimax_m2"], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 200020]}))
+    runner = ModelRunner(
+        ModelConfig(model=str(path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+    )
+    assert 200020 not in runner.stop_ids and 2 in runner.stop_ids
+    assert collect_stop_ids(runner.tokenizer, path, read_hf_config(path)) == runner.stop_ids
+    report = check_model(
+        str(path), max_model_len=100, kv_cache_bytes=1_000_000, device="cpu", dtype="float32"
+    )
+    assert "eos ids [200020]" in report.describe() and "outside the vocabulary" in report.describe()
+    from agentrt.grammars.spec import ConstraintSpec
+    from agentrt.runtime.engine import Engine
+
+    engine = Engine(runner=runner)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (out,) = engine.generate(
+        [(list(range(100, 120)), SamplingParams(max_tokens=20), ConstraintSpec.json_schema(schema))]
+    )
+    assert out.finish_reason != "error", out.error

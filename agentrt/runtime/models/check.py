@@ -377,11 +377,19 @@ def check_tokenizer(report: CheckReport, m: ModelFiles) -> None:
 def check_special_tokens(report: CheckReport, m: ModelFiles) -> None:
     """BOS, EOS and every stop id as serve collects them (loader.collect_stop_ids); a warning when
     there is no stop id. m.tokenizer must be loaded."""
-    from agentrt.runtime.models.loader import collect_stop_ids
+    from agentrt.runtime.models.loader import collect_stop_ids, out_of_vocab_stop_ids
 
     tok = m.tokenizer
     stop_dir = m.stop_dir or Path("/nonexistent")  # a GGUF's conversion reads no generation_config.json
     report.stop_ids = collect_stop_ids(tok, stop_dir, m.config) if m.config is not None else ()
+    outside = out_of_vocab_stop_ids(tok, stop_dir, m.config) if m.config is not None else ()
+    if outside:
+        report.add(
+            WARNING,
+            "special tokens",
+            f"eos ids {list(outside)} of the config / generation_config.json are outside the vocabulary: "
+            "not used as stop ids",
+        )
     report.bos_id, report.eos_id = tok.bos_token_id, tok.eos_token_id
 
     def name(i):

@@ -273,7 +273,31 @@ class LoadedTokenizer:
 
 
 def collect_stop_ids(tokenizer, model_dir: Path, hf_config) -> tuple[int, ...]:
-    """All end-of-generation token ids, deduplicated and sorted."""
+    """All end-of-generation token ids, deduplicated and sorted; ids outside the model's vocabulary
+    (a config's default eos id that the checkpoint's tokenizer does not have: a grammar matcher
+    refuses them) are left out (`out_of_vocab_stop_ids` names them)."""
+    vocab_size = _vocab_size(hf_config)
+    return tuple(
+        i for i in _all_stop_ids(tokenizer, model_dir, hf_config) if vocab_size is None or 0 <= i < vocab_size
+    )
+
+
+def out_of_vocab_stop_ids(tokenizer, model_dir: Path, hf_config) -> tuple[int, ...]:
+    """The end-of-generation ids of the config / generation_config.json that lie outside the model's
+    vocabulary (left out of collect_stop_ids)."""
+    vocab_size = _vocab_size(hf_config)
+    if vocab_size is None:
+        return ()
+    return tuple(i for i in _all_stop_ids(tokenizer, model_dir, hf_config) if not 0 <= i < vocab_size)
+
+
+def _vocab_size(hf_config) -> int | None:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _all_stop_ids(tokenizer, model_dir: Path, hf_config) -> tuple[int, ...]:
     ids: set[int] = set()
 
     def add(value) -> None:
