@@ -21,7 +21,7 @@ from agentrt.runtime.backends.compiled_decode import unsupported as compiled_uns
 from agentrt.runtime.config import CacheConfig, ModelConfig
 from agentrt.runtime.forward import TORCH_OPS, LayerOps
 from agentrt.runtime.kv_cache import kv_dtype_name, resolve_kv_dtype
-from agentrt.runtime.models.config import ModelArch
+from agentrt.runtime.models.config import ModelArch, default_max_model_len
 from agentrt.runtime.models.formats import four_bit_layers
 from agentrt.runtime.models.loader import resolve_device_dtype
 from agentrt.runtime.platform import (
@@ -199,7 +199,7 @@ def plan_run(
     dtype_reason = choose_dtype(device, model_config.dtype)[1]
     threads, threads_reason = choose_threads(model_config.threads)
     limit = arch.max_position_embeddings
-    max_model_len = model_config.max_model_len or limit
+    max_model_len = model_config.max_model_len or default_max_model_len(limit)
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit} tokens")
     backend, backend_reason = choose_attention_backend(

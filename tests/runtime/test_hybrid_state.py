@@ -309,3 +309,24 @@ def test_a_returning_agent_keeps_its_snapshot_on_a_tight_state_pool(hybrid_dir, 
             if turn:
                 assert out.num_cached_tokens >= len(prompt) - 9, f"agent {a} turn {turn}: no resume"
             history[a] = prompt + out.token_ids + _prompt(100 + 10 * turn + a, 8)
+
+
+def test_a_huge_context_limit_is_capped_without_max_model_len(tmp_path, default_model_dir):
+    """A config (or a lying GGUF header) with max_position_embeddings 4,000,000,000: without
+    --max-model-len the context is capped at DEFAULT_MAX_CONTEXT, so the RoPE tables stay small."""
+    import json
+    import shutil
+
+    from agentrt.runtime.model_runner import ModelRunner
+    from agentrt.runtime.models.config import DEFAULT_MAX_CONTEXT
+
+    path = tmp_path / "m"
+    shutil.copytree(save_family("qwen3", tmp_path / "q", default_model_dir), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4_000_000_000
+    (path / "config.json").write_text(json.dumps(cfg))
+    runner = ModelRunner(
+        ModelConfig(model=str(path), device="cpu", dtype="float32"), CacheConfig(kv_cache_bytes=8 << 20)
+    )
+    assert runner.max_model_len == DEFAULT_MAX_CONTEXT
+    assert runner.model.rope_cos.shape[0] <= DEFAULT_MAX_CONTEXT + 64

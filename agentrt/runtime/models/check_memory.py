@@ -7,6 +7,7 @@ windowed models)."""
 from __future__ import annotations
 
 from agentrt.runtime.models.check_report import ERROR, OK, WARNING, Capacity, CheckReport, KVEstimate
+from agentrt.runtime.models.config import default_max_model_len
 
 
 def kv_estimate(arch, dtype) -> KVEstimate:
@@ -70,7 +71,7 @@ def check_memory(report: CheckReport, arch, tensors: dict, options: dict) -> Non
         )
         return
     limit = arch.max_position_embeddings
-    n = options["max_model_len"] or limit
+    n = options["max_model_len"] or default_max_model_len(limit)
     if not 1 <= n <= limit:
         report.add(ERROR, "capacity", f"max_model_len={n} is outside the model's limit of 1..{limit} tokens")
         return

@@ -27,6 +27,17 @@ CONFIG_COUNTS = (
 before any check of ours: `num_attention_heads: 0` is a ZeroDivisionError inside its config class)."""
 
 
+DEFAULT_MAX_CONTEXT = 1 << 20
+"""Without --max-model-len the context is the model's limit up to this many tokens: the RoPE tables
+(and a KV budget's sequences) are sized by it, and a config's limit is the checkpoint's word (a
+lying GGUF header's 4,000,000,000 took 12.5 GB before the process was killed)."""
+
+
+def default_max_model_len(limit: int) -> int:
+    """The context without --max-model-len: the model's limit, at most DEFAULT_MAX_CONTEXT tokens."""
+    return min(limit, DEFAULT_MAX_CONTEXT)
+
+
 def check_config_counts(raw: object) -> None:
     """Raises ValueError naming the first count of CONFIG_COUNTS in config.json's object `raw` (or
     its `text_config`) that is not a positive integer (null is left to the family's default)."""
