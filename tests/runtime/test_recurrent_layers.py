@@ -300,3 +300,19 @@ def test_chunked_forms_precise_under_strong_decay(log_decay):
     got = ssd_chunked(x, dt, a, b, c, state)
     assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
     torch.testing.assert_close(state.double(), want_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "build,field",
+    [
+        (lambda: GatedDeltaNet(64, 0, 4, 8, 8), "linear_num_key_heads"),
+        (lambda: GatedDeltaNet(64, 2, -4, 8, 8), "linear_num_value_heads"),
+        (lambda: GatedDeltaNet(64, 2, 4, 8, 8, conv_kernel=0), "linear_conv_kernel_dim"),
+        (lambda: Mamba2Mixer(64, 4, 16, 8, n_groups=0), "n_groups"),
+        (lambda: Mamba2Mixer(64, 0, 16, 8), "mamba num_heads"),
+    ],
+)
+def test_a_count_that_is_not_positive_is_a_config_error(build, field):
+    """(adversary finding: 0 was a ZeroDivisionError traceback from serve and check)"""
+    with pytest.raises(ValueError, match=f"config {field} must be a positive integer"):
+        build()

@@ -174,6 +174,15 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = CHUNK_SIZE,
     ):
         super().__init__()
+        for name, value in (
+            ("linear_num_key_heads", num_k_heads),
+            ("linear_num_value_heads", num_v_heads),
+            ("linear_key_head_dim", head_k_dim),
+            ("linear_value_head_dim", head_v_dim),
+            ("linear_conv_kernel_dim", conv_kernel),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
         if num_v_heads % num_k_heads:
             raise ValueError(
                 f"linear_num_value_heads {num_v_heads} is not a multiple of linear_num_key_heads {num_k_heads}"

@@ -159,6 +159,15 @@ class Mamba2Mixer(nn.Module):
         chunk_size: int = CHUNK_SIZE,
     ):
         super().__init__()
+        for name, value in (
+            ("mamba num_heads", num_heads),
+            ("mamba head_dim", head_dim),
+            ("ssm_state_size", state_size),
+            ("n_groups", n_groups),
+            ("conv_kernel", conv_kernel),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
         if num_heads % n_groups:
             raise ValueError(f"mamba num_heads {num_heads} is not a multiple of n_groups {n_groups}")
         if activation not in ("silu", "swish"):
