@@ -410,11 +410,13 @@ def add_run_plan_args(p: argparse.ArgumentParser) -> None:
     """Registers the flags that decide serve's RunPlan (runtime/run_plan.plan_run) that `p` has not
     registered yet, as serve takes them (names, defaults, help): --device, --dtype, --quantization, the
     model-run flags (--quant-group-size, --quantize-lm-head, --threads, --max-model-len),
-    --kv-cache-dtype and the forward flags (--attention-backend, --enforce-eager, --compile,
-    --linear-kernel, --deterministic). `agentrt check` takes them to print the plan serve would take;
-    a flag `p` has already (its own --device, say) is kept as it is."""
+    --kv-cache-dtype, the hybrid models' --state-slots / --state-snapshot-interval (the capacity they
+    leave) and the forward flags (--attention-backend, --enforce-eager, --compile, --linear-kernel,
+    --deterministic). `agentrt check` takes them to print the plan serve would take; a flag `p` has
+    already (its own --device, say) is kept as it is."""
     plan = [o for o in _MODEL if o.flags[0] in ("--device", "--dtype", "--quantization")]
-    plan += [*_MODEL_RUN, *(o for o in _KV_POOL if o.flags[0] == "--kv-cache-dtype"), *_FORWARD]
+    pool = ("--kv-cache-dtype", "--state-slots", "--state-snapshot-interval")
+    plan += [*_MODEL_RUN, *(o for o in _KV_POOL if o.flags[0] in pool), *_FORWARD]
     for option in plan:
         try:
             p.add_argument(*option.flags, **option.kwargs)

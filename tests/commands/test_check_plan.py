@@ -30,6 +30,8 @@ PLAN_FLAGS = [  # every flag plan_run reads, each away from its default
     ["--threads", "1"],
     ["--max-model-len", "512"],
     ["--kv-cache-dtype", "float16"],
+    ["--state-slots", "96"],
+    ["--state-snapshot-interval", "64"],
     ["--attention-backend", "torch"],
     ["--enforce-eager"],
     ["--compile"],
