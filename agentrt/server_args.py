@@ -183,10 +183,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reasoning-format",
         default="auto",
-        choices=["auto", "none", "think", "magistral", "harmony", "deepseek_r1", "qwen3", "glm45", "minimax"],
+        choices=[
+            "auto",
+            "none",
+            "think",
+            "magistral",
+            "harmony",
+            "gemma4",
+            "deepseek_r1",
+            "qwen3",
+            "glm45",
+            "minimax",
+        ],
         help="how the model writes its reasoning (default: read from its chat template: <think> "
-        "blocks for Qwen3, QwQ, DeepSeek-R1/V3.1+, GLM, MiniMax, SmolLM3; [THINK] for Magistral; "
-        "the analysis channel for gpt-oss's Harmony); "
+        "blocks for Qwen3, Qwen3.5, QwQ, DeepSeek-R1/V3.1+, Kimi K2, GLM, MiniMax, SmolLM3, Nemotron; "
+        "[THINK] for Magistral; the analysis channel for gpt-oss's Harmony; Gemma 4's thought "
+        "channel); "
         "the reasoning goes to reasoning_content and constraints apply to the answer after it",
     )
     p.add_argument(

@@ -143,3 +143,16 @@ def test_an_eos_id_outside_the_vocabulary_is_not_a_stop_id(dirs, tmp_path):
         [(list(range(100, 120)), SamplingParams(max_tokens=20), ConstraintSpec.json_schema(schema))]
     )
     assert out.finish_reason != "error", out.error
+
+
+def test_the_gemma4_reasoning_format_can_be_named():
+    """--reasoning-format gemma4 overrides the template's detection like the other formats."""
+    import argparse
+
+    from agentrt.grammars.reasoning import reasoning_format
+    from agentrt.server_args import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_known_args(["--reasoning-format", "gemma4"])[0].reasoning_format == "gemma4"
+    assert reasoning_format("gemma4") is REASONING_FORMATS["gemma4"]
