@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def causal_conv_segment(
@@ -45,3 +46,30 @@ def causal_conv_step(
     if weight.shape[1] > 1:
         conv_state.copy_(torch.cat([conv_state[..., 1:], xt[..., None].to(conv_state.dtype)], dim=-1))
     return out
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent token mixer (layers/gated_delta.py, layers/mamba2.py) in three stages, so that a
+    batch of sequences projects and finishes its rows in one call each and only the scan runs per
+    sequence (runtime/recurrent_state.run_recurrent): `project(x [T, hidden]) -> rows`;
+    `scan(rows of n consecutive tokens of one sequence, conv_state, recurrent_state, fresh) -> core
+    [n, ...]` float32, the states updated in place (read as zeros when `fresh`); `scan_decode(rows of
+    B sequences' one token, conv_states [B, ...], recurrent_states [B, ...]) -> core [B, ...]`;
+    `finish(core [T, ...], rows, dtype) -> [T, hidden]`."""
+
+    def forward_segment(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
+    ) -> torch.Tensor:
+        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype (`scan`'s
+        states and rules); a sequence split into any segments gives the outputs of one segment
+        within float32 rounding."""
+        rows = self.project(x)
+        return self.finish(self.scan(rows, conv_state, recurrent_state, fresh), rows, x.dtype)
+
+    def forward_decode(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> torch.Tensor:
+        """One token of each of B sequences: x [B, hidden] and the B sequences' states (updated in
+        place) -> [B, hidden]."""
+        rows = self.project(x)
+        return self.finish(self.scan_decode(rows, conv_state, recurrent_state), rows, x.dtype)

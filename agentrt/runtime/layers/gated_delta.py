@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrt.runtime.layers.causal_conv import causal_conv_segment, causal_conv_step
+from agentrt.runtime.layers.causal_conv import RecurrentMixer, causal_conv_segment, causal_conv_step
 
 CHUNK_SIZE = 64
 
@@ -145,7 +145,7 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """The Gated DeltaNet mixer of one decoder layer, parameters named as the checkpoints name them
     (`linear_attn.` + `in_proj_qkvz.weight`, `in_proj_ba.weight` for Qwen3-Next; `in_proj_qkv`,
     `in_proj_z`, `in_proj_b`, `in_proj_a` for Qwen3.5 (`split_projections=True`); `conv1d.weight`
@@ -318,20 +318,3 @@ class GatedDeltaNet(nn.Module):
     def finish(self, core: torch.Tensor, rows, dtype: torch.dtype) -> torch.Tensor:
         """core [T, Hv, Dv] float32 and the rows it came from -> [T, hidden] in `dtype`."""
         return self._output(core, rows[1], dtype)
-
-    def forward_segment(
-        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
-    ) -> torch.Tensor:
-        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype (`scan`'s
-        states and rules); a sequence split into any segments gives the outputs of one segment
-        within float32 rounding."""
-        rows = self.project(x)
-        return self.finish(self.scan(rows, conv_state, recurrent_state, fresh), rows, x.dtype)
-
-    def forward_decode(
-        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> torch.Tensor:
-        """One token of each of B sequences: x [B, hidden], conv_state [B, conv_dim, K-1],
-        recurrent_state [B, Hv, Dk, Dv] (float32, updated in place) -> [B, hidden]."""
-        rows = self.project(x)
-        return self.finish(self.scan_decode(rows, conv_state, recurrent_state), rows, x.dtype)

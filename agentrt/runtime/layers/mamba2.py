@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrt.runtime.layers.causal_conv import causal_conv_segment, causal_conv_step
+from agentrt.runtime.layers.causal_conv import RecurrentMixer, causal_conv_segment, causal_conv_step
 
 CHUNK_SIZE = 64
 
@@ -131,7 +131,7 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """The Mamba-2 mixer of one decoder layer, parameters named as the checkpoints name them (`mixer.`
     + `in_proj.weight` [I + conv_dim + H, hidden] (+ `.bias`), `conv1d.weight` [conv_dim, 1, K]
     (+ `.bias`), `dt_bias`, `A_log`, `D` [H], `norm.weight` [I], `out_proj.weight` (+ `.bias`)).
@@ -291,20 +291,3 @@ class Mamba2Mixer(nn.Module):
         """core [T, H, P] float32 and the rows it came from -> [T, hidden] in `dtype` (gated norm, out_proj)."""
         y = self.norm(core.to(dtype).reshape(core.shape[0], self.intermediate), rows[0])
         return self.out_proj(y)
-
-    def forward_segment(
-        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, fresh: bool
-    ) -> torch.Tensor:
-        """x [n, hidden]: n consecutive tokens of one sequence -> [n, hidden] in x's dtype (`scan`'s
-        states and rules); a sequence split into any segments gives the outputs of one segment
-        within float32 rounding."""
-        rows = self.project(x)
-        return self.finish(self.scan(rows, conv_state, recurrent_state, fresh), rows, x.dtype)
-
-    def forward_decode(
-        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> torch.Tensor:
-        """One token of each of B sequences: x [B, hidden], conv_state [B, conv_dim, K-1],
-        recurrent_state [B, H, P, N] (float32, updated in place) -> [B, hidden]."""
-        rows = self.project(x)
-        return self.finish(self.scan_decode(rows, conv_state, recurrent_state), rows, x.dtype)
